@@ -1,0 +1,154 @@
+"""Configuration dataclasses for the loss ops.
+
+Each field documents what it does and where it comes from. ``PolicyLossConfig.preset``
+gives the published settings of the common algorithms; any field can be overridden.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from dataclasses import dataclass
+from typing import Literal
+
+from fastrl._checks import check_choice, check_scalar
+
+RatioLevel = Literal["token", "sequence"]
+KLEstimator = Literal["k1", "k2", "k3"]
+LossAgg = Literal["token-mean", "seq-mean-token-mean", "seq-mean-token-sum", "seq-mean-token-sum-norm"]
+
+RATIO_LEVELS = ("token", "sequence")
+KL_ESTIMATORS = ("k1", "k2", "k3")
+LOSS_AGGS = ("token-mean", "seq-mean-token-mean", "seq-mean-token-sum", "seq-mean-token-sum-norm")
+IS_LEVELS = ("token", "sequence")
+
+
+@dataclass(frozen=True)
+class PolicyLossConfig:
+    """Settings of the clipped policy-gradient loss (``fastrl.ops.policy_loss``).
+
+    Per token (masked-in tokens only), with ``log_ratio = logp - old_logp``:
+
+        ratio      = exp(log_ratio)                        (ratio_level="token")
+                   = exp(masked_mean_t(log_ratio)) per row  (ratio_level="sequence")
+        pg         = max(-A * ratio, -A * clip(ratio, 1 - clip_low, 1 + clip_high))
+        pg         = min(pg, -A * dual_clip)               where A < 0, if dual_clip is set
+        pg         = pg * is_weight                        if rollout_logp is given
+        loss_t     = pg + kl_coef * KL_t(logp, ref_logp) - entropy_coef * entropy_t
+
+    and the loss is ``loss_t`` aggregated by ``loss_agg``.
+    """
+
+    ratio_level: RatioLevel = "token"
+    """``token``: one importance ratio per token (PPO, Schulman et al. 2017). ``sequence``:
+    GSPO (Zheng et al. 2025, arXiv:2507.18071): the ratio of a row is
+    exp(masked mean of the token log-ratios), shared by its tokens, with the gradient
+    flowing through the mean."""
+
+    clip_low: float = 0.2
+    """Lower clip range epsilon_low: ratios below 1 - clip_low stop contributing gradient
+    when the advantage is negative (PPO, arXiv:1707.06347)."""
+
+    clip_high: float = 0.2
+    """Upper clip range epsilon_high. DAPO's clip-higher (Yu et al. 2025, arXiv:2503.14476)
+    sets it above clip_low (0.28) to keep exploration tokens from being clipped."""
+
+    dual_clip: float | None = None
+    """Dual-clip constant c > 1 (Ye et al. 2020, arXiv:1912.09729): for negative
+    advantages the per-token loss is capped at -c * A, bounding the update from tokens
+    whose ratio has grown far above 1. ``None`` disables it."""
+
+    log_ratio_clamp: float | None = None
+    """If set, ``logp - old_logp`` is clamped to [-c, c] before exp (verl uses 20) so a
+    stale or corrupted old_logp cannot overflow the ratio. Clamped tokens get no gradient
+    through the ratio. ``None`` (the default) applies the formula as written."""
+
+    kl_coef: float = 0.0
+    """Weight beta of the token-level KL penalty to the reference policy (needs ``ref_logp``).
+    GRPO (Shao et al. 2024, arXiv:2402.03300) uses 0.04 with the k3 estimator."""
+
+    kl_estimator: KLEstimator = "k3"
+    """Estimator of KL(pi || pi_ref) from samples of pi (Schulman, "Approximating KL
+    divergence", 2020), with d = ref_logp - logp: k1 = -d, k2 = d^2 / 2,
+    k3 = exp(d) - d - 1 (unbiased and non-negative; GRPO's choice)."""
+
+    kl_clamp: float | None = None
+    """If set, the per-token KL estimate is clamped to [-c, c] (verl clamps its
+    low-variance k3 to [-10, 10]). ``None`` leaves it unclamped."""
+
+    entropy_coef: float = 0.0
+    """Weight of the entropy bonus: ``entropy_coef * entropy_t`` is subtracted from each
+    token's loss (needs the per-token ``entropy`` tensor)."""
+
+    is_cap: float | None = None
+    """Truncated importance sampling for rollout/trainer mismatch (Yao et al. 2025, "Your
+    efficient RL framework secretly brings you off-policy RL training"): when
+    ``rollout_logp`` (the sampler's log-probs) is given, the policy-gradient term is
+    weighted by min(exp(old_logp - rollout_logp), is_cap), without gradient. ``None``
+    means no truncation."""
+
+    is_level: Literal["token", "sequence"] = "token"
+    """``token``: one weight per token. ``sequence``: one weight per row,
+    exp(sum of the masked token log-differences), truncated at ``is_cap``."""
+
+    loss_agg: LossAgg = "token-mean"
+    """How per-token losses become one number:
+
+    - ``token-mean``: sum over all masked-in tokens / their count (DAPO; TRL's bnpo).
+    - ``seq-mean-token-mean``: mean over tokens in each row, then mean over rows
+      (the original GRPO objective).
+    - ``seq-mean-token-sum``: sum over tokens in each row, then mean over rows.
+    - ``seq-mean-token-sum-norm``: sum over tokens in each row / ``norm_length``, then
+      mean over rows (Dr. GRPO, Liu et al. 2025, arXiv:2503.20783: a constant
+      normaliser removes the length bias).
+
+    Row means count only rows with at least one masked-in token. ``policy_loss``'s
+    ``global_token_count`` / ``global_seq_count`` replace the local denominators so
+    that micro-batches and data-parallel ranks add up to the loss of one big batch.
+    """
+
+    norm_length: float | None = None
+    """The constant of ``seq-mean-token-sum-norm`` (Dr. GRPO uses the maximum
+    completion length). ``None`` means the padded length T of the batch."""
+
+    def __post_init__(self) -> None:
+        check_choice("ratio_level", self.ratio_level, RATIO_LEVELS)
+        check_scalar("clip_low", self.clip_low, low=0.0, high=1.0, high_inclusive=False)
+        check_scalar("clip_high", self.clip_high, low=0.0)
+        check_scalar("dual_clip", self.dual_clip, low=1.0, low_inclusive=False, allow_none=True)
+        check_scalar("log_ratio_clamp", self.log_ratio_clamp, low=0.0, low_inclusive=False, allow_none=True)
+        check_scalar("kl_coef", self.kl_coef)
+        check_choice("kl_estimator", self.kl_estimator, KL_ESTIMATORS)
+        check_scalar("kl_clamp", self.kl_clamp, low=0.0, low_inclusive=False, allow_none=True)
+        check_scalar("entropy_coef", self.entropy_coef)
+        check_scalar("is_cap", self.is_cap, low=0.0, low_inclusive=False, allow_none=True)
+        check_choice("is_level", self.is_level, IS_LEVELS)
+        check_choice("loss_agg", self.loss_agg, LOSS_AGGS)
+        check_scalar("norm_length", self.norm_length, low=0.0, low_inclusive=False, allow_none=True)
+
+    def replace(self, **changes: object) -> "PolicyLossConfig":
+        return dataclasses.replace(self, **changes)
+
+    @classmethod
+    def preset(cls, name: str, **overrides: object) -> "PolicyLossConfig":
+        """The published settings of a known algorithm, with optional overrides.
+
+        - ``ppo``: PPO-clip, epsilon 0.2, token-mean (Schulman et al. 2017, arXiv:1707.06347).
+        - ``grpo``: epsilon 0.2, k3 KL to the reference with beta 0.04, per-sequence
+          token mean (Shao et al. 2024, DeepSeekMath, arXiv:2402.03300).
+        - ``dapo``: clip-higher (0.2, 0.28), token-mean, no KL (Yu et al. 2025, arXiv:2503.14476).
+        - ``dr_grpo``: epsilon 0.2, no KL, token sum / constant (Liu et al. 2025, arXiv:2503.20783);
+          pair it with ``group_advantages(mode="dr_grpo")`` (no std division).
+        - ``gspo``: sequence-level ratio, clip (3e-4, 4e-4), per-sequence token mean
+          (Zheng et al. 2025, arXiv:2507.18071).
+        """
+        check_choice("preset", name, tuple(_PRESETS))
+        return cls(**{**_PRESETS[name], **overrides})
+
+
+_PRESETS: dict[str, dict[str, object]] = {
+    "ppo": dict(clip_low=0.2, clip_high=0.2, loss_agg="token-mean"),
+    "grpo": dict(clip_low=0.2, clip_high=0.2, kl_coef=0.04, kl_estimator="k3", loss_agg="seq-mean-token-mean"),
+    "dapo": dict(clip_low=0.2, clip_high=0.28, kl_coef=0.0, loss_agg="token-mean"),
+    "dr_grpo": dict(clip_low=0.2, clip_high=0.2, kl_coef=0.0, loss_agg="seq-mean-token-sum-norm"),
+    "gspo": dict(ratio_level="sequence", clip_low=3e-4, clip_high=4e-4, loss_agg="seq-mean-token-mean"),
+}

@@ -1,0 +1,1 @@
+"""Adapters that let other trainers (TRL, verl, OpenRLHF) use fastrl's ops."""

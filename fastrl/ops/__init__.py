@@ -1,0 +1,7 @@
+"""Public differentiable ops: validation, autograd and backend dispatch.
+
+Each op takes ``backend="auto" | "triton" | "torch"``: auto runs the Triton kernel on
+CUDA tensors and the PyTorch path otherwise.
+"""
+
+__all__ = []

@@ -1,0 +1,1 @@
+"""Group samplers that encode each prompt once and share its KV cache across the group."""
