@@ -1,0 +1,145 @@
+"""Types shared by every group sampler: the sampling settings, the batch a rollout
+returns, and the ``GroupSampler`` protocol."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Iterable, Protocol, runtime_checkable
+
+import torch
+
+from fastrl._checks import check_scalar
+
+
+@dataclass(frozen=True)
+class SamplingConfig:
+    """How completions are sampled.
+
+    The sampled tokens' log-probs (``RolloutBatch.sampler_logp``) are those of the
+    distribution actually sampled from: logits / temperature, after top-k and top-p
+    filtering (renormalised over the kept tokens).
+    """
+
+    temperature: float = 1.0
+    """Softmax temperature, > 0."""
+    top_p: float = 1.0
+    """Nucleus sampling: keep the smallest set of tokens whose probability reaches top_p (0 < top_p <= 1)."""
+    top_k: int = 0
+    """Keep only the k most likely tokens; 0 keeps all."""
+    max_new_tokens: int = 64
+    """Upper bound on completion length, >= 1."""
+    stop_token_ids: tuple[int, ...] = ()
+    """Tokens that end a completion (included in it). The sampler adds the model's eos."""
+    seed: int | None = None
+    """Seed for reproducible sampling; None draws from the global generator."""
+    greedy: bool = False
+    """Take the argmax instead of sampling (sampler_logp is then that of the tempered distribution)."""
+
+    def __post_init__(self) -> None:
+        check_scalar("temperature", self.temperature, low=0.0, low_inclusive=False)
+        check_scalar("top_p", self.top_p, low=0.0, high=1.0, low_inclusive=False)
+        if not isinstance(self.top_k, int) or self.top_k < 0:
+            raise ValueError(f"top_k must be an int >= 0, got {self.top_k!r}")
+        if not isinstance(self.max_new_tokens, int) or self.max_new_tokens < 1:
+            raise ValueError(f"max_new_tokens must be an int >= 1, got {self.max_new_tokens!r}")
+        object.__setattr__(self, "stop_token_ids", tuple(int(t) for t in self.stop_token_ids))
+
+
+@dataclass
+class RolloutStats:
+    prompts: int = 0
+    samples: int = 0
+    prefill_tokens_computed: int = 0
+    """Prompt tokens run through the model (shared prefixes count once)."""
+    prefix_tokens_reused: int = 0
+    """Prompt tokens a sample did not recompute because it shares its group's prefix."""
+    generated_tokens: int = 0
+    peak_kv_cache_bytes: int = 0
+    seconds: float = 0.0
+    prefix_cache_hit_rate: float | None = None
+    """vLLM: hits / queries of its prefix cache during this call."""
+
+
+@dataclass
+class RolloutBatch:
+    """G completions per prompt, flat in group order (prompt 0's G samples first).
+
+    ``input_ids``/``attention_mask``/``response_mask``/``sampler_logp`` are ``[B, T]``
+    right-padded (prompt then completion), ready for the training forward:
+    ``response_mask`` marks completion tokens and ``sampler_logp[b, t]`` is the sampler's
+    log-prob of ``input_ids[b, t]`` at completion positions (0 elsewhere).
+    """
+
+    prompt_ids: list[list[int]]
+    completion_ids: list[list[int]]
+    group_ids: torch.Tensor  # [B] int64: index of the prompt each sample belongs to
+    finish_reasons: list[str]  # "stop" (a stop token was sampled) or "length"
+    completion_logp: list[torch.Tensor]  # per sample, [len(completion)] fp32
+    input_ids: torch.Tensor
+    attention_mask: torch.Tensor
+    response_mask: torch.Tensor
+    sampler_logp: torch.Tensor
+    stats: RolloutStats = field(default_factory=RolloutStats)
+
+
+@runtime_checkable
+class GroupSampler(Protocol):
+    def generate(self, prompts: list[list[int]], *, group_size: int, sampling: SamplingConfig) -> RolloutBatch: ...
+
+    def update_weights(self, named_tensors: Iterable[tuple[str, torch.Tensor]]) -> None: ...
+
+
+def validate_prompts(prompts: object, *, group_size: object, vocab_size: int, max_length: int | None, max_new_tokens: int) -> list[list[int]]:
+    """Reject bad requests before any work starts (ValueError naming what is wrong)."""
+    if not isinstance(group_size, int) or isinstance(group_size, bool) or group_size < 1:
+        raise ValueError(f"group_size must be an int >= 1, got {group_size!r}")
+    if not isinstance(prompts, (list, tuple)) or len(prompts) == 0:
+        raise ValueError("prompts must be a non-empty list of token-id lists")
+    out = []
+    for i, p in enumerate(prompts):
+        ids = [int(t) for t in p]
+        if len(ids) == 0:
+            raise ValueError(f"prompts[{i}] is empty")
+        bad = [t for t in ids if t < 0 or t >= vocab_size]
+        if bad:
+            raise ValueError(f"prompts[{i}] has token ids outside the vocabulary [0, {vocab_size}): {bad[:5]}")
+        if max_length is not None and len(ids) + max_new_tokens > max_length:
+            raise ValueError(
+                f"prompts[{i}] has {len(ids)} tokens; with max_new_tokens={max_new_tokens} it exceeds the model's "
+                f"maximum length {max_length}"
+            )
+        out.append(ids)
+    return out
+
+
+def pack_batch(
+    prompt_ids: list[list[int]],
+    completion_ids: list[list[int]],
+    completion_logp: list[torch.Tensor],
+    group_size: int,
+    pad_token_id: int,
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
+    """Right-padded ``[B, T]`` training tensors from per-sample prompts and completions.
+
+    ``prompt_ids`` has one entry per prompt; sample ``b`` belongs to prompt ``b // group_size``.
+    Returns input_ids, attention_mask, response_mask, sampler_logp, group_ids.
+    """
+    B = len(completion_ids)
+    lengths = [len(prompt_ids[b // group_size]) + len(completion_ids[b]) for b in range(B)]
+    T = max(lengths)
+    input_ids = torch.full((B, T), pad_token_id, dtype=torch.long)
+    attention_mask = torch.zeros(B, T, dtype=torch.long)
+    response_mask = torch.zeros(B, T, dtype=torch.long)
+    sampler_logp = torch.zeros(B, T, dtype=torch.float32)
+    for b in range(B):
+        p = prompt_ids[b // group_size]
+        c = completion_ids[b]
+        n = len(p) + len(c)
+        input_ids[b, : len(p)] = torch.tensor(p, dtype=torch.long)
+        if c:
+            input_ids[b, len(p) : n] = torch.tensor(c, dtype=torch.long)
+            response_mask[b, len(p) : n] = 1
+            sampler_logp[b, len(p) : n] = completion_logp[b].float()
+        attention_mask[b, :n] = 1
+    group_ids = torch.arange(len(prompt_ids)).repeat_interleave(group_size)
+    return input_ids, attention_mask, response_mask, sampler_logp, group_ids
