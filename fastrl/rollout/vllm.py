@@ -95,6 +95,10 @@ class VLLMGroupSampler:
         enable_prefix_caching: share KV blocks of common prefixes (keep on; off only to
             measure the baseline).
         seed: engine seed (used for requests whose ``SamplingConfig.seed`` is None).
+            ``SamplingConfig.seed = s`` gives prompt i's sample j the vLLM seed
+            ``s + i * G + j``. On CPU the engine is built with chunked prefill off (see
+            the note in ``__init__``); an existing CPU engine with chunked prefill on
+            rejects seeded sampling.
         **llm_kwargs: passed to ``vllm.LLM``.
 
     ``RolloutStats`` from vLLM's counters (deltas over the call): ``prefill_tokens_computed``
@@ -145,6 +149,11 @@ class VLLMGroupSampler:
                 logits_processors=[GREEDY_PROCESSOR],
                 worker_extension_cls=WORKER_EXTENSION,
             )
+            if _on_cpu():
+                # vLLM rewinds a seeded request's generator after a partial (chunked)
+                # prefill with CUDA-only generator offsets; on CPU that raises
+                # "CPU Generator does not use offset". Whole-prompt prefills avoid it.
+                kwargs["enable_chunked_prefill"] = False
             kwargs.update(llm_kwargs)
             self.llm = vllm.LLM(**kwargs)
             self._owns_engine = True
@@ -165,6 +174,7 @@ class VLLMGroupSampler:
         ext = self.llm.llm_engine.vllm_config.parallel_config.worker_extension_cls
         self._has_extension = ext == WORKER_EXTENSION
         self._in_process = type(engine.engine_core).__name__ == "InprocClient"
+        self._seeded_ok = not (_on_cpu() and engine.vllm_config.scheduler_config.enable_chunked_prefill)
         hf = mc.hf_config
         self.vocab_size: int = mc.get_vocab_size()
         self.max_model_len: int = mc.max_model_len
@@ -240,6 +250,11 @@ class VLLMGroupSampler:
             raise ValueError(
                 "greedy sampling with temperature != 1 or top-k/top-p needs an engine built with "
                 "logits_processors=[fastrl.rollout._vllm_ext.GREEDY_PROCESSOR] (VLLMGroupSampler(path) does this)"
+            )
+        if sampling.seed is not None and not sampling.greedy and not self._seeded_ok:
+            raise ValueError(
+                "seeded sampling on a CPU vLLM engine needs enable_chunked_prefill=False "
+                "(vLLM cannot rewind a CPU generator after a partial prefill)"
             )
         from vllm.inputs import TokensPrompt
 
@@ -337,6 +352,12 @@ class VLLMGroupSampler:
         if self._owns_engine and self.llm is not None:
             self.llm.llm_engine.engine_core.shutdown()
             self.llm = None  # type: ignore[assignment]
+
+
+def _on_cpu() -> bool:
+    from vllm.platforms import current_platform
+
+    return current_platform.is_cpu()
 
 
 def _reload_in_process(worker: Any, named: list[tuple[str, torch.Tensor]]) -> None:

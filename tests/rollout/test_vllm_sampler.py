@@ -68,7 +68,10 @@ def sampler(models):
     path, _, _ = models
     set_threads, threads = torch.set_num_threads, torch.get_num_threads()
     affinity = os.sched_getaffinity(0) if hasattr(os, "sched_getaffinity") else None
-    s = VLLMGroupSampler(path, block_size=BLOCK, max_model_len=MAX_LEN, kv_cache_memory_bytes=32 << 20)
+    # A small token budget per step: batches below overflow it (see test_seeded_batch_over_token_budget).
+    s = VLLMGroupSampler(
+        path, block_size=BLOCK, max_model_len=MAX_LEN, kv_cache_memory_bytes=32 << 20, max_num_batched_tokens=512
+    )
     yield s
     s.close()
     torch.set_num_threads = set_threads
@@ -205,6 +208,17 @@ def test_seed_reproducible_and_stop_tokens(sampler, models):
     assert out.finish_reasons == ["stop"]
 
 
+def test_seeded_batch_over_token_budget(sampler):
+    """More prompt tokens than one engine step takes (512), with a seed. With chunked
+    prefill (vLLM's default) this crashed on CPU: "CPU Generator does not use offset"."""
+    assert not sampler.llm.llm_engine.vllm_config.scheduler_config.enable_chunked_prefill
+    prompts = _prompts((200, 200, 200, 200), seed=8)
+    cfg = SamplingConfig(max_new_tokens=4, seed=5)
+    a = sampler.generate(prompts, group_size=4, sampling=cfg)
+    b = sampler.generate(prompts, group_size=4, sampling=cfg)
+    assert len(a.completion_ids) == 16 and a.completion_ids == b.completion_ids
+
+
 def test_prefix_cache_shared_within_group(sampler):
     # A fresh prefix (never seen by the engine) of 3 full blocks + 5 tokens, G = 8.
     P, G = 3 * BLOCK + 5, 8
@@ -219,8 +233,13 @@ def test_prefix_cache_shared_within_group(sampler):
     assert st.seconds > 0
 
 
-def test_update_weights_then_outputs_follow_new_model(sampler, models):
+@pytest.mark.parametrize("route", ["in_process", "worker_extension"])
+def test_update_weights_then_outputs_follow_new_model(sampler, models, monkeypatch, route):
+    """``worker_extension`` sends the weights as bytes to the worker extension method that a
+    multiprocess engine uses (the in-process engine has the extension installed too)."""
     path, hf_old, hf_new = models
+    if route == "worker_extension":
+        monkeypatch.setattr(sampler, "_in_process", False)
     prompts = _prompts((70, 40), seed=21)  # longer than a block: stale KV would be reused
     L = 16
     greedy = SamplingConfig(greedy=True, max_new_tokens=L)
