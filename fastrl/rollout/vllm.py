@@ -77,7 +77,7 @@ _LOGPROBS_MODE = "processed_logprobs"
 
 
 class VLLMGroupSampler:
-    """``GroupSampler`` on an in-process vLLM engine.
+    """``GroupSampler`` on a vLLM engine (in-process or multiprocess) driven with token ids.
 
     Args:
         model: a local Hugging Face model folder (config + safetensors), or an existing
@@ -91,14 +91,17 @@ class VLLMGroupSampler:
         block_size: KV-cache block size; the prefix cache shares whole blocks only.
             The CPU attention backend needs a multiple of 32 (its default is 128).
         max_model_len: longest prompt + completion; default the model's.
-        kv_cache_memory_bytes: KV-cache size (required on CPU, where vLLM cannot profile).
+        kv_cache_memory_bytes: KV-cache size. None: on CPU 256 MiB unless
+            ``VLLM_CPU_KVCACHE_SPACE`` is set (vLLM cannot profile CPU memory); on a GPU
+            vLLM's own sizing (``gpu_memory_utilization``).
         enable_prefix_caching: share KV blocks of common prefixes (keep on; off only to
             measure the baseline).
         seed: engine seed (used for requests whose ``SamplingConfig.seed`` is None).
             ``SamplingConfig.seed = s`` gives prompt i's sample j the vLLM seed
-            ``s + i * G + j``. On CPU the engine is built with chunked prefill off (see
-            the note in ``__init__``); an existing CPU engine with chunked prefill on
-            rejects seeded sampling.
+            ``s + i * G + j``. On CPU the engine is built with chunked prefill off:
+            vLLM 0.32 rewinds a seeded request's generator after a partial prefill with
+            a CUDA-only offset call ("CPU Generator does not use offset"). An existing CPU
+            engine with chunked prefill on rejects seeded sampling.
         **llm_kwargs: passed to ``vllm.LLM``.
 
     ``RolloutStats`` from vLLM's counters (deltas over the call): ``prefill_tokens_computed``
@@ -114,7 +117,7 @@ class VLLMGroupSampler:
         dtype: str = "float32",
         block_size: int = 32,
         max_model_len: int | None = None,
-        kv_cache_memory_bytes: int | None = 256 << 20,
+        kv_cache_memory_bytes: int | None = None,
         enable_prefix_caching: bool = True,
         seed: int = 0,
         enforce_eager: bool = True,
@@ -149,6 +152,8 @@ class VLLMGroupSampler:
                 logits_processors=[GREEDY_PROCESSOR],
                 worker_extension_cls=WORKER_EXTENSION,
             )
+            if _on_cpu() and kv_cache_memory_bytes is None and not os.environ.get("VLLM_CPU_KVCACHE_SPACE"):
+                kwargs["kv_cache_memory_bytes"] = 256 << 20
             if _on_cpu():
                 # vLLM rewinds a seeded request's generator after a partial (chunked)
                 # prefill with CUDA-only generator offsets; on CPU that raises
@@ -180,10 +185,15 @@ class VLLMGroupSampler:
         self.max_model_len: int = mc.max_model_len
         self.block_size: int = engine.vllm_config.cache_config.block_size
         self.prefix_caching: bool = bool(engine.vllm_config.cache_config.enable_prefix_caching)
-        eos = getattr(hf, "eos_token_id", None)
-        self.eos_token_ids: tuple[int, ...] = tuple(int(e) for e in eos) if isinstance(eos, (list, tuple)) else (
-            () if eos is None else (int(eos),)
-        )
+        # the model's eos: config.json and generation_config.json (chat models often list
+        # several there); without a tokenizer vLLM would not stop on them by itself
+        eos: set[int] = set()
+        for value in (getattr(hf, "eos_token_id", None), mc.try_get_generation_config().get("eos_token_id")):
+            if isinstance(value, (list, tuple)):
+                eos.update(int(e) for e in value)
+            elif value is not None:
+                eos.add(int(value))
+        self.eos_token_ids: tuple[int, ...] = tuple(sorted(eos))
         pad = getattr(hf, "pad_token_id", None)
         self.pad_token_id: int = int(pad) if pad is not None else (self.eos_token_ids[0] if self.eos_token_ids else 0)
 
@@ -324,8 +334,11 @@ class VLLMGroupSampler:
         """Load new weights (Hugging Face parameter names, e.g. ``model.state_dict().items()``)
         into the engine in place and reset its prefix cache.
 
-        Names the model does not know raise inside vLLM; tensors may live on any device
-        and in any float dtype (they are copied into the engine's parameters).
+        Pass every weight of the model (its full ``state_dict``): vLLM reloads layer by
+        layer and re-runs each layer's post-load processing (the CPU backend's repacking),
+        and partial updates are not tested here. Tensors may live on any device and in any
+        float dtype; they are copied into the engine's parameters. A reload that fails
+        inside vLLM leaves the engine unusable until a complete reload succeeds.
         """
         named = [(str(n), t.detach()) for n, t in named_tensors]
         if not named:
