@@ -27,120 +27,164 @@ _SLOT = {k: i for i, k in enumerate(OUT_KEYS)}
 # ----------------------------------------------------------------------------------------
 
 
+def _f32(x: torch.Tensor) -> torch.Tensor:
+    return x if x.dtype == torch.float32 else x.float()
+
+
+def _masks(mask: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """(bool mask, 0/1 fp32 mask) of ``mask != 0``, with as few passes as the dtype allows."""
+    if mask.dtype == torch.bool:
+        return mask, mask.to(torch.float32)
+    mf = _f32(mask).abs().sign()
+    return mf.bool(), mf
+
+
+def _step(x: torch.Tensor) -> torch.Tensor:
+    """1.0 where x > 0, else 0.0, in fp32 arithmetic (comparisons producing bool tensors and
+    selects on them are several times slower than float ops on CPU)."""
+    return torch.sign(x).clamp_(min=0.0)
+
+
 def _torch_fwd(
     logp, old_logp, advantages, mask, ref_logp, entropy, rollout_logp, *,
     seq_ratio, seq_is, clip_low, clip_high, dual_clip, log_ratio_clamp, kl_coef, kl_estimator,
     kl_clamp, entropy_coef, is_cap, loss_agg, norm_length, global_count, write_grad,
 ):
-    from fastrl.ops.kl import _torch_value_grad
-
+    """Vectorised eager PyTorch in few passes. Inputs are zeroed once at masked-out positions
+    (``where``, so NaN/inf padding cannot leak); after that every masked-out token has
+    lr = 0, A = 0 and d = 0 and adds exactly 0 to every sum, so the rest needs no select."""
     f32 = torch.float32
-    zero = torch.zeros((), dtype=f32, device=logp.device)
-    m = mask if mask.dtype == torch.bool else mask != 0
-    mf = m.to(f32)
+    dev = logp.device
+    zero = torch.zeros((), dtype=f32, device=dev)
+    m, mf = _masks(mask)
     n = mf.sum(1)
-    lp = logp.float()
-    lr = torch.where(m, lp - old_logp.float(), zero)
-    if log_ratio_clamp is not None:
-        inside = (lr >= -log_ratio_clamp) & (lr <= log_ratio_clamp)
-        lr = lr.clamp(-log_ratio_clamp, log_ratio_clamp)
+    N = n.sum()
     n1 = n.clamp(min=1.0)
+    lp = _f32(logp)
+    old = _f32(old_logp)
+    lr = torch.where(m, lp - old, zero)
+    if log_ratio_clamp is not None:
+        inside = 1.0 - _step(lr.abs() - log_ratio_clamp)  # closed interval
+        lr = lr.clamp(-log_ratio_clamp, log_ratio_clamp)
     if seq_ratio:
         ratio_row = torch.exp(lr.sum(1) / n1)
         ratio = ratio_row[:, None]
     else:
         ratio = torch.exp(lr)
-    A = advantages.float()
-    A = torch.where(m, A[:, None] if A.dim() == 1 else A, zero)
+    A = _f32(advantages)
+    if A.dim() == 1:
+        A = torch.where(n > 0, A, zero)[:, None] * mf  # NaN of a row with tokens still propagates
+    else:
+        A = torch.where(m, A, zero)
     negA = -A
 
+    # clipped surrogate: pg = max(pg1, pg2); d pg / d ratio = -A where pg1 >= pg2
+    lo, hi = 1.0 - clip_low, 1.0 + clip_high
     pg1 = negA * ratio
-    pg2 = negA * ratio.clamp(1.0 - clip_low, 1.0 + clip_high)
-    take1 = pg1 >= pg2
-    pg = torch.where(take1, pg1, pg2)
-    dpg = torch.where(take1, negA, zero)
+    pg2 = negA * ratio.clamp(lo, hi)
+    pg = torch.maximum(pg1, pg2)
+    dpg = negA * (1.0 - _step(pg2 - pg1)) if write_grad else None
+    dual_ind = None
     if dual_clip is not None:
-        pg3 = negA * dual_clip
-        dual_on = (A < 0) & (pg > pg3)
-        pg = torch.where(dual_on, pg3, pg)
-        dpg = torch.where(dual_on, zero, dpg)
+        # -min(A, 0) c is -A c for A < 0 and 0 otherwise, where pg <= 0 already
+        pg3 = A.clamp(max=0.0) * (-dual_clip)
+        dual_ind = _step(pg - pg3)
+        pg = torch.minimum(pg, pg3)
+        if write_grad:
+            dpg.mul_(1.0 - dual_ind)
     w = None
     if rollout_logp is not None:
-        diff = torch.where(m, old_logp.float() - rollout_logp.float(), zero)
+        diff = torch.where(m, old - _f32(rollout_logp), zero)
         w = torch.exp(diff.sum(1, keepdim=True)) if seq_is else torch.exp(diff)
         if is_cap is not None:
             w = w.clamp(max=is_cap)
         pg = pg * w
-        dpg = dpg * w
-    pg = torch.where(m, pg, zero)
+        if write_grad:
+            dpg.mul_(w)
 
     g = None
     c_row = None
-    if seq_ratio:
-        if write_grad:
-            c_row = torch.where(m, dpg, zero).sum(1) * ratio_row / n1
-    elif write_grad:
-        g = dpg * ratio
-        if log_ratio_clamp is not None:
-            g = torch.where(inside, g, zero)
+    if write_grad:
+        if seq_ratio:
+            c_row = dpg.sum(1) * ratio_row / n1
+        else:
+            g = dpg.mul_(ratio)
+            if log_ratio_clamp is not None:
+                g.mul_(inside)
     kl = None
     if ref_logp is not None:
-        want_grad = write_grad and kl_coef != 0
-        kl, dk = _torch_value_grad(torch.where(m, lp, zero), torch.where(m, ref_logp.float(), zero),
-                                   kl_estimator, kl_clamp, want_value=True, want_grad=want_grad)
-        kl = torch.where(m, kl, zero)
-        if want_grad:
-            g = kl_coef * dk if g is None else g + kl_coef * dk
-    if g is not None:
-        g = torch.where(m, g, zero)
-    ent = torch.where(m, entropy.float(), zero) if entropy is not None else None
+        kl_grad = write_grad and kl_coef != 0
+        d = torch.where(m, _f32(ref_logp) - lp, zero)
+        if kl_estimator == "k1":
+            kl = -d
+            dk = mf if kl_grad else None  # d k1 / d logp = 1 on the masked-in tokens
+        elif kl_estimator == "k2":
+            kl = 0.5 * d * d
+            dk = -d if kl_grad else None
+        else:
+            em1 = torch.exp(d).sub_(1.0)  # (expm1 is several times slower on CPU)
+            kl = em1 - d
+            dk = em1.neg_() if kl_grad else None
+        if kl_clamp is not None:
+            if kl_grad:
+                dk = dk * (1.0 - _step(kl.abs() - kl_clamp))
+            kl = kl.clamp(-kl_clamp, kl_clamp)
+        if kl_grad:
+            g = kl_coef * dk if g is None else g.add_(dk, alpha=kl_coef)
 
     # aggregation
-    if loss_agg == "seq-mean-token-mean":
-        f = 1.0 / n1
-    else:
-        f = torch.ones_like(n)
-    N = n.sum()
+    f = 1.0 / n1 if loss_agg == "seq-mean-token-mean" else torch.ones_like(n)
     if global_count is not None:
-        D = torch.as_tensor(global_count, device=logp.device).to(f32).reshape(())
+        D = torch.as_tensor(global_count, device=dev).to(f32).reshape(())
     elif loss_agg == "token-mean":
         D = N
     else:
         D = (n > 0).to(f32).sum()
-    D = torch.where(D > 0, D, torch.ones_like(D))
+    D = torch.where(D > 0, D, 1.0)
     if loss_agg == "seq-mean-token-sum-norm":
         D = D * norm_length
     inv_d = 1.0 / D
-    inv_n = 1.0 / torch.where(N > 0, N, torch.ones_like(N))
+    inv_n = 1.0 / torch.where(N > 0, N, 1.0)
 
-    pg_loss = (f * pg.sum(1)).sum() * inv_d
+    pg_loss = torch.dot(f, pg.sum(1)) * inv_d
     loss = pg_loss
     kl_loss = ent_loss = kl_mean = ent_mean = w_mean = dual_frac = zero
     if kl is not None:
         kl_rows = kl.sum(1)
-        kl_loss = (f * kl_rows).sum() * inv_d
+        kl_loss = torch.dot(f, kl_rows) * inv_d
         kl_mean = kl_rows.sum() * inv_n
         if kl_coef != 0:
             loss = loss + kl_coef * kl_loss
-    if ent is not None:
-        ent_rows = ent.sum(1)
-        ent_loss = (f * ent_rows).sum() * inv_d
+    if entropy is not None:
+        ent_rows = torch.where(m, _f32(entropy), zero).sum(1)
+        ent_loss = torch.dot(f, ent_rows) * inv_d
         ent_mean = ent_rows.sum() * inv_n
         if entropy_coef != 0:
             loss = loss - entropy_coef * ent_loss
-    lo, hi = 1.0 - clip_low, 1.0 + clip_high
-    ratio_bt = ratio.expand_as(lr)
-    low = (m & (ratio_bt < lo) & (A < 0)).sum().to(f32) * inv_n
-    high = (m & (ratio_bt > hi) & (A > 0)).sum().to(f32) * inv_n
-    if dual_clip is not None:
-        dual_frac = (m & dual_on).sum().to(f32) * inv_n
-    approx_kl = torch.where(m, torch.expm1(lr) - lr, zero).sum() * inv_n
+
+    # metrics; A = 0 at masked-out tokens, so the sign tests need no mask
+    sA = torch.sign(A)
+    r_bt = ratio.expand_as(lr)
+    low = torch.dot(_step(lo - r_bt).reshape(-1), (-sA).clamp_(min=0.0).reshape(-1)) * inv_n
+    high = torch.dot(_step(r_bt - hi).reshape(-1), sA.clamp_(min=0.0).reshape(-1)) * inv_n
+    if dual_ind is not None:
+        dual_frac = dual_ind.sum() * inv_n
+    if seq_ratio:
+        approx_kl = (torch.exp(lr) - 1.0 - lr).sum() * inv_n
+        r_mean = torch.dot(ratio_row, n) * inv_n
+        r_min = torch.where(n > 0, ratio_row, torch.inf).min()
+        r_max = torch.where(n > 0, ratio_row, -torch.inf).max()
+    else:
+        approx_kl = (ratio - 1.0 - lr).sum() * inv_n
+        r_mean = torch.dot(ratio.reshape(-1), mf.reshape(-1)) * inv_n
+        big = (1.0 - mf) * torch.finfo(f32).max  # +-max at masked-out tokens (where the ratio is 1)
+        r_min = (ratio + big).min()
+        r_max = (ratio - big).max()
     has_tok = N > 0
-    r_mean = torch.where(m, ratio_bt, zero).sum() * inv_n
-    r_min = torch.where(has_tok, torch.where(m, ratio_bt, torch.inf).min(), zero)
-    r_max = torch.where(has_tok, torch.where(m, ratio_bt, -torch.inf).max(), zero)
+    r_min = torch.where(has_tok, r_min, zero)
+    r_max = torch.where(has_tok, r_max, zero)
     if w is not None:
-        w_mean = torch.where(m, w.expand_as(lr), zero).sum() * inv_n
+        w_mean = (torch.dot(w[:, 0], n) if seq_is else torch.dot(w.reshape(-1), mf.reshape(-1))) * inv_n
     out = torch.stack([
         loss, pg_loss, kl_loss, ent_loss, low, high, low + high, dual_frac, approx_kl, kl_mean,
         r_mean, r_min, r_max, ent_mean, w_mean, inv_d,

@@ -15,13 +15,14 @@ from fastrl.ops import kl_penalty
 from fastrl.reference.kl import kl_penalty_reference
 
 BACKENDS = ["torch", "triton"]
+DEVICE = torch.device("cuda" if torch.cuda.is_available() else "cpu")
 
 
 def _inputs(shape=(3, 5, 71), dtype=torch.float32, scale=1.0, seed=0):
     g = torch.Generator().manual_seed(seed)
     logp = (-torch.rand(shape, generator=g) * 3).to(dtype)
     ref = (logp.float() + torch.randn(shape, generator=g) * scale).to(dtype)
-    return logp, ref
+    return logp.to(DEVICE), ref.to(DEVICE)
 
 
 def _run(fn, logp, ref, gout, **kw):
@@ -37,7 +38,7 @@ def _run(fn, logp, ref, gout, **kw):
 @pytest.mark.parametrize("clamp", [None, 0.5])
 def test_matches_reference(backend, estimator, clamp):
     logp, ref = _inputs()  # 1065 elements: two programs, the second partial
-    gout = torch.randn(logp.shape)
+    gout = torch.randn(logp.shape, device=DEVICE)
     out, gl, gr = _run(kl_penalty, logp, ref, gout, estimator=estimator, clamp=clamp, backend=backend)
     rout, rgl, rgr = _run(kl_penalty_reference, logp.double(), ref.double(), gout.double(), estimator=estimator, clamp=clamp)
     assert out.dtype == torch.float32 and out.shape == logp.shape
@@ -52,8 +53,10 @@ def test_triton_k3_small_differences_keep_relative_precision():
     g = torch.Generator().manual_seed(1)
     logp = -torch.rand(1000, generator=g)
     ref = logp + torch.randn(1000, generator=g) * 1e-3
-    out, gl, _ = _run(kl_penalty, logp, ref, torch.ones(1000), backend="triton")
-    rout, rgl, _ = _run(kl_penalty_reference, logp.double(), ref.double(), torch.ones(1000, dtype=torch.float64))
+    logp, ref = logp.to(DEVICE), ref.to(DEVICE)
+    ones = torch.ones(1000, device=DEVICE)
+    out, gl, _ = _run(kl_penalty, logp, ref, ones, backend="triton")
+    rout, rgl, _ = _run(kl_penalty_reference, logp.double(), ref.double(), ones.double())
     torch.testing.assert_close(out.double(), rout, rtol=1e-5, atol=0)
     torch.testing.assert_close(gl.double(), rgl, rtol=1e-5, atol=0)
 
@@ -62,7 +65,7 @@ def test_triton_k3_small_differences_keep_relative_precision():
 @pytest.mark.parametrize("dtype,grad_rtol", [(torch.bfloat16, 1e-2), (torch.float16, 2e-3)])
 def test_low_precision_inputs(backend, dtype, grad_rtol):
     logp, ref = _inputs(shape=(4, 50), dtype=dtype)
-    gout = torch.randn(4, 50)
+    gout = torch.randn(4, 50, device=DEVICE)
     out, gl, gr = _run(kl_penalty, logp, ref, gout, backend=backend)
     rout, rgl, rgr = _run(kl_penalty_reference, logp.double(), ref.double(), gout.double())
     assert gl.dtype == dtype and gr.dtype == dtype and out.dtype == torch.float32
@@ -73,8 +76,8 @@ def test_low_precision_inputs(backend, dtype, grad_rtol):
 
 @pytest.mark.parametrize("backend", BACKENDS)
 def test_extreme_differences_finite_where_the_formula_is(backend):
-    logp = torch.tensor([0.0, 0.0, -50.0, -80.0, 0.0])
-    ref = torch.tensor([50.0, -50.0, 0.0, 0.0, 0.0])
+    logp = torch.tensor([0.0, 0.0, -50.0, -80.0, 0.0], device=DEVICE)
+    ref = torch.tensor([50.0, -50.0, 0.0, 0.0, 0.0], device=DEVICE)
     out = kl_penalty(logp, ref, estimator="k3", backend=backend)
     rout = kl_penalty_reference(logp.double(), ref.double(), estimator="k3")
     assert out.isfinite().all()
@@ -96,9 +99,10 @@ def test_non_contiguous_and_grad_of_one_input(backend):
     torch.testing.assert_close(lp.grad, (logp - ref).float())
 
 
-def test_auto_is_torch_on_cpu_and_single_program_block(monkeypatch):
+def test_auto_backend_and_single_program_block(monkeypatch):
     logp, ref = _inputs(shape=(7,))
-    assert torch.equal(kl_penalty(logp, ref), kl_penalty(logp, ref, backend="torch"))
+    auto = "triton" if DEVICE.type == "cuda" else "torch"
+    assert torch.equal(kl_penalty(logp, ref), kl_penalty(logp, ref, backend=auto))
     monkeypatch.setattr(kernels, "BLOCK", 16)
     torch.testing.assert_close(kl_penalty(logp, ref, backend="triton"), kl_penalty(logp, ref, backend="torch"))
 

@@ -21,6 +21,8 @@ from fastrl.reference.policy_loss import policy_loss_reference
 
 BACKENDS = ["torch", "triton"]
 D64 = torch.float64
+# where the kernels run: the GPU when there is one, else the CPU under the Triton interpreter
+DEVICE = torch.device("cuda" if torch.cuda.is_available() else "cpu")
 CONTRACT_KEYS = {"pg_loss", "clip_frac_low", "clip_frac_high", "clip_frac", "approx_kl", "ratio_mean", "ratio_min", "ratio_max"}
 
 
@@ -42,8 +44,9 @@ def make_batch(B=5, T=37, *, dtype=torch.float32, per_row_adv=False, spread=0.3,
     if lengths is None:
         lengths = [T, 1, 0, T // 2, T - 5][:B] + [T] * max(0, B - 5)
     mask = (torch.arange(T)[None, :] < torch.tensor(lengths)[:, None]).to(torch.float32)
-    return dict(logp=logp.to(dtype), old_logp=old.to(dtype), advantages=adv.to(dtype), mask=mask,
-                ref_logp=ref.to(dtype), entropy=ent.to(dtype), rollout_logp=roll.to(dtype))
+    out = dict(logp=logp.to(dtype), old_logp=old.to(dtype), advantages=adv.to(dtype), mask=mask,
+               ref_logp=ref.to(dtype), entropy=ent.to(dtype), rollout_logp=roll.to(dtype))
+    return {k: v.to(DEVICE) for k, v in out.items()}
 
 
 def run(impl, batch, cfg, *, use=("ref_logp", "entropy", "rollout_logp"), grad_out=1.0, **kw):
@@ -140,7 +143,7 @@ def test_non_contiguous_inputs(backend):
     cfg = PolicyLossConfig(kl_coef=0.05, entropy_coef=0.01, ratio_level="sequence")
     batch = make_batch(B=4, T=40)
     sliced = {k: (v[:, 3:] if v.dim() == 2 else v) for k, v in batch.items()}  # row stride 40, 37 columns
-    sliced["advantages"] = torch.randn(4, 2)[:, 0]  # [B] with stride 2
+    sliced["advantages"] = torch.randn(4, 2, device=DEVICE)[:, 0]  # [B] with stride 2
     sliced["old_logp"] = batch["old_logp"].t().contiguous().t()[:, 3:]  # column stride != 1
     assert not sliced["logp"].is_contiguous()
     assert_matches(run(backend, sliced, cfg), run("ref", sliced, cfg))
@@ -189,7 +192,7 @@ def test_extreme_log_ratios(backend, cfg):
     """Log-ratios of +-50 (ratios 1e-22 .. 5e21, far outside the clip range) stay finite and exact."""
     cfg = PolicyLossConfig(**cfg)
     batch = make_batch(B=4, T=20)
-    sign = torch.where(torch.rand(4, 20, generator=torch.Generator().manual_seed(3)) < 0.5, -1.0, 1.0)
+    sign = torch.where(torch.rand(4, 20, generator=torch.Generator().manual_seed(3)) < 0.5, -1.0, 1.0).to(DEVICE)
     batch["old_logp"] = batch["logp"] - 50.0 * sign
     if cfg.ratio_level == "sequence":  # one extreme row, one normal row: the mean stays at +-50 / 0
         batch["old_logp"][0] = batch["logp"][0] - 50.0
@@ -239,10 +242,10 @@ def test_without_grad_and_unused_entropy_grad(backend):
     assert grads[1] is None or torch.count_nonzero(grads[1]) == 0
 
 
-def test_auto_backend_is_torch_on_cpu():
+def test_auto_backend_is_triton_on_cuda_and_torch_on_cpu():
     batch = make_batch()
     a, _ = policy_loss(**batch, backend="auto", config=PolicyLossConfig(kl_coef=0.1))
-    b, _ = policy_loss(**batch, backend="torch", config=PolicyLossConfig(kl_coef=0.1))
+    b, _ = policy_loss(**batch, backend="triton" if DEVICE.type == "cuda" else "torch", config=PolicyLossConfig(kl_coef=0.1))
     assert torch.equal(a, b)
 
 
@@ -260,7 +263,7 @@ def test_default_block_single_chunk():
 
 
 def _args(**over):
-    b = make_batch(B=2, T=3, lengths=[3, 2])
+    b = {k: v.cpu() for k, v in make_batch(B=2, T=3, lengths=[3, 2]).items()}
     b = {k: b[k] for k in ("logp", "old_logp", "advantages", "mask")}
     b.update(over)
     return b
@@ -288,6 +291,7 @@ def _args(**over):
     ({}, dict(config={"clip_low": 0.2}), TypeError, "config"),
     ({}, dict(backend="cuda"), ValueError, "backend"),
     ({}, dict(ref_logp=torch.zeros(2, 3, device="meta")), ValueError, "ref_logp"),
+    ({}, dict(global_token_count=torch.tensor(3.0, device="meta")), ValueError, "global_token_count"),
 ])
 def test_bad_input_names_the_argument(over, kw, exc, name):
     with pytest.raises(exc, match=name):
@@ -331,7 +335,7 @@ def _property_check(backend, case):
     B, T, lengths, holes, cfg, use, per_row, seed = case
     batch = make_batch(B=B, T=T, lengths=lengths, per_row_adv=per_row, seed=seed)
     if holes:  # masks that are not a prefix
-        batch["mask"] = batch["mask"] * (torch.rand(B, T, generator=torch.Generator().manual_seed(seed)) < 0.7)
+        batch["mask"] = batch["mask"] * (torch.rand(B, T, generator=torch.Generator().manual_seed(seed)) < 0.7).to(DEVICE)
     cfg = PolicyLossConfig(**cfg)
     assert_matches(run(backend, batch, cfg, use=use), run("ref", batch, cfg, use=use), atol=2e-7)
 
