@@ -1,10 +1,14 @@
 """pytest-benchmark: policy_loss / kl_penalty (fwd+bwd) vs the TRL and verl eager losses.
 
-Run: ``python -m pytest benchmarks/test_bench_policy_loss.py --benchmark-only`` (add
-``--benchmark-group-by=param:case`` to see each case's impls side by side). The same case
-builders feed ``fastrl bench``; ``test_baselines_agree_with_fastrl`` checks that each
-baseline computes the loss the fastrl entry is configured for.
+Run: ``python -m pytest benchmarks/test_bench_policy_loss.py --benchmark-only`` (quick
+shapes; ``FASTRL_BENCH_FULL=1`` for the full ones). Each group holds one case's impls side
+by side. On a shared CPU, ``OMP_NUM_THREADS=1`` and ``--benchmark-timer time.process_time``
+measure CPU time instead of waiting time. The same case builders feed ``fastrl bench``;
+``test_baselines_agree_with_fastrl`` checks that each baseline computes the loss (and the
+gradient) the fastrl entry is configured for.
 """
+
+import os
 
 import pytest
 import torch
@@ -12,7 +16,7 @@ import torch
 from fastrl.bench.cases_policy_loss import cases
 
 DEVICE = torch.device("cuda" if torch.cuda.is_available() else "cpu")
-CASES = cases(DEVICE, quick=True)
+CASES = cases(DEVICE, quick=not os.environ.get("FASTRL_BENCH_FULL"))
 PARAMS = [pytest.param(c, name, id=f"{c.op}-{c.shape.replace(' ', '')}-{name}") for c in CASES for name in c.impls]
 
 
