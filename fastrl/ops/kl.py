@@ -7,6 +7,7 @@ Formula (see ``fastrl.reference.kl``): with ``d = ref_logp - logp``, ``k1 = -d``
 from __future__ import annotations
 
 import torch
+from torch.autograd.function import once_differentiable
 
 from fastrl._checks import check_choice, check_float, check_nonempty, check_same_device, check_scalar, resolve_backend
 from fastrl.config import KL_ESTIMATORS
@@ -63,6 +64,7 @@ class _KLPenaltyFn(torch.autograd.Function):
         return k
 
     @staticmethod
+    @once_differentiable
     def backward(ctx, grad_out):  # type: ignore[override]
         need_logp, need_ref = ctx.needs_input_grad[0], ctx.needs_input_grad[1]
         if ctx.backend == "triton":

@@ -10,6 +10,7 @@ kept on the device, so global counts never synchronise with the host).
 from __future__ import annotations
 
 import torch
+from torch.autograd.function import once_differentiable
 
 from fastrl._checks import check_float, check_mask, check_nonempty, check_same_device, check_scalar, resolve_backend
 from fastrl.config import PolicyLossConfig
@@ -234,6 +235,7 @@ class _PolicyLossFn(torch.autograd.Function):
         return out
 
     @staticmethod
+    @once_differentiable
     def backward(ctx, grad_out):  # type: ignore[override]
         out, rowcoef, g, mask, logp, old_logp, entropy = ctx.saved_tensors
         kw = ctx.kw

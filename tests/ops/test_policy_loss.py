@@ -350,3 +350,44 @@ def test_property_torch(case):
 @given(case=cases())
 def test_property_triton(case):
     _property_check("triton", case)
+
+
+# ----------------------------------------------------------------------------------------
+# presets reproduce the trainers' numbers (eager re-implementations of TRL / verl losses)
+# ----------------------------------------------------------------------------------------
+
+
+def _eager_gspo_sg_token(logp, old_logp, advantages, mask, *, eps_low, eps_high):
+    """verl/TRL-style GSPO: s_it = sg[s_i] * pi_t / sg[pi_t], per-row token mean then row mean."""
+    n = mask.sum(-1).clamp(min=1)
+    seq_lr = ((logp - old_logp) * mask).sum(-1) / n
+    log_s = logp - logp.detach() + seq_lr.detach()[:, None]
+    s = torch.exp(log_s)
+    A = advantages[:, None]
+    pg = torch.maximum(-A * s, -A * torch.clamp(s, 1 - eps_low, 1 + eps_high))
+    rows = (pg * mask).sum(-1) / n
+    return (rows * (mask.sum(-1) > 0)).sum() / (mask.sum(-1) > 0).sum().clamp(min=1)
+
+
+@pytest.mark.parametrize("backend", BACKENDS)
+@pytest.mark.parametrize("name", ["trl-grpo", "trl-dapo", "verl-grpo", "verl-dapo", "gspo"])
+def test_presets_match_trainer_losses(backend, name):
+    from fastrl.bench.cases_policy_loss import BASELINES, FASTRL_CONFIGS
+
+    batch = make_batch(B=6, T=40, per_row_adv=True, spread=0.3, lengths=[40, 1, 7, 20, 33, 40])
+    x = {k: batch[k] for k in ("logp", "old_logp", "ref_logp", "entropy", "advantages", "mask")}
+    lp = x["logp"].clone().requires_grad_()
+    x["logp"] = lp
+    if name == "gspo":  # the sg-token form has the same value and, for [B] advantages, the same gradient
+        cfg = PolicyLossConfig.preset("gspo", clip_low=0.05, clip_high=0.05)
+        x["old_logp"] = x["logp"].detach() + 0.02 * torch.randn_like(lp)
+        expected = _eager_gspo_sg_token(lp, x["old_logp"], x["advantages"], x["mask"], eps_low=0.05, eps_high=0.05)
+    else:
+        cfg = FASTRL_CONFIGS[name]
+        expected, _ = BASELINES[name](x)
+    (g_exp,) = torch.autograd.grad(expected, [lp])
+    loss, _ = policy_loss(lp, x["old_logp"], x["advantages"], x["mask"],
+                          ref_logp=x["ref_logp"] if cfg.kl_coef else None, config=cfg, backend=backend)
+    (g,) = torch.autograd.grad(loss, [lp])
+    torch.testing.assert_close(loss, expected, rtol=1e-5, atol=1e-7)
+    torch.testing.assert_close(g, g_exp, rtol=1e-4, atol=1e-8)
