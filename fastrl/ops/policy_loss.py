@@ -197,21 +197,21 @@ def _torch_fwd(
 def _torch_bwd(grad_out, out, rowcoef, g, mask, logp, old_logp, entropy, *,
                seq_ratio, log_ratio_clamp, entropy_coef, need_logp, need_entropy):
     scale = grad_out.reshape(-1)[0].float() * out[_SLOT["inv_denominator"]]
-    m = mask if mask.dtype == torch.bool else mask != 0
+    mf = _masks(mask)[1] if (seq_ratio or need_entropy) else None
     f = rowcoef[:, 0:1]
     glogp = gent = None
     if need_logp:
         dl = f * g if g is not None else None
         if seq_ratio:
-            p = m
+            p = mf
             if log_ratio_clamp is not None:
-                lr = logp.float() - old_logp.float()
-                p = p & (lr >= -log_ratio_clamp) & (lr <= log_ratio_clamp)
-            kterm = p.to(torch.float32) * rowcoef[:, 1:2]
+                lr = torch.where(mf > 0, _f32(logp) - _f32(old_logp), 0.0)
+                p = p * (1.0 - _step(lr.abs() - log_ratio_clamp))
+            kterm = p * rowcoef[:, 1:2]
             dl = kterm if dl is None else dl + kterm
         glogp = (scale * dl).to(logp.dtype)
     if need_entropy:
-        gent = (m.to(torch.float32) * ((-entropy_coef) * scale * f)).to(entropy.dtype)
+        gent = (mf * ((-entropy_coef) * scale * f)).to(entropy.dtype)
     return glogp, gent
 
 
