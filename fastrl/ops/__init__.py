@@ -4,4 +4,7 @@ Each op takes ``backend="auto" | "triton" | "torch"``: auto runs the Triton kern
 CUDA tensors and the PyTorch path otherwise.
 """
 
-__all__ = []
+from fastrl.ops.kl import kl_penalty
+from fastrl.ops.policy_loss import policy_loss
+
+__all__ = ["kl_penalty", "policy_loss"]
