@@ -4,4 +4,8 @@ Each op takes ``backend="auto" | "triton" | "torch"``: auto runs the Triton kern
 CUDA tensors and the PyTorch path otherwise.
 """
 
-__all__ = []
+from fastrl.ops.advantages import group_advantages, step_advantages
+from fastrl.ops.value_loss import value_loss
+from fastrl.ops.whiten import masked_whiten
+
+__all__ = ["group_advantages", "masked_whiten", "step_advantages", "value_loss"]
