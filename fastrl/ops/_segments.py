@@ -16,12 +16,19 @@ import torch
 @dataclass
 class DenseGroups:
     perm: torch.Tensor  # [N] int64: indices that sort the ids (stable)
-    rank: torch.Tensor  # [N] int64: dense group index of each element, original order
-    rank_sorted: torch.Tensor  # [N] int64: rank[perm]
+    rank_sorted: torch.Tensor  # [N] int64: dense group index of the i-th sorted element
     is_first: torch.Tensor  # [N] bool: sorted element starts a new group
-    counts: torch.Tensor  # [N] int64: members of group g (0 past the last group)
-    starts: torch.Tensor  # [N] int64: offset of group g in the sorted order
     num_groups: torch.Tensor  # 0-dim int64
+
+    def rank(self) -> torch.Tensor:
+        """[N] int64 dense group index of each element, in the original order."""
+        return torch.empty_like(self.rank_sorted).scatter_(0, self.perm, self.rank_sorted)
+
+    def counts_starts(self) -> tuple[torch.Tensor, torch.Tensor]:
+        """[N] int64 member count of group g and its offset in the sorted order (0 and N
+        for the slots past the last group)."""
+        counts = torch.zeros_like(self.rank_sorted).index_add_(0, self.rank_sorted, torch.ones_like(self.rank_sorted))
+        return counts, torch.cumsum(counts, 0) - counts
 
 
 def dense_groups(group_ids: torch.Tensor) -> DenseGroups:
@@ -29,15 +36,11 @@ def dense_groups(group_ids: torch.Tensor) -> DenseGroups:
     ids = group_ids.reshape(-1).to(torch.int64)
     N = ids.numel()
     sorted_ids, perm = torch.sort(ids, stable=True)
-    is_first = torch.ones(N, dtype=torch.bool, device=ids.device)
-    if N > 1:
-        is_first[1:] = sorted_ids[1:] != sorted_ids[:-1]
+    is_first = torch.empty(N, dtype=torch.bool, device=ids.device)
+    is_first[:1] = True
+    torch.ne(sorted_ids[1:], sorted_ids[:-1], out=is_first[1:])
     rank_sorted = torch.cumsum(is_first, 0) - 1
-    rank = torch.empty_like(rank_sorted).scatter_(0, perm, rank_sorted)
-    counts = torch.zeros(N, dtype=torch.int64, device=ids.device)
-    counts.index_add_(0, rank_sorted, torch.ones_like(rank_sorted))
-    starts = torch.cumsum(counts, 0) - counts
-    return DenseGroups(perm, rank, rank_sorted, is_first, counts, starts, is_first.sum())
+    return DenseGroups(perm, rank_sorted, is_first, is_first.sum())
 
 
 def kernel_mask(mask: torch.Tensor) -> torch.Tensor:

@@ -34,38 +34,35 @@ def _batch_mean_std(r: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     return mean, torch.sqrt((d * d).sum() / max(r.numel() - 1, 1))
 
 
-def _group_stats_torch(r: torch.Tensor, g: DenseGroups) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
-    """Per-group (mean, unbiased std, count, has-distinct-values), N slots each."""
+def _group_adv_torch(r: torch.Tensor, g: DenseGroups, batch_std: torch.Tensor, mode: str, eps: float) -> tuple[torch.Tensor, torch.Tensor]:
+    """Vectorised PyTorch path, computed in the sorted order and scattered back.
+
+    Returns (advantages [N] in the original order, number of groups with >= 2 distinct
+    rewards as a 0-dim float32 tensor)."""
     N = r.numel()
-    count = g.counts.to(torch.float32)
-    mean = torch.zeros(N, dtype=torch.float32, device=r.device).index_add_(0, g.rank, r) / count.clamp(min=1.0)
-    dev = r - mean[g.rank]
-    m2 = torch.zeros_like(mean).index_add_(0, g.rank, dev * dev)
-    std = torch.sqrt(m2 / (count - 1.0).clamp(min=1.0))
-    distinct = torch.zeros_like(mean)
-    if N > 1:
-        rs = r[g.perm]
-        neq = (rs[1:] != rs[:-1]) & ~g.is_first[1:]
-        distinct.index_add_(0, g.rank_sorted[1:], neq.to(torch.float32))
-    return mean, std, count, (distinct > 0).to(torch.float32)
-
-
-def _group_adv_torch(
-    r: torch.Tensor, g: DenseGroups, mean: torch.Tensor, std: torch.Tensor, count: torch.Tensor, batch_std: torch.Tensor, mode: str, eps: float
-) -> torch.Tensor:
-    d = r - mean[g.rank]
-    n = count[g.rank]
+    rk = g.rank_sorted
+    rs = r[g.perm]
+    zeros = torch.zeros(N, dtype=torch.float32, device=r.device)
+    count = zeros.index_add(0, rk, torch.ones_like(rs))
+    mean = zeros.index_add(0, rk, rs) / count.clamp(min=1.0)
+    d = rs - mean[rk]
+    std = torch.sqrt(zeros.index_add(0, rk, d * d) / (count - 1.0).clamp(min=1.0))
+    n = count[rk]
     if mode == "grpo":
-        a = d / (std[g.rank] + eps)
+        a = d / (std[rk] + eps)
     elif mode in ("dr_grpo", "reinforce_pp"):
         a = d
     elif mode == "batch_std":
         a = d / (batch_std + eps)
     elif mode == "group_mean_batch_std_floor":
-        a = d / (torch.maximum(std[g.rank], BATCH_STD_FLOOR * batch_std) + eps)
-    else:  # rloo
+        a = d / (torch.maximum(std[rk], BATCH_STD_FLOOR * batch_std) + eps)
+    else:  # rloo: r - (sum_g - r) / (n - 1) = n / (n - 1) * (r - mean_g)
         a = d * n / (n - 1.0).clamp(min=1.0)
-    return torch.where(n > 1.0, a, torch.zeros_like(a))
+    a = torch.where(n > 1.0, a, 0.0)
+    # a group has signal when some member differs from its sorted neighbour
+    neq = (rs[1:] != rs[:-1]) & ~g.is_first[1:]
+    n_distinct = (zeros.index_add(0, rk[1:], neq.to(torch.float32)) > 0).sum(dtype=torch.float32)
+    return torch.empty_like(a).scatter_(0, g.perm, a), n_distinct
 
 
 def group_advantages(
@@ -114,18 +111,19 @@ def group_advantages(
         if impl == "triton":
             from csrc_triton.advantages import MODE_CODES, group_advantages_elementwise, segment_stats
 
-            mean, std, count, distinct = segment_stats(r, g.perm, g.starts, g.counts)
+            counts, starts = g.counts_starts()
+            mean, std, count, distinct = segment_stats(r, g.perm, starts, counts)
             adv = group_advantages_elementwise(
-                r, g.rank, mean, std, count, batch_std, mode=MODE_CODES[mode], eps=eps, floor=BATCH_STD_FLOOR
+                r, g.rank(), mean, std, count, batch_std, mode=MODE_CODES[mode], eps=eps, floor=BATCH_STD_FLOOR
             )
+            n_distinct = distinct.sum()
         else:
-            mean, std, count, distinct = _group_stats_torch(r, g)
-            adv = _group_adv_torch(r, g, mean, std, count, batch_std, mode, eps)
+            adv, n_distinct = _group_adv_torch(r, g, batch_std, mode, eps)
         if mode == "reinforce_pp":
             a_mean, a_std = _batch_mean_std(adv)
             adv = (adv - a_mean) / (a_std + eps)
         num_groups = g.num_groups.to(torch.float32)
-        frac_equal = (num_groups - distinct.sum()) / num_groups
+        frac_equal = (num_groups - n_distinct) / num_groups
         stats = {
             "frac_all_equal_groups": frac_equal,
             "effective_group_ratio": 1.0 - frac_equal,
@@ -209,17 +207,19 @@ def step_advantages(
             end = end.contiguous()
             present = (end >= 0).view(torch.uint8).reshape(-1)
             order = (g.perm[:, None] * S + torch.arange(S, device=device)).reshape(-1)
-            mean, std, _, _ = segment_stats(r.reshape(-1), order, g.starts * S, g.counts * S, valid=present)
-            return step_advantages_tokens(r, end, g.rank, mean, std, kernel_mask(mask), eps=eps)
+            counts, starts = g.counts_starts()
+            mean, std, _, _ = segment_stats(r.reshape(-1), order, starts * S, counts * S, valid=present)
+            return step_advantages_tokens(r, end, g.rank(), mean, std, kernel_mask(mask), eps=eps)
+        rank = g.rank()
         present = end >= 0
         rf = torch.where(present, r.to(torch.float32), 0.0)
         pf = present.to(torch.float32)
-        cnt = torch.zeros(B, dtype=torch.float32, device=device).index_add_(0, g.rank, pf.sum(1))
-        mean = torch.zeros_like(cnt).index_add_(0, g.rank, rf.sum(1)) / cnt.clamp(min=1.0)
-        dev = (rf - mean[g.rank][:, None]) * pf
-        m2 = torch.zeros_like(cnt).index_add_(0, g.rank, (dev * dev).sum(1))
+        cnt = torch.zeros(B, dtype=torch.float32, device=device).index_add_(0, rank, pf.sum(1))
+        mean = torch.zeros_like(cnt).index_add_(0, rank, rf.sum(1)) / cnt.clamp(min=1.0)
+        dev = (rf - mean[rank][:, None]) * pf
+        m2 = torch.zeros_like(cnt).index_add_(0, rank, (dev * dev).sum(1))
         std = torch.sqrt(m2 / (cnt - 1.0).clamp(min=1.0))
-        norm = dev / (std[g.rank][:, None] + eps)
+        norm = dev / (std[rank][:, None] + eps)
         col = torch.where(present, end.clamp(max=T - 1), T)
         contrib = torch.zeros(B, T + 1, dtype=torch.float32, device=device).scatter_add_(1, col, norm)[:, :T]
         adv = contrib.flip(1).cumsum(1).flip(1)

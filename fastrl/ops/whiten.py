@@ -33,17 +33,16 @@ class _MaskedWhitenTriton(torch.autograd.Function):
 
 
 def _masked_whiten_torch(x: torch.Tensor, mask: torch.Tensor, shift_mean: bool, eps: float) -> torch.Tensor:
-    xf = x.to(torch.float32)
-    m = mask != 0
-    mf = m.to(torch.float32)
+    xf = x.to(torch.float32).reshape(-1)
+    mf = (mask != 0).to(torch.float32).reshape(-1)
     n = mf.sum()
-    mu = (xf * mf).sum() / n.clamp(min=1.0)
-    d = (xf - mu) * mf
-    var = (d * d).sum() / (n - 1.0).clamp(min=1.0)
-    y = (xf - mu) * torch.rsqrt(var + eps)
+    mu = torch.dot(xf, mf) / n.clamp(min=1.0)
+    d = (xf - mu) * mf  # zero on masked-out entries
+    var = torch.dot(d, d) / (n - 1.0).clamp(min=1.0)
+    y = d * torch.rsqrt(var + eps)
     if not shift_mean:
-        y = y + mu
-    return torch.where(m, y, 0.0)
+        y = y + mu * mf
+    return y.reshape(x.shape)
 
 
 def masked_whiten(

@@ -104,7 +104,8 @@ def test_segment_kernel_small_blocks(block, device):
     ids = ids[perm].to(device)
     r = torch.randn(len(ids), dtype=torch.float64).to(device)
     g = dense_groups(ids)
-    mean, std, count, distinct = segment_stats(r.float(), g.perm, g.starts, g.counts, block=block)
+    counts, starts = g.counts_starts()
+    mean, std, count, distinct = segment_stats(r.float(), g.perm, starts, counts, block=block)
     for k, gid in enumerate(sorted(set(ids.tolist()))):
         vals = r[ids == gid].tolist()
         assert count[k].item() == len(vals)
@@ -113,7 +114,7 @@ def test_segment_kernel_small_blocks(block, device):
         assert distinct[k].item() == float(len(vals) > 1)
     assert torch.equal(count[len(sizes):].cpu(), torch.zeros(len(ids) - len(sizes)))  # slots past the last group
     adv = group_advantages_elementwise(
-        r.float(), g.rank, mean, std, count, torch.ones((), device=device), mode=MODE_CODES["grpo"], eps=1e-6, floor=0.1, block=block
+        r.float(), g.rank(), mean, std, count, torch.ones((), device=device), mode=MODE_CODES["grpo"], eps=1e-6, floor=0.1, block=block
     )
     ref, _ = group_advantages_reference(r.cpu(), ids.cpu())
     torch.testing.assert_close(adv.double().cpu(), ref, rtol=1e-5, atol=1e-5)
@@ -250,8 +251,9 @@ def test_step_kernel_small_blocks(device):
     B, S = sr.shape
     present = (end >= 0).view(torch.uint8).reshape(-1)
     order = (g.perm[:, None] * S + torch.arange(S, device=device)).reshape(-1)
-    mean, std, _, _ = segment_stats(sr.reshape(-1), order, g.starts * S, g.counts * S, valid=present, block=4)
-    out = step_advantages_tokens(sr, end, g.rank, mean, std, mask, eps=1e-6, block_t=16, block_s=2)
+    counts, starts = g.counts_starts()
+    mean, std, _, _ = segment_stats(sr.reshape(-1), order, starts * S, counts * S, valid=present, block=4)
+    out = step_advantages_tokens(sr, end, g.rank(), mean, std, mask, eps=1e-6, block_t=16, block_s=2)
     _check_step(out, sr, end, ids, mask)
 
 
