@@ -55,7 +55,7 @@ def _segment_stats_kernel(
     acc_min = tl.full([BLOCK], float("inf"), dtype=tl.float32)
     # while loops (not range) over the data-dependent length: the interpreter cannot
     # take a loaded scalar as a range bound.
-    off = 0
+    off = start * 0  # a tensor (not a constexpr) so it can be loop-carried
     while off < length:
         j = off + offs
         inb = j < length
@@ -72,7 +72,7 @@ def _segment_stats_kernel(
     cnt = tl.sum(acc_cnt, axis=0)
     mean = tl.sum(acc_sum, axis=0) / tl.maximum(cnt, 1.0)
     acc_m2 = tl.zeros([BLOCK], dtype=tl.float32)
-    off = 0
+    off = start * 0  # a tensor (not a constexpr) so it can be loop-carried
     while off < length:
         j = off + offs
         inb = j < length
@@ -155,7 +155,7 @@ def _step_adv_kernel(
     std = tl.load(std_ptr + g)
     acc = tl.zeros([BLOCK_T], dtype=tl.float32)
     offs_s = tl.arange(0, BLOCK_S)
-    s0 = 0
+    s0 = b * 0  # a tensor (not a constexpr) so it can be loop-carried
     while s0 < S:
         s = s0 + offs_s
         s0 += BLOCK_S

@@ -34,7 +34,7 @@ class _MaskedWhitenTriton(torch.autograd.Function):
 
 def _masked_whiten_torch(x: torch.Tensor, mask: torch.Tensor, shift_mean: bool, eps: float) -> torch.Tensor:
     xf = x.to(torch.float32).reshape(-1)
-    mf = (mask != 0).to(torch.float32).reshape(-1)
+    mf = (mask if mask.dtype == torch.bool else mask != 0).to(torch.float32).reshape(-1)
     n = mf.sum()
     mu = torch.dot(xf, mf) / n.clamp(min=1.0)
     d = (xf - mu) * mf  # zero on masked-out entries
