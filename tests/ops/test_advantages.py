@@ -16,6 +16,7 @@ from fastrl.ops._segments import dense_groups
 from fastrl.reference.advantages import GROUP_MODES, group_advantages_reference, step_advantages_reference
 
 BACKENDS = ["torch", "triton"]
+DEVICE = torch.device("cuda" if torch.cuda.is_available() else "cpu")  # hypothesis tests cannot take fixtures
 STAT_KEYS = ("frac_all_equal_groups", "effective_group_ratio", "reward_mean", "reward_std")
 
 
@@ -165,8 +166,8 @@ def test_group_property_vs_loop(data, n_groups):
 )
 def test_group_property_triton_equals_torch(rewards, seed, mode):
     g = torch.Generator().manual_seed(seed)
-    ids = torch.randint(-3, 4, (len(rewards),), generator=g) * 1000003
-    r = torch.tensor(rewards)
+    ids = (torch.randint(-3, 4, (len(rewards),), generator=g) * 1000003).to(DEVICE)
+    r = torch.tensor(rewards, device=DEVICE)
     a_t, s_t = group_advantages(r, ids, mode=mode, backend="torch")
     a_k, s_k = group_advantages(r, ids, mode=mode, backend="triton")
     torch.testing.assert_close(a_k, a_t, rtol=1e-5, atol=1e-6)
@@ -284,3 +285,52 @@ def test_step_bad_inputs():
         step_advantages(end, end, ids, mask)
     with pytest.raises(ValueError, match="eps"):
         step_advantages(sr, end, ids, mask, eps=float("inf"))
+
+
+# ---------------------------------------------------------------- no host synchronisation
+
+
+def _sync_free_calls(device, backend):
+    from fastrl.ops import masked_whiten, value_loss
+
+    r, ids = _rewards_and_ids(40, device)
+    v = torch.randn(3, 9, device=device, requires_grad=True)
+    mask = torch.rand(3, 9, device=device) > 0.3
+    calls = [lambda mode=mode: group_advantages(r, ids, mode=mode, backend=backend) for mode in GROUP_MODES]
+    calls.append(lambda: value_loss(v, v.detach() + 0.1, torch.randn(3, 9, device=device), mask, clip=0.2,
+                                    loss_agg="seq-mean-token-mean", backend=backend)[0].backward())
+    calls.append(lambda: masked_whiten(v, mask, backend=backend).sum().backward())
+    return calls
+
+
+@pytest.mark.parametrize("backend", BACKENDS)
+def test_no_host_sync(backend, device, monkeypatch):
+    """On CUDA: CUDA's sync debug mode turns any device->host sync into an error. On CPU:
+    every Python-level way of reading a tensor value is made to raise during the calls."""
+    calls = _sync_free_calls(device, backend)
+    sr, end, sids, smask = _step_case(4, 3, 8, device)
+    if device.type == "cuda":
+        calls.append(lambda: step_advantages(sr, end, sids, smask, backend=backend))
+        torch.cuda.synchronize()
+        torch.cuda.set_sync_debug_mode("error")
+        try:
+            for call in calls:
+                call()
+        finally:
+            torch.cuda.set_sync_debug_mode(0)
+        return
+    # (step_advantages is left out on CPU: there it deliberately reads the step indices
+    # to validate the layout, which costs no device sync.)
+
+    def forbidden(*args, **kwargs):
+        raise AssertionError("host read of a tensor value inside an op")
+
+    for name in ("item", "tolist", "numpy", "__bool__", "__int__", "__float__", "__index__"):
+        monkeypatch.setattr(torch.Tensor, name, forbidden)
+    for call in calls:
+        call()
+    monkeypatch.undo()
+    with pytest.raises(AssertionError, match="host read"):  # the guard itself works
+        with monkeypatch.context() as m:
+            m.setattr(torch.Tensor, "item", forbidden)
+            torch.ones(1).item()

@@ -86,7 +86,7 @@ def test_edges(backend, device):
     mask = torch.ones(2, 5, dtype=torch.bool, device=device)
     loss, metrics = value_loss(v, None, torch.ones(2, 5, device=device), mask, backend=backend)
     assert metrics["explained_variance"].item() == 0.0
-    loss_ref, _ = value_loss_reference(v.detach(), v.detach(), torch.ones(2, 5), mask.cpu())
+    loss_ref, _ = value_loss_reference(v.detach().cpu(), v.detach().cpu(), torch.ones(2, 5), mask.cpu())
     assert loss.item() == pytest.approx(loss_ref.item(), rel=1e-6)
 
 
