@@ -34,8 +34,26 @@ def _batch_mean_std(r: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     return mean, torch.sqrt((d * d).sum() / max(r.numel() - 1, 1))
 
 
+def _centred_advantages(
+    d: torch.Tensor, std: torch.Tensor, n: torch.Tensor, batch_std: torch.Tensor, mode: str, eps: float
+) -> torch.Tensor:
+    """Per-sample advantage from d = r - mean_g and the sample's group std and size."""
+    if mode == "grpo":
+        a = d / (std + eps)
+    elif mode in ("dr_grpo", "reinforce_pp"):
+        a = d
+    elif mode == "batch_std":
+        a = d / (batch_std + eps)
+    elif mode == "group_mean_batch_std_floor":
+        a = d / (torch.maximum(std, BATCH_STD_FLOOR * batch_std) + eps)
+    else:  # rloo: r - (sum_g - r) / (n - 1) = n / (n - 1) * (r - mean_g)
+        a = d * n / (n - 1.0).clamp(min=1.0)
+    return torch.where(n > 1.0, a, 0.0)
+
+
 def _group_adv_torch(r: torch.Tensor, g: DenseGroups, batch_std: torch.Tensor, mode: str, eps: float) -> tuple[torch.Tensor, torch.Tensor]:
-    """Vectorised PyTorch path, computed in the sorted order and scattered back.
+    """Sync-free vectorised PyTorch path (any device), computed in the sorted order and
+    scattered back.
 
     Returns (advantages [N] in the original order, number of groups with >= 2 distinct
     rewards as a 0-dim float32 tensor)."""
@@ -47,18 +65,7 @@ def _group_adv_torch(r: torch.Tensor, g: DenseGroups, batch_std: torch.Tensor, m
     mean = zeros.index_add(0, rk, rs) / count.clamp(min=1.0)
     d = rs - mean[rk]
     std = torch.sqrt(zeros.index_add(0, rk, d * d) / (count - 1.0).clamp(min=1.0))
-    n = count[rk]
-    if mode == "grpo":
-        a = d / (std[rk] + eps)
-    elif mode in ("dr_grpo", "reinforce_pp"):
-        a = d
-    elif mode == "batch_std":
-        a = d / (batch_std + eps)
-    elif mode == "group_mean_batch_std_floor":
-        a = d / (torch.maximum(std[rk], BATCH_STD_FLOOR * batch_std) + eps)
-    else:  # rloo: r - (sum_g - r) / (n - 1) = n / (n - 1) * (r - mean_g)
-        a = d * n / (n - 1.0).clamp(min=1.0)
-    a = torch.where(n > 1.0, a, 0.0)
+    a = _centred_advantages(d, std[rk], count[rk], batch_std, mode, eps)
     # a group has signal when some member differs from its sorted neighbour
     neq = (rs[1:] != rs[:-1]) & ~g.is_first[1:]
     n_distinct = (zeros.index_add(0, rk[1:], neq.to(torch.float32)) > 0).sum(dtype=torch.float32)
