@@ -81,7 +81,7 @@ HAND_EXPECTED = {
 
 @pytest.mark.parametrize("mode", GROUP_MODES)
 def test_group_hand_computed(mode):
-    adv, stats = group_advantages_reference(torch.tensor(HAND_R, dtype=torch.float64), torch.tensor(HAND_IDS), mode=mode, eps=0.0 + 1e-12)
+    adv, stats = group_advantages_reference(torch.tensor(HAND_R, dtype=torch.float64), torch.tensor(HAND_IDS), mode=mode, eps=1e-12)
     torch.testing.assert_close(adv, torch.tensor(HAND_EXPECTED[mode], dtype=torch.float64), rtol=1e-9, atol=1e-9)
     assert stats["frac_all_equal_groups"].item() == 0.5  # the singleton counts as all-equal
     assert stats["effective_group_ratio"].item() == 0.5
