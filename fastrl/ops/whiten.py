@@ -36,9 +36,9 @@ def _masked_whiten_torch(x: torch.Tensor, mask: torch.Tensor, shift_mean: bool, 
     xf = x.to(torch.float32).reshape(-1)
     mf = (mask if mask.dtype == torch.bool else mask != 0).to(torch.float32).reshape(-1)
     n = mf.sum()
-    mu = torch.dot(xf, mf) / n.clamp(min=1.0)
+    mu = (xf * mf).sum() / n.clamp(min=1.0)  # not torch.dot: BLAS threading stalls on busy CPUs
     d = (xf - mu) * mf  # zero on masked-out entries
-    var = torch.dot(d, d) / (n - 1.0).clamp(min=1.0)
+    var = (d * d).sum() / (n - 1.0).clamp(min=1.0)
     y = d * torch.rsqrt(var + eps)
     if not shift_mean:
         y = y + mu * mf
