@@ -41,7 +41,7 @@ def _check_group(adv, stats, rewards, ids, mode, eps=1e-6, rtol=1e-5, atol=1e-5)
 @pytest.mark.parametrize("backend", BACKENDS)
 @pytest.mark.parametrize("mode", GROUP_MODES)
 def test_group_matches_reference(backend, mode, device):
-    rewards, ids = _rewards_and_ids(53, device)
+    rewards, ids = _rewards_and_ids(29, device)
     adv, stats = group_advantages(rewards, ids, mode=mode, backend=backend)
     _check_group(adv, stats, rewards, ids, mode)
 
@@ -158,7 +158,7 @@ def test_group_property_vs_loop(data, n_groups):
     assert 0.0 <= stats["frac_all_equal_groups"].item() <= 1.0
 
 
-@settings(max_examples=8, deadline=None)
+@settings(max_examples=5, deadline=None)
 @given(
     rewards=st.lists(st.sampled_from([0.0, 1.0, 0.25]), min_size=1, max_size=24),
     seed=st.integers(0, 1000),
@@ -293,10 +293,11 @@ def test_step_bad_inputs():
 def _sync_free_calls(device, backend):
     from fastrl.ops import masked_whiten, value_loss
 
-    r, ids = _rewards_and_ids(40, device)
+    r, ids = _rewards_and_ids(24, device)
     v = torch.randn(3, 9, device=device, requires_grad=True)
     mask = torch.rand(3, 9, device=device) > 0.3
-    calls = [lambda mode=mode: group_advantages(r, ids, mode=mode, backend=backend) for mode in GROUP_MODES]
+    modes = GROUP_MODES if backend == "torch" else ("grpo", "reinforce_pp")  # the interpreter is slow
+    calls = [lambda mode=mode: group_advantages(r, ids, mode=mode, backend=backend) for mode in modes]
     calls.append(lambda: value_loss(v, v.detach() + 0.1, torch.randn(3, 9, device=device), mask, clip=0.2,
                                     loss_agg="seq-mean-token-mean", backend=backend)[0].backward())
     calls.append(lambda: masked_whiten(v, mask, backend=backend).sum().backward())

@@ -20,7 +20,7 @@ def test_kernels_compile_for_sm90(tmp_path):
     env["TRITON_CACHE_DIR"] = str(tmp_path)  # compile for real, not from a cache
     proc = subprocess.run([sys.executable, __file__], cwd=ROOT, env=env, capture_output=True, text=True, timeout=300)
     assert proc.returncode == 0, proc.stdout + proc.stderr
-    assert proc.stdout.count("ok ") == 12, proc.stdout
+    assert proc.stdout.count("ok ") == 8, proc.stdout
 
 
 def _jobs(A, V, W):
@@ -39,14 +39,13 @@ def _jobs(A, V, W):
               part_ptr="*fp32", N="i32", T="i32", NB="i32", clip="fp32")
     jobs = [
         (A._segment_stats_kernel, seg, dict(HAS_VALID=True, BLOCK=256)),
-        (A._segment_stats_kernel, {**seg, "vals_ptr": "*bf16"}, dict(HAS_VALID=False, BLOCK=256)),
-        *[(A._group_adv_kernel, grp, dict(MODE=m, BLOCK=1024)) for m in (0, 3, 4)],
+        (A._group_adv_kernel, grp, dict(MODE=3, BLOCK=1024)),
         (A._step_adv_kernel, step, dict(BLOCK_T=128, BLOCK_S=32)),
         (W._moments_kernel, mom, dict(BLOCK=1024)),
         (W._whiten_apply_kernel, app, dict(SHIFT=False, BLOCK=1024)),
         (W._grad_sums_kernel, gs, dict(BLOCK=1024)),
         (W._whiten_bwd_kernel, bwd, dict(SHIFT=True, BLOCK=1024)),
-        *[(V._value_loss_kernel, vl, dict(HAS_CLIP=hc, WRITE_GRAD=wg, BLOCK=1024)) for hc, wg in ((True, True), (False, False))],
+        (V._value_loss_kernel, vl, dict(HAS_CLIP=True, WRITE_GRAD=True, BLOCK=1024)),
     ]
     return [(fn, {**s, **{k: "constexpr" for k in c}}, c) for fn, s, c in jobs]
 
