@@ -62,6 +62,8 @@ def _attend(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale: float, key
         s = s.masked_fill(~key_mask, float("-inf"))
     lse = torch.logsumexp(s, dim=-1)
     p = torch.exp(s - lse.unsqueeze(-1)).nan_to_num_(0.0)  # an all-masked row contributes nothing
+    if key_mask is not None:  # masked slots may hold anything (even NaN): never multiply them in
+        v = v.masked_fill(~key_mask.transpose(-1, -2), 0.0)
     return torch.matmul(p, v.float()), lse
 
 
@@ -82,9 +84,12 @@ def _torch_impl(q, prefix_k, prefix_v, prefix_start, prefix_len, suffix_k, suffi
         o_p[g * G : (g + 1) * G] = o.view(Hkv, G, R, D).transpose(0, 1)
         lse_p[g * G : (g + 1) * G] = lse.view(Hkv, G, R).transpose(0, 1)
     # suffix: every sample against its own keys, all at once
-    S = suffix_k.shape[2]
-    mask = (torch.arange(S, device=q.device)[None, :] < suffix_len[:, None])[:, None, None, :]  # [B, 1, 1, S]
-    o_s, lse_s = _attend(qf.view(B, Hkv, R, D), suffix_k, suffix_v, scale, mask)
+    s_lens = suffix_len.tolist()
+    S = min(max(s_lens), suffix_k.shape[2])  # slots past every sample's length are never read
+    mask = None
+    if min(s_lens) < S:
+        mask = (torch.arange(S, device=q.device)[None, :] < suffix_len[:, None])[:, None, None, :]  # [B, 1, 1, S]
+    o_s, lse_s = _attend(qf.view(B, Hkv, R, D), suffix_k[:, :, :S], suffix_v[:, :, :S], scale, mask)
     # merge with the log-sum-exps
     mx = torch.maximum(lse_p, lse_s)
     w_p = torch.exp(lse_p - mx).unsqueeze(-1)

@@ -27,6 +27,9 @@ def make_inputs(*, prefix_lens, group_size, Hq, Hkv, D, S, suffix_lens=None, dty
     suffix_v = torch.randn(B, Hkv, S, D, device=device).to(dtype)
     if suffix_lens is None:
         suffix_lens = [S] * B
+    for b, n in enumerate(suffix_lens):  # slots past a sample's length hold garbage; they must never be read
+        suffix_k[b, :, n:] = float("nan")
+        suffix_v[b, :, n:] = float("nan")
     q = torch.randn(B, Hq, D, device=device).to(dtype)
     as_t = lambda x: torch.tensor(x, dtype=torch.int32, device=device)  # noqa: E731
     return dict(
