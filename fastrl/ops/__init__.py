@@ -4,4 +4,6 @@ Each op takes ``backend="auto" | "triton" | "torch"``: auto runs the Triton kern
 CUDA tensors and the PyTorch path otherwise.
 """
 
-__all__ = []
+from fastrl.ops.decode_attention import shared_prefix_decode_attention
+
+__all__ = ["shared_prefix_decode_attention"]

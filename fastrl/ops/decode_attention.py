@@ -55,46 +55,39 @@ def _check(q, prefix_k, prefix_v, prefix_start, prefix_len, suffix_k, suffix_v, 
     )
 
 
-def _attend(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale: float, key_mask: torch.Tensor | None = None):
-    """fp32 attention of ``q [..., M, D]`` over ``k/v [..., N, D]``; returns (out, lse)."""
-    s = torch.matmul(q, k.transpose(-1, -2).float()) * scale
-    if key_mask is not None:
-        s = s.masked_fill(~key_mask, float("-inf"))
-    lse = torch.logsumexp(s, dim=-1)
-    p = torch.exp(s - lse.unsqueeze(-1)).nan_to_num_(0.0)  # an all-masked row contributes nothing
-    if key_mask is not None:  # masked slots may hold anything (even NaN): never multiply them in
-        v = v.masked_fill(~key_mask.transpose(-1, -2), 0.0)
-    return torch.matmul(p, v.float()), lse
-
-
 def _torch_impl(q, prefix_k, prefix_v, prefix_start, prefix_len, suffix_k, suffix_v, suffix_len, group_size, scale):
+    """The cascade in PyTorch, written as one softmax over the scores of both key sources.
+
+    Prefix scores come from one batched matmul per group (all G samples x R query heads of
+    a kv head are the query rows, so the prompt is read once per group, never copied per
+    sample); suffix scores from one batched matmul for all samples. Normalising the
+    concatenated scores is the single-pass form of the log-sum-exp merge and needs fewer
+    small ops than merging two partial outputs (which matters for per-token decode on CPU).
+    """
     B, Hq, D = q.shape
     Hkv = prefix_k.shape[0]
     R = Hq // Hkv
     G = group_size
-    qf = q.float()
-    # prefix: one batched matmul per group, all G samples x R heads of a kv head as query rows
-    o_p = torch.empty(B, Hkv, R, D, dtype=torch.float32, device=q.device)
-    lse_p = torch.empty(B, Hkv, R, dtype=torch.float32, device=q.device)
-    starts = prefix_start.tolist()  # host copy: the torch path loops over groups
-    lens = prefix_len.tolist()
-    for g, (a, n) in enumerate(zip(starts, lens)):
-        qg = qf[g * G : (g + 1) * G].view(G, Hkv, R, D).transpose(0, 1).reshape(Hkv, G * R, D)
-        o, lse = _attend(qg, prefix_k[:, a : a + n], prefix_v[:, a : a + n], scale)
-        o_p[g * G : (g + 1) * G] = o.view(Hkv, G, R, D).transpose(0, 1)
-        lse_p[g * G : (g + 1) * G] = lse.view(Hkv, G, R).transpose(0, 1)
+    qs = (q.float() * scale).view(B, Hkv, R, D)
     # suffix: every sample against its own keys, all at once
-    s_lens = suffix_len.tolist()
+    s_lens = suffix_len.tolist()  # host copy (the torch path sizes its slices from it)
     S = min(max(s_lens), suffix_k.shape[2])  # slots past every sample's length are never read
-    mask = None
-    if min(s_lens) < S:
-        mask = (torch.arange(S, device=q.device)[None, :] < suffix_len[:, None])[:, None, None, :]  # [B, 1, 1, S]
-    o_s, lse_s = _attend(qf.view(B, Hkv, R, D), suffix_k[:, :, :S], suffix_v[:, :, :S], scale, mask)
-    # merge with the log-sum-exps
-    mx = torch.maximum(lse_p, lse_s)
-    w_p = torch.exp(lse_p - mx).unsqueeze(-1)
-    w_s = torch.exp(lse_s - mx).unsqueeze(-1)
-    out = (w_p * o_p + w_s * o_s) / (w_p + w_s)
+    ks, vs = suffix_k[:, :, :S], suffix_v[:, :, :S].float()
+    ss = torch.matmul(qs, ks.transpose(-1, -2).float())  # [B, Hkv, R, S]
+    if min(s_lens) < S:  # unequal lengths: mask the scores, and zero the values (a stale slot may hold NaN)
+        valid = torch.arange(S, device=q.device)[None, :] < suffix_len[:, None]  # [B, S]
+        ss = ss.masked_fill(~valid[:, None, None, :], float("-inf"))
+        vs = vs.masked_fill(~valid[:, None, :, None], 0.0)
+    out = torch.empty(B, Hkv, R, D, dtype=torch.float32, device=q.device)
+    for g, (a, n) in enumerate(zip(prefix_start.tolist(), prefix_len.tolist())):
+        rows = slice(g * G, (g + 1) * G)
+        qg = qs[rows].transpose(0, 1).reshape(Hkv, G * R, D)
+        sp = torch.matmul(qg, prefix_k[:, a : a + n].transpose(-1, -2).float())  # [Hkv, G*R, n]
+        ssg = ss[rows].transpose(0, 1).reshape(Hkv, G * R, S)
+        p = torch.softmax(torch.cat([sp, ssg], dim=-1), dim=-1)
+        o_prefix = torch.matmul(p[..., :n], prefix_v[:, a : a + n].float())  # [Hkv, G*R, D]
+        o_suffix = torch.matmul(p[..., n:].reshape(Hkv, G, R, S).transpose(0, 1), vs[rows])  # [G, Hkv, R, D]
+        out[rows] = o_prefix.view(Hkv, G, R, D).transpose(0, 1) + o_suffix
     return out.view(B, Hq, D).to(q.dtype)
 
 
@@ -133,7 +126,13 @@ def shared_prefix_decode_attention(
         ``prefix_start``/``prefix_len`` on the host (a sync on CUDA); the Triton one does not.
     """
     _check(q, prefix_k, prefix_v, prefix_start, prefix_len, suffix_k, suffix_v, suffix_len, group_size, scale)
-    if resolve_backend(backend, q.device) == "triton":
+    return _dispatch(q, prefix_k, prefix_v, prefix_start, prefix_len, suffix_k, suffix_v, suffix_len, group_size, scale, resolve_backend(backend, q.device))
+
+
+def _dispatch(q, prefix_k, prefix_v, prefix_start, prefix_len, suffix_k, suffix_v, suffix_len, group_size, scale, backend):
+    """Run a resolved backend without re-validating (the sampler's decode loop checks its
+    tensors once per rollout, then calls this for every layer and step)."""
+    if backend == "triton":
         from csrc_triton.decode_attention import shared_prefix_decode_attention_triton
 
         return shared_prefix_decode_attention_triton(

@@ -46,7 +46,7 @@ import torch
 import torch.nn.functional as F
 
 from fastrl._checks import check_choice, resolve_backend
-from fastrl.ops.decode_attention import shared_prefix_decode_attention
+from fastrl.ops.decode_attention import _dispatch, shared_prefix_decode_attention
 from fastrl.rollout.base import RolloutBatch, RolloutStats, SamplingConfig, pack_batch, validate_prompts
 
 ATTN_NAME = "fastrl_shared_prefix"
@@ -116,19 +116,11 @@ class SharedPrefixKV:
         sk, sv = self.suffix_k[layer], self.suffix_v[layer]
         sk[:, :, self.step] = key[:, :, 0]
         sv[:, :, self.step] = value[:, :, 0]
-        out = shared_prefix_decode_attention(
-            query[:, :, 0],
-            self.prefix_k[layer],
-            self.prefix_v[layer],
-            self.prefix_start,
-            self.prefix_len,
-            sk,
-            sv,
-            self.suffix_len,
-            group_size=self.group_size,
-            scale=scaling,
-            backend=self.backend,
-        )
+        args = (query[:, :, 0], self.prefix_k[layer], self.prefix_v[layer], self.prefix_start, self.prefix_len, sk, sv, self.suffix_len)
+        if self.step == 0:  # validate the layer's tensors once per rollout, not at every token
+            out = shared_prefix_decode_attention(*args, group_size=self.group_size, scale=scaling, backend=self.backend)
+        else:
+            out = _dispatch(*args, self.group_size, scaling, self.backend)
         return out.unsqueeze(1)  # [B, 1, Hq, D]
 
 

@@ -10,6 +10,15 @@ from fastrl.ops.decode_attention import shared_prefix_decode_attention
 from fastrl.reference.decode_attention import shared_prefix_decode_attention_reference as reference
 
 
+@pytest.fixture(autouse=True, scope="module")
+def _one_thread():
+    """Tiny per-token ops: one intra-op thread avoids wake-up stalls on a shared CPU."""
+    before = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(before)
+
+
 def make_inputs(*, prefix_lens, group_size, Hq, Hkv, D, S, suffix_lens=None, dtype=torch.float32, device="cpu", alias=None):
     """Packed prefixes (optionally non-contiguous, like a transposed projection) and suffixes."""
     n_groups = len(prefix_lens)

@@ -11,6 +11,15 @@ VOCAB = 256
 EOS = 3
 
 
+@pytest.fixture(autouse=True, scope="module")
+def _one_thread():
+    """Tiny per-token ops: one intra-op thread avoids wake-up stalls on a shared CPU."""
+    before = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(before)
+
+
 def tiny(kind: str, *, seed: int = 0, eos=EOS, max_pos: int = 256):
     torch.manual_seed(seed)
     common = dict(
@@ -58,6 +67,18 @@ def test_greedy_equals_model_generate(kind):
     assert model.config._attn_implementation != ATTN_NAME
 
 
+def test_greedy_with_eos_finishing_some_samples_early():
+    model = tiny("llama", eos=None)
+    eos = hf_greedy(model, PROMPTS[0], 10)[3]  # prompt 0 ends at its 4th token, the others run on
+    model.config.eos_token_id = model.generation_config.eos_token_id = eos
+    batch = HFGroupSampler(model).generate(PROMPTS, group_size=2, sampling=SamplingConfig(greedy=True, max_new_tokens=10))
+    assert batch.finish_reasons[:2] == ["stop", "stop"] and len(batch.completion_ids[0]) == 4
+    for i, p in enumerate(PROMPTS):
+        want = hf_greedy(model, p, 10)
+        assert batch.completion_ids[2 * i] == batch.completion_ids[2 * i + 1] == want
+    assert "length" in batch.finish_reasons
+
+
 def test_greedy_triton_backend_matches_torch_backend():
     # the Triton kernels (interpreter on CPU) inside the real decode loop
     model = tiny("llama")
@@ -97,7 +118,7 @@ def test_sampler_logp_equals_training_forward(kind):
         assert batch.input_ids[b, p : p + n].tolist() == batch.completion_ids[b]
 
 
-def test_sampler_logp_with_top_k_and_top_p_is_the_filtered_distribution():
+def test_sampler_logp_with_top_k_is_the_filtered_distribution():
     model = tiny("llama")
     T, k = 1.3, 20
     batch = HFGroupSampler(model).generate(PROMPTS[:2], group_size=4, sampling=SamplingConfig(temperature=T, top_k=k, max_new_tokens=8, seed=3))
