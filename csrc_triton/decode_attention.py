@@ -78,13 +78,13 @@ def _prefix_attn_kernel(
             mask=k_ok[:, None] & d_ok[None, :],
             other=0.0,
         ).to(tl.float32)
-        s = tl.dot(q, tl.trans(k)) * scale
+        s = tl.dot(q, tl.trans(k), input_precision="ieee") * scale  # ieee: no TF32 rounding of fp32 inputs
         s = tl.where(k_ok[None, :], s, float("-inf"))
         m_new = tl.maximum(m_i, tl.max(s, axis=1))
         alpha = tl.where(m_new == float("-inf"), 0.0, tl.exp(m_i - m_new))
         p = tl.where(k_ok[None, :], tl.exp(s - m_new[:, None]), 0.0)
         l_i = l_i * alpha + tl.sum(p, axis=1)
-        acc = acc * alpha[:, None] + tl.dot(p, v)
+        acc = acc * alpha[:, None] + tl.dot(p, v, input_precision="ieee")
         m_i = m_new
         s0 += BLOCK_N
 

@@ -55,7 +55,11 @@ def _check(q, prefix_k, prefix_v, prefix_start, prefix_len, suffix_k, suffix_v, 
     )
 
 
-def _torch_impl(q, prefix_k, prefix_v, prefix_start, prefix_len, suffix_k, suffix_v, suffix_len, group_size, scale):
+def _f32(x: torch.Tensor) -> torch.Tensor:
+    return x if x.dtype == torch.float32 else x.float()
+
+
+def _torch_impl(q, prefix_k, prefix_v, prefix_start, prefix_len, suffix_k, suffix_v, suffix_len, group_size, scale, host_lengths=None):
     """The cascade in PyTorch, written as one softmax over the scores of both key sources.
 
     Prefix scores come from one batched matmul per group (all G samples x R query heads of
@@ -63,31 +67,34 @@ def _torch_impl(q, prefix_k, prefix_v, prefix_start, prefix_len, suffix_k, suffi
     sample); suffix scores from one batched matmul for all samples. Normalising the
     concatenated scores is the single-pass form of the log-sum-exp merge and needs fewer
     small ops than merging two partial outputs (which matters for per-token decode on CPU).
+    ``host_lengths`` = (prefix starts, prefix lengths, suffix lengths) as Python lists, when
+    the caller already has them (otherwise they are copied from the tensors).
     """
     B, Hq, D = q.shape
     Hkv = prefix_k.shape[0]
     R = Hq // Hkv
     G = group_size
-    qs = (q.float() * scale).view(B, Hkv, R, D)
-    # suffix: every sample against its own keys, all at once
-    s_lens = suffix_len.tolist()  # host copy (the torch path sizes its slices from it)
+    if host_lengths is None:
+        host_lengths = (prefix_start.tolist(), prefix_len.tolist(), suffix_len.tolist())
+    starts, lens, s_lens = host_lengths
     S = min(max(s_lens), suffix_k.shape[2])  # slots past every sample's length are never read
-    ks, vs = suffix_k[:, :, :S], suffix_v[:, :, :S].float()
-    ss = torch.matmul(qs, ks.transpose(-1, -2).float())  # [B, Hkv, R, S]
+    qs = _f32(q) * scale  # [B, Hq, D]
+    # suffix: every sample against its own keys, all at once -> [B, Hkv, R, S]
+    ks, vs = _f32(suffix_k[:, :, :S]), _f32(suffix_v[:, :, :S])
+    ss = torch.matmul(qs.view(B, Hkv, R, D), ks.transpose(-1, -2))
     if min(s_lens) < S:  # unequal lengths: mask the scores, and zero the values (a stale slot may hold NaN)
         valid = torch.arange(S, device=q.device)[None, :] < suffix_len[:, None]  # [B, S]
         ss = ss.masked_fill(~valid[:, None, None, :], float("-inf"))
         vs = vs.masked_fill(~valid[:, None, :, None], 0.0)
     out = torch.empty(B, Hkv, R, D, dtype=torch.float32, device=q.device)
-    for g, (a, n) in enumerate(zip(prefix_start.tolist(), prefix_len.tolist())):
+    for g, (a, n) in enumerate(zip(starts, lens)):
         rows = slice(g * G, (g + 1) * G)
-        qg = qs[rows].transpose(0, 1).reshape(Hkv, G * R, D)
-        sp = torch.matmul(qg, prefix_k[:, a : a + n].transpose(-1, -2).float())  # [Hkv, G*R, n]
+        qg = qs[rows].view(G, Hkv, R, D).transpose(0, 1).reshape(Hkv, G * R, D)
+        sp = torch.bmm(qg, _f32(prefix_k[:, a : a + n]).transpose(1, 2))  # [Hkv, G*R, n]
         ssg = ss[rows].transpose(0, 1).reshape(Hkv, G * R, S)
         p = torch.softmax(torch.cat([sp, ssg], dim=-1), dim=-1)
-        o_prefix = torch.matmul(p[..., :n], prefix_v[:, a : a + n].float())  # [Hkv, G*R, D]
-        o_suffix = torch.matmul(p[..., n:].reshape(Hkv, G, R, S).transpose(0, 1), vs[rows])  # [G, Hkv, R, D]
-        out[rows] = o_prefix.view(Hkv, G, R, D).transpose(0, 1) + o_suffix
+        o = torch.bmm(p[..., :n], _f32(prefix_v[:, a : a + n])).view(Hkv, G, R, D).transpose(0, 1)  # [G, Hkv, R, D]
+        out[rows] = torch.matmul(p[..., n:].reshape(Hkv, G, R, S).transpose(0, 1), vs[rows]).add_(o)
     return out.view(B, Hq, D).to(q.dtype)
 
 
@@ -129,7 +136,7 @@ def shared_prefix_decode_attention(
     return _dispatch(q, prefix_k, prefix_v, prefix_start, prefix_len, suffix_k, suffix_v, suffix_len, group_size, scale, resolve_backend(backend, q.device))
 
 
-def _dispatch(q, prefix_k, prefix_v, prefix_start, prefix_len, suffix_k, suffix_v, suffix_len, group_size, scale, backend):
+def _dispatch(q, prefix_k, prefix_v, prefix_start, prefix_len, suffix_k, suffix_v, suffix_len, group_size, scale, backend, host_lengths=None):
     """Run a resolved backend without re-validating (the sampler's decode loop checks its
     tensors once per rollout, then calls this for every layer and step)."""
     if backend == "triton":
@@ -138,4 +145,4 @@ def _dispatch(q, prefix_k, prefix_v, prefix_start, prefix_len, suffix_k, suffix_
         return shared_prefix_decode_attention_triton(
             q, prefix_k, prefix_v, prefix_start, prefix_len, suffix_k, suffix_v, suffix_len, group_size, float(scale)
         )
-    return _torch_impl(q, prefix_k, prefix_v, prefix_start, prefix_len, suffix_k, suffix_v, suffix_len, group_size, float(scale))
+    return _torch_impl(q, prefix_k, prefix_v, prefix_start, prefix_len, suffix_k, suffix_v, suffix_len, group_size, float(scale), host_lengths)

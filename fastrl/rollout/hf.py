@@ -77,10 +77,19 @@ class SharedPrefixKV:
         self.mode = "decode"
         self.prefix_start = prefix_start  # [num_prompts] into the packed prefix
         self.prefix_len = prefix_len
+        self._host_starts = prefix_start.tolist()
+        self._host_lens = prefix_len.tolist()
         self.group_size = group_size
         self.batch = batch
         self.capacity = capacity
         self.step = 0  # suffix slot the next token's keys/values go to
+
+    def set_step(self, step: int) -> None:
+        """Before decode forward ``step``: its token goes to suffix slot ``step``, so every
+        sample attends to ``step + 1`` suffix slots."""
+        self.step = step
+        self.suffix_len = torch.full((self.batch,), step + 1, dtype=torch.int32, device=self.prefix_start.device)
+        self.host_lengths = (self._host_starts, self._host_lens, [step + 1] * self.batch)
 
     def bytes(self) -> int:
         total = 0
@@ -120,7 +129,7 @@ class SharedPrefixKV:
         if self.step == 0:  # validate the layer's tensors once per rollout, not at every token
             out = shared_prefix_decode_attention(*args, group_size=self.group_size, scale=scaling, backend=self.backend)
         else:
-            out = _dispatch(*args, self.group_size, scaling, self.backend)
+            out = _dispatch(*args, self.group_size, scaling, self.backend, self.host_lengths)
         return out.unsqueeze(1)  # [B, 1, Hq, D]
 
 
@@ -316,8 +325,7 @@ class HFGroupSampler:
                     finished |= torch.isin(tok, stop_ids)
                 if step == L - 1 or bool(finished.all()):
                     break
-                kv.step = step
-                kv.suffix_len = torch.full((B,), step + 1, dtype=torch.int32, device=device)
+                kv.set_step(step)
                 out = model(
                     input_ids=tok[:, None], position_ids=(base_pos + step)[:, None], use_cache=False, **{_KV_KWARG: kv}
                 )

@@ -266,3 +266,12 @@ def test_bad_constructor_arguments():
                                            sliding_window=8, max_window_layers=0))
     with pytest.raises(ValueError, match="full-attention"):
         HFGroupSampler(sliding)
+
+
+def test_bench_cases_registered():
+    from fastrl.bench.cases_rollout import cases
+    from fastrl.cli import BENCH_MODULES
+
+    assert "cases_rollout" in BENCH_MODULES
+    (case,) = cases(torch.device("cpu"), quick=True)
+    assert set(case.impls) == {"fastrl", "hf_generate_dup"} and case.fastrl == "fastrl"
