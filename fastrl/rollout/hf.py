@@ -103,7 +103,10 @@ class SharedPrefixKV:
         layer = module.layer_idx
         if self.mode == "prefill":
             # query [1, Hq, sum P, D], key/value [1, Hkv, sum P, D]; causal within each prompt
-            self.prefix_k[layer], self.prefix_v[layer] = key[0], value[0]
+            if self.backend == "torch":  # contiguous [Hkv, N, D]: plain BLAS layouts for the per-step matmuls
+                self.prefix_k[layer], self.prefix_v[layer] = key[0].contiguous(), value[0].contiguous()
+            else:  # the kernel takes any strides: keep the projections' own memory, no copy
+                self.prefix_k[layer], self.prefix_v[layer] = key[0], value[0]
             self.peak_bytes = max(self.peak_bytes, self.bytes())
             gqa = query.shape[1] != key.shape[1]
             outs = []
