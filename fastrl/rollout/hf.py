@@ -6,7 +6,8 @@ prompt. The work it does:
 1. **Prefill once.** The distinct prompts are packed into one ``[1, sum P]`` sequence
    (positions restart at 0 for each prompt) and run through the model once; attention
    is causal within each prompt. The prompt keys/values of every layer are kept as they
-   come out of the projections -- one copy per distinct prompt, never repeated G times.
+   come out of the projections (made contiguous once for the CPU path) -- one copy per
+   distinct prompt, never repeated G times.
 2. **Decode in one batch.** All ``B = num_prompts * G`` samples step together (prompts of
    different lengths in one batch; positions are per sample). Each new token's keys/values
    go into a per-sample suffix buffer ``[B, Hkv, max_new_tokens - 1, D]``; attention is the
@@ -58,8 +59,9 @@ __all__ = ["HFGroupSampler", "SharedPrefixKV", "ATTN_NAME"]
 class SharedPrefixKV:
     """Per-layer KV store of one rollout: packed distinct prompts + per-sample suffixes.
 
-    ``prefix_k[l]``/``prefix_v[l]``: ``[Hkv, sum P, D]`` (views of the prefill's key/value
-    projections, no copy). ``suffix_k[l]``/``suffix_v[l]``: ``[B, Hkv, capacity, D]``.
+    ``prefix_k[l]``/``prefix_v[l]``: ``[Hkv, sum P, D]`` (Triton: views of the prefill's
+    key/value projections, no copy; torch: one contiguous copy per rollout, the projection
+    is freed after the layer). ``suffix_k[l]``/``suffix_v[l]``: ``[B, Hkv, capacity, D]``.
     """
 
     def __init__(self, *, num_layers: int, cu_seqlens: list[int], backend: str):
