@@ -2,6 +2,7 @@
 
 from fastrl.rollout.base import GroupSampler, RolloutBatch, RolloutStats, SamplingConfig, pack_batch, validate_prompts
 from fastrl.rollout.hf import HFGroupSampler
+from fastrl.rollout.vllm import VLLMGroupSampler  # imports vllm only when constructed
 
 __all__ = [
     "GroupSampler",
@@ -9,6 +10,7 @@ __all__ = [
     "RolloutBatch",
     "RolloutStats",
     "SamplingConfig",
+    "VLLMGroupSampler",
     "pack_batch",
     "validate_prompts",
 ]

