@@ -1,0 +1,372 @@
+"""Log-probs (and entropy) of targets under a linear LM head, without [tokens, vocab] logits.
+
+``linear_logprobs(hidden, weight, targets)`` equals
+``log_softmax((hidden @ weight.T + bias) / temperature).gather(-1, targets)`` (see
+``fastrl.reference.logprobs`` for the formula), but never holds the logits: the forward
+keeps four fp32 numbers per token (running max, sum of exponentials, entropy term and
+target logit) and the backward recomputes the logits tile by tile (Triton) or chunk by
+chunk (PyTorch) to form the gradients of ``hidden``, ``weight`` and ``bias``.
+
+``fused_linear_policy_loss`` feeds those log-probs straight into
+``fastrl.ops.policy_loss``.
+"""
+
+from __future__ import annotations
+
+import os
+from typing import Any
+
+import torch
+import torch.distributed as dist
+
+from fastrl._checks import (
+    check_float,
+    check_int,
+    check_nonempty,
+    check_same_device,
+    check_scalar,
+    resolve_backend,
+)
+
+__all__ = ["linear_logprobs"]
+
+# PyTorch path: size in bytes of one fp32 [chunk_tokens, V] work buffer (two are live at
+# a time). Override with FASTRL_LOGPROBS_CHUNK_MB.
+TORCH_CHUNK_BYTES = int(float(os.environ.get("FASTRL_LOGPROBS_CHUNK_MB", "256")) * 2**20)
+
+
+def _chunk_rows(vocab: int) -> int:
+    return max(1, TORCH_CHUNK_BYTES // (4 * max(vocab, 1)))
+
+
+# --------------------------------------------------------------------------- helpers
+
+
+def _shard_info(weight: torch.Tensor, group: Any) -> tuple[torch.Tensor, torch.Tensor]:
+    """(vocab offset of this rank's rows, total vocab size) as 0-dim int64 tensors."""
+    v_local = torch.tensor([weight.shape[0]], dtype=torch.int64, device=weight.device)
+    if group is None:
+        return torch.zeros((), dtype=torch.int64, device=weight.device), v_local[0]
+    world = dist.get_world_size(group)
+    sizes = [torch.empty_like(v_local) for _ in range(world)]
+    dist.all_gather(sizes, v_local, group=group)
+    sizes_t = torch.cat(sizes)
+    rank = dist.get_rank(group)
+    return sizes_t[:rank].sum(), sizes_t.sum()
+
+
+def _combine(m, s, w, t, group):
+    """Per-row (m, s, w, t) of one vocab shard -> (lse, logp, entropy) of the full vocab.
+
+    ``s`` and ``w`` are relative to ``m``: s = sum exp(u - m), w = sum exp(u - m) (u - m).
+    """
+    if group is not None:
+        m_glob = m.clone()
+        dist.all_reduce(m_glob, op=dist.ReduceOp.MAX, group=group)
+        a = torch.exp(m - m_glob)
+        parts = [a * s, t]
+        if w is not None:
+            parts.append(a * (w + (m - m_glob) * s))
+        packed = torch.stack(parts)
+        dist.all_reduce(packed, op=dist.ReduceOp.SUM, group=group)
+        s, t = packed[0], packed[1]
+        w = packed[2] if w is not None else None
+        m = m_glob
+    log_s = torch.log(s)
+    lse = m + log_s
+    logp = t - lse
+    ent = log_s - w / s if w is not None else None
+    return lse, logp, ent
+
+
+def _torch_logits(h, weight, bias, inv_temp):
+    z = h @ weight.T
+    if bias is not None:
+        z += bias
+    if z.dtype != torch.float32:
+        z = z.float()
+    if inv_temp != 1.0:
+        z *= inv_temp
+    return z
+
+
+def _torch_stats(h, weight, bias, y, inv_temp, with_entropy):
+    """(m, s, w, t) for rows of ``h``, chunked over rows: peak extra memory O(chunk x V)."""
+    n = h.shape[0]
+    f32 = dict(dtype=torch.float32, device=h.device)
+    m, s, t = torch.empty(n, **f32), torch.empty(n, **f32), torch.empty(n, **f32)
+    w = torch.empty(n, **f32) if with_entropy else None
+    step = _chunk_rows(weight.shape[0])
+    for i in range(0, n, step):
+        sl = slice(i, min(i + step, n))
+        z = _torch_logits(h[sl], weight, bias, inv_temp)
+        mc = z.amax(1)
+        z -= mc[:, None]
+        yc = y[sl]
+        tc = z.gather(1, yc.clamp(min=0)[:, None]).squeeze(1) + mc
+        t[sl] = torch.where(yc >= 0, tc, torch.zeros_like(tc))
+        m[sl] = mc
+        e = torch.exp(z)
+        s[sl] = e.sum(1)
+        if with_entropy:
+            w[sl] = torch.linalg.vecdot(e, z)
+        del z, e
+    return m, s, w, t
+
+
+def _torch_grads(h, weight, bias, y, lse, ent, gl, ge, inv_temp, need_h, need_w, need_b):
+    """Gradients wrt hidden/weight/bias, recomputing logits chunk by chunk."""
+    n, hd = h.shape
+    v = weight.shape[0]
+    gh = torch.empty(n, hd, dtype=h.dtype, device=h.device) if need_h else None
+    gw = torch.zeros(v, hd, dtype=torch.float32, device=h.device) if need_w else None
+    gb = torch.zeros(v, dtype=torch.float32, device=h.device) if need_b else None
+    step = _chunk_rows(v)
+    for i in range(0, n, step):
+        sl = slice(i, min(i + step, n))
+        z = _torch_logits(h[sl], weight, bias, inv_temp)
+        z -= lse[sl, None]  # log p
+        p = torch.exp(z)
+        glc = gl[sl]
+        if ge is not None:
+            # g = gl * (onehot - p) - ge * p * (log p + entropy)
+            z += ent[sl, None]
+            z *= p
+            z *= -ge[sl, None]
+            p *= glc[:, None]
+            z -= p
+            g = z
+            del p
+        else:
+            g = p
+            g *= -glc[:, None]
+            del z
+        yc = y[sl]
+        g.scatter_add_(1, yc.clamp(min=0)[:, None], torch.where(yc >= 0, glc, torch.zeros_like(glc))[:, None])
+        if inv_temp != 1.0:
+            g *= inv_temp
+        if gb is not None:
+            gb += g.sum(0)
+        gq = g if h.dtype == torch.float32 else g.to(h.dtype)
+        del g
+        if gh is not None:
+            torch.mm(gq, weight, out=gh[sl])
+        if gw is not None:
+            if gq.dtype == torch.float32:
+                gw.addmm_(gq.T, h[sl])
+            else:
+                gw += gq.T @ h[sl]
+        del gq
+    return gh, gw, gb
+
+
+# --------------------------------------------------------------------------- autograd
+
+
+class _LinearLogprobs(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, hidden, weight, bias, targets, offset, temperature, with_entropy, ignore_index, group, impl, tiles):
+        # hidden [N, H], weight [V_local, H], bias [V_local] | None, targets [N] int64 (global ids)
+        ctx.set_materialize_grads(False)
+        n = hidden.shape[0]
+        inv_temp = 1.0 / temperature
+        valid = targets != ignore_index
+        y_local = targets - offset
+        in_shard = valid & (y_local >= 0) & (y_local < weight.shape[0])
+        y_local = torch.where(in_shard, y_local, torch.full_like(y_local, -1))
+
+        if impl == "triton":
+            from csrc_triton.logprobs import logprobs_fwd
+
+            # Valid rows first, so ignored rows are skipped without a host sync.
+            idx = torch.argsort((~valid).to(torch.int8), stable=True)
+            n_work = valid.sum().to(torch.int32).reshape(1)
+            h_w = hidden.index_select(0, idx).contiguous()
+            y_w = y_local.index_select(0, idx).contiguous()
+            m, s, w, t = logprobs_fwd(h_w, weight, bias, y_w, n_work, inv_temp=inv_temp, with_entropy=with_entropy, tiles=tiles)
+            row_ok = torch.arange(n, device=hidden.device) < n_work
+        else:
+            if hidden.device.type == "cpu":
+                idx = valid.nonzero().squeeze(1)  # free on CPU: no device to sync with
+                h_w, y_w = hidden.index_select(0, idx), y_local.index_select(0, idx)
+                row_ok = None
+            else:
+                idx, h_w, y_w = None, hidden, y_local
+                row_ok = valid
+            n_work = None
+            m, s, w, t = _torch_stats(h_w, weight, bias, y_w, inv_temp, with_entropy)
+
+        lse, logp_w, ent_w = _combine(m, s, w, t, group)
+        if row_ok is not None:
+            zero = torch.zeros((), dtype=torch.float32, device=hidden.device)
+            logp_w = torch.where(row_ok, logp_w, zero)
+            ent_w = torch.where(row_ok, ent_w, zero) if ent_w is not None else None
+        if idx is not None:
+            logp = torch.zeros(n, dtype=torch.float32, device=hidden.device).index_copy_(0, idx, logp_w[: idx.shape[0]])
+            ent = (
+                torch.zeros(n, dtype=torch.float32, device=hidden.device).index_copy_(0, idx, ent_w[: idx.shape[0]])
+                if ent_w is not None
+                else None
+            )
+        else:
+            logp, ent = logp_w, ent_w
+
+        ctx.save_for_backward(h_w, weight, bias, y_w, lse, ent_w, idx, n_work, row_ok if idx is None else None)
+        ctx.cfg = (n, inv_temp, group, impl, tiles, with_entropy)
+        if with_entropy:
+            return logp, ent
+        return logp, None
+
+    @staticmethod
+    def backward(ctx, grad_logp, grad_ent):
+        h_w, weight, bias, y_w, lse, ent_w, idx, n_work, row_ok = ctx.saved_tensors
+        n, inv_temp, group, impl, tiles, with_entropy = ctx.cfg
+        need_h, need_w, need_b = ctx.needs_input_grad[0], ctx.needs_input_grad[1], bias is not None and ctx.needs_input_grad[2]
+        if grad_logp is None and grad_ent is None:
+            return (None,) * 11
+        dev = h_w.device
+        if grad_logp is None:
+            grad_logp = torch.zeros(n, dtype=torch.float32, device=dev)
+        gl = grad_logp.float()
+        ge = grad_ent.float() if (with_entropy and grad_ent is not None) else None
+        if idx is not None:
+            gl = gl.index_select(0, idx)
+            ge = ge.index_select(0, idx) if ge is not None else None
+        else:  # PyTorch path on CUDA, no compaction: ignored rows get zero gradient
+            gl = torch.where(row_ok, gl, torch.zeros_like(gl))
+            ge = torch.where(row_ok, ge, torch.zeros_like(ge)) if ge is not None else None
+        if impl == "triton":
+            from csrc_triton.logprobs import logprobs_bwd
+
+            gl = gl.contiguous()
+            ge = ge.contiguous() if ge is not None else None
+            gh, gw, gb = logprobs_bwd(
+                h_w, weight, bias, y_w, n_work, lse, ent_w if ge is not None else None, gl, ge,
+                inv_temp=inv_temp, need_hidden=need_h, need_weight=need_w or need_b, tiles=tiles,
+            )
+        else:
+            gh, gw, gb = _torch_grads(h_w, weight, bias, y_w, lse, ent_w, gl, ge, inv_temp, need_h, need_w, need_b)
+        grad_hidden = grad_weight = grad_bias = None
+        if need_h:
+            if group is not None:
+                gh = gh.float() if gh.dtype != torch.float32 else gh
+                dist.all_reduce(gh, op=dist.ReduceOp.SUM, group=group)
+            gh = gh.to(h_w.dtype)
+            if idx is not None:
+                grad_hidden = torch.zeros(n, gh.shape[1], dtype=h_w.dtype, device=dev).index_copy_(0, idx, gh[: idx.shape[0]])
+            else:
+                grad_hidden = gh
+        if need_w:
+            grad_weight = gw.to(weight.dtype)
+        if need_b:
+            grad_bias = gb.to(bias.dtype)
+        return grad_hidden, grad_weight, grad_bias, None, None, None, None, None, None, None, None
+
+
+# --------------------------------------------------------------------------- public op
+
+
+def _validate(hidden, weight, targets, bias, temperature, ignore_index):
+    check_float("hidden", hidden)
+    if hidden.dim() < 1:
+        raise ValueError("hidden must have shape [..., H], got a 0-dim tensor")
+    check_float("weight", weight, ndim=2)
+    check_int("targets", targets)
+    if tuple(targets.shape) != tuple(hidden.shape[:-1]):
+        raise ValueError(f"targets must have shape {tuple(hidden.shape[:-1])} (hidden.shape[:-1]), got {tuple(targets.shape)}")
+    if weight.shape[1] != hidden.shape[-1]:
+        raise ValueError(
+            f"weight must have shape [V, H] with H = hidden.shape[-1] = {hidden.shape[-1]}, got {tuple(weight.shape)}"
+        )
+    check_nonempty("targets", targets)
+    check_nonempty("weight", weight)
+    if hidden.shape[-1] == 0:
+        raise ValueError("hidden has H = 0 features")
+    if bias is not None:
+        check_float("bias", bias, shape=(weight.shape[0],))
+    check_scalar("temperature", temperature, low=0.0, low_inclusive=False)
+    if isinstance(ignore_index, bool) or not isinstance(ignore_index, int):
+        raise TypeError(f"ignore_index must be an int, got {type(ignore_index).__name__}")
+    return check_same_device(hidden=hidden, weight=weight, targets=targets, bias=bias)
+
+
+def _check_target_range(targets, ignore_index, vocab_total):
+    """Targets must be in [0, V) or equal ignore_index. On CPU this raises ValueError; on
+    CUDA it is a device-side assert (no host sync)."""
+    bad = (targets != ignore_index) & ((targets < 0) | (targets >= vocab_total))
+    if targets.device.type == "cpu":
+        if bool(bad.any()):
+            first = targets[bad][0].item()
+            raise ValueError(
+                f"targets must be in [0, {int(vocab_total)}) or equal ignore_index={ignore_index}; found {first}"
+            )
+    else:
+        torch._assert_async(~bad.any(), "fastrl.linear_logprobs: targets out of range [0, V) (and not ignore_index)")
+
+
+def linear_logprobs(
+    hidden: torch.Tensor,
+    weight: torch.Tensor,
+    targets: torch.Tensor,
+    *,
+    bias: torch.Tensor | None = None,
+    temperature: float = 1.0,
+    return_entropy: bool = False,
+    ignore_index: int = -100,
+    process_group: Any = None,
+    backend: str = "auto",
+    tiles: dict[str, dict[str, int]] | None = None,
+) -> torch.Tensor | tuple[torch.Tensor, torch.Tensor]:
+    """Log-prob of each target token under ``softmax((hidden @ weight.T + bias) / temperature)``.
+
+    Args:
+        hidden: [..., H] last hidden states, any float dtype.
+        weight: [V, H] LM head (the vocabulary rows of this rank when ``process_group``).
+        targets: [...] (= ``hidden.shape[:-1]``) integer token ids in [0, V_total), or
+            ``ignore_index``.
+        bias: optional [V] LM head bias.
+        temperature: logits are divided by it (> 0), as samplers do.
+        return_entropy: also return the entropy of the tempered distribution per token.
+        ignore_index: targets equal to it (padding) cost nothing, give logp = entropy = 0
+            and receive zero gradient.
+        process_group: tensor-parallel vocabulary (Megatron-style). Each rank passes the
+            same ``hidden``/``targets`` and its own contiguous slice of the LM head rows
+            (rank r holds the rows after those of ranks < r; slices may differ in size).
+            The op all-reduces the max, the sum of exponentials, the target logit and the
+            entropy term, and in backward sums ``grad_hidden`` over ranks, so every rank
+            gets the result of the unsplit op; ``grad_weight`` is this rank's slice.
+        backend: "auto" (Triton on CUDA, PyTorch otherwise), "triton" or "torch".
+        tiles: optional Triton tile sizes (see ``csrc_triton.logprobs.HOPPER_TILES``).
+
+    Returns:
+        ``logp`` with the shape of ``targets`` in fp32, or ``(logp, entropy)`` when
+        ``return_entropy``. Differentiable wrt ``hidden``, ``weight`` and ``bias``
+        (through both outputs).
+
+    The [tokens, V] logits are never stored: the forward keeps O(tokens) statistics and
+    the backward recomputes the logits tile by tile. Targets out of range raise a
+    ValueError on CPU and trip a device-side assert on CUDA.
+    """
+    device = _validate(hidden, weight, targets, bias, temperature, ignore_index)
+    impl = resolve_backend(backend, device)
+    if process_group is not None and not dist.is_initialized():
+        raise ValueError("process_group was given but torch.distributed is not initialised")
+    hdim = hidden.shape[-1]
+    dtype = torch.promote_types(hidden.dtype, weight.dtype)
+    h2 = hidden.reshape(-1, hdim).to(dtype)
+    w2 = weight.to(dtype)
+    if impl == "triton":
+        h2, w2 = h2.contiguous(), w2.contiguous()
+    y = targets.reshape(-1).to(torch.int64)
+    b = bias.contiguous() if bias is not None else None
+
+    offset, vocab_total = _shard_info(weight, process_group)
+    _check_target_range(y, ignore_index, vocab_total)
+
+    logp, ent = _LinearLogprobs.apply(
+        h2, w2, b, y, offset, float(temperature), bool(return_entropy), ignore_index, process_group, impl, tiles
+    )
+    logp = logp.reshape(targets.shape)
+    if return_entropy:
+        return logp, ent.reshape(targets.shape)
+    return logp
