@@ -59,7 +59,7 @@ def default_tiles(device: torch.device) -> dict[str, dict[str, int]]:
 def _logits_tile(
     h_ptr, w_ptr, b_ptr, rows, row_mask, cols, col_mask, stride_h, stride_w, inv_temp, H: tl.constexpr,
     HAS_BIAS: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_V: tl.constexpr, BLOCK_K: tl.constexpr,
-    PRECISION: tl.constexpr,
+    PRECISION: tl.constexpr, UPCAST: tl.constexpr,
 ):
     """Tempered logits of a [BLOCK_N, BLOCK_V] tile in fp32; invalid columns are -inf."""
     acc = tl.zeros((BLOCK_N, BLOCK_V), dtype=tl.float32)
@@ -69,6 +69,9 @@ def _logits_tile(
         k_mask = k < H
         h = tl.load(h_ptr + rows[:, None] * stride_h + k[None, :], mask=row_mask[:, None] & k_mask[None, :], other=0.0)
         w = tl.load(w_ptr + cols[:, None] * stride_w + k[None, :], mask=col_mask[:, None] & k_mask[None, :], other=0.0)
+        if UPCAST:
+            h = h.to(tl.float32)
+            w = w.to(tl.float32)
         acc = tl.dot(h, tl.trans(w), acc, input_precision=PRECISION)
     if HAS_BIAS:
         b = tl.load(b_ptr + cols, mask=col_mask, other=0.0).to(tl.float32)
@@ -83,6 +86,7 @@ def _fwd_kernel(
     stride_h, stride_w, inv_temp, V: tl.constexpr, H: tl.constexpr,
     HAS_BIAS: tl.constexpr, WITH_ENTROPY: tl.constexpr,
     BLOCK_N: tl.constexpr, BLOCK_V: tl.constexpr, BLOCK_K: tl.constexpr, PRECISION: tl.constexpr,
+    UPCAST: tl.constexpr,
 ):
     pid = tl.program_id(0)
     n_valid = tl.load(nvalid_ptr)
@@ -101,7 +105,7 @@ def _fwd_kernel(
         cols = v0 + tl.arange(0, BLOCK_V)
         col_mask = cols < V
         u = _logits_tile(h_ptr, w_ptr, b_ptr, rows, row_mask, cols, col_mask, stride_h, stride_w, inv_temp, H,
-                         HAS_BIAS, BLOCK_N, BLOCK_V, BLOCK_K, PRECISION)
+                         HAS_BIAS, BLOCK_N, BLOCK_V, BLOCK_K, PRECISION, UPCAST)
         m_new = tl.maximum(m, tl.max(u, 1))
         alpha = tl.exp(m - m_new)
         d = u - m_new[:, None]  # -inf on padding columns
@@ -140,6 +144,7 @@ def _bwd_hidden_kernel(
     stride_h, stride_w, stride_gh, inv_temp, V: tl.constexpr, H: tl.constexpr,
     HAS_BIAS: tl.constexpr, WITH_ENTROPY: tl.constexpr,
     BLOCK_N: tl.constexpr, BLOCK_V: tl.constexpr, BLOCK_K: tl.constexpr, PRECISION: tl.constexpr,
+    UPCAST: tl.constexpr,
 ):
     pid = tl.program_id(0)
     n_valid = tl.load(nvalid_ptr)
@@ -162,9 +167,10 @@ def _bwd_hidden_kernel(
         cols = v0 + tl.arange(0, BLOCK_V)
         col_mask = cols < V
         u = _logits_tile(h_ptr, w_ptr, b_ptr, rows, row_mask, cols, col_mask, stride_h, stride_w, inv_temp, H,
-                         HAS_BIAS, BLOCK_N, BLOCK_V, BLOCK_K, PRECISION)
+                         HAS_BIAS, BLOCK_N, BLOCK_V, BLOCK_K, PRECISION, UPCAST)
         g = _grad_logits_tile(u, cols, col_mask, y, lse, ent, gl, ge, inv_temp, WITH_ENTROPY)
-        g = g.to(w_ptr.dtype.element_ty)
+        if not UPCAST:
+            g = g.to(w_ptr.dtype.element_ty)
         for k0 in range(0, H, BLOCK_K):
             k = k0 + ks
             k_mask = k < H
@@ -172,6 +178,8 @@ def _bwd_hidden_kernel(
             gh_ptrs = gh_ptr + rows[:, None] * stride_gh + k[None, :]
             gh_mask = row_mask[:, None] & k_mask[None, :]
             gh = tl.load(gh_ptrs, mask=gh_mask, other=0.0)
+            if UPCAST:
+                w = w.to(tl.float32)
             gh = tl.dot(g, w, gh, input_precision=PRECISION)
             tl.store(gh_ptrs, gh, mask=gh_mask)
 
@@ -182,6 +190,7 @@ def _bwd_weight_kernel(
     stride_h, stride_w, stride_gw, inv_temp, V: tl.constexpr, H: tl.constexpr,
     HAS_BIAS: tl.constexpr, WITH_ENTROPY: tl.constexpr,
     BLOCK_N: tl.constexpr, BLOCK_V: tl.constexpr, BLOCK_K: tl.constexpr, PRECISION: tl.constexpr,
+    UPCAST: tl.constexpr,
 ):
     pid = tl.program_id(0)
     n_valid = tl.load(nvalid_ptr)
@@ -206,12 +215,15 @@ def _bwd_weight_kernel(
             ent = lse
             ge = gl
         u = _logits_tile(h_ptr, w_ptr, b_ptr, rows, row_mask, cols, col_mask, stride_h, stride_w, inv_temp, H,
-                         HAS_BIAS, BLOCK_N, BLOCK_V, BLOCK_K, PRECISION)
+                         HAS_BIAS, BLOCK_N, BLOCK_V, BLOCK_K, PRECISION, UPCAST)
         g = _grad_logits_tile(u, cols, col_mask, y, lse, ent, gl, ge, inv_temp, WITH_ENTROPY)
         g = tl.where(row_mask[:, None], g, 0.0)
         if HAS_BIAS:
             gb += tl.sum(g, 0)
-        gt = tl.trans(g.to(h_ptr.dtype.element_ty))
+        if UPCAST:
+            gt = tl.trans(g)
+        else:
+            gt = tl.trans(g.to(h_ptr.dtype.element_ty))
         for k0 in range(0, H, BLOCK_K):
             k = k0 + ks
             k_mask = k < H
@@ -219,6 +231,8 @@ def _bwd_weight_kernel(
             gw_ptrs = gw_ptr + cols[:, None] * stride_gw + k[None, :]
             gw_mask = col_mask[:, None] & k_mask[None, :]
             gw = tl.load(gw_ptrs, mask=gw_mask, other=0.0)
+            if UPCAST:
+                h = h.to(tl.float32)
             gw = tl.dot(gt, h, gw, input_precision=PRECISION)
             tl.store(gw_ptrs, gw, mask=gw_mask)
     if HAS_BIAS:
@@ -227,6 +241,14 @@ def _bwd_weight_kernel(
 
 def _precision(dtype: torch.dtype) -> str:
     return FP32_DOT_PRECISION if dtype == torch.float32 else "ieee"
+
+
+def _upcast(t: torch.Tensor) -> bool:
+    """The Triton interpreter (numpy) has no bf16 GEMM: there, tiles are upcast to fp32 before
+    tl.dot. bf16 x bf16 products are exact in fp32, so this matches a bf16 tensor-core dot
+    with fp32 accumulation up to summation order. (The rounding of the logits gradient to
+    bf16 before the grad GEMMs is skipped too, so the interpreter is slightly more exact.)"""
+    return t.dtype == torch.bfloat16 and t.device.type != "cuda"
 
 
 def _split(cfg: dict[str, int]) -> tuple[dict[str, int], dict[str, int]]:
@@ -265,7 +287,7 @@ def logprobs_fwd(
     _fwd_kernel[grid](
         hidden, weight, bias if bias is not None else hidden, targets, n_valid, m, s, w if w is not None else m, t,
         hidden.stride(0), weight.stride(0), inv_temp, V=V, H=H,
-        HAS_BIAS=bias is not None, WITH_ENTROPY=with_entropy, PRECISION=_precision(hidden.dtype), **blocks, **launch,
+        HAS_BIAS=bias is not None, WITH_ENTROPY=with_entropy, PRECISION=_precision(hidden.dtype), UPCAST=_upcast(hidden), **blocks, **launch,
     )
     return m, s, w, t
 
@@ -307,7 +329,7 @@ def logprobs_bwd(
         _bwd_hidden_kernel[(triton.cdiv(N, blocks["BLOCK_N"]),)](
             hidden, weight, b_arg, targets, n_valid, lse, ent_arg, grad_logp, ge_arg, gh,
             hidden.stride(0), weight.stride(0), gh.stride(0), inv_temp, V=V, H=H,
-            HAS_BIAS=bias is not None, WITH_ENTROPY=with_ent, PRECISION=prec, **blocks, **launch,
+            HAS_BIAS=bias is not None, WITH_ENTROPY=with_ent, PRECISION=prec, UPCAST=_upcast(hidden), **blocks, **launch,
         )
     if need_weight:
         blocks, launch = _split(tiles["bwd_weight"])
@@ -316,6 +338,6 @@ def logprobs_bwd(
         _bwd_weight_kernel[(triton.cdiv(V, blocks["BLOCK_V"]),)](
             hidden, weight, b_arg, targets, n_valid, lse, ent_arg, grad_logp, ge_arg, gw, gb if gb is not None else gw,
             hidden.stride(0), weight.stride(0), gw.stride(0), inv_temp, V=V, H=H,
-            HAS_BIAS=bias is not None, WITH_ENTROPY=with_ent, PRECISION=prec, **blocks, **launch,
+            HAS_BIAS=bias is not None, WITH_ENTROPY=with_ent, PRECISION=prec, UPCAST=_upcast(hidden), **blocks, **launch,
         )
     return gh, gw, gb
