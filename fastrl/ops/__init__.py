@@ -4,4 +4,6 @@ Each op takes ``backend="auto" | "triton" | "torch"``: auto runs the Triton kern
 CUDA tensors and the PyTorch path otherwise.
 """
 
-__all__ = []
+from fastrl.ops.logprobs import linear_logprobs
+
+__all__ = ["linear_logprobs"]
