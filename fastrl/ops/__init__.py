@@ -4,6 +4,6 @@ Each op takes ``backend="auto" | "triton" | "torch"``: auto runs the Triton kern
 CUDA tensors and the PyTorch path otherwise.
 """
 
-from fastrl.ops.logprobs import linear_logprobs
+from fastrl.ops.logprobs import fused_linear_policy_loss, linear_logprobs
 
-__all__ = ["linear_logprobs"]
+__all__ = ["linear_logprobs", "fused_linear_policy_loss"]

@@ -22,13 +22,15 @@ import torch.distributed as dist
 from fastrl._checks import (
     check_float,
     check_int,
+    check_mask,
     check_nonempty,
     check_same_device,
     check_scalar,
     resolve_backend,
 )
+from fastrl.config import PolicyLossConfig
 
-__all__ = ["linear_logprobs"]
+__all__ = ["linear_logprobs", "fused_linear_policy_loss"]
 
 # PyTorch path: size in bytes of one fp32 [chunk_tokens, V] work buffer (two are live at
 # a time). Override with FASTRL_LOGPROBS_CHUNK_MB.
@@ -370,3 +372,76 @@ def linear_logprobs(
     if return_entropy:
         return logp, ent.reshape(targets.shape)
     return logp
+
+
+# --------------------------------------------------------------------------- fused policy loss
+
+
+def fused_linear_policy_loss(
+    hidden: torch.Tensor,
+    weight: torch.Tensor,
+    targets: torch.Tensor,
+    old_logp: torch.Tensor,
+    advantages: torch.Tensor,
+    mask: torch.Tensor,
+    *,
+    bias: torch.Tensor | None = None,
+    ref_logp: torch.Tensor | None = None,
+    rollout_logp: torch.Tensor | None = None,
+    config: PolicyLossConfig = PolicyLossConfig(),
+    temperature: float = 1.0,
+    entropy: bool = False,
+    global_token_count: torch.Tensor | float | None = None,
+    global_seq_count: torch.Tensor | float | None = None,
+    process_group: Any = None,
+    backend: str = "auto",
+    tiles: dict[str, dict[str, int]] | None = None,
+) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
+    """The policy loss of ``fastrl.ops.policy_loss`` computed from hidden states.
+
+    Exactly ``policy_loss(linear_logprobs(hidden, weight, targets', ...), old_logp,
+    advantages, mask, ...)`` where ``targets'`` ignores the tokens outside ``mask`` (so
+    padding costs nothing and may hold any id), with the per-token entropy passed to
+    ``policy_loss`` when ``config.entropy_coef != 0`` or ``entropy=True`` (then the
+    ``entropy_mean``/``entropy_loss`` metrics are reported).
+
+    Args:
+        hidden: [B, T, H] last hidden states (the ones that predict ``targets``).
+        weight, bias: LM head [V, H] and optional [V] (a vocab shard with ``process_group``).
+        targets: [B, T] sampled token ids.
+        old_logp, advantages, mask, ref_logp, rollout_logp, config, global_token_count,
+            global_seq_count: as in ``fastrl.ops.policy_loss`` (every ``PolicyLossConfig``
+            option, including sequence-level ratios and global-token normalisation).
+        temperature: sampling temperature the logits are divided by.
+        entropy: compute the entropy (metrics) even when ``config.entropy_coef == 0``.
+        process_group: tensor-parallel vocabulary, see ``linear_logprobs``.
+        backend: for both the log-probs and the loss.
+
+    Returns:
+        ``(loss, metrics)`` as ``policy_loss``; ``loss`` is differentiable wrt ``hidden``,
+        ``weight`` and ``bias``.
+
+    Memory: the [B*T, V] logits are never held; the forward keeps O(B*T) statistics and
+    the backward recomputes logits in tiles (Triton) or token chunks (PyTorch), once the
+    loss has given d loss / d logp and d loss / d entropy per token.
+    """
+    from fastrl.ops.policy_loss import policy_loss
+
+    check_float("hidden", hidden, ndim=3)
+    check_int("targets", targets, ndim=2)
+    if tuple(targets.shape) != tuple(hidden.shape[:2]):
+        raise ValueError(f"targets must have shape {tuple(hidden.shape[:2])} (hidden.shape[:2]), got {tuple(targets.shape)}")
+    check_mask("mask", mask, tuple(targets.shape))
+    ignore_index = -100
+    keep = mask if mask.dtype == torch.bool else mask != 0
+    targets_eff = torch.where(keep, targets.to(torch.int64), torch.full_like(targets, ignore_index, dtype=torch.int64))
+    with_entropy = bool(entropy) or config.entropy_coef != 0
+    out = linear_logprobs(
+        hidden, weight, targets_eff, bias=bias, temperature=temperature, return_entropy=with_entropy,
+        ignore_index=ignore_index, process_group=process_group, backend=backend, tiles=tiles,
+    )
+    logp, ent = out if with_entropy else (out, None)
+    return policy_loss(
+        logp, old_logp, advantages, mask, ref_logp=ref_logp, entropy=ent, rollout_logp=rollout_logp, config=config,
+        global_token_count=global_token_count, global_seq_count=global_seq_count, backend=backend,
+    )
