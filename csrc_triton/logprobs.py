@@ -16,6 +16,10 @@ steps with fp32 accumulation, scaled by 1/temperature; columns past V are set to
 
 The four statistics are returned unreduced so tensor-parallel shards can combine them.
 
+With few tokens the vocabulary is also split over a second grid axis (``SPLITS``, chosen
+for about two programs per SM); the launcher merges the per-split statistics with the
+same online-softmax rule (O(splits x tokens) numbers).
+
 Backward: the gradient wrt the tempered logits of row n, column v is
 
     g[n, v] = (gl[n] * (1[v == y] - p) - ge[n] * p * (u - lse + entropy)) / temperature
@@ -24,7 +28,8 @@ with gl, ge the incoming gradients of logp and entropy. It is recomputed tile by
 and never stored: ``logprobs_bwd_hidden`` (one program per token tile) accumulates
 g @ W into grad_hidden; ``logprobs_bwd_weight`` (one program per vocab tile) accumulates
 g^T @ hidden into grad_weight and the column sums into grad_bias. Both accumulate in
-fp32 in their own output rows: no atomics, no workspace bigger than a tile.
+fp32 in their own output rows (grad_hidden with fp32 atomics when the vocabulary is
+split): no workspace bigger than a tile, no [tokens, vocab] buffer.
 """
 
 from __future__ import annotations
@@ -67,8 +72,10 @@ def _logits_tile(
     for k0 in range(0, H, BLOCK_K):
         k = k0 + ks
         k_mask = k < H
-        h = tl.load(h_ptr + rows[:, None] * stride_h + k[None, :], mask=row_mask[:, None] & k_mask[None, :], other=0.0)
-        w = tl.load(w_ptr + cols[:, None] * stride_w + k[None, :], mask=col_mask[:, None] & k_mask[None, :], other=0.0)
+        h = tl.load(h_ptr + rows[:, None].to(tl.int64) * stride_h + k[None, :],
+                    mask=row_mask[:, None] & k_mask[None, :], other=0.0)
+        w = tl.load(w_ptr + cols[:, None].to(tl.int64) * stride_w + k[None, :],
+                    mask=col_mask[:, None] & k_mask[None, :], other=0.0)
         if UPCAST:
             h = h.to(tl.float32)
             w = w.to(tl.float32)
@@ -83,12 +90,16 @@ def _logits_tile(
 @triton.jit
 def _fwd_kernel(
     h_ptr, w_ptr, b_ptr, y_ptr, nvalid_ptr, m_ptr, s_ptr, ent_ptr, t_ptr,
-    stride_h, stride_w, inv_temp, V: tl.constexpr, H: tl.constexpr,
+    stride_h, stride_w, inv_temp, V: tl.constexpr, H: tl.constexpr, V_PER_SPLIT: tl.constexpr,
     HAS_BIAS: tl.constexpr, WITH_ENTROPY: tl.constexpr,
     BLOCK_N: tl.constexpr, BLOCK_V: tl.constexpr, BLOCK_K: tl.constexpr, PRECISION: tl.constexpr,
     UPCAST: tl.constexpr,
 ):
+    # program (i, j): token tile i, vocabulary columns [j * V_PER_SPLIT, (j + 1) * V_PER_SPLIT)
     pid = tl.program_id(0)
+    split = tl.program_id(1)
+    v_lo = split * V_PER_SPLIT
+    out_off = split * tl.num_programs(0) * BLOCK_N
     n_valid = tl.load(nvalid_ptr)
     row_start = pid * BLOCK_N
     if row_start >= n_valid:
@@ -101,8 +112,8 @@ def _fwd_kernel(
     s = tl.zeros((BLOCK_N,), tl.float32)
     w_sum = tl.zeros((BLOCK_N,), tl.float32)
     t = tl.zeros((BLOCK_N,), tl.float32)
-    for v0 in range(0, V, BLOCK_V):
-        cols = v0 + tl.arange(0, BLOCK_V)
+    for v0 in range(0, V_PER_SPLIT, BLOCK_V):
+        cols = v_lo + v0 + tl.arange(0, BLOCK_V)
         col_mask = cols < V
         u = _logits_tile(h_ptr, w_ptr, b_ptr, rows, row_mask, cols, col_mask, stride_h, stride_w, inv_temp, H,
                          HAS_BIAS, BLOCK_N, BLOCK_V, BLOCK_K, PRECISION, UPCAST)
@@ -117,11 +128,11 @@ def _fwd_kernel(
         s = alpha * s + tl.sum(e, 1)
         m = m_new
         t += tl.sum(tl.where(cols[None, :] == y[:, None], u, 0.0), 1)
-    tl.store(m_ptr + rows, m, mask=row_mask)
-    tl.store(s_ptr + rows, s, mask=row_mask)
-    tl.store(t_ptr + rows, t, mask=row_mask)
+    tl.store(m_ptr + out_off + rows, m, mask=row_mask)
+    tl.store(s_ptr + out_off + rows, s, mask=row_mask)
+    tl.store(t_ptr + out_off + rows, t, mask=row_mask)
     if WITH_ENTROPY:
-        tl.store(ent_ptr + rows, w_sum, mask=row_mask)
+        tl.store(ent_ptr + out_off + rows, w_sum, mask=row_mask)
 
 
 @triton.jit
@@ -141,12 +152,15 @@ def _grad_logits_tile(u, cols, col_mask, y, lse, ent, gl, ge, inv_temp, WITH_ENT
 @triton.jit
 def _bwd_hidden_kernel(
     h_ptr, w_ptr, b_ptr, y_ptr, nvalid_ptr, lse_ptr, ent_ptr, gl_ptr, ge_ptr, gh_ptr,
-    stride_h, stride_w, stride_gh, inv_temp, V: tl.constexpr, H: tl.constexpr,
+    stride_h, stride_w, stride_gh, inv_temp, V: tl.constexpr, H: tl.constexpr, V_PER_SPLIT: tl.constexpr,
     HAS_BIAS: tl.constexpr, WITH_ENTROPY: tl.constexpr,
     BLOCK_N: tl.constexpr, BLOCK_V: tl.constexpr, BLOCK_K: tl.constexpr, PRECISION: tl.constexpr,
-    UPCAST: tl.constexpr,
+    UPCAST: tl.constexpr, ATOMIC: tl.constexpr,
 ):
+    # program (i, j): token tile i, vocabulary columns [j * V_PER_SPLIT, (j + 1) * V_PER_SPLIT);
+    # with several splits the programs of one token tile add into grad_hidden atomically
     pid = tl.program_id(0)
+    v_lo = tl.program_id(1) * V_PER_SPLIT
     n_valid = tl.load(nvalid_ptr)
     row_start = pid * BLOCK_N
     if row_start >= n_valid:
@@ -163,8 +177,8 @@ def _bwd_hidden_kernel(
         ent = lse
         ge = gl
     ks = tl.arange(0, BLOCK_K)
-    for v0 in range(0, V, BLOCK_V):
-        cols = v0 + tl.arange(0, BLOCK_V)
+    for v0 in range(0, V_PER_SPLIT, BLOCK_V):
+        cols = v_lo + v0 + tl.arange(0, BLOCK_V)
         col_mask = cols < V
         u = _logits_tile(h_ptr, w_ptr, b_ptr, rows, row_mask, cols, col_mask, stride_h, stride_w, inv_temp, H,
                          HAS_BIAS, BLOCK_N, BLOCK_V, BLOCK_K, PRECISION, UPCAST)
@@ -174,14 +188,18 @@ def _bwd_hidden_kernel(
         for k0 in range(0, H, BLOCK_K):
             k = k0 + ks
             k_mask = k < H
-            w = tl.load(w_ptr + cols[:, None] * stride_w + k[None, :], mask=col_mask[:, None] & k_mask[None, :], other=0.0)
-            gh_ptrs = gh_ptr + rows[:, None] * stride_gh + k[None, :]
-            gh_mask = row_mask[:, None] & k_mask[None, :]
-            gh = tl.load(gh_ptrs, mask=gh_mask, other=0.0)
+            w = tl.load(w_ptr + cols[:, None].to(tl.int64) * stride_w + k[None, :],
+                        mask=col_mask[:, None] & k_mask[None, :], other=0.0)
             if UPCAST:
                 w = w.to(tl.float32)
-            gh = tl.dot(g, w, gh, input_precision=PRECISION)
-            tl.store(gh_ptrs, gh, mask=gh_mask)
+            gh_ptrs = gh_ptr + rows[:, None].to(tl.int64) * stride_gh + k[None, :]
+            gh_mask = row_mask[:, None] & k_mask[None, :]
+            if ATOMIC:
+                tl.atomic_add(gh_ptrs, tl.dot(g, w, input_precision=PRECISION), mask=gh_mask)
+            else:
+                gh = tl.load(gh_ptrs, mask=gh_mask, other=0.0)
+                gh = tl.dot(g, w, gh, input_precision=PRECISION)
+                tl.store(gh_ptrs, gh, mask=gh_mask)
 
 
 @triton.jit
@@ -227,8 +245,9 @@ def _bwd_weight_kernel(
         for k0 in range(0, H, BLOCK_K):
             k = k0 + ks
             k_mask = k < H
-            h = tl.load(h_ptr + rows[:, None] * stride_h + k[None, :], mask=row_mask[:, None] & k_mask[None, :], other=0.0)
-            gw_ptrs = gw_ptr + cols[:, None] * stride_gw + k[None, :]
+            h = tl.load(h_ptr + rows[:, None].to(tl.int64) * stride_h + k[None, :],
+                        mask=row_mask[:, None] & k_mask[None, :], other=0.0)
+            gw_ptrs = gw_ptr + cols[:, None].to(tl.int64) * stride_gw + k[None, :]
             gw_mask = col_mask[:, None] & k_mask[None, :]
             gw = tl.load(gw_ptrs, mask=gw_mask, other=0.0)
             if UPCAST:
@@ -253,8 +272,39 @@ def _upcast(t: torch.Tensor) -> bool:
 
 def _split(cfg: dict[str, int]) -> tuple[dict[str, int], dict[str, int]]:
     blocks = {k: v for k, v in cfg.items() if k.startswith("BLOCK_")}
-    launch = {k: v for k, v in cfg.items() if not k.startswith("BLOCK_")}
+    launch = {k: v for k, v in cfg.items() if k in ("num_warps", "num_stages")}
     return blocks, launch
+
+
+def _vocab_splits(cfg: dict[str, int], n_rows: int, vocab: int, device: torch.device) -> tuple[int, int]:
+    """(number of vocabulary splits, columns per split, a multiple of BLOCK_V).
+
+    One program per token tile leaves most of a GPU idle for a few thousand tokens, so the
+    vocabulary is split until there are about two programs per SM. ``cfg["SPLITS"]``
+    overrides the choice.
+    """
+    v_tiles = triton.cdiv(vocab, cfg["BLOCK_V"])
+    splits = cfg.get("SPLITS")
+    if splits is None:
+        if device.type == "cuda":
+            n_sm = torch.cuda.get_device_properties(device).multi_processor_count
+            splits = triton.cdiv(2 * n_sm, triton.cdiv(n_rows, cfg["BLOCK_N"]))
+        else:
+            splits = 1
+    splits = max(1, min(int(splits), v_tiles))
+    per = triton.cdiv(v_tiles, splits) * cfg["BLOCK_V"]
+    return triton.cdiv(vocab, per), per
+
+
+def _merge_splits(m, s, w, t):
+    """Combine per-split (m, s, w, t) [splits, N] into one row each (online-softmax merge)."""
+    if m.shape[0] == 1:
+        return m[0], s[0], (w[0] if w is not None else None), t[0]
+    mg = m.amax(0)
+    a = torch.exp(m - mg)
+    s_new = (a * s).sum(0)
+    w_new = (a * (w + (m - mg) * s)).sum(0) if w is not None else None
+    return mg, s_new, w_new, t.sum(0)
 
 
 def logprobs_fwd(
@@ -279,16 +329,22 @@ def logprobs_fwd(
     cfg = (tiles or default_tiles(hidden.device))["fwd"]
     blocks, launch = _split(cfg)
     dev = hidden.device
-    m = torch.zeros(N, device=dev, dtype=torch.float32)
-    s = torch.ones(N, device=dev, dtype=torch.float32)
-    t = torch.zeros(N, device=dev, dtype=torch.float32)
-    w = torch.zeros(N, device=dev, dtype=torch.float32) if with_entropy else None
-    grid = (triton.cdiv(N, blocks["BLOCK_N"]),)
-    _fwd_kernel[grid](
+    splits, per = _vocab_splits(cfg, N, V, dev)
+    n_tiles = triton.cdiv(N, blocks["BLOCK_N"])
+    # rows past n_valid are never written: give them the statistics of "logp = 0"
+    shape = (splits, n_tiles * blocks["BLOCK_N"])
+    m = torch.zeros(shape, device=dev, dtype=torch.float32)
+    s = torch.zeros(shape, device=dev, dtype=torch.float32)
+    s[0] = 1.0
+    t = torch.zeros(shape, device=dev, dtype=torch.float32)
+    w = torch.zeros(shape, device=dev, dtype=torch.float32) if with_entropy else None
+    _fwd_kernel[(n_tiles, splits)](
         hidden, weight, bias if bias is not None else hidden, targets, n_valid, m, s, w if w is not None else m, t,
-        hidden.stride(0), weight.stride(0), inv_temp, V=V, H=H,
-        HAS_BIAS=bias is not None, WITH_ENTROPY=with_entropy, PRECISION=_precision(hidden.dtype), UPCAST=_upcast(hidden), **blocks, **launch,
+        hidden.stride(0), weight.stride(0), inv_temp, V=V, H=H, V_PER_SPLIT=per,
+        HAS_BIAS=bias is not None, WITH_ENTROPY=with_entropy, PRECISION=_precision(hidden.dtype),
+        UPCAST=_upcast(hidden), **blocks, **launch,
     )
+    m, s, w, t = _merge_splits(m[:, :N], s[:, :N], w[:, :N] if w is not None else None, t[:, :N])
     return m, s, w, t
 
 
@@ -324,12 +380,15 @@ def logprobs_bwd(
     b_arg = bias if bias is not None else hidden
     gh = gw = gb = None
     if need_hidden:
-        blocks, launch = _split(tiles["bwd_hidden"])
+        cfg = tiles["bwd_hidden"]
+        blocks, launch = _split(cfg)
+        splits, per = _vocab_splits(cfg, N, V, dev)
         gh = torch.zeros(N, H, device=dev, dtype=torch.float32)
-        _bwd_hidden_kernel[(triton.cdiv(N, blocks["BLOCK_N"]),)](
+        _bwd_hidden_kernel[(triton.cdiv(N, blocks["BLOCK_N"]), splits)](
             hidden, weight, b_arg, targets, n_valid, lse, ent_arg, grad_logp, ge_arg, gh,
-            hidden.stride(0), weight.stride(0), gh.stride(0), inv_temp, V=V, H=H,
-            HAS_BIAS=bias is not None, WITH_ENTROPY=with_ent, PRECISION=prec, UPCAST=_upcast(hidden), **blocks, **launch,
+            hidden.stride(0), weight.stride(0), gh.stride(0), inv_temp, V=V, H=H, V_PER_SPLIT=per,
+            HAS_BIAS=bias is not None, WITH_ENTROPY=with_ent, PRECISION=prec, UPCAST=_upcast(hidden),
+            ATOMIC=splits > 1, **blocks, **launch,
         )
     if need_weight:
         blocks, launch = _split(tiles["bwd_weight"])

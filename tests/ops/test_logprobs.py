@@ -229,3 +229,16 @@ def test_bad_input(case, exc, match):
         h, y = h[:0], y[:0]
     with pytest.raises(exc, match=match):
         linear_logprobs(h, w, y, **kw)
+
+
+def test_triton_vocab_split_over_programs():
+    # the vocabulary split over 3 programs per token tile: merged statistics and atomic grad_hidden
+    h, w, b, y = _inputs((2, 11), 40, 257, bias=True, n_ignore=3)
+    gl, ge = torch.randn(2, 11), torch.randn(2, 11)
+    tiles = {k: dict(BLOCK_N=16, BLOCK_V=32, BLOCK_K=16, num_warps=1, num_stages=1, SPLITS=3)
+             for k in ("fwd", "bwd_hidden", "bwd_weight")}
+    hh, ww, bb = (t.clone().requires_grad_() for t in (h, w, b))
+    logp, ent = linear_logprobs(hh, ww, y, bias=bb, temperature=0.9, return_entropy=True, backend="triton", tiles=tiles)
+    ((logp * gl).sum() + (ent * ge).sum()).backward()
+    ref = _run(None, h, w, b, y, temperature=0.9, gl=gl, ge=ge)
+    _compare((logp, ent, hh.grad, ww.grad, bb.grad), ref)
