@@ -108,11 +108,14 @@ def _torch_stats(h, weight, bias, y, inv_temp, with_entropy):
         tc = z.gather(1, yc.clamp(min=0)[:, None]).squeeze(1) + mc
         t[sl] = torch.where(yc >= 0, tc, torch.zeros_like(tc))
         m[sl] = mc
-        e = torch.exp(z)
-        s[sl] = e.sum(1)
         if with_entropy:
+            e = torch.exp(z)
+            s[sl] = e.sum(1)
             w[sl] = torch.linalg.vecdot(e, z)
-        del z, e
+            del e
+        else:  # one [chunk, V] buffer: exponentiate in place
+            s[sl] = z.exp_().sum(1)
+        del z
     return m, s, w, t
 
 
@@ -128,9 +131,9 @@ def _torch_grads(h, weight, bias, y, lse, ent, gl, ge, inv_temp, need_h, need_w,
         sl = slice(i, min(i + step, n))
         z = _torch_logits(h[sl], weight, bias, inv_temp)
         z -= lse[sl, None]  # log p
-        p = torch.exp(z)
         glc = gl[sl]
         if ge is not None:
+            p = torch.exp(z)
             # g = gl * (onehot - p) - ge * p * (log p + entropy)
             z += ent[sl, None]
             z *= p
@@ -139,8 +142,8 @@ def _torch_grads(h, weight, bias, y, lse, ent, gl, ge, inv_temp, need_h, need_w,
             z -= p
             g = z
             del p
-        else:
-            g = p
+        else:  # g = -gl * p, in place: one [chunk, V] buffer
+            g = z.exp_()
             g *= -glc[:, None]
             del z
         yc = y[sl]
