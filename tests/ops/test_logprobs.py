@@ -13,6 +13,8 @@ bf16/fp16-rounded inputs):
 
 import pytest
 import torch
+from hypothesis import given, settings
+from hypothesis import strategies as st
 
 import fastrl.ops.logprobs as lp_mod
 from fastrl.ops.logprobs import linear_logprobs
@@ -242,3 +244,32 @@ def test_triton_vocab_split_over_programs():
     ((logp * gl).sum() + (ent * ge).sum()).backward()
     ref = _run(None, h, w, b, y, temperature=0.9, gl=gl, ge=ge)
     _compare((logp, ent, hh.grad, ww.grad, bb.grad), ref)
+
+
+def test_ignored_tokens_are_not_computed(monkeypatch):
+    # padding costs nothing: the PyTorch path only ever sees the non-ignored rows
+    seen = []
+    orig_stats, orig_grads = lp_mod._torch_stats, lp_mod._torch_grads
+    monkeypatch.setattr(lp_mod, "_torch_stats", lambda h, *a: seen.append(h.shape[0]) or orig_stats(h, *a))
+    monkeypatch.setattr(lp_mod, "_torch_grads", lambda h, *a: seen.append(h.shape[0]) or orig_grads(h, *a))
+    h, w, _, y = _inputs((4, 8), 16, 50, n_ignore=13)
+    h.requires_grad_()
+    linear_logprobs(h, w, y, backend="torch").sum().backward()
+    assert seen == [19, 19]
+
+
+@settings(max_examples=15, deadline=None)
+@given(
+    n=st.integers(1, 40), hdim=st.integers(1, 33), vocab=st.integers(1, 90),
+    temperature=st.floats(0.25, 4.0), n_ignore=st.integers(0, 5), seed=st.integers(0, 2**16),
+)
+def test_torch_path_property_matches_reference(n, hdim, vocab, temperature, n_ignore, seed):
+    torch.manual_seed(seed)
+    h, w, b, y = _inputs((n,), hdim, vocab, bias=True, n_ignore=min(n_ignore, n))
+    gl, ge = torch.randn(n), torch.randn(n)
+    got = _run("torch", h, w, b, y, temperature=temperature, gl=gl, ge=ge)
+    ref = _run(None, h, w, b, y, temperature=temperature, gl=gl, ge=ge)
+    torch.testing.assert_close(got[0].double(), ref[0], atol=1e-5, rtol=0)
+    torch.testing.assert_close(got[1].double(), ref[1], atol=1e-5, rtol=0)
+    for g, r in zip(got[2:], ref[2:]):
+        torch.testing.assert_close(g.double(), r, atol=1e-5 * max(1.0, r.abs().max().item()), rtol=1e-4)
