@@ -34,7 +34,7 @@ __all__ = ["linear_logprobs", "fused_linear_policy_loss"]
 
 # PyTorch path: size in bytes of one fp32 [chunk_tokens, V] work buffer (two are live at
 # a time). Override with FASTRL_LOGPROBS_CHUNK_MB.
-TORCH_CHUNK_BYTES = int(float(os.environ.get("FASTRL_LOGPROBS_CHUNK_MB", "256")) * 2**20)
+TORCH_CHUNK_BYTES = int(float(os.environ.get("FASTRL_LOGPROBS_CHUNK_MB", "128")) * 2**20)
 
 
 def _chunk_rows(vocab: int) -> int:
