@@ -4,6 +4,20 @@ Each op takes ``backend="auto" | "triton" | "torch"``: auto runs the Triton kern
 CUDA tensors and the PyTorch path otherwise.
 """
 
+from fastrl.ops.advantages import group_advantages, step_advantages
+from fastrl.ops.kl import kl_penalty
 from fastrl.ops.logprobs import fused_linear_policy_loss, linear_logprobs
+from fastrl.ops.policy_loss import policy_loss
+from fastrl.ops.value_loss import value_loss
+from fastrl.ops.whiten import masked_whiten
 
-__all__ = ["linear_logprobs", "fused_linear_policy_loss"]
+__all__ = [
+    "fused_linear_policy_loss",
+    "group_advantages",
+    "kl_penalty",
+    "linear_logprobs",
+    "masked_whiten",
+    "policy_loss",
+    "step_advantages",
+    "value_loss",
+]
