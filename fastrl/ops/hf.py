@@ -161,7 +161,12 @@ def causal_lm_policy_loss(
     """
     from fastrl.ops.logprobs import fused_linear_policy_loss
 
-    check_mask("completion_mask", completion_mask, (input_ids.shape[0], completion_mask.shape[-1]) if completion_mask.dim() == 2 else (-1,))
+    check_int("input_ids", input_ids, ndim=2)
+    if not isinstance(completion_mask, torch.Tensor) or completion_mask.dim() != 2 or completion_mask.shape[0] != input_ids.shape[0]:
+        raise ValueError(
+            f"completion_mask must be a [B, k] tensor with B = {input_ids.shape[0]}, got "
+            f"{tuple(completion_mask.shape) if isinstance(completion_mask, torch.Tensor) else type(completion_mask).__name__}"
+        )
     k = completion_mask.shape[1]
     weight, bias, mult = lm_head_params(model)
     hidden = causal_lm_hidden_states(model, input_ids, attention_mask, logits_to_keep=k, **model_kwargs)

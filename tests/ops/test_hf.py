@@ -125,3 +125,33 @@ def test_bad_inputs():
         causal_lm_logprobs(model, torch.randint(0, 97, (2, 5)), logits_to_keep=5)
     with pytest.raises(ValueError, match="attention_mask"):
         causal_lm_logprobs(model, torch.randint(0, 97, (2, 5)), torch.ones(2, 4))
+
+
+def test_causal_lm_policy_loss_matches_logits_path():
+    from fastrl.config import PolicyLossConfig
+    from fastrl.ops import policy_loss
+    from fastrl.ops.hf import causal_lm_policy_loss
+
+    model = _qwen2(tied=True)
+    ids, mask = _batch()
+    k = 5
+    cmask = mask[:, -k:].clone().float()
+    old = torch.randn(3, k) * 0.1 - 4.0
+    adv = torch.randn(3)
+    cfg = PolicyLossConfig.preset("dapo")
+    loss, metrics = causal_lm_policy_loss(model, ids, mask, cmask, old, adv, config=cfg, temperature=0.8,
+                                          entropy=True, backend="torch")
+    loss.backward()
+    got = _grads(model)
+    model.zero_grad(set_to_none=True)
+    rlogp, rent = _naive(model, ids, mask, temperature=0.8, k=k)
+    rloss, rmetrics = policy_loss(rlogp, old, adv, cmask, entropy=rent, config=cfg, backend="torch")
+    rloss.backward()
+    torch.testing.assert_close(loss.double(), rloss.double(), atol=1e-5, rtol=1e-5)
+    assert "entropy_mean" in metrics
+    for key in rmetrics:
+        torch.testing.assert_close(metrics[key].double(), rmetrics[key].double(), atol=1e-5, rtol=1e-5, msg=key)
+    for name, g in _grads(model).items():
+        assert ((got[name] - g).abs().max() / g.abs().max().clamp_min(1e-12)) < 1e-4, name
+    with pytest.raises(ValueError, match="completion_mask"):
+        causal_lm_policy_loss(model, ids, mask, cmask[0], old, adv)

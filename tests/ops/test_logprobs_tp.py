@@ -58,6 +58,30 @@ def _worker(rank, world, port, backend, errfile):
         torch.testing.assert_close(part[3], full[3][lo:hi], atol=1e-5, rtol=1e-4)
         torch.testing.assert_close(part[4], full[4][lo:hi], atol=1e-5, rtol=1e-4)
         assert (part[0][[2, 7]] == 0).all()
+        # the fused policy loss over a vocab-parallel LM head equals the unsplit one
+        from fastrl.config import PolicyLossConfig
+        from fastrl.ops import fused_linear_policy_loss
+
+        B, T = 1, N
+        mask = (y != -100).float().view(B, T)
+        old = torch.randn(B, T) * 0.1 - 5.0
+        adv = torch.randn(B)
+
+        def run_loss(weight, group):
+            hh = h.view(B, T, H).clone().requires_grad_()
+            ww = weight.clone().requires_grad_()
+            loss, metrics = fused_linear_policy_loss(
+                hh, ww, y.clamp(min=0).view(B, T), old, adv, mask, config=PolicyLossConfig(entropy_coef=0.01),
+                process_group=group, backend=backend)
+            loss.backward()
+            return loss, metrics, hh.grad, ww.grad
+
+        lf, mf, ghf, gwf = run_loss(w, None)
+        lp, mp, ghp, gwp = run_loss(w[lo:hi], dist.group.WORLD)
+        torch.testing.assert_close(lp, lf, atol=1e-6, rtol=1e-5)
+        torch.testing.assert_close(mp["entropy_mean"], mf["entropy_mean"], atol=1e-6, rtol=1e-5)
+        torch.testing.assert_close(ghp, ghf, atol=1e-6, rtol=1e-4)
+        torch.testing.assert_close(gwp, gwf[lo:hi], atol=1e-6, rtol=1e-4)
         # out-of-range targets are checked against the total vocabulary, not the shard
         y_bad = y.clone()
         y_bad[3] = V
