@@ -439,6 +439,15 @@ def fused_linear_policy_loss(
     keep = mask if mask.dtype == torch.bool else mask != 0
     targets_eff = torch.where(keep, targets.to(torch.int64), torch.full_like(targets, ignore_index, dtype=torch.int64))
     with_entropy = bool(entropy) or config.entropy_coef != 0
+    if _eager_applies(hidden, weight, bias, rollout_logp, config, process_group, backend):
+        device = _validate(hidden, weight, targets_eff, bias, temperature, ignore_index)
+        check_same_device(hidden=hidden, old_logp=old_logp, advantages=advantages, mask=mask)
+        _check_target_range(targets_eff.reshape(-1), ignore_index, weight.shape[0])
+        return _fused_eager_torch(
+            hidden, weight, bias, targets_eff, keep, old_logp, advantages, mask, ref_logp=ref_logp,
+            rollout_logp=rollout_logp, config=config, temperature=float(temperature), with_entropy=with_entropy,
+            global_token_count=global_token_count, global_seq_count=global_seq_count,
+        )
     out = linear_logprobs(
         hidden, weight, targets_eff, bias=bias, temperature=temperature, return_entropy=with_entropy,
         ignore_index=ignore_index, process_group=process_group, backend=backend, tiles=tiles,
@@ -448,3 +457,184 @@ def fused_linear_policy_loss(
         logp, old_logp, advantages, mask, ref_logp=ref_logp, entropy=ent, rollout_logp=rollout_logp, config=config,
         global_token_count=global_token_count, global_seq_count=global_seq_count, backend=backend,
     )
+
+
+# --------------------------------------------------------------------------- fused policy loss, one pass (CPU)
+
+# The PyTorch path of fused_linear_policy_loss computes the gradients in the forward pass
+# (3 GEMMs per token chunk: logits, grad_hidden, grad_weight) instead of recomputing the
+# logits in backward (4 GEMMs), when the loss gradient of a token depends only on that
+# token (token-level ratio and importance weights). Set False to always compose
+# policy_loss(linear_logprobs(...)).
+EAGER_TORCH_LOSS = True
+
+
+def _eager_applies(hidden, weight, bias, rollout_logp, config, process_group, backend) -> bool:
+    if not EAGER_TORCH_LOSS or process_group is not None or hidden.device.type != "cpu":
+        return False
+    if resolve_backend(backend, hidden.device) != "torch":
+        return False
+    if config.ratio_level != "token" or (rollout_logp is not None and config.is_level != "token"):
+        return False
+    needs = [t.requires_grad for t in (hidden, weight, bias) if t is not None]
+    return torch.is_grad_enabled() and any(needs)
+
+
+class _PrecomputedGrads(torch.autograd.Function):
+    """Returns ``loss``; its backward hands out gradients computed in the forward pass."""
+
+    @staticmethod
+    def forward(ctx, loss, hidden, weight, bias, grads):
+        ctx.grads = grads
+        ctx.dtypes = (hidden.dtype, weight.dtype, bias.dtype if bias is not None else None)
+        return loss.clone()
+
+    @staticmethod
+    def backward(ctx, grad_out):
+        gh, gw, gb = ctx.grads
+        ctx.grads = None
+        dh, dw, db = ctx.dtypes
+        out = [None, None, None, None, None]
+        if gh is not None and ctx.needs_input_grad[1]:
+            out[1] = gh.mul_(grad_out).to(dh)
+        if gw is not None and ctx.needs_input_grad[2]:
+            out[2] = gw.mul_(grad_out).to(dw)
+        if gb is not None and ctx.needs_input_grad[3]:
+            out[3] = gb.mul_(grad_out).to(db)
+        return tuple(out)
+
+
+def _fused_eager_torch(
+    hidden, weight, bias, targets_eff, keep, old_logp, advantages, mask, *, ref_logp, rollout_logp, config,
+    temperature, with_entropy, global_token_count, global_seq_count,
+):
+    """fused_linear_policy_loss on CPU with the gradients formed in the same pass as the logits.
+
+    d loss / d logp_t = c_t * dl_t/dlogp_t, where c_t is the aggregation weight of token t
+    and l_t its per-token loss. Both come from ``policy_loss`` itself: c_t as the gradient
+    of the loss with a k1 KL of coefficient 1 (d KL_t / d logp_t = 1) and no other term,
+    dl_t/dlogp_t from ``policy_loss`` on each token chunk with a plain token sum.
+    The loss value and metrics come from one ``policy_loss`` call on the detached log-probs.
+    """
+    from fastrl.ops.policy_loss import policy_loss
+
+    B, T, hd = hidden.shape
+    inv_temp = 1.0 / temperature
+    dtype = torch.promote_types(hidden.dtype, weight.dtype)
+    h2 = hidden.detach().reshape(-1, hd).to(dtype)
+    w2 = weight.detach().to(dtype)
+    b2 = bias.detach() if bias is not None else None
+    idx = keep.reshape(-1).nonzero().squeeze(1)
+    hw = h2.index_select(0, idx)
+    yw = targets_eff.reshape(-1).index_select(0, idx)
+    n, V = idx.numel(), w2.shape[0]
+    f32 = dict(dtype=torch.float32, device=hidden.device)
+    counts = dict(global_token_count=global_token_count, global_seq_count=global_seq_count)
+
+    # aggregation weight of every token, as policy_loss aggregates
+    probe = torch.zeros(B, T, requires_grad=True, **f32)
+    zeros = torch.zeros(B, T, **f32)
+    agg_cfg = PolicyLossConfig(kl_coef=1.0, kl_estimator="k1", loss_agg=config.loss_agg, norm_length=config.norm_length)
+    with torch.enable_grad():
+        agg_loss, _ = policy_loss(probe, zeros, torch.zeros(B, **f32), mask, ref_logp=zeros, config=agg_cfg,
+                                  backend="torch", **counts)
+        (c_all,) = torch.autograd.grad(agg_loss, probe)
+    c_tok = c_all.reshape(-1).index_select(0, idx)
+
+    def pick(x):
+        return None if x is None else x.reshape(-1).index_select(0, idx)
+
+    adv_full = advantages[:, None].expand(B, T) if advantages.dim() == 1 else advantages
+    old_w, adv_w, ref_w, roll_w = pick(old_logp), pick(adv_full), pick(ref_logp), pick(rollout_logp)
+    tok_cfg = config.replace(loss_agg="seq-mean-token-sum", norm_length=None)
+
+    def token_grads(sl, lp_c, ent_c):
+        lp = lp_c.detach().requires_grad_()
+        en = ent_c.detach().requires_grad_() if ent_c is not None else None
+        c = lp.shape[0]
+        with torch.enable_grad():
+            loss_c, _ = policy_loss(
+                lp[None], old_w[sl][None], adv_w[sl][None], torch.ones(1, c, **f32),
+                ref_logp=ref_w[sl][None] if ref_w is not None else None,
+                entropy=en[None] if en is not None else None,
+                rollout_logp=roll_w[sl][None] if roll_w is not None else None,
+                config=tok_cfg, global_seq_count=1.0, backend="torch",
+            )
+            inputs = [lp] + ([en] if en is not None else [])
+            grads = torch.autograd.grad(loss_c, inputs, allow_unused=True)
+        gl = grads[0] if grads[0] is not None else torch.zeros_like(lp)
+        ge = grads[1] if en is not None and grads[1] is not None else None
+        w = c_tok[sl]
+        return gl * w, (ge * w if ge is not None else None)
+
+    need_h, need_w = hidden.requires_grad, weight.requires_grad
+    need_b = bias is not None and bias.requires_grad
+    logp_w = torch.empty(n, **f32)
+    ent_w = torch.empty(n, **f32) if with_entropy else None
+    gh = torch.empty(n, hd, dtype=dtype, device=hidden.device) if need_h else None
+    gw = torch.zeros(V, hd, **f32) if need_w else None
+    gb = torch.zeros(V, **f32) if need_b else None
+    step = _chunk_rows(V)
+    for i in range(0, n, step):
+        sl = slice(i, min(i + step, n))
+        z = _torch_logits(hw[sl], w2, b2, inv_temp)
+        z -= z.amax(1, keepdim=True)  # u - m
+        yc = yw[sl]
+        t = z.gather(1, yc[:, None]).squeeze(1)
+        if with_entropy:
+            e = torch.exp(z)
+            ssum = e.sum(1)
+            log_s = ssum.log()
+            ent_c = log_s - torch.linalg.vecdot(e, z) / ssum
+        else:
+            ssum = z.exp_().sum(1)  # z now holds exp(u - m) = p * s
+            log_s = ssum.log()
+            ent_c = None
+        lp_c = t - log_s
+        logp_w[sl] = lp_c
+        if ent_w is not None:
+            ent_w[sl] = ent_c
+        gl, ge = token_grads(sl, lp_c, ent_c)
+        gl_t = gl * inv_temp
+        # g = (gl * (onehot - p) - ge * p * (log p + H)) / T, built in the chunk buffers
+        if with_entropy:
+            if ge is not None:
+                z -= log_s[:, None]  # log p
+                z += ent_c[:, None]
+                z *= e
+                z *= (-(ge * inv_temp) / ssum)[:, None]
+                e *= (gl_t / ssum)[:, None]
+                z -= e
+                g = z
+                del e
+            else:
+                e *= (-gl_t / ssum)[:, None]
+                g = e
+                del z
+        else:
+            z *= (-gl_t / ssum)[:, None]
+            g = z
+        g.scatter_add_(1, yc[:, None], gl_t[:, None])
+        if gb is not None:
+            gb += g.sum(0)
+        gq = g if dtype == torch.float32 else g.to(dtype)
+        del g
+        if gh is not None:
+            torch.mm(gq, w2, out=gh[sl])
+        if gw is not None:
+            if gq.dtype == torch.float32:
+                gw.addmm_(gq.T, hw[sl])
+            else:
+                gw += gq.T @ hw[sl]
+        del gq
+
+    logp = torch.zeros(B * T, **f32).index_copy_(0, idx, logp_w).reshape(B, T)
+    ent = torch.zeros(B * T, **f32).index_copy_(0, idx, ent_w).reshape(B, T) if with_entropy else None
+    with torch.no_grad():
+        loss, metrics = policy_loss(logp, old_logp, advantages, mask, ref_logp=ref_logp, entropy=ent,
+                                    rollout_logp=rollout_logp, config=config, backend="torch", **counts)
+    gh_full = None
+    if gh is not None:
+        gh_full = torch.zeros(B * T, hd, dtype=dtype, device=hidden.device).index_copy_(0, idx, gh).reshape(B, T, hd)
+    loss = _PrecomputedGrads.apply(loss, hidden, weight, bias, (gh_full, gw, gb))
+    return loss, metrics

@@ -121,3 +121,42 @@ def test_bad_input():
     y_bad[1, 1] = V  # inside the mask: must be a real token id
     with pytest.raises(ValueError, match="targets"):
         fused_linear_policy_loss(h, w, y_bad, old, adv, mask)
+
+
+@pytest.mark.parametrize("entropy_coef", [0.0, 0.05])
+def test_one_pass_cpu_path_equals_composition(monkeypatch, entropy_coef):
+    # the CPU path forms the gradients during the forward pass; it must match the composed path
+    import fastrl.ops.logprobs as lp_mod
+
+    cfg = PolicyLossConfig(clip_high=0.28, dual_clip=2.5, kl_coef=0.1, log_ratio_clamp=1.0,
+                           entropy_coef=entropy_coef, loss_agg="seq-mean-token-mean")
+    h, w, b, y, mask, old, ref, roll, adv = _data(3)
+    adv_tok = adv[:, None] + 0.1 * torch.randn(B, T)
+    results = []
+    for eager in (True, False):
+        monkeypatch.setattr(lp_mod, "EAGER_TORCH_LOSS", eager)
+        hh, ww = h.clone().requires_grad_(), w.clone().requires_grad_()
+        bb = b.clone()  # bias without gradient
+        loss, metrics = fused_linear_policy_loss(hh, ww, y, old, adv_tok, mask, bias=bb, ref_logp=ref,
+                                                 rollout_logp=roll, config=cfg.replace(is_cap=1.5),
+                                                 temperature=1.3, entropy=True, backend="torch")
+        (2.0 * loss).backward()
+        results.append((loss, metrics, hh.grad, ww.grad))
+    (l1, m1, gh1, gw1), (l2, m2, gh2, gw2) = results
+    torch.testing.assert_close(l1, l2, atol=1e-6, rtol=1e-5)
+    for k in m2:
+        torch.testing.assert_close(m1[k], m2[k], atol=1e-6, rtol=1e-5, msg=k)
+    torch.testing.assert_close(gh1, gh2, atol=1e-6, rtol=1e-4)
+    torch.testing.assert_close(gw1, gw2, atol=1e-6, rtol=1e-4)
+
+
+def test_no_grad_and_bf16_inputs():
+    cfg = PolicyLossConfig.preset("dapo")
+    h, w, b, y, mask, old, ref, _, adv = _data(4)
+    with torch.no_grad():
+        loss, _ = fused_linear_policy_loss(h, w, y, old, adv, mask, config=cfg, backend="torch")
+    hh, ww = h.bfloat16().requires_grad_(), w.bfloat16().requires_grad_()
+    lb, _ = fused_linear_policy_loss(hh, ww, y, old, adv, mask, config=cfg, backend="torch")
+    lb.backward()
+    assert hh.grad.dtype == torch.bfloat16 and ww.grad.dtype == torch.bfloat16
+    torch.testing.assert_close(lb, loss, atol=5e-2, rtol=5e-2)
