@@ -8,7 +8,8 @@ target logit) and the backward recomputes the logits tile by tile (Triton) or ch
 chunk (PyTorch) to form the gradients of ``hidden``, ``weight`` and ``bias``.
 
 ``fused_linear_policy_loss`` feeds those log-probs straight into
-``fastrl.ops.policy_loss``.
+``fastrl.ops.policy_loss`` (on CPU it forms the gradients in the same pass as the logits
+when each token's loss gradient depends only on that token).
 """
 
 from __future__ import annotations
@@ -424,9 +425,13 @@ def fused_linear_policy_loss(
         ``(loss, metrics)`` as ``policy_loss``; ``loss`` is differentiable wrt ``hidden``,
         ``weight`` and ``bias``.
 
-    Memory: the [B*T, V] logits are never held; the forward keeps O(B*T) statistics and
-    the backward recomputes logits in tiles (Triton) or token chunks (PyTorch), once the
-    loss has given d loss / d logp and d loss / d entropy per token.
+    Memory: the [B*T, V] logits are never held. Triton (and PyTorch on CUDA, with
+    tensor parallelism, or for sequence-level ratios / importance weights): the forward
+    keeps O(B*T) statistics and the backward recomputes the logits in tiles / token chunks
+    once the loss has given d loss / d logp and d loss / d entropy per token (4 GEMM passes).
+    PyTorch on CPU with token-level ratios: each token chunk's logits are computed once and
+    turned into grad_hidden / grad_weight in the same pass (3 GEMM passes, like the logits
+    path); those gradients are held until backward (``EAGER_TORCH_LOSS`` switches it off).
     """
     from fastrl.ops.policy_loss import policy_loss
 
