@@ -92,7 +92,8 @@ def test_matches_policy_loss_on_logits_path(name):
 
 def test_equals_composition_of_the_two_ops_triton_backend():
     cfg = PolicyLossConfig.preset("grpo")
-    h, w, b, y, mask, old, ref, _, adv = _data(1)
+    dev = torch.device("cuda" if torch.cuda.is_available() else "cpu")  # else: Triton interpreter
+    h, w, b, y, mask, old, ref, _, adv = (t.to(dev) for t in _data(1))
     hh, ww = h.clone().requires_grad_(), w.clone().requires_grad_()
     loss, metrics = fused_linear_policy_loss(hh, ww, y, old, adv, mask, ref_logp=ref, config=cfg, backend="triton")
     loss.backward()

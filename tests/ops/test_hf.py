@@ -47,9 +47,11 @@ def _grads(model):
 
 @pytest.mark.parametrize("build, backend", [(_llama, "torch"), (_qwen2, "torch"), (_qwen2, "triton")])
 def test_matches_logits_path_values_and_all_parameter_grads(build, backend):
-    model = build()
-    ids, mask = _batch()
-    gl, ge = torch.randn(3, 10), torch.randn(3, 10)
+    # the Triton kernels run on the GPU when there is one, else in the interpreter
+    dev = torch.device("cuda" if backend == "triton" and torch.cuda.is_available() else "cpu")
+    model = build().to(dev)
+    ids, mask = (t.to(dev) for t in _batch())
+    gl, ge = torch.randn(3, 10, device=dev), torch.randn(3, 10, device=dev)
 
     logp, ent = causal_lm_logprobs(model, ids, mask, temperature=0.9, return_entropy=True, backend=backend)
     ((logp * gl).sum() + (ent * ge).sum()).backward()

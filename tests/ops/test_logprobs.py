@@ -21,6 +21,9 @@ from fastrl.ops.logprobs import linear_logprobs
 from fastrl.reference.logprobs import linear_logprobs_reference
 
 BACKENDS = ["torch", "triton"]
+# Kernel tests run on the GPU when there is one (Triton compiled), else on the CPU (the
+# Triton interpreter; conftest sets TRITON_INTERPRET=1). Inputs are made on the CPU.
+DEVICE = torch.device("cuda" if torch.cuda.is_available() else "cpu")
 
 
 def _inputs(n_shape, hdim, vocab, *, dtype=torch.float32, bias=False, scale=1.0, n_ignore=0):
@@ -34,8 +37,14 @@ def _inputs(n_shape, hdim, vocab, *, dtype=torch.float32, bias=False, scale=1.0,
     return h, w, b, y
 
 
-def _run(fn_backend, h, w, b, y, *, temperature=1.0, entropy=True, gl=None, ge=None):
-    """(logp, entropy, grad_h, grad_w, grad_b) from fastrl (backend str) or the float64 reference (None)."""
+def _run(fn_backend, h, w, b, y, *, temperature=1.0, entropy=True, gl=None, ge=None, device=None):
+    """(logp, entropy, grad_h, grad_w, grad_b) from fastrl (backend str) or the float64 reference (None),
+    computed on ``device`` (default DEVICE) and returned on the CPU."""
+    dev = DEVICE if device is None else torch.device(device)
+    gl = torch.randn(y.shape) if gl is None else gl
+    h, w, y, gl = h.to(dev), w.to(dev), y.to(dev), gl.to(dev)
+    b = b.to(dev) if b is not None else None
+    ge = ge.to(dev) if ge is not None else None
     if fn_backend is None:
         hh, ww = h.detach().double().requires_grad_(), w.detach().double().requires_grad_()
         bb = b.detach().double().requires_grad_() if b is not None else None
@@ -45,12 +54,12 @@ def _run(fn_backend, h, w, b, y, *, temperature=1.0, entropy=True, gl=None, ge=N
         bb = b.detach().clone().requires_grad_() if b is not None else None
         out = linear_logprobs(hh, ww, y, bias=bb, temperature=temperature, return_entropy=entropy, backend=fn_backend)
         logp, ent = out if entropy else (out, None)
-    gl = torch.randn(y.shape) if gl is None else gl
     loss = (logp * gl.to(logp.dtype)).sum()
     if entropy and ge is not None:
         loss = loss + (ent * ge.to(ent.dtype)).sum()
     loss.backward()
-    return logp, ent, hh.grad, ww.grad, (bb.grad if bb is not None else None)
+    out = (logp, ent, hh.grad, ww.grad, (bb.grad if bb is not None else None))
+    return tuple(t.detach().cpu() if t is not None else None for t in out)
 
 
 def _rel(a, b):
@@ -165,6 +174,7 @@ def test_torch_path_large_prime_vocab_many_chunks(monkeypatch):
 
 def test_backends_agree_and_leading_dims_are_kept():
     h, w, _, y = _inputs((2, 3, 5), 20, 45)
+    h, w, y = h.to(DEVICE), w.to(DEVICE), y.to(DEVICE)
     a = linear_logprobs(h, w, y, backend="torch", return_entropy=True)
     t = linear_logprobs(h, w, y, backend="triton", return_entropy=True)
     assert a[0].shape == (2, 3, 5) and t[1].shape == (2, 3, 5)
@@ -174,6 +184,7 @@ def test_backends_agree_and_leading_dims_are_kept():
 
 def test_triton_tiles_are_tunable():
     h, w, _, y = _inputs((20,), 24, 130)
+    h, w, y = h.to(DEVICE), w.to(DEVICE), y.to(DEVICE)
     tiles = {k: dict(BLOCK_N=16, BLOCK_V=64, BLOCK_K=32, num_warps=1, num_stages=1) for k in ("fwd", "bwd_hidden", "bwd_weight")}
     ref = linear_logprobs(h, w, y, backend="torch")
     torch.testing.assert_close(linear_logprobs(h, w, y, backend="triton", tiles=tiles), ref, atol=1e-5, rtol=0)
@@ -239,11 +250,12 @@ def test_triton_vocab_split_over_programs():
     gl, ge = torch.randn(2, 11), torch.randn(2, 11)
     tiles = {k: dict(BLOCK_N=16, BLOCK_V=32, BLOCK_K=16, num_warps=1, num_stages=1, SPLITS=3)
              for k in ("fwd", "bwd_hidden", "bwd_weight")}
-    hh, ww, bb = (t.clone().requires_grad_() for t in (h, w, b))
-    logp, ent = linear_logprobs(hh, ww, y, bias=bb, temperature=0.9, return_entropy=True, backend="triton", tiles=tiles)
-    ((logp * gl).sum() + (ent * ge).sum()).backward()
+    hh, ww, bb = (t.to(DEVICE).requires_grad_() for t in (h, w, b))
+    logp, ent = linear_logprobs(hh, ww, y.to(DEVICE), bias=bb, temperature=0.9, return_entropy=True,
+                                backend="triton", tiles=tiles)
+    ((logp * gl.to(DEVICE)).sum() + (ent * ge.to(DEVICE)).sum()).backward()
     ref = _run(None, h, w, b, y, temperature=0.9, gl=gl, ge=ge)
-    _compare((logp, ent, hh.grad, ww.grad, bb.grad), ref)
+    _compare(tuple(t.detach().cpu() for t in (logp, ent, hh.grad, ww.grad, bb.grad)), ref)
 
 
 def test_ignored_tokens_are_not_computed(monkeypatch):
@@ -254,7 +266,7 @@ def test_ignored_tokens_are_not_computed(monkeypatch):
     monkeypatch.setattr(lp_mod, "_torch_grads", lambda h, *a: seen.append(h.shape[0]) or orig_grads(h, *a))
     h, w, _, y = _inputs((4, 8), 16, 50, n_ignore=13)
     h.requires_grad_()
-    linear_logprobs(h, w, y, backend="torch").sum().backward()
+    linear_logprobs(h, w, y, backend="torch").sum().backward()  # CPU tensors: compaction is free
     assert seen == [19, 19]
 
 
@@ -267,8 +279,8 @@ def test_torch_path_property_matches_reference(n, hdim, vocab, temperature, n_ig
     torch.manual_seed(seed)
     h, w, b, y = _inputs((n,), hdim, vocab, bias=True, n_ignore=min(n_ignore, n))
     gl, ge = torch.randn(n), torch.randn(n)
-    got = _run("torch", h, w, b, y, temperature=temperature, gl=gl, ge=ge)
-    ref = _run(None, h, w, b, y, temperature=temperature, gl=gl, ge=ge)
+    got = _run("torch", h, w, b, y, temperature=temperature, gl=gl, ge=ge, device="cpu")
+    ref = _run(None, h, w, b, y, temperature=temperature, gl=gl, ge=ge, device="cpu")
     torch.testing.assert_close(got[0].double(), ref[0], atol=1e-5, rtol=0)
     torch.testing.assert_close(got[1].double(), ref[1], atol=1e-5, rtol=0)
     for g, r in zip(got[2:], ref[2:]):

@@ -23,6 +23,9 @@ def _free_port() -> int:
 
 def _worker(rank, world, port, backend, errfile):
     try:
+        # CPU tensors on gloo: the Triton kernels run in the interpreter (set before triton
+        # is imported in this fresh process), also on machines that have a GPU
+        os.environ["TRITON_INTERPRET"] = "1"
         os.environ["MASTER_ADDR"] = "127.0.0.1"
         os.environ["MASTER_PORT"] = str(port)
         dist.init_process_group("gloo", rank=rank, world_size=world)
