@@ -162,7 +162,7 @@ def _torch_grads(h, weight, bias, y, lse, ent, gl, ge, inv_temp, need_h, need_w,
                 gw.addmm_(gq.T, h[sl])
             else:
                 gw += gq.T @ h[sl]
-        del gq
+        z = g = gq = None  # noqa: F841  (free this chunk's buffer before the next one)
     return gh, gw, gb
 
 
@@ -631,7 +631,8 @@ def _fused_eager_torch(
                 gw.addmm_(gq.T, hw[sl])
             else:
                 gw += gq.T @ hw[sl]
-        del gq
+        # drop every reference to this chunk's buffer before the next chunk allocates one
+        z = g = gq = None  # noqa: F841
 
     logp = torch.zeros(B * T, **f32).index_copy_(0, idx, logp_w).reshape(B, T)
     ent = torch.zeros(B * T, **f32).index_copy_(0, idx, ent_w).reshape(B, T) if with_entropy else None
