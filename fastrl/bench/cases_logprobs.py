@@ -126,11 +126,19 @@ def _shapes(device: torch.device, quick: bool) -> list[tuple[int, int, int]]:
     return [(2048, 256, 32000), (2048, 256, 151936)]
 
 
+def available_impls() -> tuple[str, ...]:
+    """IMPLS whose packages are installed (TRL and Liger-Kernel are optional baselines)."""
+    import importlib.util
+
+    need = {"trl_selective": "trl", "liger": "liger_kernel"}
+    return tuple(i for i in IMPLS if i not in need or importlib.util.find_spec(need[i]) is not None)
+
+
 def cases(device: torch.device, quick: bool) -> list[BenchCase]:
     dtype = "bfloat16" if device.type == "cuda" else "float32"
     out = []
     for n, hd, v in _shapes(device, quick):
-        impls = {name: build_grpo(name, n, hd, v, dtype=dtype, device=str(device)) for name in IMPLS}
+        impls = {name: build_grpo(name, n, hd, v, dtype=dtype, device=str(device)) for name in available_impls()}
         out.append(
             BenchCase(
                 op="grpo_loss_fwd_bwd",
