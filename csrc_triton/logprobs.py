@@ -258,8 +258,9 @@ def _bwd_weight_kernel(
         tl.store(gb_ptr + cols, gb, mask=col_mask)
 
 
-def _precision(dtype: torch.dtype) -> str:
-    return FP32_DOT_PRECISION if dtype == torch.float32 else "ieee"
+def _precision(dtype: torch.dtype) -> str | None:
+    # the input precision only concerns fp32 operands; bf16/fp16 use the default MMA path
+    return FP32_DOT_PRECISION if dtype == torch.float32 else None
 
 
 def _upcast(t: torch.Tensor) -> bool:
