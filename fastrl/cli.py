@@ -11,6 +11,7 @@ from pathlib import Path
 
 # Benchmark case modules, each exposing ``cases(device, quick) -> list[BenchCase]``.
 BENCH_MODULES = (
+    "cases_scans",
 )
 
 
