@@ -188,6 +188,7 @@ def _launch(rewards, values, mask, gamma, gamma_lam, block, publish_every=1):
     block = int(block)
     if block < 2 or block & (block - 1):
         raise ValueError(f"block must be a power of two >= 2, got {block}")
+    block = min(block, max(16, triton.next_power_of_2(T)))  # short rows: no all-padding lanes
     n_chunks = triton.cdiv(T, block)
     n_tiles = B * n_chunks
     dev = rewards.device
@@ -219,7 +220,8 @@ def gae_fwd(
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """Un-whitened GAE ``(advantages, returns)``, float32 ``[B, T]``; inputs ``[B, T]``, any strides.
 
-    ``block`` is the chunk length (a power of two); ``publish_every`` is a test hook (see kernel).
+    ``block`` is the chunk length (a power of two; rows shorter than it use the next power of
+    two >= T, at least 16); ``publish_every`` is a test hook (see the kernel).
     """
     return _launch(rewards, values, mask, gamma, gamma * lam, block, publish_every)
 

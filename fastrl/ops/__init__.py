@@ -4,4 +4,6 @@ Each op takes ``backend="auto" | "triton" | "torch"``: auto runs the Triton kern
 CUDA tensors and the PyTorch path otherwise.
 """
 
-__all__ = []
+from fastrl.ops.scans import discounted_returns, gae
+
+__all__ = ["gae", "discounted_returns"]
