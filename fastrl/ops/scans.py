@@ -61,7 +61,7 @@ def _toeplitz_t(n: int, beta: float, device: torch.device, dtype: torch.dtype) -
     """
     idx = torch.arange(n, device=device, dtype=torch.float64)
     diff = idx[:, None] - idx[None, :]
-    w = torch.pow(torch.tensor(beta, dtype=torch.float64, device=device), diff.clamp(min=0))
+    w = torch.pow(beta, diff.clamp(min=0))  # a Python base: no host-to-device copy
     return torch.where(diff >= 0, w, torch.zeros_like(w)).to(dtype)
 
 
@@ -80,10 +80,7 @@ def _scan_const(b: torch.Tensor, beta: float, block: int = _BLOCK) -> torch.Tens
     # State entering block k from the right = head of block k+1 (0 after the last block).
     incoming = torch.nn.functional.pad(heads[:, 1:], (0, 1))
     # From token i of a block, the next block's head is (block - i) steps away.
-    decay = torch.pow(
-        torch.tensor(beta, dtype=torch.float64, device=b.device),
-        torch.arange(block, 0, -1, device=b.device, dtype=torch.float64),
-    ).to(b.dtype)
+    decay = torch.pow(beta, torch.arange(block, 0, -1, device=b.device, dtype=torch.float64)).to(b.dtype)
     local.addcmul_(incoming[:, :, None], decay)
     return local.view(n, n_blocks * block)[:, :length]
 
@@ -103,7 +100,10 @@ class _Packed:
         T = mask.shape[1]
         m = mask if mask.dtype == torch.bool else mask != 0
         self.width = -(-(T + 1) // block) * block
-        self.slot = torch.cumsum(m, dim=1).masked_fill_(~m, 0)
+        # Counting in floating point is exact (float32 up to 2**24 tokens a row) and, on CPU,
+        # several times faster than an int64 cumsum.
+        mf = m.to(torch.float32 if T < 2**24 else torch.float64)
+        self.slot = torch.cumsum(mf, dim=1).mul_(mf).long()
 
     def pack(self, x: torch.Tensor, dtype: torch.dtype, extra: int = 0) -> torch.Tensor:
         out = torch.zeros(x.shape[0], self.width + extra, dtype=dtype, device=x.device)
