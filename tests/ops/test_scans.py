@@ -309,3 +309,16 @@ def test_property_kernel_matches_reference(args, block, publish_every):
     e_adv, e_ret = ref_gae(r, v, m, gamma, lam)
     assert_close(adv.cpu(), e_adv)
     assert_close(ret.cpu(), e_ret)
+
+
+def test_torch_packing_index_is_exact_past_float32_integers():
+    """The packing index counts tokens in floating point: rows of 2**24+ tokens switch to
+    float64, where float32 would start skipping odd counts."""
+    from fastrl.ops.scans import _Packed
+
+    T = 2**24 + 3
+    mask = torch.ones(1, T, dtype=torch.bool)
+    mask[0, 5] = False
+    slot = _Packed(mask).slot[0]
+    assert slot[5] == 0 and slot[4] == 5 and slot[6] == 6
+    assert slot[-1] == T - 1 and slot[-2] == T - 2
