@@ -12,7 +12,7 @@ Backends
 * ``triton``: one launch of a chunked associative scan with decoupled look-back across
   chunks (:mod:`csrc_triton.scans`); parallel over rows and over chunks of time.
 * ``torch``: vectorised over time, no Python loop over ``T``. The masked-in tokens of each
-  row are packed to the left (a cumulative-sum index and one scatter), which turns the
+  row are packed to the left (a cumulative-count index, one scatter per input), which turns the
   masked recursion into the constant-coefficient one ``x[i] = b[i] + beta * x[i+1]``. That
   is solved blockwise with matrix products against the fixed ``C x C`` Toeplitz matrix
   ``beta^(j-i)`` (``j >= i``); the block heads form the same recursion with ``beta^C``, solved
