@@ -102,8 +102,8 @@ class _Packed:
         self.width = -(-(T + 1) // block) * block
         # Counting in floating point is exact (float32 up to 2**24 tokens a row) and, on CPU,
         # several times faster than an int64 cumsum.
-        mf = m.to(torch.float32 if T < 2**24 else torch.float64)
-        self.slot = torch.cumsum(mf, dim=1).mul_(mf).long()
+        count = m.to(torch.float32 if T < 2**24 else torch.float64).cumsum_(1)
+        self.slot = count.masked_fill_(~m, 0).long()
 
     def pack(self, x: torch.Tensor, dtype: torch.dtype, extra: int = 0) -> torch.Tensor:
         out = torch.zeros(x.shape[0], self.width + extra, dtype=dtype, device=x.device)
