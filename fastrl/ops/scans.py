@@ -26,6 +26,7 @@ from __future__ import annotations
 import torch
 
 from fastrl._checks import (
+    Backend,
     check_float,
     check_mask,
     check_nonempty,
@@ -154,7 +155,7 @@ def gae(
     gamma: float,
     lam: float,
     whiten: bool = False,
-    backend: str = "auto",
+    backend: Backend = "auto",
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """Generalised advantage estimation (https://arxiv.org/abs/1506.02438) over ``[B, T]`` tokens.
 
@@ -203,7 +204,7 @@ def discounted_returns(
     mask: torch.Tensor,
     *,
     gamma: float,
-    backend: str = "auto",
+    backend: Backend = "auto",
 ) -> torch.Tensor:
     """Discounted reward-to-go ``G[t] = r[t] + gamma * G_next`` over masked-in tokens.
 
