@@ -13,6 +13,8 @@ from pathlib import Path
 BENCH_MODULES = (
     "cases_policy_loss",
     "cases_advantages",
+    "cases_rollout",
+    "cases_scans",
     "cases_logprobs",
 )
 
