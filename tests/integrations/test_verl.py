@@ -261,3 +261,28 @@ def test_register_puts_fastrl_functions_into_verl_registries(monkeypatch):
         )
         ref = core_algos.get_adv_estimator_fn("grpo")(rewards, mask, _index(), norm_adv_by_std_in_grpo=norm)
         torch.testing.assert_close(got[0], ref[0], rtol=1e-5, atol=1e-6)
+
+
+def test_verl_loads_the_plugin_module_in_a_fresh_process():
+    import os
+    import subprocess
+    import sys
+
+    code = (
+        "import verl\n"
+        "from verl.trainer.ppo import core_algos as c\n"
+        "from fastrl.integrations import verl as fv\n"
+        "assert c.get_policy_loss_fn('fastrl_gspo') is fv.compute_policy_loss_gspo\n"
+        "assert c.get_adv_estimator_fn('fastrl_rloo') is fv.compute_rloo_outcome_advantage\n"
+        "assert c.compute_gae_advantage_return is fv.compute_gae_advantage_return\n"
+        "print('ok')\n"
+    )
+    root = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+    env = dict(
+        os.environ,
+        VERL_USE_EXTERNAL_MODULES="fastrl.integrations.verl_plugin",
+        FASTRL_VERL_REPLACE_BUILTIN="1",
+        PYTHONPATH=os.pathsep.join([root, os.environ.get("PYTHONPATH", "")]),
+    )
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, env=env, timeout=300)
+    assert out.returncode == 0 and "ok" in out.stdout, out.stderr[-3000:]
