@@ -11,6 +11,8 @@ from pathlib import Path
 
 # Benchmark case modules, each exposing ``cases(device, quick) -> list[BenchCase]``.
 BENCH_MODULES = (
+    "cases_policy_loss",
+    "cases_advantages",
 )
 
 

@@ -58,9 +58,11 @@ class PolicyLossConfig:
     whose ratio has grown far above 1. ``None`` disables it."""
 
     log_ratio_clamp: float | None = None
-    """If set, ``logp - old_logp`` is clamped to [-c, c] before exp (verl uses 20) so a
-    stale or corrupted old_logp cannot overflow the ratio. Clamped tokens get no gradient
-    through the ratio. ``None`` (the default) applies the formula as written."""
+    """If set, ``logp - old_logp`` is clamped to [-c, c] per token before exp (verl uses 20)
+    so a stale or corrupted old_logp cannot overflow the ratio; with
+    ``ratio_level="sequence"`` the token log-ratios are clamped before the row mean. Clamped
+    tokens get no gradient through the ratio. ``None`` (the default) applies the formula as
+    written."""
 
     kl_coef: float = 0.0
     """Weight beta of the token-level KL penalty to the reference policy (needs ``ref_logp``).

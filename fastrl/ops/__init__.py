@@ -4,4 +4,17 @@ Each op takes ``backend="auto" | "triton" | "torch"``: auto runs the Triton kern
 CUDA tensors and the PyTorch path otherwise.
 """
 
-__all__ = []
+from fastrl.ops.advantages import group_advantages, step_advantages
+from fastrl.ops.kl import kl_penalty
+from fastrl.ops.policy_loss import policy_loss
+from fastrl.ops.value_loss import value_loss
+from fastrl.ops.whiten import masked_whiten
+
+__all__ = [
+    "group_advantages",
+    "kl_penalty",
+    "masked_whiten",
+    "policy_loss",
+    "step_advantages",
+    "value_loss",
+]

@@ -1,0 +1,446 @@
+"""Triton kernels for the clipped policy-gradient loss (see ``fastrl.reference.policy_loss``).
+
+Layout: ``[B, T]`` inputs with unit column stride (any row stride), a ``[B, T]`` mask of
+any dtype (non-zero = in), per-row ``[B]`` or per-token ``[B, T]`` advantages. The grid is
+``(B, NC)``: one program per row chunk of ``BLOCK`` tokens, so long rows still spread over
+the whole GPU. All arithmetic is fp32.
+
+Kernels (at most four launches per forward + backward):
+
+1. ``_row_pre_kernel`` (sequence ratio or sequence IS weights only): per chunk, the masked
+   token count, sum of log-ratios and sum of old - rollout log-prob differences.
+2. ``_policy_fwd_kernel``: one pass over the inputs. Reads every input once and writes
+   ``g`` = d(row loss)/d(logp) per token (before the row factor and the global denominator;
+   in sequence mode only the KL part, the rest is a per-row constant), plus 13 partial
+   sums per chunk (loss terms and metric numerators).
+3. ``_policy_finalize_kernel`` (one program): reduces the partials in a fixed order
+   (deterministic, no atomics), applies the aggregation denominators (a global count may be
+   a device pointer: no host sync) and writes the loss, every metric and ``1/D`` into one
+   fp32 vector, and per row the factor ``f_b`` and the sequence-ratio constant ``K_b``.
+4. ``_policy_bwd_kernel``: ``dlogp = grad_out / D * (f_b g + K_b [m and inside the clamp])`` and
+   ``dentropy = -entropy_coef grad_out / D f_b m``.
+"""
+
+from __future__ import annotations
+
+import torch
+import triton
+import triton.language as tl
+
+from csrc_triton.kl import KL_ESTIMATOR_IDS, k3_f32, kl_value_grad
+
+AGG_IDS = {"token-mean": 0, "seq-mean-token-mean": 1, "seq-mean-token-sum": 2, "seq-mean-token-sum-norm": 3}
+OUT_KEYS = (
+    "loss", "pg_loss", "kl_loss", "entropy_loss", "clip_frac_low", "clip_frac_high", "clip_frac",
+    "dual_clip_frac", "approx_kl", "kl_ref_mean", "ratio_mean", "ratio_min", "ratio_max",
+    "entropy_mean", "is_weight_mean", "inv_denominator",
+)
+NOUT = len(OUT_KEYS)
+NPART = 13  # n, pg, kl, ent, low, high, dual, approx_kl, ratio_sum, ratio_min, ratio_max, is_w_sum, C
+MAX_BLOCK_T = 1024  # tokens per program (tests lower it to exercise several chunks per row)
+BLOCK_B = 32  # rows per step of the finalize loop
+
+
+@triton.jit
+def _row_pre_kernel(
+    logp_ptr, old_ptr, mask_ptr, roll_ptr, pre_ptr,
+    T, NC, s_logp, s_old, s_mask, s_roll, lr_clamp,
+    SEQ_RATIO: tl.constexpr, SEQ_IS: tl.constexpr, HAS_LR_CLAMP: tl.constexpr, BLOCK: tl.constexpr,
+):
+    b = tl.program_id(0).to(tl.int64)
+    c = tl.program_id(1)
+    offs = c * BLOCK + tl.arange(0, BLOCK)
+    inb = offs < T
+    m = tl.load(mask_ptr + b * s_mask + offs, mask=inb, other=0) != 0
+    n = tl.sum(m.to(tl.float32), axis=0)
+    old = tl.load(old_ptr + b * s_old + offs, mask=inb, other=0.0).to(tl.float32)
+    s_lr = n * 0.0
+    s_is = n * 0.0
+    if SEQ_RATIO:
+        lp = tl.load(logp_ptr + b * s_logp + offs, mask=inb, other=0.0).to(tl.float32)
+        lr = tl.where(m, lp - old, 0.0)
+        if HAS_LR_CLAMP:
+            lr = tl.minimum(tl.maximum(lr, -lr_clamp), lr_clamp)
+        s_lr = tl.sum(lr, axis=0)
+    if SEQ_IS:
+        ro = tl.load(roll_ptr + b * s_roll + offs, mask=inb, other=0.0).to(tl.float32)
+        s_is = tl.sum(tl.where(m, old - ro, 0.0), axis=0)
+    base = pre_ptr + (b * NC + c) * 3
+    tl.store(base + 0, n)
+    tl.store(base + 1, s_lr)
+    tl.store(base + 2, s_is)
+
+
+@triton.jit
+def _policy_fwd_kernel(
+    logp_ptr, old_ptr, adv_ptr, mask_ptr, ref_ptr, ent_ptr, roll_ptr, pre_ptr, grad_ptr, part_ptr,
+    T, NC,
+    s_logp, s_old, s_adv_row, s_adv_col, s_mask, s_ref, s_ent, s_roll, s_grad,
+    ratio_lo, ratio_hi, dual_clip, lr_clamp, kl_coef, kl_clamp, is_cap,
+    SEQ_RATIO: tl.constexpr, SEQ_IS: tl.constexpr, HAS_DUAL: tl.constexpr, HAS_LR_CLAMP: tl.constexpr,
+    HAS_REF: tl.constexpr, KL_EST: tl.constexpr, HAS_KL_CLAMP: tl.constexpr, HAS_ENT: tl.constexpr,
+    HAS_IS: tl.constexpr, HAS_IS_CAP: tl.constexpr, KL_GRAD: tl.constexpr, WRITE_GRAD: tl.constexpr,
+    NC_P2: tl.constexpr, BLOCK: tl.constexpr,
+):
+    b = tl.program_id(0).to(tl.int64)
+    c = tl.program_id(1)
+    offs = c * BLOCK + tl.arange(0, BLOCK)
+    inb = offs < T
+    m = tl.load(mask_ptr + b * s_mask + offs, mask=inb, other=0) != 0
+    mf = m.to(tl.float32)
+    lp = tl.load(logp_ptr + b * s_logp + offs, mask=inb, other=0.0).to(tl.float32)
+    old = tl.load(old_ptr + b * s_old + offs, mask=inb, other=0.0).to(tl.float32)
+    A = tl.load(adv_ptr + b * s_adv_row + offs * s_adv_col, mask=inb, other=0.0).to(tl.float32)
+    A = tl.where(m, A, 0.0)
+    lr = tl.where(m, lp - old, 0.0)
+    if HAS_LR_CLAMP:
+        inside_lr = (lr >= -lr_clamp) & (lr <= lr_clamp)
+        lr = tl.minimum(tl.maximum(lr, -lr_clamp), lr_clamp)
+
+    # per-row quantities of the sequence modes, from the pre-pass partials
+    if SEQ_RATIO or SEQ_IS:
+        co = tl.arange(0, NC_P2)
+        cm = co < NC
+        pre_row = pre_ptr + (b * NC + co) * 3
+        n_row = tl.sum(tl.load(pre_row + 0, mask=cm, other=0.0), axis=0)
+    if SEQ_RATIO:
+        s_row = tl.sum(tl.load(pre_row + 1, mask=cm, other=0.0), axis=0) / tl.maximum(n_row, 1.0)
+        ratio_row = tl.exp(s_row)
+        ratio = tl.zeros([BLOCK], tl.float32) + ratio_row
+    else:
+        ratio = tl.exp(lr)
+
+    # clipped surrogate and its derivative wrt the ratio
+    clipped = tl.minimum(tl.maximum(ratio, ratio_lo), ratio_hi)
+    pg1 = -A * ratio
+    pg2 = -A * clipped
+    take1 = pg1 >= pg2
+    pg = tl.where(take1, pg1, pg2)
+    dpg = tl.where(take1, -A, 0.0)
+    if HAS_DUAL:
+        pg3 = -A * dual_clip
+        dual_on = (A < 0) & (pg > pg3)
+        pg = tl.where(dual_on, pg3, pg)
+        dpg = tl.where(dual_on, 0.0, dpg)
+    if HAS_IS:
+        if SEQ_IS:
+            w = tl.zeros([BLOCK], tl.float32) + tl.exp(tl.sum(tl.load(pre_row + 2, mask=cm, other=0.0), axis=0))
+        else:
+            ro = tl.load(roll_ptr + b * s_roll + offs, mask=inb, other=0.0).to(tl.float32)
+            w = tl.exp(tl.where(m, old - ro, 0.0))
+        if HAS_IS_CAP:
+            w = tl.minimum(w, is_cap)
+        pg = pg * w
+        dpg = dpg * w
+
+    if SEQ_RATIO:
+        g = tl.zeros([BLOCK], tl.float32)
+        c_part = tl.sum(tl.where(m, dpg, 0.0), axis=0) * ratio_row / tl.maximum(n_row, 1.0)
+    else:
+        g = dpg * ratio
+        if HAS_LR_CLAMP:
+            g = tl.where(inside_lr, g, 0.0)
+        c_part = tl.sum(mf, axis=0) * 0.0
+
+    if HAS_REF:
+        rf = tl.load(ref_ptr + b * s_ref + offs, mask=inb, other=0.0).to(tl.float32)
+        k, dk = kl_value_grad(tl.where(m, lp, 0.0), tl.where(m, rf, 0.0), kl_clamp, KL_EST, HAS_KL_CLAMP)
+        k = tl.where(m, k, 0.0)
+        if KL_GRAD:
+            g = g + kl_coef * dk
+    if WRITE_GRAD:
+        tl.store(grad_ptr + b * s_grad + offs, tl.where(m, g, 0.0), mask=inb)
+
+    # partial sums of this chunk
+    n = tl.sum(mf, axis=0)
+    zero = n * 0.0
+    base = part_ptr + (b * NC + c) * 13
+    tl.store(base + 0, n)
+    tl.store(base + 1, tl.sum(tl.where(m, pg, 0.0), axis=0))
+    if HAS_REF:
+        tl.store(base + 2, tl.sum(k, axis=0))
+    else:
+        tl.store(base + 2, zero)
+    if HAS_ENT:
+        e = tl.load(ent_ptr + b * s_ent + offs, mask=inb, other=0.0).to(tl.float32)
+        tl.store(base + 3, tl.sum(tl.where(m, e, 0.0), axis=0))
+    else:
+        tl.store(base + 3, zero)
+    low = m & (ratio < ratio_lo) & (A < 0)
+    high = m & (ratio > ratio_hi) & (A > 0)
+    tl.store(base + 4, tl.sum(low.to(tl.float32), axis=0))
+    tl.store(base + 5, tl.sum(high.to(tl.float32), axis=0))
+    if HAS_DUAL:
+        tl.store(base + 6, tl.sum((m & dual_on).to(tl.float32), axis=0))
+    else:
+        tl.store(base + 6, zero)
+    tl.store(base + 7, tl.sum(tl.where(m, k3_f32(lr), 0.0), axis=0))
+    tl.store(base + 8, tl.sum(tl.where(m, ratio, 0.0), axis=0))
+    tl.store(base + 9, tl.min(tl.where(m, ratio, float("inf")), axis=0))
+    tl.store(base + 10, tl.max(tl.where(m, ratio, float("-inf")), axis=0))
+    if HAS_IS:
+        tl.store(base + 11, tl.sum(tl.where(m, w, 0.0), axis=0))
+    else:
+        tl.store(base + 11, zero)
+    tl.store(base + 12, c_part)
+
+
+@triton.jit
+def _policy_finalize_kernel(
+    part_ptr, out_ptr, rowcoef_ptr, gcount_ptr,
+    B, NC, gcount_val, norm_length, kl_coef, entropy_coef,
+    AGG: tl.constexpr, HAS_GPTR: tl.constexpr, HAS_GVAL: tl.constexpr,
+    USE_KL: tl.constexpr, USE_ENT: tl.constexpr, BLOCK_B: tl.constexpr, NC_P2: tl.constexpr,
+):
+    rows = tl.arange(0, BLOCK_B)
+    cols = tl.arange(0, NC_P2)
+    zero = tl.sum(tl.zeros([BLOCK_B], tl.float32), axis=0)
+    N = zero
+    S = zero
+    pg_t = zero
+    kl_t = zero
+    ent_t = zero
+    low_t = zero
+    high_t = zero
+    dual_t = zero
+    akl_t = zero
+    kl_sum = zero
+    ent_sum = zero
+    r_sum = zero
+    r_min = zero + float("inf")
+    r_max = zero + float("-inf")
+    w_sum = zero
+    # a while loop: ``range`` over a runtime bound breaks the interpreter under NumPy >= 2.4
+    b0 = 0
+    while b0 < B:
+        rb = b0 + rows
+        rmask = rb < B
+        tmask = rmask[:, None] & (cols[None, :] < NC)
+        base = part_ptr + (rb[:, None].to(tl.int64) * NC + cols[None, :]) * 13
+        n_b = tl.sum(tl.load(base + 0, mask=tmask, other=0.0), axis=1)
+        if AGG == 1:
+            f_b = 1.0 / tl.maximum(n_b, 1.0)
+        else:
+            f_b = n_b * 0.0 + 1.0
+        f_b = tl.where(rmask, f_b, 0.0)
+        pg_b = tl.sum(tl.load(base + 1, mask=tmask, other=0.0), axis=1)
+        kl_b = tl.sum(tl.load(base + 2, mask=tmask, other=0.0), axis=1)
+        ent_b = tl.sum(tl.load(base + 3, mask=tmask, other=0.0), axis=1)
+        c_b = tl.sum(tl.load(base + 12, mask=tmask, other=0.0), axis=1)
+        N += tl.sum(n_b, axis=0)
+        S += tl.sum((n_b > 0).to(tl.float32), axis=0)
+        pg_t += tl.sum(f_b * pg_b, axis=0)
+        kl_t += tl.sum(f_b * kl_b, axis=0)
+        ent_t += tl.sum(f_b * ent_b, axis=0)
+        kl_sum += tl.sum(kl_b, axis=0)
+        ent_sum += tl.sum(ent_b, axis=0)
+        low_t += tl.sum(tl.sum(tl.load(base + 4, mask=tmask, other=0.0), axis=1), axis=0)
+        high_t += tl.sum(tl.sum(tl.load(base + 5, mask=tmask, other=0.0), axis=1), axis=0)
+        dual_t += tl.sum(tl.sum(tl.load(base + 6, mask=tmask, other=0.0), axis=1), axis=0)
+        akl_t += tl.sum(tl.sum(tl.load(base + 7, mask=tmask, other=0.0), axis=1), axis=0)
+        r_sum += tl.sum(tl.sum(tl.load(base + 8, mask=tmask, other=0.0), axis=1), axis=0)
+        r_min = tl.minimum(r_min, tl.min(tl.min(tl.load(base + 9, mask=tmask, other=float("inf")), axis=1), axis=0))
+        r_max = tl.maximum(r_max, tl.max(tl.max(tl.load(base + 10, mask=tmask, other=float("-inf")), axis=1), axis=0))
+        w_sum += tl.sum(tl.sum(tl.load(base + 11, mask=tmask, other=0.0), axis=1), axis=0)
+        tl.store(rowcoef_ptr + rb * 2, f_b, mask=rmask)
+        tl.store(rowcoef_ptr + rb * 2 + 1, f_b * c_b, mask=rmask)
+        b0 += BLOCK_B
+
+    if AGG == 0:
+        D = N
+    else:
+        D = S
+    if HAS_GPTR:
+        D = zero + tl.load(gcount_ptr).to(tl.float32)
+    if HAS_GVAL:
+        D = zero + gcount_val
+    D = tl.where(D > 0, D, 1.0)
+    if AGG == 3:
+        D = D * norm_length
+    inv_d = 1.0 / D
+    has_tok = N > 0
+    inv_n = 1.0 / tl.where(has_tok, N, 1.0)
+    pg_loss = pg_t * inv_d
+    kl_loss = kl_t * inv_d
+    ent_loss = ent_t * inv_d
+    loss = pg_loss
+    if USE_KL:
+        loss = loss + kl_coef * kl_loss
+    if USE_ENT:
+        loss = loss - entropy_coef * ent_loss
+    tl.store(out_ptr + 0, loss)
+    tl.store(out_ptr + 1, pg_loss)
+    tl.store(out_ptr + 2, kl_loss)
+    tl.store(out_ptr + 3, ent_loss)
+    tl.store(out_ptr + 4, low_t * inv_n)
+    tl.store(out_ptr + 5, high_t * inv_n)
+    tl.store(out_ptr + 6, low_t * inv_n + high_t * inv_n)
+    tl.store(out_ptr + 7, dual_t * inv_n)
+    tl.store(out_ptr + 8, akl_t * inv_n)
+    tl.store(out_ptr + 9, kl_sum * inv_n)
+    tl.store(out_ptr + 10, r_sum * inv_n)
+    tl.store(out_ptr + 11, tl.where(has_tok, r_min, 0.0))
+    tl.store(out_ptr + 12, tl.where(has_tok, r_max, 0.0))
+    tl.store(out_ptr + 13, ent_sum * inv_n)
+    tl.store(out_ptr + 14, w_sum * inv_n)
+    tl.store(out_ptr + 15, inv_d)
+
+
+@triton.jit
+def _policy_bwd_kernel(
+    gout_ptr, out_ptr, rowcoef_ptr, g_ptr, mask_ptr, logp_ptr, old_ptr, glogp_ptr, gent_ptr,
+    T, s_g, s_mask, s_logp, s_old, s_glogp, s_gent, lr_clamp, entropy_coef,
+    HAS_G: tl.constexpr, SEQ_RATIO: tl.constexpr, HAS_LR_CLAMP: tl.constexpr,
+    WRITE_LOGP: tl.constexpr, WRITE_ENT: tl.constexpr, BLOCK: tl.constexpr,
+):
+    b = tl.program_id(0).to(tl.int64)
+    c = tl.program_id(1)
+    offs = c * BLOCK + tl.arange(0, BLOCK)
+    inb = offs < T
+    scale = tl.load(gout_ptr).to(tl.float32) * tl.load(out_ptr + 15)
+    f = tl.load(rowcoef_ptr + b * 2)
+    m = tl.load(mask_ptr + b * s_mask + offs, mask=inb, other=0) != 0
+    if WRITE_LOGP:
+        if HAS_G:
+            dl = f * tl.load(g_ptr + b * s_g + offs, mask=inb, other=0.0)
+        else:
+            dl = tl.zeros([BLOCK], tl.float32)
+        if SEQ_RATIO:
+            kb = tl.load(rowcoef_ptr + b * 2 + 1)
+            p = m
+            if HAS_LR_CLAMP:
+                lp = tl.load(logp_ptr + b * s_logp + offs, mask=inb, other=0.0).to(tl.float32)
+                old = tl.load(old_ptr + b * s_old + offs, mask=inb, other=0.0).to(tl.float32)
+                lr = lp - old
+                p = p & (lr >= -lr_clamp) & (lr <= lr_clamp)
+            dl = dl + tl.where(p, kb, 0.0)
+        tl.store(glogp_ptr + b * s_glogp + offs, (scale * dl).to(glogp_ptr.dtype.element_ty), mask=inb)
+    if WRITE_ENT:
+        ge = tl.where(m, -entropy_coef * f * scale, 0.0)
+        tl.store(gent_ptr + b * s_gent + offs, ge.to(gent_ptr.dtype.element_ty), mask=inb)
+
+
+def _mask_arg(mask: torch.Tensor) -> torch.Tensor:
+    return mask.view(torch.uint8) if mask.dtype == torch.bool else mask
+
+
+def _blocks(T: int) -> tuple[int, int]:
+    block = min(MAX_BLOCK_T, triton.next_power_of_2(T))
+    return block, triton.cdiv(T, block)
+
+
+def policy_loss_fwd(
+    logp: torch.Tensor,
+    old_logp: torch.Tensor,
+    advantages: torch.Tensor,
+    mask: torch.Tensor,
+    ref_logp: torch.Tensor | None,
+    entropy: torch.Tensor | None,
+    rollout_logp: torch.Tensor | None,
+    *,
+    seq_ratio: bool,
+    seq_is: bool,
+    clip_low: float,
+    clip_high: float,
+    dual_clip: float | None,
+    log_ratio_clamp: float | None,
+    kl_coef: float,
+    kl_estimator: str,
+    kl_clamp: float | None,
+    entropy_coef: float,
+    is_cap: float | None,
+    loss_agg: str,
+    norm_length: float,
+    global_count: torch.Tensor | float | None,
+    write_grad: bool,
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor | None]:
+    """Forward of the policy loss.
+
+    All ``[B, T]`` inputs need a unit column stride; ``advantages`` is ``[B, T]`` or ``[B]``.
+    Returns ``out`` (``[len(OUT_KEYS)]`` fp32: loss, metrics, 1/D), ``rowcoef`` (``[B, 2]``: f_b,
+    K_b) and ``g`` (``[B, T]`` fp32, or None when not needed) for ``policy_loss_bwd``.
+    """
+    B, T = logp.shape
+    dev = logp.device
+    block, nc = _blocks(T)
+    nc_p2 = triton.next_power_of_2(nc)
+    mask = _mask_arg(mask)
+    has_is = rollout_logp is not None
+    seq_is = seq_is and has_is
+    if seq_ratio or seq_is:
+        pre = torch.empty((B, nc, 3), dtype=torch.float32, device=dev)
+        _row_pre_kernel[(B, nc)](
+            logp, old_logp, mask, rollout_logp if has_is else old_logp, pre,
+            T, nc, logp.stride(0), old_logp.stride(0), mask.stride(0),
+            rollout_logp.stride(0) if has_is else 0, float(log_ratio_clamp or 0.0),
+            SEQ_RATIO=seq_ratio, SEQ_IS=seq_is, HAS_LR_CLAMP=log_ratio_clamp is not None, BLOCK=block,
+        )
+    else:
+        pre = logp  # unused
+    has_ref = ref_logp is not None
+    has_ent = entropy is not None
+    # in sequence mode g holds only the KL part; without KL there is nothing per token to keep
+    write_g = write_grad and (not seq_ratio or (has_ref and kl_coef != 0))
+    g = torch.empty((B, T), dtype=torch.float32, device=dev) if write_g else None
+    part = torch.empty((B, nc, NPART), dtype=torch.float32, device=dev)
+    adv_per_seq = advantages.dim() == 1
+    _policy_fwd_kernel[(B, nc)](
+        logp, old_logp, advantages, mask,
+        ref_logp if has_ref else logp, entropy if has_ent else logp, rollout_logp if has_is else logp,
+        pre, g if write_g else part, part,
+        T, nc,
+        logp.stride(0), old_logp.stride(0), advantages.stride(0), 0 if adv_per_seq else 1, mask.stride(0),
+        ref_logp.stride(0) if has_ref else 0, entropy.stride(0) if has_ent else 0,
+        rollout_logp.stride(0) if has_is else 0, T,
+        1.0 - clip_low, 1.0 + clip_high, float(dual_clip or 0.0), float(log_ratio_clamp or 0.0),
+        float(kl_coef), float(kl_clamp or 0.0), float(is_cap or 0.0),
+        SEQ_RATIO=seq_ratio, SEQ_IS=seq_is, HAS_DUAL=dual_clip is not None,
+        HAS_LR_CLAMP=log_ratio_clamp is not None, HAS_REF=has_ref, KL_EST=KL_ESTIMATOR_IDS[kl_estimator],
+        HAS_KL_CLAMP=kl_clamp is not None, HAS_ENT=has_ent, HAS_IS=has_is, HAS_IS_CAP=is_cap is not None,
+        KL_GRAD=has_ref and kl_coef != 0, WRITE_GRAD=write_g, NC_P2=nc_p2, BLOCK=block,
+    )
+    out = torch.empty(NOUT, dtype=torch.float32, device=dev)
+    rowcoef = torch.empty((B, 2), dtype=torch.float32, device=dev)
+    g_is_ptr = isinstance(global_count, torch.Tensor)
+    _policy_finalize_kernel[(1,)](
+        part, out, rowcoef, global_count if g_is_ptr else out,
+        B, nc, float(global_count) if (global_count is not None and not g_is_ptr) else 0.0,
+        float(norm_length), float(kl_coef), float(entropy_coef),
+        AGG=AGG_IDS[loss_agg], HAS_GPTR=g_is_ptr, HAS_GVAL=global_count is not None and not g_is_ptr,
+        USE_KL=has_ref and kl_coef != 0, USE_ENT=has_ent and entropy_coef != 0,
+        BLOCK_B=BLOCK_B, NC_P2=nc_p2,
+    )
+    return out, rowcoef, g
+
+
+def policy_loss_bwd(
+    grad_out: torch.Tensor,
+    out: torch.Tensor,
+    rowcoef: torch.Tensor,
+    g: torch.Tensor | None,
+    mask: torch.Tensor,
+    logp: torch.Tensor,
+    old_logp: torch.Tensor,
+    entropy: torch.Tensor | None,
+    *,
+    seq_ratio: bool,
+    log_ratio_clamp: float | None,
+    entropy_coef: float,
+    need_logp: bool,
+    need_entropy: bool,
+) -> tuple[torch.Tensor | None, torch.Tensor | None]:
+    """Gradients wrt ``logp`` and ``entropy`` (in their dtypes) from ``policy_loss_fwd``'s outputs."""
+    B, T = logp.shape
+    block, nc = _blocks(T)
+    mask = _mask_arg(mask)
+    glogp = torch.empty((B, T), dtype=logp.dtype, device=logp.device) if need_logp else None
+    gent = torch.empty((B, T), dtype=entropy.dtype, device=logp.device) if need_entropy else None
+    _policy_bwd_kernel[(B, nc)](
+        grad_out, out, rowcoef, g if g is not None else out, mask, logp, old_logp,
+        glogp if need_logp else out, gent if need_entropy else out,
+        T, T, mask.stride(0), logp.stride(0), old_logp.stride(0), T, T,
+        float(log_ratio_clamp or 0.0), float(entropy_coef),
+        HAS_G=g is not None, SEQ_RATIO=seq_ratio, HAS_LR_CLAMP=log_ratio_clamp is not None,
+        WRITE_LOGP=need_logp, WRITE_ENT=need_entropy, BLOCK=block,
+    )
+    return glogp, gent

@@ -1,0 +1,387 @@
+"""Clipped policy-gradient loss for PPO/GRPO/DAPO/Dr. GRPO/GSPO: ``policy_loss``.
+
+The formula, aggregation modes and metrics are specified in ``fastrl.reference.policy_loss``
+and configured by ``fastrl.PolicyLossConfig``. Both backends compute the loss and its
+gradient wrt ``logp`` in the forward pass (one pass over the inputs); the backward only
+scales the saved per-token gradient by ``grad_out / D`` (D: the aggregation denominator,
+kept on the device, so global counts never synchronise with the host).
+"""
+
+from __future__ import annotations
+
+import torch
+from torch.autograd.function import once_differentiable
+
+from fastrl._checks import check_float, check_mask, check_nonempty, check_same_device, check_scalar, resolve_backend
+from fastrl.config import PolicyLossConfig
+
+OUT_KEYS = (
+    "loss", "pg_loss", "kl_loss", "entropy_loss", "clip_frac_low", "clip_frac_high", "clip_frac",
+    "dual_clip_frac", "approx_kl", "kl_ref_mean", "ratio_mean", "ratio_min", "ratio_max",
+    "entropy_mean", "is_weight_mean", "inv_denominator",
+)
+_SLOT = {k: i for i, k in enumerate(OUT_KEYS)}
+
+
+# ----------------------------------------------------------------------------------------
+# PyTorch backend: the same decomposition as the Triton kernels, vectorised over [B, T]
+# ----------------------------------------------------------------------------------------
+
+
+def _f32(x: torch.Tensor) -> torch.Tensor:
+    return x if x.dtype == torch.float32 else x.float()
+
+
+def _masks(mask: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """(bool mask, 0/1 fp32 mask) of ``mask != 0``, with as few passes as the dtype allows."""
+    if mask.dtype == torch.bool:
+        return mask, mask.to(torch.float32)
+    mf = _f32(mask).abs().sign()
+    return mf.bool(), mf
+
+
+def _step(x: torch.Tensor) -> torch.Tensor:
+    """1.0 where x > 0, else 0.0, in fp32 arithmetic (comparisons producing bool tensors and
+    selects on them are several times slower than float ops on CPU)."""
+    return torch.sign(x).clamp_(min=0.0)
+
+
+def _torch_fwd(
+    logp, old_logp, advantages, mask, ref_logp, entropy, rollout_logp, *,
+    seq_ratio, seq_is, clip_low, clip_high, dual_clip, log_ratio_clamp, kl_coef, kl_estimator,
+    kl_clamp, entropy_coef, is_cap, loss_agg, norm_length, global_count, write_grad,
+):
+    """Vectorised eager PyTorch in few passes. Inputs are zeroed once at masked-out positions
+    (``where``, so NaN/inf padding cannot leak); after that every masked-out token has
+    lr = 0, A = 0 and d = 0 and adds exactly 0 to every sum, so the rest needs no select."""
+    f32 = torch.float32
+    dev = logp.device
+    zero = torch.zeros((), dtype=f32, device=dev)
+    m, mf = _masks(mask)
+    n = mf.sum(1)
+    N = n.sum()
+    n1 = n.clamp(min=1.0)
+    lp = _f32(logp)
+    old = _f32(old_logp)
+    lr = torch.where(m, lp - old, zero)
+    if log_ratio_clamp is not None:
+        inside = 1.0 - _step(lr.abs() - log_ratio_clamp)  # closed interval
+        lr = lr.clamp(-log_ratio_clamp, log_ratio_clamp)
+    if seq_ratio:
+        ratio_row = torch.exp(lr.sum(1) / n1)
+        ratio = ratio_row[:, None]
+    else:
+        ratio = torch.exp(lr)
+    A = _f32(advantages)
+    if A.dim() == 1:
+        A = torch.where(n > 0, A, zero)[:, None] * mf  # NaN of a row with tokens still propagates
+    else:
+        A = torch.where(m, A, zero)
+    negA = -A
+
+    # clipped surrogate: pg = max(pg1, pg2); d pg / d ratio = -A where pg1 >= pg2
+    lo, hi = 1.0 - clip_low, 1.0 + clip_high
+    pg1 = negA * ratio
+    pg2 = negA * ratio.clamp(lo, hi)
+    pg = torch.maximum(pg1, pg2)
+    dpg = negA * (1.0 - _step(pg2 - pg1)) if write_grad else None
+    dual_ind = None
+    if dual_clip is not None:
+        # -min(A, 0) c is -A c for A < 0 and 0 otherwise, where pg <= 0 already
+        pg3 = A.clamp(max=0.0) * (-dual_clip)
+        dual_ind = _step(pg - pg3)
+        pg = torch.minimum(pg, pg3)
+        if write_grad:
+            dpg.mul_(1.0 - dual_ind)
+    w = None
+    if rollout_logp is not None:
+        diff = torch.where(m, old - _f32(rollout_logp), zero)
+        w = torch.exp(diff.sum(1, keepdim=True)) if seq_is else torch.exp(diff)
+        if is_cap is not None:
+            w = w.clamp(max=is_cap)
+        pg = pg * w
+        if write_grad:
+            dpg.mul_(w)
+
+    g = None
+    c_row = None
+    if write_grad:
+        if seq_ratio:
+            c_row = dpg.sum(1) * ratio_row / n1
+        else:
+            g = dpg.mul_(ratio)
+            if log_ratio_clamp is not None:
+                g.mul_(inside)
+    kl = None
+    if ref_logp is not None:
+        kl_grad = write_grad and kl_coef != 0
+        d = torch.where(m, _f32(ref_logp) - lp, zero)
+        if kl_estimator == "k1":
+            kl = -d
+            dk = mf if kl_grad else None  # d k1 / d logp = 1 on the masked-in tokens
+        elif kl_estimator == "k2":
+            kl = 0.5 * d * d
+            dk = -d if kl_grad else None
+        else:
+            em1 = torch.exp(d).sub_(1.0)  # (expm1 is several times slower on CPU)
+            kl = em1 - d
+            dk = em1.neg_() if kl_grad else None
+        if kl_clamp is not None:
+            if kl_grad:
+                dk = dk * (1.0 - _step(kl.abs() - kl_clamp))
+            kl = kl.clamp(-kl_clamp, kl_clamp)
+        if kl_grad:
+            g = kl_coef * dk if g is None else g.add_(dk, alpha=kl_coef)
+
+    # aggregation
+    f = 1.0 / n1 if loss_agg == "seq-mean-token-mean" else torch.ones_like(n)
+    if global_count is not None:
+        D = torch.as_tensor(global_count, device=dev).to(f32).reshape(())
+    elif loss_agg == "token-mean":
+        D = N
+    else:
+        D = (n > 0).to(f32).sum()
+    D = torch.where(D > 0, D, 1.0)
+    if loss_agg == "seq-mean-token-sum-norm":
+        D = D * norm_length
+    inv_d = 1.0 / D
+    inv_n = 1.0 / torch.where(N > 0, N, 1.0)
+
+    pg_loss = torch.dot(f, pg.sum(1)) * inv_d
+    loss = pg_loss
+    kl_loss = ent_loss = kl_mean = ent_mean = w_mean = dual_frac = zero
+    if kl is not None:
+        kl_rows = kl.sum(1)
+        kl_loss = torch.dot(f, kl_rows) * inv_d
+        kl_mean = kl_rows.sum() * inv_n
+        if kl_coef != 0:
+            loss = loss + kl_coef * kl_loss
+    if entropy is not None:
+        ent_rows = torch.where(m, _f32(entropy), zero).sum(1)
+        ent_loss = torch.dot(f, ent_rows) * inv_d
+        ent_mean = ent_rows.sum() * inv_n
+        if entropy_coef != 0:
+            loss = loss - entropy_coef * ent_loss
+
+    # metrics; A = 0 at masked-out tokens, so the sign tests need no mask
+    sA = torch.sign(A)
+    r_bt = ratio.expand_as(lr)
+    low = torch.dot(_step(lo - r_bt).reshape(-1), (-sA).clamp_(min=0.0).reshape(-1)) * inv_n
+    high = torch.dot(_step(r_bt - hi).reshape(-1), sA.clamp_(min=0.0).reshape(-1)) * inv_n
+    if dual_ind is not None:
+        dual_frac = dual_ind.sum() * inv_n
+    if seq_ratio:
+        approx_kl = (torch.exp(lr) - 1.0 - lr).sum() * inv_n
+        r_mean = torch.dot(ratio_row, n) * inv_n
+        r_min = torch.where(n > 0, ratio_row, torch.inf).min()
+        r_max = torch.where(n > 0, ratio_row, -torch.inf).max()
+    else:
+        approx_kl = (ratio - 1.0 - lr).sum() * inv_n
+        r_mean = torch.dot(ratio.reshape(-1), mf.reshape(-1)) * inv_n
+        big = (1.0 - mf) * torch.finfo(f32).max  # +-max at masked-out tokens (where the ratio is 1)
+        r_min = (ratio + big).min()
+        r_max = (ratio - big).max()
+    has_tok = N > 0
+    r_min = torch.where(has_tok, r_min, zero)
+    r_max = torch.where(has_tok, r_max, zero)
+    if w is not None:
+        w_mean = (torch.dot(w[:, 0], n) if seq_is else torch.dot(w.reshape(-1), mf.reshape(-1))) * inv_n
+    out = torch.stack([
+        loss, pg_loss, kl_loss, ent_loss, low, high, low + high, dual_frac, approx_kl, kl_mean,
+        r_mean, r_min, r_max, ent_mean, w_mean, inv_d,
+    ])
+    rowcoef = torch.stack([f, f * c_row if c_row is not None else torch.zeros_like(f)], dim=1)
+    return out, rowcoef, g
+
+
+def _torch_bwd(grad_out, out, rowcoef, g, mask, logp, old_logp, entropy, *,
+               seq_ratio, log_ratio_clamp, entropy_coef, need_logp, need_entropy):
+    scale = grad_out.reshape(-1)[0].float() * out[_SLOT["inv_denominator"]]
+    mf = _masks(mask)[1] if (seq_ratio or need_entropy) else None
+    f = rowcoef[:, 0:1]
+    glogp = gent = None
+    if need_logp:
+        dl = f * g if g is not None else None
+        if seq_ratio:
+            p = mf
+            if log_ratio_clamp is not None:
+                lr = torch.where(mf > 0, _f32(logp) - _f32(old_logp), 0.0)
+                p = p * (1.0 - _step(lr.abs() - log_ratio_clamp))
+            kterm = p * rowcoef[:, 1:2]
+            dl = kterm if dl is None else dl + kterm
+        glogp = (scale * dl).to(logp.dtype)
+    if need_entropy:
+        gent = (mf * ((-entropy_coef) * scale * f)).to(entropy.dtype)
+    return glogp, gent
+
+
+# ----------------------------------------------------------------------------------------
+# autograd and the public op
+# ----------------------------------------------------------------------------------------
+
+
+class _PolicyLossFn(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, logp, entropy, old_logp, advantages, mask, ref_logp, rollout_logp, global_count, kw, backend):  # type: ignore[override]
+        write_grad = ctx.needs_input_grad[0]
+        if backend == "triton":
+            from csrc_triton.policy_loss import policy_loss_fwd as fwd
+        else:
+            fwd = _torch_fwd
+        out, rowcoef, g = fwd(logp, old_logp, advantages, mask, ref_logp, entropy, rollout_logp,
+                              global_count=global_count, write_grad=write_grad, **kw)
+        ctx.kw, ctx.backend = kw, backend
+        ctx.save_for_backward(out, rowcoef, g, mask, logp, old_logp, entropy)
+        return out
+
+    @staticmethod
+    @once_differentiable
+    def backward(ctx, grad_out):  # type: ignore[override]
+        out, rowcoef, g, mask, logp, old_logp, entropy = ctx.saved_tensors
+        kw = ctx.kw
+        need_logp = ctx.needs_input_grad[0]
+        need_entropy = ctx.needs_input_grad[1] and kw["entropy_coef"] != 0
+        if ctx.backend == "triton":
+            from csrc_triton.policy_loss import policy_loss_bwd as bwd
+        else:
+            bwd = _torch_bwd
+        glogp, gent = bwd(grad_out.contiguous(), out, rowcoef, g, mask, logp, old_logp, entropy,
+                          seq_ratio=kw["seq_ratio"], log_ratio_clamp=kw["log_ratio_clamp"],
+                          entropy_coef=kw["entropy_coef"], need_logp=need_logp, need_entropy=need_entropy)
+        return glogp, gent, None, None, None, None, None, None, None, None
+
+
+def _check_count(name: str, value: object, device: torch.device) -> torch.Tensor | float | None:
+    if value is None:
+        return None
+    if isinstance(value, torch.Tensor):
+        if value.numel() != 1:
+            raise ValueError(f"{name} must be a number or a 1-element tensor, got shape {tuple(value.shape)}")
+        if value.is_complex() or value.dtype == torch.bool:
+            raise TypeError(f"{name} must be a real number tensor, got dtype {value.dtype}")
+        if value.device != device:
+            raise ValueError(f"{name} is on {value.device} but logp is on {device}; all inputs must share one device")
+        return value.detach().reshape(())
+    return check_scalar(name, value, low=0.0)
+
+
+def _unit_col(x: torch.Tensor | None) -> torch.Tensor | None:
+    if x is None or x.shape[-1] <= 1 or x.stride(-1) == 1:
+        return x
+    return x.contiguous()
+
+
+def policy_loss(
+    logp: torch.Tensor,
+    old_logp: torch.Tensor,
+    advantages: torch.Tensor,
+    mask: torch.Tensor,
+    *,
+    ref_logp: torch.Tensor | None = None,
+    entropy: torch.Tensor | None = None,
+    rollout_logp: torch.Tensor | None = None,
+    config: PolicyLossConfig = PolicyLossConfig(),
+    global_token_count: torch.Tensor | float | None = None,
+    global_seq_count: torch.Tensor | float | None = None,
+    backend: str = "auto",
+) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
+    """Clipped policy-gradient loss with KL and entropy terms, and its metrics.
+
+    Args:
+        logp: ``[B, T]`` log-probs of the sampled tokens under the policy being trained
+            (differentiable), right-padded, any float dtype.
+        old_logp: ``[B, T]`` log-probs under the policy that the ratio is taken against.
+        advantages: ``[B, T]`` per-token or ``[B]`` per-sequence advantages (a ``[B]`` value
+            applies to every token of its row).
+        mask: ``[B, T]`` response mask, any dtype; non-zero marks the tokens of the loss.
+            Values of the other inputs at masked-out positions are ignored (may be NaN/inf).
+        ref_logp: ``[B, T]`` reference-policy log-probs; required when ``config.kl_coef != 0``,
+            and with it the KL metrics are reported even when ``kl_coef == 0``.
+        entropy: ``[B, T]`` per-token entropy; required when ``config.entropy_coef != 0``
+            (differentiable then).
+        rollout_logp: ``[B, T]`` log-probs of the sampler (e.g. vLLM): enables the truncated
+            importance weights ``min(exp(old_logp - rollout_logp), config.is_cap)``.
+        config: ``PolicyLossConfig`` (see its field docs and ``PolicyLossConfig.preset``).
+        global_token_count: replaces the local token count of ``loss_agg="token-mean"``
+            (gradient accumulation / data parallel: pass the count of the whole batch).
+        global_seq_count: replaces the local count of non-empty rows of the ``seq-*`` modes.
+            A number >= 0 or a 1-element tensor on the inputs' device (read on the device,
+            no host sync). A count that is 0 is treated as 1.
+        backend: ``"auto"`` (Triton on CUDA, PyTorch otherwise), ``"triton"`` or ``"torch"``.
+
+    Returns:
+        ``(loss, metrics)``: the 0-dim fp32 loss and a dict of 0-dim fp32 tensors: pg_loss,
+        clip_frac_low, clip_frac_high, clip_frac, approx_kl, ratio_mean, ratio_min, ratio_max,
+        plus dual_clip_frac (if ``config.dual_clip``), kl_loss and kl_ref_mean (if
+        ``ref_logp``), entropy_loss and entropy_mean (if ``entropy``), is_weight_mean (if
+        ``rollout_logp``). Definitions: ``fastrl.reference.policy_loss``.
+    """
+    if not isinstance(config, PolicyLossConfig):
+        raise TypeError(f"config must be a PolicyLossConfig, got {type(config).__name__}")
+    check_float("logp", logp, ndim=2)
+    check_nonempty("logp", logp)
+    B, T = logp.shape
+    check_float("old_logp", old_logp, shape=(B, T))
+    check_float("advantages", advantages)
+    if tuple(advantages.shape) not in ((B, T), (B,)):
+        raise ValueError(f"advantages must have shape (B, T) = {(B, T)} or (B,) = {(B,)}, got {tuple(advantages.shape)}")
+    check_mask("mask", mask, (B, T))
+    for name, t in (("ref_logp", ref_logp), ("entropy", entropy), ("rollout_logp", rollout_logp)):
+        if t is not None:
+            check_float(name, t, shape=(B, T))
+    if config.kl_coef != 0 and ref_logp is None:
+        raise ValueError(f"ref_logp is required when config.kl_coef != 0 (got kl_coef={config.kl_coef})")
+    if config.entropy_coef != 0 and entropy is None:
+        raise ValueError(f"entropy is required when config.entropy_coef != 0 (got entropy_coef={config.entropy_coef})")
+    device = check_same_device(logp=logp, old_logp=old_logp, advantages=advantages, mask=mask,
+                               ref_logp=ref_logp, entropy=entropy, rollout_logp=rollout_logp)
+    if config.loss_agg == "token-mean":
+        if global_seq_count is not None:
+            raise ValueError("global_seq_count applies to the seq-* loss_agg modes; "
+                             "config.loss_agg is 'token-mean': pass global_token_count")
+        global_count = _check_count("global_token_count", global_token_count, device)
+    else:
+        if global_token_count is not None:
+            raise ValueError(f"global_token_count applies to loss_agg='token-mean'; config.loss_agg is "
+                             f"{config.loss_agg!r}: pass global_seq_count")
+        global_count = _check_count("global_seq_count", global_seq_count, device)
+    impl = resolve_backend(backend, device)
+
+    kw = dict(
+        seq_ratio=config.ratio_level == "sequence",
+        seq_is=config.is_level == "sequence",
+        clip_low=config.clip_low,
+        clip_high=config.clip_high,
+        dual_clip=config.dual_clip,
+        log_ratio_clamp=config.log_ratio_clamp,
+        kl_coef=config.kl_coef,
+        kl_estimator=config.kl_estimator,
+        kl_clamp=config.kl_clamp,
+        entropy_coef=config.entropy_coef,
+        is_cap=config.is_cap,
+        loss_agg=config.loss_agg,
+        norm_length=float(config.norm_length if config.norm_length is not None else T),
+    )
+    if impl == "triton":
+        logp, old_logp, mask, ref_logp, entropy, rollout_logp = (
+            _unit_col(t) for t in (logp, old_logp, mask, ref_logp, entropy, rollout_logp))
+        if advantages.dim() == 2:
+            advantages = _unit_col(advantages)
+    out = _PolicyLossFn.apply(logp, entropy, old_logp, advantages, mask, ref_logp, rollout_logp,
+                              global_count, kw, impl)
+    loss = out[0]
+    od = out.detach()
+    keys = ["pg_loss", "clip_frac_low", "clip_frac_high", "clip_frac", "approx_kl", "ratio_mean", "ratio_min", "ratio_max"]
+    if config.dual_clip is not None:
+        keys.append("dual_clip_frac")
+    if ref_logp is not None:
+        keys += ["kl_loss", "kl_ref_mean"]
+    if entropy is not None:
+        keys += ["entropy_loss", "entropy_mean"]
+    if rollout_logp is not None:
+        keys.append("is_weight_mean")
+    metrics = {k: od[_SLOT[k]] for k in keys}
+    return loss, metrics
+
+
+__all__ = ["policy_loss"]

@@ -1,0 +1,221 @@
+"""PPO value (critic) loss with optional value clipping, differentiable wrt ``values``.
+
+Both backends compute the per-token gradient in the forward pass (the loss is a
+weighted sum of per-token terms, so d loss / d values is known there) and the backward
+only scales it by the incoming gradient: no graph of intermediate tensors is kept.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from fastrl._checks import (
+    check_choice,
+    check_float,
+    check_mask,
+    check_nonempty,
+    check_same_device,
+    check_scalar,
+    resolve_backend,
+)
+from fastrl.config import LOSS_AGGS
+from fastrl.ops._segments import kernel_mask
+
+__all__ = ["value_loss"]
+
+
+def _check_count(name: str, value: object, device: torch.device) -> torch.Tensor | float | None:
+    if value is None:
+        return None
+    if isinstance(value, torch.Tensor):
+        if value.dim() != 0:
+            raise ValueError(f"{name} must be a number or a 0-dim tensor, got shape {tuple(value.shape)}")
+        if value.is_complex() or value.dtype == torch.bool:
+            raise TypeError(f"{name} must be a real number tensor, got dtype {value.dtype}")
+        return value.to(device=device, dtype=torch.float32)
+    return check_scalar(name, value, low=0.0, low_inclusive=False)
+
+
+def _row_scale(
+    mask: torch.Tensor, loss_agg: str, norm_length: float | None, token_count, seq_count
+) -> torch.Tensor:
+    """Per-row token weight [B] so that loss = sum_bt m[b,t] * row_scale[b] * l[b,t]."""
+    B, T = mask.shape
+    n_b = (mask != 0).sum(dim=1, dtype=torch.float32)
+    if loss_agg == "token-mean":
+        denom = n_b.sum().clamp(min=1.0) if token_count is None else token_count
+        return (1.0 / denom) * torch.ones(B, dtype=torch.float32, device=mask.device)
+    d_seq = (n_b > 0).sum().to(torch.float32).clamp(min=1.0) if seq_count is None else seq_count
+    if loss_agg == "seq-mean-token-mean":
+        return 1.0 / (n_b.clamp(min=1.0) * d_seq)
+    length = float(T) if norm_length is None else norm_length
+    if loss_agg == "seq-mean-token-sum":
+        length = 1.0
+    return (1.0 / (length * d_seq)) * torch.ones(B, dtype=torch.float32, device=mask.device)
+
+
+def _value_loss_torch(
+    values: torch.Tensor,
+    old_values: torch.Tensor | None,
+    returns: torch.Tensor,
+    mask: torch.Tensor,
+    row_scale: torch.Tensor,
+    clip: float | None,
+    write_grad: bool,
+) -> tuple[torch.Tensor, torch.Tensor | None, dict[str, torch.Tensor]]:
+    """Vectorised PyTorch twin of ``csrc_triton.value_loss.value_loss_fused``."""
+    v = values.to(torch.float32)
+    R = returns.to(torch.float32)
+    m = mask != 0
+    mf = m.to(torch.float32)
+    d1 = v - R
+    l1 = d1 * d1
+    if clip is None:
+        loss_t, dl = 0.5 * l1, d1
+        clipped = torch.zeros((), dtype=torch.float32, device=v.device)
+    else:
+        vold = old_values.to(torch.float32)
+        delta = v - vold
+        d2 = vold + delta.clamp(-clip, clip) - R
+        l2 = d2 * d2
+        use_clip = l2 > l1
+        loss_t = 0.5 * torch.where(use_clip, l2, l1)
+        inside = (delta >= -clip) & (delta <= clip)
+        dl = torch.where(use_clip, torch.where(inside, d2, 0.0), d1)
+        clipped = (use_clip & m).sum(dtype=torch.float32)
+    w = mf * row_scale[:, None]
+    loss = (w * loss_t).sum()
+    grad = w * dl if write_grad else None
+    n = mf.sum()
+    nn = n.clamp(min=1.0)
+    Rm, vm = R * mf, v * mf
+    mean_R = Rm.sum() / nn
+    e = Rm - vm
+    mean_e = e.sum() / nn
+    dR = (R - mean_R) * mf
+    de = (e - mean_e) * mf
+    sums = dict(
+        clipped=clipped,
+        count=n,
+        sum_v=vm.sum(),
+        sum_R=Rm.sum(),
+        var_R=(dR * dR).sum() / nn,
+        var_e=(de * de).sum() / nn,
+    )
+    return loss, grad, sums
+
+
+_SUM_KEYS = ("clipped", "count", "sum_v", "sum_R", "var_R", "var_e")
+
+
+class _ValueLoss(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, values, old_values, returns, mask, row_scale, clip, impl):
+        write_grad = ctx.needs_input_grad[0]
+        if impl == "triton":
+            from csrc_triton.value_loss import value_loss_fused
+
+            loss, grad, sums = value_loss_fused(
+                values.contiguous(),
+                (old_values if old_values is not None else values).contiguous(),
+                returns.contiguous(),
+                kernel_mask(mask),
+                row_scale.contiguous(),
+                clip=clip,
+                write_grad=write_grad,
+            )
+        else:
+            loss, grad, sums = _value_loss_torch(values, old_values, returns, mask, row_scale, clip, write_grad)
+        ctx.save_for_backward(grad if grad is not None else torch.empty(0))
+        ctx.values_dtype = values.dtype
+        outs = tuple(sums[k] for k in _SUM_KEYS)
+        ctx.mark_non_differentiable(*outs)
+        return (loss, *outs)
+
+    @staticmethod
+    def backward(ctx, grad_loss, *_):
+        (grad,) = ctx.saved_tensors
+        g = (grad * grad_loss).to(ctx.values_dtype) if ctx.needs_input_grad[0] else None
+        return g, None, None, None, None, None, None
+
+
+def value_loss(
+    values: torch.Tensor,
+    old_values: torch.Tensor | None,
+    returns: torch.Tensor,
+    mask: torch.Tensor,
+    *,
+    clip: float | None = None,
+    loss_agg: str = "token-mean",
+    norm_length: float | None = None,
+    global_token_count: float | torch.Tensor | None = None,
+    global_seq_count: float | torch.Tensor | None = None,
+    backend: str = "auto",
+) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
+    """PPO value loss, 0.5 * max((v - R)^2, (v_clip - R)^2), aggregated over masked tokens.
+
+    Per token, v_clip = old_values + clamp(values - old_values, -clip, clip); with
+    ``clip=None`` the loss is the plain 0.5 * (v - R)^2 (``old_values`` may then be None).
+
+    Args:
+        values: [B, T] float, the critic's current predictions (gets the gradient).
+        old_values: [B, T] float, predictions at rollout time (no gradient).
+        returns: [B, T] float, the regression targets R (no gradient).
+        mask: [B, T] response mask (0/1, any dtype).
+        clip: value clip range (> 0) or None.
+        loss_agg: ``token-mean`` | ``seq-mean-token-mean`` | ``seq-mean-token-sum`` |
+            ``seq-mean-token-sum-norm``, as in ``PolicyLossConfig.loss_agg``.
+        norm_length: constant of ``seq-mean-token-sum-norm`` (None: T). Only for that mode.
+        global_token_count: replaces the local masked-token count (``token-mean`` only),
+            for gradient accumulation / data parallelism. Number or 0-dim tensor.
+        global_seq_count: replaces the local count of non-empty rows (``seq-*`` modes only).
+        backend: ``auto`` | ``triton`` | ``torch``.
+
+    Local denominators are clamped to at least 1: an all-masked batch gives loss 0.
+
+    Returns:
+        ``(loss, metrics)``: loss a 0-dim float32 tensor differentiable wrt ``values``;
+        metrics 0-dim float32 over masked-in tokens (0 when there are none):
+        ``vf_clip_frac`` (fraction of tokens where the clipped term is strictly larger;
+        0 without clip), ``explained_variance`` (1 - Var(R - v) / Var(R), 0 when
+        Var(R) = 0), ``value_mean``, ``return_mean``.
+    """
+    check_float("values", values, ndim=2)
+    check_nonempty("values", values)
+    shape = tuple(values.shape)
+    clip = check_scalar("clip", clip, low=0.0, low_inclusive=False, allow_none=True)
+    if old_values is None:
+        if clip is not None:
+            raise ValueError("old_values is required when clip is set")
+    else:
+        check_float("old_values", old_values, shape=shape)
+    check_float("returns", returns, shape=shape)
+    check_mask("mask", mask, shape)
+    device = check_same_device(values=values, old_values=old_values, returns=returns, mask=mask)
+    check_choice("loss_agg", loss_agg, LOSS_AGGS)
+    norm_length = check_scalar("norm_length", norm_length, low=0.0, low_inclusive=False, allow_none=True)
+    if norm_length is not None and loss_agg != "seq-mean-token-sum-norm":
+        raise ValueError(f"norm_length is only used by loss_agg='seq-mean-token-sum-norm', got loss_agg={loss_agg!r}")
+    token_count = _check_count("global_token_count", global_token_count, device)
+    seq_count = _check_count("global_seq_count", global_seq_count, device)
+    if token_count is not None and loss_agg != "token-mean":
+        raise ValueError(f"global_token_count only applies to loss_agg='token-mean'; use global_seq_count for {loss_agg!r}")
+    if seq_count is not None and loss_agg == "token-mean":
+        raise ValueError("global_seq_count only applies to the seq-* loss_agg modes; use global_token_count for 'token-mean'")
+    impl = resolve_backend(backend, device)
+
+    with torch.no_grad():
+        row_scale = _row_scale(mask, loss_agg, norm_length, token_count, seq_count)
+    old = old_values.detach() if old_values is not None else None
+    loss, clipped, count, sum_v, sum_R, var_R, var_e = _ValueLoss.apply(
+        values, old, returns.detach(), mask, row_scale, clip, impl
+    )
+    nn = count.clamp(min=1.0)
+    explained = torch.where(var_R > 0, 1.0 - var_e / var_R.clamp(min=torch.finfo(torch.float32).tiny), 0.0)
+    metrics = {
+        "vf_clip_frac": clipped / nn,
+        "explained_variance": explained,
+        "value_mean": sum_v / nn,
+        "return_mean": sum_R / nn,
+    }
+    return loss, metrics
