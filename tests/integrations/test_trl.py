@@ -214,6 +214,25 @@ def test_eval_mode_normalisation_matches_trl(batch, monkeypatch):
     torch.testing.assert_close(got, ref, rtol=2e-5, atol=1e-7)
 
 
+def test_bf16_autocast_stays_within_trl_bf16_error(batch, monkeypatch):
+    """Under bf16 autocast TRL rounds the logits to bf16, fastrl keeps them in fp32: fastrl's
+    gradients must be at least as close to the fp32 result as TRL's own bf16 gradients."""
+    trainer, base_inputs = batch
+    inputs = {k: v for k, v in base_inputs.items() if not k.startswith("_")}
+    monkeypatch.setattr(trainer, "loss_type", "bnpo")
+    _, g32 = _grads(TRLGRPOTrainer._compute_loss, trainer, inputs)
+    monkeypatch.setattr(trainer.accelerator, "autocast", lambda *a, **k: torch.autocast("cpu", dtype=torch.bfloat16))
+    _, g_trl = _grads(TRLGRPOTrainer._compute_loss, trainer, inputs)
+    _, g_ours = _grads(FastRLGRPOTrainer._compute_loss, trainer, inputs)
+
+    def rel_err(g):
+        num = sum(((g[k] - g32[k]).double() ** 2).sum() for k in g32)
+        return (num / sum((g32[k].double() ** 2).sum() for k in g32)).sqrt().item()
+
+    assert 0 < rel_err(g_trl) < 0.05
+    assert rel_err(g_ours) <= 1.5 * rel_err(g_trl)
+
+
 @pytest.mark.parametrize(
     "attrs, args, reason",
     [
