@@ -315,8 +315,9 @@ def compute_policy_loss_gspo(
         seq = (neg_kl * m).sum(-1) / m.sum(-1).clamp(min=1)
         old_token = log_prob.detach().float() - seq.unsqueeze(-1)
     cfg = PolicyLossConfig(clip_low=low, clip_high=high, log_ratio_clamp=_GSPO_LOG_RATIO_CLAMP)
-    weights = None if rollout_is_weights is None else rollout_is_weights
-    loss, met = _policy_loss(old_token, log_prob, advantages, response_mask, loss_agg_mode, config, weights, cfg)
+    loss, met = _policy_loss(
+        old_token, log_prob, advantages, response_mask, loss_agg_mode, config, rollout_is_weights, cfg
+    )
     with torch.no_grad():
         ppo_kl = _masked_mean(-neg_kl, response_mask)
     metrics = {
