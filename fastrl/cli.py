@@ -13,6 +13,7 @@ from pathlib import Path
 BENCH_MODULES = (
     "cases_policy_loss",
     "cases_advantages",
+    "cases_rollout",
 )
 
 

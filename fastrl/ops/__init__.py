@@ -5,6 +5,7 @@ CUDA tensors and the PyTorch path otherwise.
 """
 
 from fastrl.ops.advantages import group_advantages, step_advantages
+from fastrl.ops.decode_attention import shared_prefix_decode_attention
 from fastrl.ops.kl import kl_penalty
 from fastrl.ops.policy_loss import policy_loss
 from fastrl.ops.value_loss import value_loss
@@ -15,6 +16,7 @@ __all__ = [
     "kl_penalty",
     "masked_whiten",
     "policy_loss",
+    "shared_prefix_decode_attention",
     "step_advantages",
     "value_loss",
 ]

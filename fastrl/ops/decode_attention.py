@@ -1,0 +1,148 @@
+"""Shared-prefix (cascade) decode attention for group sampling (inference only).
+
+G samples of a group decode against one stored copy of their prompt's keys/values plus
+their own suffix. The prefix part and the suffix part are attended separately and merged
+with their log-sum-exps, which equals full attention over ``[prefix ; suffix]``
+(``fastrl.reference.decode_attention`` is the oracle)::
+
+    lse_p, o_p = attention over the prefix;  lse_s, o_s = attention over the suffix
+    out = (e^{lse_p} o_p + e^{lse_s} o_s) / (e^{lse_p} + e^{lse_s})
+
+Backends: ``triton`` (``csrc_triton.decode_attention``: the prefix of a group is read once
+for all its samples and heads) and ``torch`` (the same cascade with batched matmuls, one
+per group for the prefix). No autograd: rollouts run under ``torch.no_grad``.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from fastrl._checks import check_float, check_int, check_same_device, resolve_backend
+
+__all__ = ["shared_prefix_decode_attention"]
+
+
+def _check(q, prefix_k, prefix_v, prefix_start, prefix_len, suffix_k, suffix_v, suffix_len, group_size, scale):
+    check_float("q", q, ndim=3)
+    B, Hq, D = q.shape
+    check_float("prefix_k", prefix_k, ndim=3)
+    check_float("prefix_v", prefix_v, shape=tuple(prefix_k.shape))
+    Hkv = prefix_k.shape[0]
+    if prefix_k.shape[2] != D:
+        raise ValueError(f"prefix_k must have head dim {D} like q, got shape {tuple(prefix_k.shape)}")
+    if Hkv == 0 or Hq % Hkv != 0:
+        raise ValueError(f"q has {Hq} heads, which is not a multiple of prefix_k's {Hkv} kv heads")
+    if not isinstance(group_size, int) or isinstance(group_size, bool) or group_size < 1:
+        raise ValueError(f"group_size must be an int >= 1, got {group_size!r}")
+    if B == 0 or B % group_size != 0:
+        raise ValueError(f"q has {B} samples, which is not a positive multiple of group_size={group_size}")
+    n_groups = B // group_size
+    check_int("prefix_start", prefix_start, shape=(n_groups,))
+    check_int("prefix_len", prefix_len, shape=(n_groups,))
+    check_float("suffix_k", suffix_k, ndim=4)
+    if suffix_k.shape[0] != B or suffix_k.shape[1] != Hkv or suffix_k.shape[3] != D:
+        raise ValueError(f"suffix_k must have shape ({B}, {Hkv}, S, {D}), got {tuple(suffix_k.shape)}")
+    check_float("suffix_v", suffix_v, shape=tuple(suffix_k.shape))
+    check_int("suffix_len", suffix_len, shape=(B,))
+    if isinstance(scale, bool) or not isinstance(scale, (int, float)) or not scale > 0:
+        raise ValueError(f"scale must be a positive number, got {scale!r}")
+    for name, t in (("q", q), ("prefix_k", prefix_k), ("prefix_v", prefix_v), ("suffix_k", suffix_k), ("suffix_v", suffix_v)):
+        if t.stride(-1) != 1:
+            raise ValueError(f"{name} must be contiguous in its last (head) dimension")
+    check_same_device(
+        q=q, prefix_k=prefix_k, prefix_v=prefix_v, prefix_start=prefix_start, prefix_len=prefix_len,
+        suffix_k=suffix_k, suffix_v=suffix_v, suffix_len=suffix_len,
+    )
+
+
+def _f32(x: torch.Tensor) -> torch.Tensor:
+    return x if x.dtype == torch.float32 else x.float()
+
+
+def _torch_impl(q, prefix_k, prefix_v, prefix_start, prefix_len, suffix_k, suffix_v, suffix_len, group_size, scale, host_lengths=None):
+    """The cascade in PyTorch, written as one softmax over the scores of both key sources.
+
+    Prefix scores come from one batched matmul per group (all G samples x R query heads of
+    a kv head are the query rows, so the prompt is read once per group, never copied per
+    sample); suffix scores from one batched matmul for all samples. Normalising the
+    concatenated scores is the single-pass form of the log-sum-exp merge and needs fewer
+    small ops than merging two partial outputs (which matters for per-token decode on CPU).
+    ``host_lengths`` = (prefix starts, prefix lengths, suffix lengths) as Python lists, when
+    the caller already has them (otherwise they are copied from the tensors).
+    """
+    B, Hq, D = q.shape
+    Hkv = prefix_k.shape[0]
+    R = Hq // Hkv
+    G = group_size
+    if host_lengths is None:
+        host_lengths = (prefix_start.tolist(), prefix_len.tolist(), suffix_len.tolist())
+    starts, lens, s_lens = host_lengths
+    S = min(max(s_lens), suffix_k.shape[2])  # slots past every sample's length are never read
+    qs = _f32(q) * scale  # [B, Hq, D]
+    # suffix: every sample against its own keys, all at once -> [B, Hkv, R, S]
+    ks, vs = _f32(suffix_k[:, :, :S]), _f32(suffix_v[:, :, :S])
+    ss = torch.matmul(qs.view(B, Hkv, R, D), ks.transpose(-1, -2))
+    if min(s_lens) < S:  # unequal lengths: mask the scores, and zero the values (a stale slot may hold NaN)
+        valid = torch.arange(S, device=q.device)[None, :] < suffix_len[:, None]  # [B, S]
+        ss = ss.masked_fill(~valid[:, None, None, :], float("-inf"))
+        vs = vs.masked_fill(~valid[:, None, :, None], 0.0)
+    out = torch.empty(B, Hkv, R, D, dtype=torch.float32, device=q.device)
+    for g, (a, n) in enumerate(zip(starts, lens)):
+        rows = slice(g * G, (g + 1) * G)
+        qg = qs[rows].view(G, Hkv, R, D).transpose(0, 1).reshape(Hkv, G * R, D)
+        sp = torch.bmm(qg, _f32(prefix_k[:, a : a + n]).transpose(1, 2))  # [Hkv, G*R, n]
+        ssg = ss[rows].transpose(0, 1).reshape(Hkv, G * R, S)
+        p = torch.softmax(torch.cat([sp, ssg], dim=-1), dim=-1)
+        o = torch.bmm(p[..., :n], _f32(prefix_v[:, a : a + n])).view(Hkv, G, R, D).transpose(0, 1)  # [G, Hkv, R, D]
+        out[rows] = torch.matmul(p[..., n:].reshape(Hkv, G, R, S).transpose(0, 1), vs[rows]).add_(o)
+    return out.view(B, Hq, D).to(q.dtype)
+
+
+def shared_prefix_decode_attention(
+    q: torch.Tensor,
+    prefix_k: torch.Tensor,
+    prefix_v: torch.Tensor,
+    prefix_start: torch.Tensor,
+    prefix_len: torch.Tensor,
+    suffix_k: torch.Tensor,
+    suffix_v: torch.Tensor,
+    suffix_len: torch.Tensor,
+    *,
+    group_size: int,
+    scale: float,
+    backend: str = "auto",
+) -> torch.Tensor:
+    """One decode step of attention for groups of samples sharing a prompt.
+
+    Args:
+        q: ``[B, Hq, D]`` queries of the current token; samples in group order
+            (sample ``b`` belongs to group ``b // group_size``).
+        prefix_k, prefix_v: ``[Hkv, N, D]`` prompt keys/values, prompts packed along ``N``
+            (any strides with a contiguous last dim). ``Hq`` must be a multiple of ``Hkv``.
+        prefix_start, prefix_len: ``[B // group_size]`` int: where each group's prompt
+            lies in ``prefix_k`` (groups may share one stored prompt).
+        suffix_k, suffix_v: ``[B, Hkv, S, D]`` each sample's own keys/values (generated
+            tokens); only the first ``suffix_len[b]`` slots are read.
+        suffix_len: ``[B]`` int.
+        group_size: samples per group.
+        scale: softmax scale (usually ``D ** -0.5``).
+        backend: ``auto`` | ``triton`` | ``torch``.
+
+    Returns:
+        ``[B, Hq, D]`` in ``q.dtype`` (fp32 accumulation). The torch backend reads
+        ``prefix_start``/``prefix_len`` on the host (a sync on CUDA); the Triton one does not.
+    """
+    _check(q, prefix_k, prefix_v, prefix_start, prefix_len, suffix_k, suffix_v, suffix_len, group_size, scale)
+    return _dispatch(q, prefix_k, prefix_v, prefix_start, prefix_len, suffix_k, suffix_v, suffix_len, group_size, scale, resolve_backend(backend, q.device))
+
+
+def _dispatch(q, prefix_k, prefix_v, prefix_start, prefix_len, suffix_k, suffix_v, suffix_len, group_size, scale, backend, host_lengths=None):
+    """Run a resolved backend without re-validating (the sampler's decode loop checks its
+    tensors once per rollout, then calls this for every layer and step)."""
+    if backend == "triton":
+        from csrc_triton.decode_attention import shared_prefix_decode_attention_triton
+
+        return shared_prefix_decode_attention_triton(
+            q, prefix_k, prefix_v, prefix_start, prefix_len, suffix_k, suffix_v, suffix_len, group_size, float(scale)
+        )
+    return _torch_impl(q, prefix_k, prefix_v, prefix_start, prefix_len, suffix_k, suffix_v, suffix_len, group_size, float(scale), host_lengths)

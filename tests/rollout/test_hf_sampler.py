@@ -1,0 +1,277 @@
+"""HFGroupSampler on tiny Llama / Qwen2 models built from configs (no downloads)."""
+
+import pytest
+import torch
+from transformers import LlamaConfig, LlamaForCausalLM, Qwen2Config, Qwen2ForCausalLM
+
+from fastrl.rollout import GroupSampler, HFGroupSampler, RolloutBatch, SamplingConfig
+from fastrl.rollout.hf import ATTN_NAME, process_logits
+
+VOCAB = 256
+EOS = 3
+
+
+@pytest.fixture(autouse=True, scope="module")
+def _one_thread():
+    """Tiny per-token ops: one intra-op thread avoids wake-up stalls on a shared CPU."""
+    before = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(before)
+
+
+def tiny(kind: str, *, seed: int = 0, eos=EOS, max_pos: int = 256):
+    torch.manual_seed(seed)
+    common = dict(
+        vocab_size=VOCAB, hidden_size=64, intermediate_size=128, num_hidden_layers=2, num_attention_heads=4,
+        num_key_value_heads=2, max_position_embeddings=max_pos, eos_token_id=eos, bos_token_id=1, pad_token_id=0,
+    )
+    if kind == "llama":
+        model = LlamaForCausalLM(LlamaConfig(**common))
+    elif kind == "llama_tied":  # tied input/output embeddings, multi-head (no GQA)
+        model = LlamaForCausalLM(LlamaConfig(**{**common, "num_key_value_heads": 4, "tie_word_embeddings": True}))
+        assert model.lm_head.weight.data_ptr() == model.model.embed_tokens.weight.data_ptr()
+    elif kind == "qwen2":  # attention biases, GQA 4:1
+        model = Qwen2ForCausalLM(Qwen2Config(**{**common, "num_key_value_heads": 1}))
+    else:
+        raise ValueError(kind)
+    # a larger init than the default 0.02 so the tiny model's distributions are not flat
+    with torch.no_grad():
+        for p in model.parameters():
+            if p.dim() == 2:
+                p.normal_(0.0, 0.2)
+    return model.eval()
+
+
+PROMPTS = [[5, 6, 7, 8, 9, 10, 11], [12, 13, 14], [20, 21, 22, 23, 24, 25, 26, 27, 28, 29, 30, 31, 32]]
+
+
+def hf_greedy(model, prompt, n):
+    out = model.generate(torch.tensor([prompt]), do_sample=False, max_new_tokens=n, pad_token_id=0)
+    return out[0, len(prompt):].tolist()
+
+
+@pytest.mark.parametrize("kind", ["llama", "qwen2", "llama_tied"])
+def test_greedy_equals_model_generate(kind):
+    model = tiny(kind)
+    sampler = HFGroupSampler(model)
+    assert isinstance(sampler, GroupSampler)
+    batch = sampler.generate(PROMPTS, group_size=2, sampling=SamplingConfig(greedy=True, max_new_tokens=10))
+    assert isinstance(batch, RolloutBatch)
+    for i, p in enumerate(PROMPTS):
+        want = hf_greedy(model, p, 10)
+        for b in (2 * i, 2 * i + 1):
+            assert batch.completion_ids[b] == want, (kind, i, b)
+            assert batch.finish_reasons[b] == ("stop" if want[-1] == EOS else "length")
+    # the model is left as it was
+    assert model.config._attn_implementation != ATTN_NAME
+
+
+def test_greedy_with_eos_finishing_some_samples_early():
+    model = tiny("llama", eos=None)
+    eos = hf_greedy(model, PROMPTS[0], 10)[3]  # prompt 0 ends at its 4th token, the others run on
+    model.config.eos_token_id = model.generation_config.eos_token_id = eos
+    batch = HFGroupSampler(model).generate(PROMPTS, group_size=2, sampling=SamplingConfig(greedy=True, max_new_tokens=10))
+    assert batch.finish_reasons[:2] == ["stop", "stop"] and len(batch.completion_ids[0]) == 4
+    for i, p in enumerate(PROMPTS):
+        want = hf_greedy(model, p, 10)
+        assert batch.completion_ids[2 * i] == batch.completion_ids[2 * i + 1] == want
+    assert "length" in batch.finish_reasons
+
+
+def test_greedy_triton_backend_matches_torch_backend():
+    # the Triton kernels (interpreter on CPU) inside the real decode loop
+    model = tiny("llama")
+    cfg = SamplingConfig(greedy=True, max_new_tokens=4)
+    a = HFGroupSampler(model, backend="triton").generate(PROMPTS[:2], group_size=2, sampling=cfg)
+    b = HFGroupSampler(model, backend="torch").generate(PROMPTS[:2], group_size=2, sampling=cfg)
+    assert a.completion_ids == b.completion_ids
+    torch.testing.assert_close(a.sampler_logp, b.sampler_logp, rtol=1e-5, atol=1e-5)
+
+
+def training_logp(model, batch, temperature):
+    """What the training forward recomputes: logits / T, log_softmax, gather the next token."""
+    with torch.no_grad():
+        logits = model(input_ids=batch.input_ids, attention_mask=batch.attention_mask).logits.float()
+    logp = torch.log_softmax(logits[:, :-1] / temperature, dim=-1)
+    out = torch.zeros_like(batch.sampler_logp)
+    out[:, 1:] = logp.gather(-1, batch.input_ids[:, 1:, None])[..., 0]
+    return out * batch.response_mask, logits
+
+
+@pytest.mark.parametrize("kind", ["llama", "qwen2"])
+def test_sampler_logp_equals_training_forward(kind):
+    model = tiny(kind)
+    sampler = HFGroupSampler(model)
+    batch = sampler.generate(PROMPTS, group_size=3, sampling=SamplingConfig(temperature=0.7, max_new_tokens=12, seed=1))
+    want, _ = training_logp(model, batch, 0.7)
+    mask = batch.response_mask.bool()
+    assert mask.sum() == batch.stats.generated_tokens > 0
+    assert batch.sampler_logp.dtype == torch.float32
+    torch.testing.assert_close(batch.sampler_logp[mask], want[mask], rtol=0, atol=1e-5)
+    assert (batch.sampler_logp[~mask] == 0).all()
+    # per-sample lists agree with the packed tensor
+    for b in range(len(batch.completion_ids)):
+        p = len(batch.prompt_ids[b // 3])
+        n = len(batch.completion_ids[b])
+        torch.testing.assert_close(batch.completion_logp[b], batch.sampler_logp[b, p : p + n])
+        assert batch.input_ids[b, p : p + n].tolist() == batch.completion_ids[b]
+
+
+def test_sampler_logp_with_top_k_is_the_filtered_distribution():
+    model = tiny("llama")
+    T, k = 1.3, 20
+    batch = HFGroupSampler(model).generate(PROMPTS[:2], group_size=4, sampling=SamplingConfig(temperature=T, top_k=k, max_new_tokens=8, seed=3))
+    _, logits = training_logp(model, batch, T)
+    x = logits[:, :-1] / T
+    kth = x.topk(k, dim=-1).values[..., -1:]
+    filtered = torch.log_softmax(x.masked_fill(x < kth, float("-inf")), dim=-1)
+    want = torch.zeros_like(batch.sampler_logp)
+    want[:, 1:] = filtered.gather(-1, batch.input_ids[:, 1:, None])[..., 0]
+    mask = batch.response_mask.bool()
+    assert torch.isfinite(want[mask]).all()  # every sampled token is inside the top-k
+    torch.testing.assert_close(batch.sampler_logp[mask], want[mask], rtol=0, atol=1e-5)
+    # renormalised over fewer tokens: at least the unfiltered log-prob
+    full, _ = training_logp(model, batch, T)
+    assert (batch.sampler_logp[mask] >= full[mask] - 1e-6).all()
+
+
+def test_process_logits_top_p_keeps_smallest_set_reaching_p():
+    logits = torch.log(torch.tensor([[0.5, 0.3, 0.15, 0.05]]))
+    lp = process_logits(logits, SamplingConfig(top_p=0.8))
+    assert torch.isinf(lp[0, 2:]).all() and torch.isfinite(lp[0, :2]).all()
+    torch.testing.assert_close(lp[0, :2].exp(), torch.tensor([0.625, 0.375]))
+    lp = process_logits(logits, SamplingConfig(top_p=0.81))
+    assert torch.isfinite(lp[0, :3]).all() and torch.isinf(lp[0, 3])
+    lp = process_logits(logits, SamplingConfig(top_p=0.1))  # the most likely token always stays
+    assert lp[0, 0] == 0 and torch.isinf(lp[0, 1:]).all()
+
+
+def test_seeded_sampling_is_reproducible():
+    model = tiny("qwen2")
+    sampler = HFGroupSampler(model)
+    cfg = SamplingConfig(temperature=1.0, max_new_tokens=10, seed=1234)
+    a = sampler.generate(PROMPTS, group_size=4, sampling=cfg)
+    b = sampler.generate(PROMPTS, group_size=4, sampling=cfg)
+    c = sampler.generate(PROMPTS, group_size=4, sampling=SamplingConfig(temperature=1.0, max_new_tokens=10, seed=99))
+    assert a.completion_ids == b.completion_ids
+    torch.testing.assert_close(a.sampler_logp, b.sampler_logp, rtol=0, atol=0)
+    assert a.completion_ids != c.completion_ids
+    # samples of one group differ (they are drawn independently from the shared prefix)
+    assert len({tuple(x) for x in a.completion_ids[:4]}) > 1
+
+
+def test_stats_and_kv_memory():
+    model = tiny("llama", eos=None)
+    sampler = HFGroupSampler(model)
+    prompts = [PROMPTS[0], PROMPTS[2], PROMPTS[0]]  # the repeated prompt is prefilled once
+    G, L = 4, 6
+    batch = sampler.generate(prompts, group_size=G, sampling=SamplingConfig(max_new_tokens=L, seed=0))
+    s = batch.stats
+    distinct = len(PROMPTS[0]) + len(PROMPTS[2])
+    assert (s.prompts, s.samples) == (3, 3 * G)
+    assert s.prefill_tokens_computed == distinct
+    assert s.prefix_tokens_reused == G * sum(map(len, prompts)) - distinct
+    assert s.generated_tokens == 3 * G * L and all(r == "length" for r in batch.finish_reasons)
+    cfg = model.config
+    slot = 2 * cfg.num_hidden_layers * cfg.num_key_value_heads * (cfg.hidden_size // cfg.num_attention_heads) * 4
+    assert s.peak_kv_cache_bytes == (distinct + 3 * G * (L - 1)) * slot
+    assert s.seconds > 0
+    assert batch.group_ids.tolist() == [i for i in range(3) for _ in range(G)]
+    # the same rows for the same prompt's two groups in greedy mode
+    g = sampler.generate(prompts, group_size=2, sampling=SamplingConfig(greedy=True, max_new_tokens=L))
+    assert g.completion_ids[0] == g.completion_ids[4]
+
+
+def test_stop_tokens_end_completions():
+    model = tiny("llama", eos=None)
+    sampler = HFGroupSampler(model)
+    free = sampler.generate(PROMPTS, group_size=1, sampling=SamplingConfig(greedy=True, max_new_tokens=8))
+    stop = free.completion_ids[1][2]  # the third greedy token of prompt 1
+    batch = sampler.generate(PROMPTS, group_size=1, sampling=SamplingConfig(greedy=True, max_new_tokens=8, stop_token_ids=(stop,)))
+    for full, cut, reason in zip(free.completion_ids, batch.completion_ids, batch.finish_reasons):
+        if stop in full:
+            assert cut == full[: full.index(stop) + 1] and reason == "stop"
+        else:
+            assert cut == full and reason == "length"
+    assert batch.completion_ids[1] == free.completion_ids[1][:3]
+    n = len(PROMPTS[1]) + 3
+    assert batch.attention_mask[1].sum() == n and batch.response_mask[1].sum() == 3
+    assert (batch.input_ids[1, n:] == sampler.pad_token_id).all()
+
+
+def test_max_new_tokens_one():
+    model = tiny("llama")
+    batch = HFGroupSampler(model).generate(PROMPTS, group_size=2, sampling=SamplingConfig(greedy=True, max_new_tokens=1))
+    assert [c for c in batch.completion_ids] == [hf_greedy(model, p, 1) for p in PROMPTS for _ in range(2)]
+
+
+def test_update_weights_in_place():
+    model = tiny("llama_tied", seed=0)
+    other = tiny("llama_tied", seed=1)
+    sampler = HFGroupSampler(model)
+    cfg = SamplingConfig(greedy=True, max_new_tokens=6)
+    before = sampler.generate(PROMPTS, group_size=1, sampling=cfg).completion_ids
+    ptrs = {n: p.data_ptr() for n, p in model.named_parameters()}
+    sampler.update_weights((n, t.clone()) for n, t in other.state_dict().items())
+    assert {n: p.data_ptr() for n, p in model.named_parameters()} == ptrs  # in place
+    after = sampler.generate(PROMPTS, group_size=1, sampling=cfg).completion_ids
+    assert after == [hf_greedy(other, p, 6) for p in PROMPTS] and after != before
+    w = model.model.layers[0].mlp.up_proj.weight
+    with pytest.raises(ValueError, match="no parameter"):
+        sampler.update_weights([("model.nope.weight", torch.zeros(1))])
+    old = w.clone()
+    with pytest.raises(ValueError, match="shape"):  # checked before anything is copied
+        sampler.update_weights([("model.layers.0.mlp.up_proj.weight", torch.zeros_like(w)), ("lm_head.weight", torch.zeros(3, 3))])
+    assert torch.equal(w, old)
+
+
+class _Counter:
+    def __init__(self, model):
+        self.calls = 0
+        model.register_forward_pre_hook(self)
+
+    def __call__(self, *a):
+        self.calls += 1
+
+
+@pytest.mark.parametrize(
+    "prompts, group_size, match",
+    [
+        ([], 2, "non-empty"),
+        ([[5, 6], []], 2, r"prompts\[1\] is empty"),
+        ([[5] * 250], 2, "maximum length"),  # 250 + 10 new tokens > 256 positions
+        ([[5, 6]], 0, "group_size"),
+        ([[5, 6]], 1.5, "group_size"),
+        ([[5, VOCAB]], 2, "outside the vocabulary"),
+        ([[-1, 5]], 2, "outside the vocabulary"),
+    ],
+)
+def test_bad_input_raises_before_any_work(prompts, group_size, match):
+    model = tiny("llama")
+    counter = _Counter(model)
+    sampler = HFGroupSampler(model)
+    with pytest.raises(ValueError, match=match):
+        sampler.generate(prompts, group_size=group_size, sampling=SamplingConfig(max_new_tokens=10))
+    assert counter.calls == 0
+
+
+def test_bad_constructor_arguments():
+    with pytest.raises(TypeError):
+        HFGroupSampler(torch.nn.Linear(2, 2))
+    with pytest.raises(ValueError, match="backend"):
+        HFGroupSampler(tiny("llama"), backend="cuda")
+    sliding = Qwen2ForCausalLM(Qwen2Config(vocab_size=64, hidden_size=32, intermediate_size=64, num_hidden_layers=2,
+                                           num_attention_heads=2, num_key_value_heads=1, use_sliding_window=True,
+                                           sliding_window=8, max_window_layers=0))
+    with pytest.raises(ValueError, match="full-attention"):
+        HFGroupSampler(sliding)
+
+
+def test_bench_cases_registered():
+    from fastrl.bench.cases_rollout import cases
+    from fastrl.cli import BENCH_MODULES
+
+    assert "cases_rollout" in BENCH_MODULES
+    (case,) = cases(torch.device("cpu"), quick=True)
+    assert set(case.impls) == {"fastrl", "hf_generate_dup"} and case.fastrl == "fastrl"
