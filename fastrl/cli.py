@@ -14,6 +14,7 @@ BENCH_MODULES = (
     "cases_policy_loss",
     "cases_advantages",
     "cases_rollout",
+    "cases_scans",
 )
 
 
