@@ -15,6 +15,7 @@ BENCH_MODULES = (
     "cases_advantages",
     "cases_rollout",
     "cases_scans",
+    "cases_logprobs",
 )
 
 

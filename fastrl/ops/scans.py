@@ -34,6 +34,7 @@ from fastrl._checks import (
     check_scalar,
     resolve_backend,
 )
+from fastrl.ops.whiten import masked_whiten
 from fastrl.reference.scans import WHITEN_EPS
 
 __all__ = ["gae", "discounted_returns"]
@@ -137,16 +138,6 @@ def _discounted_torch(rewards, mask, gamma):
     return pk.unpack(_scan_const(pk.pack(rewards, dt), gamma))
 
 
-def _masked_whiten(x: torch.Tensor, m: torch.Tensor) -> torch.Tensor:
-    """Whitening over masked-in entries with the unbiased variance (see reference docstring)."""
-    mf = m.to(x.dtype)
-    n = mf.sum()
-    mean = (x * mf).sum() / n.clamp(min=1)
-    centered = (x - mean) * mf
-    var = (centered * centered).sum() / (n - 1).clamp(min=1)
-    return centered * torch.rsqrt(var + WHITEN_EPS)
-
-
 def gae(
     rewards: torch.Tensor,
     values: torch.Tensor,
@@ -195,7 +186,7 @@ def gae(
         else:
             adv, returns = _gae_torch(rewards.detach(), values.detach(), mask, gamma, lam)
         if whiten:
-            adv = _masked_whiten(adv, mask != 0)
+            adv = masked_whiten(adv, mask, eps=WHITEN_EPS, backend=impl)
         return adv.float(), returns.float()
 
 
