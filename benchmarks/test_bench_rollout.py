@@ -6,31 +6,11 @@ shares a benchmark group with ``model.generate`` on G copies of the prompt. Pref
 and KV bytes over the full grid: ``benchmarks/bench_rollout.py``.
 """
 
-from __future__ import annotations
-
-import os
-
 import pytest
-import torch
 
-from fastrl.bench.cases_rollout import cases
-
-DEVICE = torch.device("cuda" if torch.cuda.is_available() else "cpu")
-QUICK = os.environ.get("FASTRL_BENCH_FULL", "0") in ("", "0")
-CASES = cases(DEVICE, quick=QUICK)
-PARAMS = [pytest.param(case, impl, id=f"{case.op}[{case.shape}]-{impl}") for case in CASES for impl in case.impls]
+from fastrl.bench.pytest_view import bench_params, run_benchmark
 
 
-@pytest.mark.parametrize("case, impl", PARAMS)
+@pytest.mark.parametrize("case, impl", bench_params("cases_rollout"))
 def test_bench(benchmark, case, impl):
-    fn = case.impls[impl]
-
-    def run():
-        out = fn()
-        if DEVICE.type == "cuda":
-            torch.cuda.synchronize()
-        return out
-
-    benchmark.group = f"{case.op} {case.shape}"
-    benchmark.extra_info.update(op=case.op, shape=case.shape, impl=impl, device=str(DEVICE))
-    benchmark.pedantic(run, rounds=case.repeats, iterations=1, warmup_rounds=1)
+    run_benchmark(benchmark, case, impl)

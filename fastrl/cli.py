@@ -14,6 +14,8 @@ BENCH_MODULES = (
     "cases_policy_loss",
     "cases_advantages",
     "cases_rollout",
+    "cases_scans",
+    "cases_logprobs",
 )
 
 
@@ -32,13 +34,15 @@ def cmd_bench(args: argparse.Namespace) -> int:
     selected = [m for m in BENCH_MODULES if not args.only or any(s in m for s in args.only)]
     print(f"fastrl bench on {device} ({'quick' if args.quick else 'full'})")
     print(format_header())
+    stamp = time.strftime("%Y%m%d-%H%M%S")
+    mode = "quick" if args.quick else "full"
+    out = Path(args.out) if args.out else Path("benchmarks/results") / f"bench-{device.type}-{mode}-{stamp}.json"
     results = []
     for module_name in selected:
         module = importlib.import_module(f"fastrl.bench.{module_name}")
         results.extend(run_cases(module.cases(device, quick=args.quick), device))
-    stamp = time.strftime("%Y%m%d-%H%M%S")
-    out = Path(args.out) if args.out else Path("benchmarks/results") / f"bench-{device.type}-{'quick' if args.quick else 'full'}-{stamp}.json"
-    write_results(results, device, out, extra={"quick": args.quick, "modules": selected})
+        # Written after every module so a run cut short by a time limit keeps what it measured.
+        write_results(results, device, out, extra={"quick": args.quick, "modules": selected})
     print(f"results written to {out}")
     return 0
 

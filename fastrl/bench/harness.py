@@ -1,7 +1,9 @@
 """A small timing harness: one case, several implementations, one process.
 
-Times are medians of repeated calls after a warm-up (CUDA is synchronised around each
-call). On CUDA the peak memory of each implementation is measured with
+Each implementation is called after a warm-up until it has run ``repeats`` times and for at
+least ``min_seconds`` (CUDA is synchronised around each call); the table reports the best
+and the median time. Ratios use the best time: on a shared machine other processes only
+ever add time, so the minimum is the estimate least disturbed by them. On CUDA the peak memory of each implementation is measured with
 ``torch.cuda.max_memory_allocated`` above what was allocated before it ran. On CPU,
 peak memory needs a fresh process (see ``fastrl.bench.memory``), so it is left out of
 the in-process table.
@@ -35,6 +37,7 @@ class BenchCase:
     fastrl: str = "fastrl"
     note: str = ""
     repeats: int = 5
+    min_seconds: float = 0.5
 
 
 @dataclass
@@ -43,8 +46,10 @@ class BenchResult:
     shape: str
     impl: str
     median_ms: float
+    best_ms: float
+    calls: int
     peak_mem_mb: float | None
-    speedup_of_fastrl: float | None = None  # this impl's time / fastrl's time
+    speedup_of_fastrl: float | None = None  # this impl's best time / fastrl's best time
     note: str = ""
 
 
@@ -53,7 +58,7 @@ def _sync(device: torch.device) -> None:
         torch.cuda.synchronize(device)
 
 
-def _time_one(fn: Callable[[], Any], device: torch.device, repeats: int) -> tuple[float, float | None]:
+def _time_one(fn: Callable[[], Any], device: torch.device, repeats: int, min_seconds: float) -> tuple[list[float], float | None]:
     fn()  # warm-up: compiles Triton kernels, fills caches
     _sync(device)
     peak = None
@@ -61,8 +66,8 @@ def _time_one(fn: Callable[[], Any], device: torch.device, repeats: int) -> tupl
         torch.cuda.empty_cache()
         base = torch.cuda.memory_allocated(device)
         torch.cuda.reset_peak_memory_stats(device)
-    times = []
-    for _ in range(repeats):
+    times: list[float] = []
+    while len(times) < repeats or (sum(times) < min_seconds and len(times) < 1000):
         _sync(device)
         t0 = time.perf_counter()
         fn()
@@ -70,17 +75,19 @@ def _time_one(fn: Callable[[], Any], device: torch.device, repeats: int) -> tupl
         times.append(time.perf_counter() - t0)
     if device.type == "cuda":
         peak = (torch.cuda.max_memory_allocated(device) - base) / 2**20
-    return statistics.median(times) * 1e3, peak
+    return times, peak
 
 
 def run_case(case: BenchCase, device: torch.device) -> list[BenchResult]:
     results = []
     for name, fn in case.impls.items():
-        ms, peak = _time_one(fn, device, case.repeats)
-        results.append(BenchResult(case.op, case.shape, name, ms, peak, note=case.note))
+        times, peak = _time_one(fn, device, case.repeats, case.min_seconds)
+        results.append(
+            BenchResult(case.op, case.shape, name, statistics.median(times) * 1e3, min(times) * 1e3, len(times), peak, note=case.note)
+        )
     fast = next(r for r in results if r.impl == case.fastrl)
     for r in results:
-        r.speedup_of_fastrl = r.median_ms / fast.median_ms if fast.median_ms > 0 else None
+        r.speedup_of_fastrl = r.best_ms / fast.best_ms if fast.best_ms > 0 else None
     return results
 
 
@@ -96,13 +103,13 @@ def run_cases(cases: list[BenchCase], device: torch.device, log: Callable[[str],
 
 
 def format_header() -> str:
-    return f"{'op':<22} {'shape':<34} {'impl':<26} {'median ms':>10} {'peak MB':>9} {'x fastrl':>9}"
+    return f"{'op':<22} {'shape':<34} {'impl':<26} {'best ms':>10} {'median ms':>10} {'peak MB':>9} {'x fastrl':>9}"
 
 
 def format_row(r: BenchResult) -> str:
     peak = f"{r.peak_mem_mb:9.1f}" if r.peak_mem_mb is not None else f"{'-':>9}"
     ratio = f"{r.speedup_of_fastrl:9.2f}" if r.speedup_of_fastrl is not None else f"{'-':>9}"
-    return f"{r.op:<22} {r.shape:<34} {r.impl:<26} {r.median_ms:10.3f} {peak} {ratio}"
+    return f"{r.op:<22} {r.shape:<34} {r.impl:<26} {r.best_ms:10.3f} {r.median_ms:10.3f} {peak} {ratio}"
 
 
 def environment(device: torch.device) -> dict[str, Any]:

@@ -7,13 +7,19 @@ CUDA tensors and the PyTorch path otherwise.
 from fastrl.ops.advantages import group_advantages, step_advantages
 from fastrl.ops.decode_attention import shared_prefix_decode_attention
 from fastrl.ops.kl import kl_penalty
+from fastrl.ops.logprobs import fused_linear_policy_loss, linear_logprobs
 from fastrl.ops.policy_loss import policy_loss
+from fastrl.ops.scans import discounted_returns, gae
 from fastrl.ops.value_loss import value_loss
 from fastrl.ops.whiten import masked_whiten
 
 __all__ = [
+    "discounted_returns",
+    "fused_linear_policy_loss",
+    "gae",
     "group_advantages",
     "kl_penalty",
+    "linear_logprobs",
     "masked_whiten",
     "policy_loss",
     "shared_prefix_decode_attention",

@@ -1,0 +1,420 @@
+"""fastrl implementations of verl's core algorithm functions, with verl's names and semantics.
+
+Each function below has the name, signature and return value of its namesake in
+``verl.trainer.ppo.core_algos`` and returns verl's numbers (same values and gradients up
+to float rounding; ``tests/integrations/test_verl.py`` checks every one against the
+installed verl on random inputs), computed by fastrl ops:
+
+======================================================  ==============================================
+verl function                                           fastrl ops
+======================================================  ==============================================
+``compute_gae_advantage_return``                        ``gae`` + ``masked_whiten``
+``compute_grpo_outcome_advantage``                      ``group_advantages(mode="grpo" | "dr_grpo")``
+``compute_rloo_outcome_advantage``                      ``group_advantages(mode="rloo")``
+``compute_reinforce_plus_plus_outcome_advantage``       ``discounted_returns`` + ``masked_whiten``
+``compute_policy_loss_vanilla`` (PPO, dual-clip)        ``policy_loss``
+``compute_policy_loss_gspo``                            ``policy_loss`` (token ratios carrying the
+                                                        sequence ratio, verl's GSPO-token gradient)
+``kl_penalty`` (k1/kl, abs, k2/mse, k3/low_var_kl, +)   ``kl_penalty``
+``compute_value_loss``                                  ``value_loss``
+``agg_loss``                                            the aggregation rule of ``policy_loss``
+======================================================  ==============================================
+
+Use in verl (>= 0.9, < 0.10; tested with 0.9.1): call :func:`register` in every process that
+computes losses or advantages (the driver and the actor/critic workers, e.g. from Ray's
+``worker_process_setup_hook``), then select the fastrl versions by name::
+
+    algorithm.adv_estimator=fastrl_grpo                  # or fastrl_rloo, fastrl_reinforce_plus_plus
+    actor_rollout_ref.actor.policy_loss.loss_mode=fastrl_vanilla   # or fastrl_gspo
+
+verl's trainer calls GAE and GRPO through ``core_algos.<name>`` directly; ``register(
+replace_builtin=True)`` additionally points ``core_algos.compute_gae_advantage_return``
+and ``core_algos.compute_grpo_outcome_advantage`` at the fastrl versions, so
+``algorithm.adv_estimator=gae`` / ``grpo`` run on fastrl too. ``kl_penalty``, ``agg_loss``
+and ``compute_value_loss`` are imported by name inside verl's workers; use them from this
+module in custom code.
+
+Where the outputs differ from verl, it is only at masked-out positions that no verl loss
+or metric reads: fastrl's advantages and returns are 0 at ``response_mask == 0`` tokens,
+where verl's GAE leaves the carried-over recursion state (and whitens it). Values at
+masked-in positions are verl's, including observation tokens in the middle of a response
+(skipped by the recursion, as verl does).
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import numpy as np
+import torch
+
+import fastrl.ops as _ops
+from fastrl.config import PolicyLossConfig
+
+__all__ = [
+    "SUPPORTED_VERL",
+    "agg_loss",
+    "compute_gae_advantage_return",
+    "compute_grpo_outcome_advantage",
+    "compute_policy_loss_gspo",
+    "compute_policy_loss_vanilla",
+    "compute_reinforce_plus_plus_outcome_advantage",
+    "compute_rloo_outcome_advantage",
+    "compute_value_loss",
+    "kl_penalty",
+    "register",
+]
+
+SUPPORTED_VERL = ">=0.9,<0.10"
+"""verl releases whose semantics these functions reproduce (tested with 0.9.1)."""
+
+_LOG_ZERO = -1.0e4  # exp(-1e4) == 0 in float32
+_GSPO_LOG_RATIO_CLAMP = 10.0  # verl clamps the GSPO log-ratio at 10 from above
+
+
+# ----------------------------------------------------------------------------- helpers
+def _group_ids(index: Any, device: torch.device) -> tuple[torch.Tensor, torch.Tensor]:
+    """verl's ``index`` (uids of any hashable type) -> int64 group ids and each sample's group size."""
+    ids: dict[Any, int] = {}
+    codes = [ids.setdefault(x, len(ids)) for x in np.asarray(index).tolist()]
+    gid = torch.tensor(codes, dtype=torch.int64, device=device)
+    size = torch.bincount(gid)[gid]
+    return gid, size
+
+
+def _as_float(x: Any) -> float:
+    return float(x.item()) if isinstance(x, torch.Tensor) else float(x)
+
+
+def _global_counts(loss_agg_mode: str, dp_size: int, batch_num_tokens, global_batch_size):
+    """verl's (dp_size, batch_num_tokens, global_batch_size) -> fastrl's loss_agg and denominators.
+
+    verl divides by the global count and multiplies by ``dp_size`` (DDP/FSDP average the
+    gradients over ranks); fastrl divides by the count it is given, so the count is global/dp.
+    ``token-sum`` (verl: masked sum * dp_size) is token-mean with a count of 1/dp_size.
+    """
+    gtc = gsc = None
+    if loss_agg_mode == "token-mean":
+        if batch_num_tokens is None:
+            if dp_size > 1:
+                raise ValueError("(global) batch_num_tokens is required when dp_size > 1")
+        else:
+            gtc = batch_num_tokens / dp_size
+        return "token-mean", gtc, gsc
+    if loss_agg_mode == "token-sum":
+        return "token-mean", 1.0 / dp_size, None
+    if loss_agg_mode in ("seq-mean-token-sum", "seq-mean-token-sum-norm", "seq-mean-token-mean"):
+        if global_batch_size is None:
+            if dp_size > 1:
+                raise ValueError("global_batch_size is required when dp_size > 1")
+        else:
+            gsc = global_batch_size / dp_size
+        return loss_agg_mode, gtc, gsc
+    raise ValueError(f"Invalid loss_agg_mode: {loss_agg_mode}")
+
+
+def _weights_as_rollout_logp(old_log_prob: torch.Tensor, weights: torch.Tensor) -> torch.Tensor:
+    """``rollout_logp`` with ``exp(old - rollout) == weights``: verl passes ready-made IS weights."""
+    logw = torch.log(weights.detach().to(torch.float32)).clamp(min=_LOG_ZERO)
+    return old_log_prob.detach().to(torch.float32) - logw.expand_as(old_log_prob)
+
+
+def _masked_mean(x: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
+    """verl's ``masked_mean``: sum over mask / (count + 1e-8)."""
+    valid = torch.where(mask.bool(), x, torch.zeros_like(x))
+    return (valid * mask).sum() / (mask.sum() + 1e-8)
+
+
+def _get(config: Any, name: str, default: Any = None) -> Any:
+    if config is None:
+        return default
+    if hasattr(config, "get"):
+        return config.get(name, default)
+    return getattr(config, name, default)
+
+
+# ----------------------------------------------------------------------------- advantages
+def compute_gae_advantage_return(
+    token_level_rewards: torch.Tensor,
+    values: torch.Tensor,
+    response_mask: torch.Tensor,
+    gamma: torch.Tensor | float,
+    lam: torch.Tensor | float,
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """verl's GAE: (whitened advantages, returns), both [bs, response_length].
+
+    Masked-out tokens (padding, or observation tokens inside a response) are skipped by the
+    recursion; returns = advantages + values before whitening; advantages are whitened over
+    the masked-in tokens (unbiased variance, eps 1e-8 inside the square root).
+    """
+    with torch.no_grad():
+        adv, returns = _ops.gae(
+            token_level_rewards, values, response_mask, gamma=_as_float(gamma), lam=_as_float(lam)
+        )
+        adv = _ops.masked_whiten(adv, response_mask, shift_mean=True, eps=1e-8)
+    return adv, returns
+
+
+def compute_grpo_outcome_advantage(
+    token_level_rewards: torch.Tensor,
+    response_mask: torch.Tensor,
+    index: np.ndarray,
+    epsilon: float = 1e-6,
+    norm_adv_by_std_in_grpo: bool = True,
+    config: Any = None,
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """verl's GRPO outcome advantage: (score - mean_g) / (std_g + epsilon) (unbiased std), or
+    score - mean_g with ``norm_adv_by_std_in_grpo=False`` (Dr. GRPO); broadcast over the
+    response mask. A single-member group keeps its raw score (verl: mean 0, std 1).
+    """
+    with torch.no_grad():
+        scores = token_level_rewards.sum(dim=-1)
+        gid, size = _group_ids(index, scores.device)
+        mode = "grpo" if norm_adv_by_std_in_grpo else "dr_grpo"
+        adv, _ = _ops.group_advantages(scores, gid, mode=mode, eps=epsilon)
+        single = scores / (1.0 + epsilon) if norm_adv_by_std_in_grpo else scores
+        adv = torch.where(size == 1, single.to(adv.dtype), adv).to(scores.dtype)
+        adv = adv.unsqueeze(-1) * response_mask
+    return adv, adv
+
+
+def compute_rloo_outcome_advantage(
+    token_level_rewards: torch.Tensor,
+    response_mask: torch.Tensor,
+    index: np.ndarray,
+    epsilon: float = 1e-6,
+    config: Any = None,
+    **kwargs: Any,
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """verl's RLOO: score - mean of the other members of its group; a single-member group
+    keeps its raw score. Broadcast over the response mask."""
+    with torch.no_grad():
+        scores = token_level_rewards.sum(dim=-1)
+        gid, size = _group_ids(index, scores.device)
+        adv, _ = _ops.group_advantages(scores, gid, mode="rloo", eps=epsilon)
+        adv = torch.where(size == 1, scores.to(adv.dtype), adv).to(scores.dtype)
+        adv = adv.unsqueeze(-1) * response_mask
+    return adv, adv
+
+
+def compute_reinforce_plus_plus_outcome_advantage(
+    token_level_rewards: torch.Tensor, response_mask: torch.Tensor, config: Any = None, **kwargs: Any
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """verl's REINFORCE++: discounted returns with ``config.gamma`` (masked-out tokens skipped,
+    0 there), whitened over the masked-in tokens. Returns (advantages, returns)."""
+    assert config is not None
+    with torch.no_grad():
+        returns = _ops.discounted_returns(token_level_rewards, response_mask, gamma=_as_float(config.gamma))
+        adv = _ops.masked_whiten(returns, response_mask, shift_mean=True, eps=1e-8)
+    return adv.to(token_level_rewards.dtype), returns.to(token_level_rewards.dtype)
+
+
+# ----------------------------------------------------------------------------- losses
+def agg_loss(
+    loss_mat: torch.Tensor,
+    loss_mask: torch.Tensor,
+    loss_agg_mode: str,
+    dp_size: int = 1,
+    batch_num_tokens: int | None = None,
+    global_batch_size: int | None = None,
+    loss_scale_factor: int | None = None,
+) -> torch.Tensor:
+    """verl's ``agg_loss`` with fastrl's aggregation rule (``PolicyLossConfig.loss_agg``).
+
+    Plain tensor sums (there is nothing to fuse); the denominators are those fastrl's loss
+    ops use, mapped from verl's global batch information.
+    """
+    agg, gtc, gsc = _global_counts(loss_agg_mode, dp_size, batch_num_tokens, global_batch_size)
+    m = (loss_mask != 0).to(loss_mat.dtype)
+    lm = torch.where(m.bool(), loss_mat, torch.zeros_like(loss_mat)) * m
+    n_b = m.sum(-1)
+    if agg == "token-mean":
+        return lm.sum() / (n_b.sum() if gtc is None else gtc)
+    rows = lm.sum(-1)
+    if agg == "seq-mean-token-mean":
+        rows = rows / (n_b + 1e-8)
+    elif agg == "seq-mean-token-sum-norm":
+        rows = rows / (loss_mat.shape[-1] if loss_scale_factor is None else loss_scale_factor)
+    return rows.sum() / ((n_b > 0).to(loss_mat.dtype).sum() if gsc is None else gsc)
+
+
+def _policy_loss(old_log_prob, log_prob, advantages, response_mask, loss_agg_mode, config, weights, cfg):
+    info = dict(_get(config, "global_batch_info", None) or {})
+    agg, gtc, gsc = _global_counts(
+        loss_agg_mode, info.get("dp_size", 1), info.get("batch_num_tokens"), info.get("global_batch_size")
+    )
+    cfg = cfg.replace(loss_agg=agg, norm_length=info.get("loss_scale_factor") if agg.endswith("-norm") else None)
+    rollout = None if weights is None else _weights_as_rollout_logp(old_log_prob, weights)
+    return _ops.policy_loss(
+        log_prob, old_log_prob, advantages, response_mask, rollout_logp=rollout, config=cfg,
+        global_token_count=gtc, global_seq_count=gsc,
+    )
+
+
+def compute_policy_loss_vanilla(
+    old_log_prob: torch.Tensor,
+    log_prob: torch.Tensor,
+    advantages: torch.Tensor,
+    response_mask: torch.Tensor,
+    loss_agg_mode: str = "token-mean",
+    config: Any = None,
+    rollout_is_weights: torch.Tensor | None = None,
+) -> tuple[torch.Tensor, dict[str, Any]]:
+    """verl's PPO clipped loss: log-ratio clamped to [-20, 20], clip (clip_ratio_low,
+    clip_ratio_high), dual-clip ``clip_ratio_c`` (default 3) for negative advantages, optional
+    rollout IS weights on the policy term, ``agg_loss`` with ``config.global_batch_info``.
+
+    Returns ``(pg_loss, {"actor/pg_clipfrac", "actor/ppo_kl", "actor/pg_clipfrac_lower"})``
+    with float metrics, like verl.
+    """
+    assert config is not None
+    clip_ratio = _get(config, "clip_ratio")
+    low = _get(config, "clip_ratio_low") if _get(config, "clip_ratio_low") is not None else clip_ratio
+    high = _get(config, "clip_ratio_high") if _get(config, "clip_ratio_high") is not None else clip_ratio
+    clip_c = _get(config, "clip_ratio_c", 3.0)
+    assert clip_c > 1.0, f"The lower bound of the clip_ratio_c for dual-clip PPO should be greater than 1.0, got {clip_c}"
+    cfg = PolicyLossConfig(clip_low=low, clip_high=high, dual_clip=clip_c, log_ratio_clamp=20.0)
+    loss, m = _policy_loss(old_log_prob, log_prob, advantages, response_mask, loss_agg_mode, config,
+                           rollout_is_weights, cfg)
+    with torch.no_grad():
+        neg_kl = torch.clamp(log_prob.detach().float() - old_log_prob.float(), min=-20.0, max=20.0)
+        ppo_kl = _masked_mean(-neg_kl, response_mask)
+    metrics = {
+        "actor/pg_clipfrac": (m["clip_frac_low"] + m["clip_frac_high"]).item(),
+        "actor/ppo_kl": ppo_kl.item(),
+        "actor/pg_clipfrac_lower": m["dual_clip_frac"].item(),
+    }
+    return loss, metrics
+
+
+def compute_policy_loss_gspo(
+    old_log_prob: torch.Tensor,
+    log_prob: torch.Tensor,
+    advantages: torch.Tensor,
+    response_mask: torch.Tensor,
+    loss_agg_mode: str = "seq-mean-token-mean",
+    config: Any = None,
+    rollout_is_weights: torch.Tensor | None = None,
+) -> tuple[torch.Tensor, dict[str, Any]]:
+    """verl's GSPO (GSPO-token form): every token's ratio has the value of its sequence's
+    ratio s = exp(mean_t(logp - old_logp)) and the gradient s * grad(logp_t)
+    (``log s_t = sg[log s] + logp_t - sg[logp_t]``, clamped at 10 from above); clip
+    (clip_ratio_low, clip_ratio_high), no dual clip.
+
+    fastrl's token-level ratio gets exactly that when its ``old_logp`` is
+    ``sg[logp_t] - sg[log s]``. verl clamps log s_t only from above; fastrl's
+    ``log_ratio_clamp`` is symmetric, so rows with log s < -10 (s < 4.5e-5) differ by at most
+    |A| * 4.5e-5 per token.
+    """
+    assert config is not None
+    low = _get(config, "clip_ratio_low") if _get(config, "clip_ratio_low") is not None else _get(config, "clip_ratio")
+    high = _get(config, "clip_ratio_high") if _get(config, "clip_ratio_high") is not None else _get(config, "clip_ratio")
+    with torch.no_grad():
+        m = response_mask.to(torch.float32)
+        neg_kl = log_prob.detach().float() - old_log_prob.float()
+        seq = (neg_kl * m).sum(-1) / m.sum(-1).clamp(min=1)
+        old_token = log_prob.detach().float() - seq.unsqueeze(-1)
+    cfg = PolicyLossConfig(clip_low=low, clip_high=high, log_ratio_clamp=_GSPO_LOG_RATIO_CLAMP)
+    loss, met = _policy_loss(
+        old_token, log_prob, advantages, response_mask, loss_agg_mode, config, rollout_is_weights, cfg
+    )
+    with torch.no_grad():
+        ppo_kl = _masked_mean(-neg_kl, response_mask)
+    metrics = {
+        "actor/pg_clipfrac": (met["clip_frac_low"] + met["clip_frac_high"]).item(),
+        "actor/ppo_kl": ppo_kl.item(),
+        "actor/pg_clipfrac_lower": 0.0,
+    }
+    return loss, metrics
+
+
+def kl_penalty(logprob: torch.Tensor, ref_logprob: torch.Tensor, kl_penalty: str) -> torch.Tensor:
+    """verl's KL estimators: ``kl``/``k1`` logp - ref, ``abs`` |logp - ref|, ``mse``/``k2``
+    (logp - ref)^2 / 2, ``low_var_kl``/``k3`` exp(ref - logp) - (ref - logp) - 1 clamped to
+    [-10, 10]. A ``+`` suffix (``k1+``, ``k3+``, ...) keeps the value and takes the gradient of
+    k2 (straight-through)."""
+    base = kl_penalty[:-1] if kl_penalty.endswith("+") else kl_penalty
+    forward = _kl_forward(logprob, ref_logprob, base)
+    if not kl_penalty.endswith("+") or kl_penalty in ("mse", "k2"):
+        return forward
+    backward = _ops.kl_penalty(logprob, ref_logprob, estimator="k2")
+    return backward - backward.detach() + forward.detach()
+
+
+def _kl_forward(logprob: torch.Tensor, ref_logprob: torch.Tensor, name: str) -> torch.Tensor:
+    if name in ("kl", "k1"):
+        return _ops.kl_penalty(logprob, ref_logprob, estimator="k1")
+    if name == "abs":
+        return _ops.kl_penalty(logprob, ref_logprob, estimator="k1").abs()
+    if name in ("mse", "k2"):
+        return _ops.kl_penalty(logprob, ref_logprob, estimator="k2")
+    if name in ("low_var_kl", "k3"):
+        # verl also clamps ref - logp to [-20, 20] before exp; outside that range k3 exceeds 10 and is
+        # clamped to 10 (zero gradient) either way, so clamping the estimate is enough.
+        return _ops.kl_penalty(logprob, ref_logprob, estimator="k3", clamp=10.0)
+    raise NotImplementedError
+
+
+def compute_value_loss(
+    vpreds: torch.Tensor,
+    returns: torch.Tensor,
+    values: torch.Tensor,
+    response_mask: torch.Tensor,
+    cliprange_value: float,
+    loss_agg_mode: str = "token-mean",
+    dp_size: int = 1,
+    batch_num_tokens: int | None = None,
+    global_batch_size: int | None = None,
+    loss_scale_factor: int | None = None,
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """verl's clipped value loss: 0.5 * agg(max((v - R)^2, (clip(v, v_old +- c) - R)^2)).
+    Returns ``(vf_loss, vf_clipfrac)``."""
+    agg, gtc, gsc = _global_counts(loss_agg_mode, dp_size, batch_num_tokens, global_batch_size)
+    loss, metrics = _ops.value_loss(
+        vpreds, values, returns, response_mask, clip=cliprange_value, loss_agg=agg,
+        norm_length=loss_scale_factor if agg.endswith("-norm") else None,
+        global_token_count=gtc, global_seq_count=gsc,
+    )
+    return loss, metrics["vf_clip_frac"]
+
+
+# ----------------------------------------------------------------------------- registration
+def _fastrl_grpo(token_level_rewards, response_mask, index, epsilon=1e-6, norm_adv_by_std_in_grpo=True,
+                 config=None, **kwargs):
+    norm = _get(config, "norm_adv_by_std_in_grpo", norm_adv_by_std_in_grpo)
+    return compute_grpo_outcome_advantage(token_level_rewards, response_mask, index, epsilon, norm, config)
+
+
+ADV_ESTIMATORS = {
+    "fastrl_grpo": _fastrl_grpo,
+    "fastrl_rloo": compute_rloo_outcome_advantage,
+    "fastrl_reinforce_plus_plus": compute_reinforce_plus_plus_outcome_advantage,
+}
+"""Advantage estimators :func:`register` adds to verl's registry (``algorithm.adv_estimator``).
+(GAE needs the critic values, which verl passes only to its built-in ``gae`` branch.)"""
+
+POLICY_LOSSES = {
+    "fastrl_vanilla": compute_policy_loss_vanilla,
+    "fastrl_gspo": compute_policy_loss_gspo,
+}
+"""Policy losses :func:`register` adds (``actor_rollout_ref.actor.policy_loss.loss_mode``)."""
+
+
+def register(*, replace_builtin: bool = False) -> None:
+    """Add fastrl's estimators and losses to verl's registries under ``fastrl_*`` names.
+
+    Idempotent. With ``replace_builtin=True`` also points ``core_algos.compute_gae_advantage_return``
+    and ``core_algos.compute_grpo_outcome_advantage`` (which verl's trainer calls by module
+    attribute for ``adv_estimator=gae`` / ``grpo``) at the fastrl versions.
+    """
+    from verl.trainer.ppo import core_algos
+
+    for name, fn in ADV_ESTIMATORS.items():
+        if core_algos.ADV_ESTIMATOR_REGISTRY.get(name) is not fn:
+            core_algos.ADV_ESTIMATOR_REGISTRY.pop(name, None)
+            core_algos.register_adv_est(name)(fn)
+    for name, fn in POLICY_LOSSES.items():
+        core_algos.register_policy_loss(name)(fn)
+    if replace_builtin:
+        core_algos.compute_gae_advantage_return = compute_gae_advantage_return
+        core_algos.compute_grpo_outcome_advantage = compute_grpo_outcome_advantage

@@ -1,0 +1,163 @@
+"""fused_linear_policy_loss == policy_loss(log-probs from full float64 logits), values,
+metrics and gradients of hidden / weight / bias, over the PolicyLossConfig options."""
+
+import pytest
+import torch
+
+from fastrl.config import PolicyLossConfig
+from fastrl.ops import fused_linear_policy_loss, linear_logprobs, policy_loss
+
+B, T, H, V = 3, 6, 24, 67
+
+
+def _data(seed=0):
+    g = torch.Generator().manual_seed(seed)
+    h = torch.randn(B, T, H, generator=g)
+    w = torch.randn(V, H, generator=g) * 0.3
+    b = torch.randn(V, generator=g) * 0.2
+    y = torch.randint(0, V, (B, T), generator=g)
+    mask = torch.ones(B, T)
+    mask[0, 4:] = 0
+    mask[2, 1:] = 0  # a one-token row
+    y[mask == 0] = V + 5  # padding ids may be anything: they are ignored
+    with torch.no_grad():
+        lp = torch.log_softmax((h @ w.T + b).double(), -1).gather(-1, y.clamp(max=V - 1)[..., None])[..., 0].float()
+    old = lp + 0.3 * torch.randn(B, T, generator=g)
+    ref = lp + 0.2 * torch.randn(B, T, generator=g)
+    roll = old + 0.1 * torch.randn(B, T, generator=g)
+    adv = torch.randn(B, generator=g)
+    return h, w, b, y, mask, old, ref, roll, adv
+
+
+def _reference(h, w, b, y, mask, old, adv, cfg, temperature, with_entropy, **kw):
+    """policy_loss on log-probs/entropy from explicit float64 logits (autograd to h, w, b)."""
+    hh, ww, bb = (t.detach().double().requires_grad_() for t in (h, w, b))
+    u = (hh @ ww.T + bb) / temperature
+    logq = torch.log_softmax(u, -1)
+    logp = logq.gather(-1, torch.where(mask != 0, y, 0)[..., None])[..., 0]
+    ent = -(logq.exp() * logq).sum(-1) if with_entropy else None
+    loss, metrics = policy_loss(logp, old, adv, mask, entropy=ent, config=cfg, backend="torch", **kw)
+    loss.backward()
+    return loss, metrics, hh.grad, ww.grad, bb.grad
+
+
+CONFIGS = {
+    "ppo": (PolicyLossConfig.preset("ppo"), {}),
+    "grpo_kl": (PolicyLossConfig.preset("grpo"), {"ref": True}),
+    "dapo_global_tokens": (PolicyLossConfig.preset("dapo"), {"global_token_count": 20.0}),
+    "dr_grpo": (PolicyLossConfig.preset("dr_grpo"), {}),
+    "gspo_sequence_ratio": (PolicyLossConfig.preset("gspo", clip_low=0.1, clip_high=0.1), {}),
+    "dual_clip_is_cap_entropy": (
+        PolicyLossConfig(dual_clip=3.0, is_cap=2.0, entropy_coef=0.01, kl_coef=0.02, kl_estimator="k2"),
+        {"ref": True, "rollout": True},
+    ),
+    "seq_is_global_seqs": (
+        PolicyLossConfig(loss_agg="seq-mean-token-mean", is_level="sequence", is_cap=5.0),
+        {"rollout": True, "global_seq_count": 4.0},
+    ),
+}
+
+
+@pytest.mark.parametrize("name", list(CONFIGS))
+def test_matches_policy_loss_on_logits_path(name):
+    cfg, opts = CONFIGS[name]
+    h, w, b, y, mask, old, ref, roll, adv = _data()
+    kw = {}
+    if opts.get("ref"):
+        kw["ref_logp"] = ref
+    if opts.get("rollout"):
+        kw["rollout_logp"] = roll
+    for key in ("global_token_count", "global_seq_count"):
+        if key in opts:
+            kw[key] = opts[key]
+    temperature = 0.8
+    with_entropy = cfg.entropy_coef != 0 or name == "ppo"
+    hh, ww, bb = (t.clone().requires_grad_() for t in (h, w, b))
+    loss, metrics = fused_linear_policy_loss(
+        hh, ww, y, old, adv, mask, bias=bb, config=cfg, temperature=temperature,
+        entropy=(name == "ppo"), backend="torch", **kw,
+    )
+    loss.backward()
+    rloss, rmetrics, gh, gw, gb = _reference(h, w, b, y, mask, old, adv, cfg, temperature, with_entropy, **kw)
+    assert loss.dtype == torch.float32 and loss.dim() == 0
+    torch.testing.assert_close(loss.double(), rloss.double(), atol=1e-5, rtol=1e-5)
+    assert metrics.keys() == rmetrics.keys()
+    if with_entropy:
+        assert "entropy_mean" in metrics
+    for k in rmetrics:
+        torch.testing.assert_close(metrics[k].double(), rmetrics[k].double(), atol=1e-5, rtol=1e-5, msg=k)
+    for got, want in ((hh.grad, gh), (ww.grad, gw), (bb.grad, gb)):
+        assert ((got.double() - want).abs().max() / want.abs().max()) < 1e-4
+
+
+def test_equals_composition_of_the_two_ops_triton_backend():
+    cfg = PolicyLossConfig.preset("grpo")
+    dev = torch.device("cuda" if torch.cuda.is_available() else "cpu")  # else: Triton interpreter
+    h, w, b, y, mask, old, ref, _, adv = (t.to(dev) for t in _data(1))
+    hh, ww = h.clone().requires_grad_(), w.clone().requires_grad_()
+    loss, metrics = fused_linear_policy_loss(hh, ww, y, old, adv, mask, ref_logp=ref, config=cfg, backend="triton")
+    loss.backward()
+    h2, w2 = h.clone().requires_grad_(), w.clone().requires_grad_()
+    logp = linear_logprobs(h2, w2, torch.where(mask != 0, y, -100), backend="torch")
+    rloss, rmetrics = policy_loss(logp, old, adv, mask, ref_logp=ref, config=cfg, backend="torch")
+    rloss.backward()
+    torch.testing.assert_close(loss, rloss, atol=1e-5, rtol=1e-5)
+    for k in rmetrics:
+        torch.testing.assert_close(metrics[k], rmetrics[k], atol=1e-5, rtol=1e-5, msg=k)
+    torch.testing.assert_close(hh.grad, h2.grad, atol=1e-6, rtol=1e-4)
+    torch.testing.assert_close(ww.grad, w2.grad, atol=1e-6, rtol=1e-4)
+
+
+def test_bad_input():
+    h, w, b, y, mask, old, ref, _, adv = _data()
+    with pytest.raises(ValueError, match="hidden"):
+        fused_linear_policy_loss(h[0], w, y, old, adv, mask)
+    with pytest.raises(ValueError, match="targets"):
+        fused_linear_policy_loss(h, w, y[:, :-1], old, adv, mask)
+    with pytest.raises(ValueError, match="mask"):
+        fused_linear_policy_loss(h, w, y, old, adv, mask[:, :-1])
+    with pytest.raises(ValueError, match="weight"):
+        fused_linear_policy_loss(h, w[:, :-1], y, old, adv, mask)
+    y_bad = y.clone()
+    y_bad[1, 1] = V  # inside the mask: must be a real token id
+    with pytest.raises(ValueError, match="targets"):
+        fused_linear_policy_loss(h, w, y_bad, old, adv, mask)
+
+
+@pytest.mark.parametrize("entropy_coef", [0.0, 0.05])
+def test_one_pass_cpu_path_equals_composition(monkeypatch, entropy_coef):
+    # the CPU path forms the gradients during the forward pass; it must match the composed path
+    import fastrl.ops.logprobs as lp_mod
+
+    cfg = PolicyLossConfig(clip_high=0.28, dual_clip=2.5, kl_coef=0.1, log_ratio_clamp=1.0,
+                           entropy_coef=entropy_coef, loss_agg="seq-mean-token-mean")
+    h, w, b, y, mask, old, ref, roll, adv = _data(3)
+    adv_tok = adv[:, None] + 0.1 * torch.randn(B, T)
+    results = []
+    for eager in (True, False):
+        monkeypatch.setattr(lp_mod, "EAGER_TORCH_LOSS", eager)
+        hh, ww = h.clone().requires_grad_(), w.clone().requires_grad_()
+        bb = b.clone()  # bias without gradient
+        loss, metrics = fused_linear_policy_loss(hh, ww, y, old, adv_tok, mask, bias=bb, ref_logp=ref,
+                                                 rollout_logp=roll, config=cfg.replace(is_cap=1.5),
+                                                 temperature=1.3, entropy=True, backend="torch")
+        (2.0 * loss).backward()
+        results.append((loss, metrics, hh.grad, ww.grad))
+    (l1, m1, gh1, gw1), (l2, m2, gh2, gw2) = results
+    torch.testing.assert_close(l1, l2, atol=1e-6, rtol=1e-5)
+    for k in m2:
+        torch.testing.assert_close(m1[k], m2[k], atol=1e-6, rtol=1e-5, msg=k)
+    torch.testing.assert_close(gh1, gh2, atol=1e-6, rtol=1e-4)
+    torch.testing.assert_close(gw1, gw2, atol=1e-6, rtol=1e-4)
+
+
+def test_no_grad_and_bf16_inputs():
+    cfg = PolicyLossConfig.preset("dapo")
+    h, w, b, y, mask, old, ref, _, adv = _data(4)
+    with torch.no_grad():
+        loss, _ = fused_linear_policy_loss(h, w, y, old, adv, mask, config=cfg, backend="torch")
+    hh, ww = h.bfloat16().requires_grad_(), w.bfloat16().requires_grad_()
+    lb, _ = fused_linear_policy_loss(hh, ww, y, old, adv, mask, config=cfg, backend="torch")
+    lb.backward()
+    assert hh.grad.dtype == torch.bfloat16 and ww.grad.dtype == torch.bfloat16
+    torch.testing.assert_close(lb, loss, atol=5e-2, rtol=5e-2)

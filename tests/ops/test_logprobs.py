@@ -1,0 +1,287 @@
+"""fastrl.ops.linear_logprobs vs a float64 logits-based reference.
+
+Both backends are tested on CPU: "triton" runs the kernels in the Triton interpreter
+(small shapes: it is slow), "torch" the chunked PyTorch path (also on larger shapes).
+
+Documented bounds for low-precision inputs (reference = float64 math on the same
+bf16/fp16-rounded inputs):
+- triton (fp32 accumulation of bf16 products, fp32 logits): logp/entropy abs 2e-3,
+  grads rel 2e-2 (grad of logits is rounded to bf16 before the grad GEMMs).
+- torch (the GEMM output is rounded to bf16 like any bf16 matmul): logp/entropy abs 6e-2,
+  grads rel 5e-2.
+"""
+
+import pytest
+import torch
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+import fastrl.ops.logprobs as lp_mod
+from fastrl.ops.logprobs import linear_logprobs
+from fastrl.reference.logprobs import linear_logprobs_reference
+
+BACKENDS = ["torch", "triton"]
+# Kernel tests run on the GPU when there is one (Triton compiled), else on the CPU (the
+# Triton interpreter; conftest sets TRITON_INTERPRET=1). Inputs are made on the CPU.
+DEVICE = torch.device("cuda" if torch.cuda.is_available() else "cpu")
+
+
+def _inputs(n_shape, hdim, vocab, *, dtype=torch.float32, bias=False, scale=1.0, n_ignore=0):
+    h = torch.randn(*n_shape, hdim).to(dtype)
+    w = (torch.randn(vocab, hdim) * (scale / hdim**0.5) * 2.0).to(dtype)
+    b = (torch.randn(vocab) * 0.5).to(dtype) if bias else None
+    y = torch.randint(0, vocab, n_shape)
+    flat = y.view(-1)
+    if n_ignore:
+        flat[torch.randperm(flat.numel())[:n_ignore]] = -100
+    return h, w, b, y
+
+
+def _run(fn_backend, h, w, b, y, *, temperature=1.0, entropy=True, gl=None, ge=None, device=None):
+    """(logp, entropy, grad_h, grad_w, grad_b) from fastrl (backend str) or the float64 reference (None),
+    computed on ``device`` (default DEVICE) and returned on the CPU."""
+    dev = DEVICE if device is None else torch.device(device)
+    gl = torch.randn(y.shape) if gl is None else gl
+    h, w, y, gl = h.to(dev), w.to(dev), y.to(dev), gl.to(dev)
+    b = b.to(dev) if b is not None else None
+    ge = ge.to(dev) if ge is not None else None
+    if fn_backend is None:
+        hh, ww = h.detach().double().requires_grad_(), w.detach().double().requires_grad_()
+        bb = b.detach().double().requires_grad_() if b is not None else None
+        logp, ent = linear_logprobs_reference(hh, ww, y, bias=bb, temperature=temperature)
+    else:
+        hh, ww = h.detach().clone().requires_grad_(), w.detach().clone().requires_grad_()
+        bb = b.detach().clone().requires_grad_() if b is not None else None
+        out = linear_logprobs(hh, ww, y, bias=bb, temperature=temperature, return_entropy=entropy, backend=fn_backend)
+        logp, ent = out if entropy else (out, None)
+    loss = (logp * gl.to(logp.dtype)).sum()
+    if entropy and ge is not None:
+        loss = loss + (ent * ge.to(ent.dtype)).sum()
+    loss.backward()
+    out = (logp, ent, hh.grad, ww.grad, (bb.grad if bb is not None else None))
+    return tuple(t.detach().cpu() if t is not None else None for t in out)
+
+
+def _rel(a, b):
+    return ((a.double() - b.double()).abs().max() / b.double().abs().max().clamp_min(1e-30)).item()
+
+
+def _compare(got, ref, *, val_atol=1e-5, grad_rel=1e-4):
+    logp, ent, gh, gw, gb = got
+    rlogp, rent, rgh, rgw, rgb = ref
+    assert logp.dtype == torch.float32
+    torch.testing.assert_close(logp.double(), rlogp, atol=val_atol, rtol=0)
+    if ent is not None:
+        assert ent.dtype == torch.float32
+        torch.testing.assert_close(ent.double(), rent, atol=val_atol, rtol=0)
+    assert _rel(gh, rgh) < grad_rel
+    assert _rel(gw, rgw) < grad_rel
+    if gb is not None:
+        assert _rel(gb, rgb) < grad_rel
+
+
+@pytest.mark.parametrize("backend", BACKENDS)
+def test_fp32_values_and_grads_bias_temperature_entropy(backend):
+    # V=257 (prime, several 32-wide tiles), H=40 (not a multiple of the K tile), ignored tokens
+    h, w, b, y = _inputs((3, 7), 40, 257, bias=True, n_ignore=4)
+    gl, ge = torch.randn(3, 7), torch.randn(3, 7)
+    got = _run(backend, h, w, b, y, temperature=0.7, gl=gl, ge=ge)
+    ref = _run(None, h, w, b, y, temperature=0.7, gl=gl, ge=ge)
+    _compare(got, ref)
+    ignored = y == -100
+    assert (got[0][ignored] == 0).all() and (got[1][ignored] == 0).all()
+    assert (got[2][ignored] == 0).all()
+
+
+@pytest.mark.parametrize("backend", BACKENDS)
+def test_fp32_logp_only_no_bias(backend):
+    h, w, _, y = _inputs((50,), 64, 300)
+    gl = torch.randn(50)
+    got = _run(backend, h, w, None, y, entropy=False, gl=gl)
+    ref = _run(None, h, w, None, y, gl=gl)
+    _compare(got, ref)
+
+
+@pytest.mark.parametrize("backend", BACKENDS)
+def test_gradient_through_entropy_only(backend):
+    h, w, _, y = _inputs((9,), 24, 70)
+    gl, ge = torch.zeros(9), torch.randn(9)
+    _compare(_run(backend, h, w, None, y, gl=gl, ge=ge), _run(None, h, w, None, y, gl=gl, ge=ge))
+
+
+@pytest.mark.parametrize("backend", BACKENDS)
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
+def test_low_precision_inputs_documented_bounds(backend, dtype):
+    h, w, b, y = _inputs((2, 9), 48, 100, dtype=dtype, bias=True)
+    gl, ge = torch.randn(2, 9), torch.randn(2, 9)
+    got = _run(backend, h, w, b, y, gl=gl, ge=ge)
+    ref = _run(None, h, w, b, y, gl=gl, ge=ge)  # float64 math on the rounded inputs
+    assert got[2].dtype == dtype and got[3].dtype == dtype
+    if backend == "triton":
+        _compare(got, ref, val_atol=2e-3, grad_rel=2e-2)
+    else:
+        _compare(got, ref, val_atol=6e-2, grad_rel=5e-2)
+
+
+@pytest.mark.parametrize("backend", BACKENDS)
+def test_vocab_of_one(backend):
+    h, w, _, y = _inputs((5,), 8, 1)
+    logp, ent, gh, gw, _ = _run(backend, h, w, None, y, gl=torch.randn(5), ge=torch.randn(5))
+    assert torch.equal(logp, torch.zeros(5)) and ent.abs().max() < 1e-6
+    assert gh.abs().max() < 1e-6 and gw.abs().max() < 1e-6
+
+
+@pytest.mark.parametrize("backend", BACKENDS)
+def test_single_token(backend):
+    h, w, b, y = _inputs((1,), 16, 33, bias=True)
+    gl, ge = torch.randn(1), torch.randn(1)
+    _compare(_run(backend, h, w, b, y, gl=gl, ge=ge), _run(None, h, w, b, y, gl=gl, ge=ge))
+
+
+@pytest.mark.parametrize("backend", BACKENDS)
+def test_all_tokens_ignored(backend):
+    h, w, b, y = _inputs((2, 4), 16, 40, bias=True)
+    y.fill_(-100)
+    logp, ent, gh, gw, gb = _run(backend, h, w, b, y, gl=torch.randn(2, 4), ge=torch.randn(2, 4))
+    for t in (logp, ent, gh, gw, gb):
+        assert torch.isfinite(t).all() and (t == 0).all()
+
+
+@pytest.mark.parametrize("backend", BACKENDS)
+def test_huge_logits_stay_finite(backend):
+    # logits of magnitude ~1e4: no inf/NaN, and still the reference (fp32 relative precision)
+    h, w, _, y = _inputs((12,), 32, 90, scale=4000.0)
+    gl, ge = torch.randn(12), torch.randn(12)
+    got = _run(backend, h, w, None, y, gl=gl, ge=ge)
+    ref = _run(None, h, w, None, y, gl=gl, ge=ge)
+    logits = h @ w.T
+    assert logits.abs().max() > 1e4
+    for t in got:
+        if t is not None:
+            assert torch.isfinite(t).all()
+    torch.testing.assert_close(got[0].double(), ref[0], atol=1e4 * 1e-6, rtol=1e-6)
+    assert _rel(got[3], ref[3]) < 1e-3
+
+
+def test_torch_path_large_prime_vocab_many_chunks(monkeypatch):
+    monkeypatch.setattr(lp_mod, "TORCH_CHUNK_BYTES", 32003 * 4 * 24)  # 24-token chunks
+    h, w, b, y = _inputs((4, 25), 32, 32003, bias=True, n_ignore=7)
+    gl, ge = torch.randn(4, 25), torch.randn(4, 25)
+    got = _run("torch", h, w, b, y, temperature=1.3, gl=gl, ge=ge)
+    ref = _run(None, h, w, b, y, temperature=1.3, gl=gl, ge=ge)
+    _compare(got, ref)
+
+
+def test_backends_agree_and_leading_dims_are_kept():
+    h, w, _, y = _inputs((2, 3, 5), 20, 45)
+    h, w, y = h.to(DEVICE), w.to(DEVICE), y.to(DEVICE)
+    a = linear_logprobs(h, w, y, backend="torch", return_entropy=True)
+    t = linear_logprobs(h, w, y, backend="triton", return_entropy=True)
+    assert a[0].shape == (2, 3, 5) and t[1].shape == (2, 3, 5)
+    torch.testing.assert_close(a[0], t[0], atol=1e-5, rtol=0)
+    torch.testing.assert_close(a[1], t[1], atol=1e-5, rtol=0)
+
+
+def test_triton_tiles_are_tunable():
+    h, w, _, y = _inputs((20,), 24, 130)
+    h, w, y = h.to(DEVICE), w.to(DEVICE), y.to(DEVICE)
+    tiles = {k: dict(BLOCK_N=16, BLOCK_V=64, BLOCK_K=32, num_warps=1, num_stages=1) for k in ("fwd", "bwd_hidden", "bwd_weight")}
+    ref = linear_logprobs(h, w, y, backend="torch")
+    torch.testing.assert_close(linear_logprobs(h, w, y, backend="triton", tiles=tiles), ref, atol=1e-5, rtol=0)
+
+
+def test_no_grad_inputs_and_custom_ignore_index():
+    h, w, _, y = _inputs((6,), 8, 12)
+    y[2] = 11
+    out = linear_logprobs(h, w, y, ignore_index=11, backend="torch")
+    assert out[2] == 0 and out.requires_grad is False
+    ref, _ = linear_logprobs_reference(h.double(), w.double(), y, ignore_index=11)
+    torch.testing.assert_close(out.double(), ref, atol=1e-5, rtol=0)
+
+
+@pytest.mark.parametrize(
+    "case, exc, match",
+    [
+        ("h_mismatch", ValueError, "weight"),
+        ("target_range", ValueError, "targets"),
+        ("negative_target", ValueError, "targets"),
+        ("float_targets", TypeError, "targets"),
+        ("target_shape", ValueError, "targets"),
+        ("device", ValueError, "weight"),
+        ("temperature", ValueError, "temperature"),
+        ("int_hidden", TypeError, "hidden"),
+        ("bias_shape", ValueError, "bias"),
+        ("backend", ValueError, "backend"),
+        ("empty", ValueError, "targets"),
+    ],
+)
+def test_bad_input(case, exc, match):
+    h, w, _, y = _inputs((4,), 8, 10)
+    kw = {}
+    if case == "h_mismatch":
+        w = torch.randn(10, 9)
+    elif case == "target_range":
+        y[1] = 10
+    elif case == "negative_target":
+        y[1] = -1
+    elif case == "float_targets":
+        y = y.float()
+    elif case == "target_shape":
+        y = y[:3]
+    elif case == "device":
+        w = w.to("meta")
+    elif case == "temperature":
+        kw["temperature"] = 0.0
+    elif case == "int_hidden":
+        h = h.long()
+    elif case == "bias_shape":
+        kw["bias"] = torch.randn(9)
+    elif case == "backend":
+        kw["backend"] = "cuda"
+    elif case == "empty":
+        h, y = h[:0], y[:0]
+    with pytest.raises(exc, match=match):
+        linear_logprobs(h, w, y, **kw)
+
+
+def test_triton_vocab_split_over_programs():
+    # the vocabulary split over 3 programs per token tile: merged statistics and atomic grad_hidden
+    h, w, b, y = _inputs((2, 11), 40, 257, bias=True, n_ignore=3)
+    gl, ge = torch.randn(2, 11), torch.randn(2, 11)
+    tiles = {k: dict(BLOCK_N=16, BLOCK_V=32, BLOCK_K=16, num_warps=1, num_stages=1, SPLITS=3)
+             for k in ("fwd", "bwd_hidden", "bwd_weight")}
+    hh, ww, bb = (t.to(DEVICE).requires_grad_() for t in (h, w, b))
+    logp, ent = linear_logprobs(hh, ww, y.to(DEVICE), bias=bb, temperature=0.9, return_entropy=True,
+                                backend="triton", tiles=tiles)
+    ((logp * gl.to(DEVICE)).sum() + (ent * ge.to(DEVICE)).sum()).backward()
+    ref = _run(None, h, w, b, y, temperature=0.9, gl=gl, ge=ge)
+    _compare(tuple(t.detach().cpu() for t in (logp, ent, hh.grad, ww.grad, bb.grad)), ref)
+
+
+def test_ignored_tokens_are_not_computed(monkeypatch):
+    # padding costs nothing: the PyTorch path only ever sees the non-ignored rows
+    seen = []
+    orig_stats, orig_grads = lp_mod._torch_stats, lp_mod._torch_grads
+    monkeypatch.setattr(lp_mod, "_torch_stats", lambda h, *a: seen.append(h.shape[0]) or orig_stats(h, *a))
+    monkeypatch.setattr(lp_mod, "_torch_grads", lambda h, *a: seen.append(h.shape[0]) or orig_grads(h, *a))
+    h, w, _, y = _inputs((4, 8), 16, 50, n_ignore=13)
+    h.requires_grad_()
+    linear_logprobs(h, w, y, backend="torch").sum().backward()  # CPU tensors: compaction is free
+    assert seen == [19, 19]
+
+
+@settings(max_examples=15, deadline=None)
+@given(
+    n=st.integers(1, 40), hdim=st.integers(1, 33), vocab=st.integers(1, 90),
+    temperature=st.floats(0.25, 4.0), n_ignore=st.integers(0, 5), seed=st.integers(0, 2**16),
+)
+def test_torch_path_property_matches_reference(n, hdim, vocab, temperature, n_ignore, seed):
+    torch.manual_seed(seed)
+    h, w, b, y = _inputs((n,), hdim, vocab, bias=True, n_ignore=min(n_ignore, n))
+    gl, ge = torch.randn(n), torch.randn(n)
+    got = _run("torch", h, w, b, y, temperature=temperature, gl=gl, ge=ge, device="cpu")
+    ref = _run(None, h, w, b, y, temperature=temperature, gl=gl, ge=ge, device="cpu")
+    torch.testing.assert_close(got[0].double(), ref[0], atol=1e-5, rtol=0)
+    torch.testing.assert_close(got[1].double(), ref[1], atol=1e-5, rtol=0)
+    for g, r in zip(got[2:], ref[2:]):
+        torch.testing.assert_close(g.double(), r, atol=1e-5 * max(1.0, r.abs().max().item()), rtol=1e-4)
