@@ -107,7 +107,13 @@ class VLLMGroupSampler:
     ``RolloutStats`` from vLLM's counters (deltas over the call): ``prefill_tokens_computed``
     = prompt tokens computed locally, ``prefix_tokens_reused`` = prompt tokens served from
     the prefix cache, ``prefix_cache_hit_rate`` = hits / queries. ``peak_kv_cache_bytes``
-    is not measured by this backend (0).
+    is not measured by this backend (0). The counters are vLLM's process-wide Prometheus
+    metrics: keep one live engine per process (with two, the first one's counters were
+    seen to stop moving), and reused tokens include prefixes cached by earlier calls.
+
+    On CPU, vLLM's default ``VLLM_CPU_OMP_THREADS_BIND=auto`` pins the engine's OpenMP
+    thread(s) to fixed cores; on a machine shared with other work set it to ``nobind``
+    (the tests and the benchmark do), which was 10-50x faster under load here.
     """
 
     def __init__(
