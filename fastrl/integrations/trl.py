@@ -35,12 +35,27 @@ TRL setting                   fastrl mapping
 vLLM IS correction            TRL's ``importance_sampling_ratio`` multiplies the policy term
 top_entropy_quantile < 1,     multiply the policy term as in TRL (two-stage path:
 off_policy_mask_threshold     ``linear_logprobs`` + ``policy_loss``)
+``loss_type="cispo"``         two-stage: ``linear_logprobs``, then ``-sg(min(r, epsilon_high)) * A *
+                              logp``; dapo's normalisation (``num_items_in_batch``)
+``loss_type="sapo"``          two-stage: ``-(4/tau) sigmoid(tau (r - 1)) * A``, ``tau`` =
+                              ``sapo_temperature_pos`` if ``A > 0`` else ``..._neg``; grpo's
+                              normalisation
+``loss_type="vespo"``         two-stage: ``-sg(phi(w)) * A * logp`` with TRL's gamma weight ``phi`` of
+                              the sequence ratio ``w`` (vLLM IS ratio folded into ``w``, not
+                              multiplied); dapo's normalisation
+``entropy_coef`` /            two-stage (``linear_logprobs(return_entropy=True)``, entropy
+``use_adaptive_entropy``      differentiable): ``- coef * mean(entropy) / GA`` over the (entropy-
+                              masked) tokens for every loss type, with TRL's adaptive controller
 ============================  =========================================================
+
+On the two-stage path the surrogates are written in this module (``_cispo_loss``,
+``_sapo_loss``, ``_vespo_phi``) after TRL 1.16's ``_compute_loss``; the KL term is
+``fastrl.ops.kl_penalty`` (k3) and the loss-type normalisation is shared
+(``_fastrl_aggregate``). Only ``[tokens]``-sized tensors are materialised.
 
 GA is ``current_gradient_accumulation_steps`` in training and 1 in evaluation, exactly as
 TRL normalises. Settings fastrl cannot express exactly run TRL's own loss (a warning says
-why, and ``trainer.fastrl_fallback_reason`` holds the reason): ``loss_type`` ``cispo``,
-``sapo``, ``vespo``; an entropy bonus (``entropy_coef``/adaptive entropy); ``delta <= 1 +
+why, and ``trainer.fastrl_fallback_reason`` holds the reason): ``delta <= 1 +
 epsilon_high``; MoE router aux loss; multimodal inputs; LM heads with logit soft-capping or
 scaling, or heads that are not a plain ``nn.Linear`` (e.g. a LoRA-wrapped ``lm_head``).
 
@@ -48,7 +63,8 @@ Metrics: ``entropy``, ``kl`` and ``clip_ratio/{low,high,region}_mean`` are logge
 logs them (token-weighted means over all processes; with ``importance_sampling_level=
 "sequence"`` TRL averages the clip indicators per sequence instead). ``clip_ratio/low_min``
 and ``clip_ratio/high_max`` need per-sequence statistics the fused loss does not return
-and are not logged on the fused path.
+and are not logged on the fused path. ``cispo_clip_ratio``, ``vespo/phi_seq_mean``,
+``policy_loss`` and ``entropy_coef`` (entropy bonus) are logged as TRL logs them.
 
 Tested with TRL 1.16.0 (``SUPPORTED_TRL``): the subclass overrides TRL's private
 ``_compute_loss`` and reads trainer attributes of that release.
@@ -57,6 +73,7 @@ Tested with TRL 1.16.0 (``SUPPORTED_TRL``): the subclass overrides TRL's private
 from __future__ import annotations
 
 import functools
+import math
 import warnings
 from typing import Any
 
@@ -123,7 +140,10 @@ def trl_loss_config(
     Raises ``ValueError`` for settings fastrl cannot express exactly (see module docs).
     """
     if loss_type not in _FUSED_LOSS_TYPES:
-        raise ValueError(f"loss_type={loss_type!r} has no exact fastrl equivalent (supported: {_FUSED_LOSS_TYPES})")
+        raise ValueError(
+            f"loss_type={loss_type!r} has no PolicyLossConfig equivalent (supported: {_FUSED_LOSS_TYPES}; "
+            f"the trainer computes {_SURROGATE_LOSS_TYPES} on its two-stage path)"
+        )
     dual_clip = None
     if delta is not None:
         if not delta > 1.0 + epsilon_high:
@@ -161,6 +181,52 @@ def _weight_as_rollout_logp(old_logp: torch.Tensor, weight: torch.Tensor) -> tor
     """
     logw = torch.log(weight.to(torch.float32)).clamp(min=_LOG_ZERO)
     return old_logp.to(torch.float32) - logw.expand_as(old_logp)
+
+
+_SURROGATE_LOSS_TYPES = ("cispo", "sapo", "vespo")
+_LOG_1E8 = math.log(1e-8)
+
+
+def _cispo_loss(logp: torch.Tensor, ratio: torch.Tensor, adv: torch.Tensor, *, eps_max: float) -> torch.Tensor:
+    """CISPO: ``-sg(min(r, eps_max)) * A * logp`` (the ratio is clipped and detached, the
+    gradient flows through ``logp`` only)."""
+    return -torch.clamp(ratio, max=eps_max).detach() * adv * logp
+
+
+def _sapo_loss(ratio: torch.Tensor, adv: torch.Tensor, *, tau_pos: float, tau_neg: float) -> torch.Tensor:
+    """SAPO: ``-(4 / tau) * sigmoid(tau * (r - 1)) * A`` with ``tau = tau_pos`` where ``A > 0``,
+    else ``tau_neg`` (a soft, differentiable gate in place of the hard clip)."""
+    tau = torch.where(adv > 0, tau_pos, tau_neg)
+    return -torch.sigmoid(tau * (ratio - 1)) * 4 / tau * adv
+
+
+@torch.no_grad()
+def _vespo_phi(
+    log_ratio: torch.Tensor,
+    adv: torch.Tensor,
+    mask: torch.Tensor,
+    is_ratio: torch.Tensor | None,
+    *,
+    k_pos: float,
+    lambda_pos: float,
+    k_neg: float,
+    lambda_neg: float,
+) -> torch.Tensor:
+    """VESPO's detached ``[B, 1]`` gamma weight ``phi(w) = exp(lam + k log w - lam w)``.
+
+    ``log w`` = the masked sum over the row of ``clamp(logp - old_logp, -20, 20)`` plus, when
+    given, the unmasked row sum of ``clamp(log is_ratio, log 1e-8, 20)``, then clamped to
+    ``[log 1e-8, 20]``; ``(k, lam)`` = ``(k_pos, lambda_pos)`` where ``A >= 0``, else the
+    negative pair, with ``lam >= 1e-4``. Non-finite weights become 0 (as TRL 1.16).
+    """
+    log_w = (log_ratio.clamp(-20.0, 20.0) * mask).sum(-1, keepdim=True)
+    if is_ratio is not None:
+        log_w = log_w + torch.log(is_ratio).clamp(_LOG_1E8, 20.0).sum(-1, keepdim=True)
+    log_w = log_w.clamp(_LOG_1E8, 20.0)
+    nonneg = adv >= 0
+    k = torch.where(nonneg, k_pos, k_neg)
+    lam = torch.where(nonneg, lambda_pos, lambda_neg).clamp(min=1e-4)
+    return torch.exp(lam + k * log_w - lam * torch.exp(log_w)).nan_to_num(nan=0.0, posinf=0.0, neginf=0.0)
 
 
 def _add_hidden_states_forward(model: nn.Module) -> None:
@@ -217,12 +283,11 @@ class FastRLGRPOTrainer(_TRLGRPOTrainer):
     @property
     def fastrl_fallback_reason(self) -> str | None:
         """Why the loss runs on TRL's own code, or ``None`` when fastrl computes it."""
-        try:
-            self._fastrl_loss_config()
-        except ValueError as exc:
-            return str(exc)
-        if self._entropy_bonus_enabled:
-            return "an entropy bonus (entropy_coef / use_adaptive_entropy) is normalised independently of the loss type"
+        if self.loss_type not in _SURROGATE_LOSS_TYPES:
+            try:
+                self._fastrl_loss_config()
+            except ValueError as exc:
+                return str(exc)
         if self.aux_loss_enabled:
             return "the MoE router aux loss is enabled"
         cfg = self._fastrl_base_model.config.get_text_config()
@@ -239,7 +304,9 @@ class FastRLGRPOTrainer(_TRLGRPOTrainer):
     def _fastrl_needs_logp(self) -> bool:
         """Settings that need the per-token log-probs before the loss (two-stage path)."""
         return (
-            (self.beta != 0.0 and self.args.use_bias_correction_kl)
+            self.loss_type in _SURROGATE_LOSS_TYPES
+            or self._entropy_bonus_enabled
+            or (self.beta != 0.0 and self.args.use_bias_correction_kl)
             or self.top_entropy_quantile < 1.0
             or self.off_policy_mask_threshold is not None
         )
@@ -281,15 +348,15 @@ class FastRLGRPOTrainer(_TRLGRPOTrainer):
         mode = "train" if self.model.training else "eval"
         ga = self.current_gradient_accumulation_steps if mode == "train" else 1
         n_rows = completion_ids.size(0)
-        cfg = self._fastrl_loss_config()
+        cfg = None if self.loss_type in _SURROGATE_LOSS_TYPES else self._fastrl_loss_config()
         gtc = gsc = None
         if self.loss_type == "bnpo":
             gtc = mask.sum().to(torch.float32).clamp(min=1.0) * ga
-        elif self.loss_type == "dapo":
+        elif self.loss_type in ("dapo", "cispo", "vespo"):
             gtc = inputs["num_items_in_batch"].to(torch.float32).clamp(min=1.0) / self.accelerator.num_processes
             if mode == "train":
                 gtc = gtc * self.current_gradient_accumulation_steps / self.args.steps_per_generation
-        else:  # grpo, dr_grpo, luspo: mean over all rows of the micro-batch (empty rows count), / GA
+        else:  # grpo, sapo, dr_grpo, luspo: mean over all rows of the micro-batch (empty rows count), / GA
             gsc = float(n_rows * ga)
 
         advantages = inputs["advantages"]
@@ -300,7 +367,6 @@ class FastRLGRPOTrainer(_TRLGRPOTrainer):
             is_ratio = inputs["importance_sampling_ratio"]
         common = dict(config=cfg, global_token_count=gtc, global_seq_count=gsc, backend=self.fastrl_backend)
 
-        extra_kl = None
         if not self._fastrl_needs_logp():
             if old_logp is None:  # on-policy: TRL uses the current log-probs, detached
                 with torch.no_grad():
@@ -320,7 +386,8 @@ class FastRLGRPOTrainer(_TRLGRPOTrainer):
             )
             old_logp = logp.detach() if old_logp is None else old_logp
             adv2d = advantages.unsqueeze(1) if advantages.dim() == 1 else advantages
-            weight_pg = None if is_ratio is None else is_ratio.to(torch.float32)
+            # vespo folds the vLLM IS ratio into its sequence weight instead of multiplying the token loss
+            weight_pg = None if is_ratio is None or self.loss_type == "vespo" else is_ratio.to(torch.float32)
             if self.off_policy_mask_threshold is not None:
                 sampling = inputs.get("sampling_per_token_logps", old_logp)
                 opm = self.get_off_policy_mask(adv2d, logp, sampling, mask, self.off_policy_mask_threshold)
@@ -328,37 +395,121 @@ class FastRLGRPOTrainer(_TRLGRPOTrainer):
             if self.top_entropy_quantile < 1.0:
                 em = self.get_high_entropy_mask(entropy.detach(), mask, 1 - self.top_entropy_quantile)
                 weight_pg = em.to(torch.float32) if weight_pg is None else weight_pg * em
-            rollout = None if weight_pg is None else _weight_as_rollout_logp(old_logp, weight_pg)
-            bias_kl = self.beta != 0.0 and self.args.use_bias_correction_kl
-            if bias_kl:
-                common["config"] = cfg.replace(kl_coef=0.0)
-            loss, metrics = _ops.policy_loss(
-                logp, old_logp, advantages, mask, ref_logp=None if bias_kl else ref_logp,
-                entropy=entropy.detach(), rollout_logp=rollout, **common,
-            )
-            if bias_kl:
-                log_ratio = logp - old_logp
-                if self.importance_sampling_level == "sequence":
-                    m = mask.to(log_ratio.dtype)
-                    log_ratio = ((log_ratio * m).sum(-1) / m.sum(-1).clamp(min=1.0)).unsqueeze(-1)
-                kl = _ops.kl_penalty(logp, ref_logp, estimator="k3", backend=self.fastrl_backend)
-                extra_kl = kl * torch.exp(log_ratio)
-                loss = loss + self.beta * self._fastrl_aggregate(extra_kl, mask, gtc, ga, n_rows)
-                metrics["kl_ref_mean"] = (extra_kl.detach() * mask).sum() / mask.sum().clamp(min=1)
+            if self.loss_type in _SURROGATE_LOSS_TYPES:
+                loss, metrics = self._fastrl_surrogate_loss(
+                    logp, old_logp, adv2d, mask, ref_logp, weight_pg, inputs.get("importance_sampling_ratio"),
+                    gtc, ga, n_rows,
+                )
+            else:
+                loss, metrics = self._fastrl_clipped_loss(
+                    logp, old_logp, advantages, mask, ref_logp, entropy, weight_pg, common, gtc, ga, n_rows
+                )
+            metrics["entropy_mean"] = (entropy.detach() * mask).sum() / mask.sum().clamp(min=1)
+            if self._entropy_bonus_enabled:
+                keep = mask if self.top_entropy_quantile >= 1.0 else mask * em
+                loss = self._fastrl_entropy_bonus(loss, entropy, keep, mode, ga)
 
         self._fastrl_log(mode, metrics, mask)
         return loss
 
+    # ------------------------------------------------------------------ two-stage pieces (per-token log-probs given)
+    def _fastrl_kl(self, logp, old_logp, ref_logp, mask) -> torch.Tensor:
+        """TRL's per-token k3 KL, times the importance ratio when ``use_bias_correction_kl``."""
+        kl = _ops.kl_penalty(logp, ref_logp, estimator="k3", backend=self.fastrl_backend)
+        if self.args.use_bias_correction_kl:
+            kl = kl * torch.exp(self._fastrl_log_weights(logp - old_logp, mask))
+        return kl
+
+    def _fastrl_log_weights(self, log_ratio: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
+        """TRL's log importance weights: per token, or the masked row mean ([B, 1]) at sequence level."""
+        if self.importance_sampling_level != "sequence":
+            return log_ratio
+        m = mask.to(log_ratio.dtype)
+        return ((log_ratio * m).sum(-1) / m.sum(-1).clamp(min=1.0)).unsqueeze(-1)
+
+    def _fastrl_clipped_loss(
+        self, logp, old_logp, advantages, mask, ref_logp, entropy, weight_pg, common, gtc, ga, n_rows
+    ):
+        """grpo/bnpo/dr_grpo/dapo/luspo on given log-probs: ``policy_loss``, plus the bias-corrected KL."""
+        rollout = None if weight_pg is None else _weight_as_rollout_logp(old_logp, weight_pg)
+        bias_kl = self.beta != 0.0 and self.args.use_bias_correction_kl
+        if bias_kl:
+            common = dict(common, config=common["config"].replace(kl_coef=0.0))
+        loss, metrics = _ops.policy_loss(
+            logp, old_logp, advantages, mask, ref_logp=None if bias_kl else ref_logp,
+            entropy=entropy.detach(), rollout_logp=rollout, **common,
+        )
+        if bias_kl:
+            kl = self._fastrl_kl(logp, old_logp, ref_logp, mask)
+            loss = loss + self.beta * self._fastrl_aggregate(kl, mask, gtc, ga, n_rows)
+            metrics["kl_ref_mean"] = (kl.detach() * mask).sum() / mask.sum().clamp(min=1)
+        return loss, metrics
+
+    def _fastrl_surrogate_loss(self, logp, old_logp, adv, mask, ref_logp, weight_pg, is_ratio, gtc, ga, n_rows):
+        """cispo/sapo/vespo on given log-probs: TRL 1.16's per-token surrogate, token weights, KL, aggregation."""
+        args = self.args
+        log_ratio = logp - old_logp
+        ratio = torch.exp(self._fastrl_log_weights(log_ratio, mask))
+        metrics: dict[str, torch.Tensor] = {}
+        if self.loss_type == "cispo":
+            per_token = _cispo_loss(logp, ratio, adv, eps_max=self.epsilon_high)
+            metrics["cispo_clip_ratio"] = ((ratio > self.epsilon_high) & (adv > 0)).to(torch.float32).detach()
+        elif self.loss_type == "sapo":
+            per_token = _sapo_loss(ratio, adv, tau_pos=args.sapo_temperature_pos, tau_neg=args.sapo_temperature_neg)
+        else:  # vespo
+            phi = _vespo_phi(
+                log_ratio, adv, mask, is_ratio, k_pos=args.vespo_k_pos, lambda_pos=args.vespo_lambda_pos,
+                k_neg=args.vespo_k_neg, lambda_neg=args.vespo_lambda_neg,
+            )
+            per_token = -phi * adv * logp
+            metrics["vespo/phi_seq_mean"] = phi
+        if weight_pg is not None:
+            per_token = per_token * weight_pg
+        if self.beta != 0.0:
+            kl = self._fastrl_kl(logp, old_logp, ref_logp, mask)
+            per_token = per_token + self.beta * kl
+            metrics["kl_ref_mean"] = (kl.detach() * mask).sum() / mask.sum().clamp(min=1)
+        return self._fastrl_aggregate(per_token, mask, gtc, ga, n_rows), metrics
+
     def _fastrl_aggregate(self, x: torch.Tensor, mask: torch.Tensor, gtc, ga: int, n_rows: int) -> torch.Tensor:
-        """TRL's loss-type normalisation of a per-token term (used for the bias-corrected KL)."""
+        """TRL's loss-type normalisation of a per-token term ([B, T] or [B, 1], broadcast over the mask)."""
         m = mask.to(x.dtype)
-        if self.loss_type == "grpo":
+        if self.loss_type in ("grpo", "sapo"):
             return ((x * m).sum(-1) / m.sum(-1).clamp(min=1.0)).sum() / (n_rows * ga)
-        if self.loss_type in ("bnpo", "dapo"):
+        if self.loss_type in ("bnpo", "dapo", "cispo", "vespo"):
             return (x * m).sum() / gtc
         if self.loss_type == "dr_grpo":
             return (x * m).sum() / (n_rows * self.max_completion_length * ga)
         return (x * m).sum(-1).sum() / (n_rows * ga)  # luspo
+
+    def _fastrl_entropy_bonus(self, loss, entropy, keep, mode: str, ga: int) -> torch.Tensor:
+        """TRL 1.16's entropy bonus: ``loss - coef * mean(entropy over keep) / GA`` (the same for every
+        loss type), with its adaptive coefficient controller and its ``policy_loss``/``entropy_coef`` logs."""
+        keep = keep.to(entropy.dtype)
+        token_sum, token_count = (entropy * keep).sum(), keep.sum()
+        coef = self.entropy_coef
+        if self.use_adaptive_entropy and not self._last_world_entropy <= self.args.entropy_target:
+            coef = 0.0  # the coefficient of the previous step applies, and only below the entropy target
+        policy_loss = loss.detach() * (1 if self.loss_type in ("dapo", "cispo", "vespo") else ga)
+        loss = loss - coef * (token_sum / token_count.clamp(min=1.0) / ga)
+        self._metrics[mode]["policy_loss"].append(self.accelerator.gather(policy_loss).nanmean().item())
+        if self.use_adaptive_entropy and mode == "train":
+            stats = torch.stack([token_sum, token_count]).detach()
+            window = stats if self._entropy_window_stats is None else self._entropy_window_stats + stats
+            self._entropy_window_stats = window
+            if self.accelerator.sync_gradients:
+                total = self.accelerator.reduce(window, reduction="sum")
+                world = (total[0] / total[1].clamp(min=1.0)).item()
+                step = self.args.entropy_coef_delta
+                if world <= self.args.entropy_target:
+                    self.entropy_coef = min(self.entropy_coef + step, self.args.entropy_coef_max)
+                else:
+                    self.entropy_coef = max(self.entropy_coef - step, self.args.entropy_coef_min)
+                self._last_world_entropy = world
+                self._entropy_window_stats = None
+        if mode == "train" and self.accelerator.sync_gradients:
+            self._metrics[mode]["entropy_coef"].append(self.entropy_coef)
+        return loss
 
     def _fastrl_log(self, mode: str, metrics: dict[str, torch.Tensor], mask: torch.Tensor) -> None:
         count = mask.sum().to(torch.float32)
@@ -371,6 +522,14 @@ class FastRLGRPOTrainer(_TRLGRPOTrainer):
             self._metrics[mode]["kl"].append(global_mean(metrics["kl_ref_mean"]))
         if "entropy_mean" in metrics:
             self._metrics[mode]["entropy"].append(global_mean(metrics["entropy_mean"]))
+        for key in ("cispo_clip_ratio", "vespo/phi_seq_mean"):  # TRL's masked mean; [B, 1] values count per row
+            if key in metrics:
+                x = metrics[key]
+                m = mask.to(torch.float32) if x.shape[-1] != 1 else torch.ones_like(x)
+                totals = self.accelerator.reduce(torch.stack([(x * m).sum(), m.sum()]), reduction="sum")
+                self._metrics[mode][key].append((totals[0] / totals[1].clamp(min=1.0)).item())
+        if self.loss_type in _SURROGATE_LOSS_TYPES:
+            return
         low, high = metrics["clip_frac_low"], metrics["clip_frac_high"]
         self._metrics[mode]["clip_ratio/low_mean"].append(global_mean(low))
         self._metrics[mode]["clip_ratio/high_mean"].append(global_mean(high))

@@ -4,7 +4,9 @@ Two levels:
 - loss level: one generated batch (with synthetic stale old / reference / vLLM log-probs so
   that clipping, KL and IS weights are all active); TRL's own ``GRPOTrainer._compute_loss``
   and fastrl's on the same trainer, for every supported option; values and parameter
-  gradients must agree.
+  gradients must agree, and the expected fastrl path must have run (fused op, two-stage
+  ``linear_logprobs`` + ``policy_loss``, or two-stage with the adapter's cispo/sapo/vespo
+  surrogate), never TRL's fallback. The entropy bonus (static and adaptive) likewise.
 - end to end: two optimizer steps (gradient accumulation 2) of TRL's trainer and of fastrl's
   from the same seed, per loss type; logged losses, grad norms and the updated parameters
   must agree.
@@ -147,6 +149,47 @@ CASES = {
     "bnpo_top_entropy": ({"loss_type": "bnpo", "top_entropy_quantile": 0.5}, {}, {}, "logp"),
     "grpo_off_policy_mask": ({"loss_type": "grpo", "off_policy_mask_threshold": 0.05}, {}, {}, "logp"),
     "dapo_tool_mask": ({"loss_type": "dapo"}, {}, {"tool_mask": "_tool_mask"}, "fused"),
+    # cispo / sapo / vespo: linear_logprobs + the adapter's own surrogate (neither policy-loss op)
+    "cispo": ({"loss_type": "cispo", "epsilon_high": 1.1}, {}, {}, "surrogate"),
+    "cispo_kl_vllm_token_is": (
+        {"loss_type": "cispo", "epsilon_high": 1.1, "beta": 0.04, "use_vllm": True,
+         "vllm_importance_sampling_correction": True},
+        {"use_bias_correction_kl": False},
+        {"importance_sampling_ratio": "_is_token"},
+        "surrogate",
+    ),
+    "sapo": ({"loss_type": "sapo"}, {"sapo_temperature_pos": 1.0, "sapo_temperature_neg": 1.05}, {}, "surrogate"),
+    "sapo_sequence_kl_bias_corrected": (
+        {"loss_type": "sapo", "importance_sampling_level": "sequence", "beta": 0.1},
+        {"sapo_temperature_pos": 2.0, "sapo_temperature_neg": 0.5, "use_bias_correction_kl": True},
+        {},
+        "surrogate",
+    ),
+    "sapo_off_policy_mask_top_entropy": (
+        {"loss_type": "sapo", "off_policy_mask_threshold": 0.05, "top_entropy_quantile": 0.5}, {}, {}, "surrogate",
+    ),
+    "vespo": ({"loss_type": "vespo"}, {}, {}, "surrogate"),
+    "vespo_vllm_token_is_kl": (
+        {"loss_type": "vespo", "beta": 0.04, "use_vllm": True, "vllm_importance_sampling_correction": True},
+        {"use_bias_correction_kl": False, "vespo_k_pos": 1.5, "vespo_lambda_neg": 1.0},
+        {"importance_sampling_ratio": "_is_token"},
+        "surrogate",
+    ),
+    "vespo_on_policy": ({"loss_type": "vespo"}, {}, {"old_per_token_logps": None}, "surrogate"),
+    # entropy bonus (TRL's entropy_coef): differentiable entropy from linear_logprobs
+    "grpo_entropy_bonus": ({"loss_type": "grpo", "entropy_coef": 0.05, "_entropy_bonus_enabled": True}, {}, {}, "logp"),
+    "dapo_entropy_bonus_top_entropy": (
+        {"loss_type": "dapo", "entropy_coef": 0.05, "_entropy_bonus_enabled": True, "top_entropy_quantile": 0.5},
+        {},
+        {},
+        "logp",
+    ),
+    "cispo_entropy_bonus": (
+        {"loss_type": "cispo", "epsilon_high": 1.1, "entropy_coef": 0.05, "_entropy_bonus_enabled": True},
+        {},
+        {},
+        "surrogate",
+    ),
 }
 
 
@@ -170,8 +213,8 @@ def test_loss_and_grads_match_trl(batch, case, monkeypatch):
             inputs[k] = base_inputs[v]
     assert trainer.fastrl_fallback_reason is None
 
-    calls = {"fused": 0, "logp": 0}
-    fused, plain = ops.fused_linear_policy_loss, ops.policy_loss
+    calls = {"fused": 0, "logp": 0, "surrogate": 0}
+    fused, plain, linear = ops.fused_linear_policy_loss, ops.policy_loss, ops.linear_logprobs
 
     def count_fused(*a, **k):
         calls["fused"] += 1
@@ -181,21 +224,33 @@ def test_loss_and_grads_match_trl(batch, case, monkeypatch):
         calls["logp"] += 1
         return plain(*a, **k)
 
+    def count_linear(*a, **k):
+        if k.get("return_entropy"):  # the differentiable two-stage call (the fused path's no-grad one has none)
+            calls["surrogate"] += 1
+        return linear(*a, **k)
+
     monkeypatch.setattr(ops, "fused_linear_policy_loss", count_fused)
     monkeypatch.setattr(ops, "policy_loss", count_plain)
+    monkeypatch.setattr(ops, "linear_logprobs", count_linear)
 
     ref = _grads(TRLGRPOTrainer._compute_loss, trainer, inputs)
     trl_metrics = {k: list(v) for k, v in trainer._metrics["train"].items()}
     got = _grads(FastRLGRPOTrainer._compute_loss, trainer, inputs)
-    assert calls[path] == 1 and sum(calls.values()) == 1, calls
+    expected = {"fused": {"fused": 1, "logp": 0, "surrogate": 0}, "logp": {"fused": 0, "logp": 1, "surrogate": 1},
+                "surrogate": {"fused": 0, "logp": 0, "surrogate": 1}}[path]
+    assert calls == expected, calls
     _assert_same(ref, got)
     # metrics fastrl logs are TRL's (token-level definitions)
     ours = trainer._metrics["train"]
     keys = ["entropy", "clip_ratio/low_mean", "clip_ratio/high_mean", "clip_ratio/region_mean"]
+    if trainer.loss_type in ("cispo", "sapo", "vespo"):
+        keys = ["entropy", *{"cispo": ["cispo_clip_ratio"], "vespo": ["vespo/phi_seq_mean"]}.get(trainer.loss_type, [])]
     if trainer.beta != 0.0:
         keys.append("kl")
     if trainer.importance_sampling_level == "sequence":
         keys = ["entropy"] + (["kl"] if trainer.beta != 0.0 else [])  # TRL averages clip flags per sequence there
+    if trainer._entropy_bonus_enabled:
+        keys += ["policy_loss", "entropy_coef"]
     for k in keys:
         assert math.isclose(ours[k][-1], trl_metrics[k][-1], rel_tol=1e-4, abs_tol=1e-6), k
 
@@ -233,13 +288,42 @@ def test_bf16_autocast_stays_within_trl_bf16_error(batch, monkeypatch):
     assert rel_err(g_ours) <= 1.5 * rel_err(g_trl)
 
 
+@pytest.mark.parametrize("last_world_entropy", [float("inf"), 0.0])
+def test_adaptive_entropy_bonus_matches_trl(batch, monkeypatch, last_world_entropy):
+    """Adaptive entropy: the gate (previous step's entropy vs the target), the applied
+    coefficient, and the controller state after the step are TRL's."""
+    trainer, base_inputs = batch
+    inputs = {k: v for k, v in base_inputs.items() if not k.startswith("_")}
+    monkeypatch.setattr(trainer, "loss_type", "sapo")
+    monkeypatch.setattr(trainer, "use_adaptive_entropy", True)
+    monkeypatch.setattr(trainer, "_entropy_bonus_enabled", True)
+    monkeypatch.setattr(trainer.args, "entropy_target", 1.0e3)
+    monkeypatch.setattr(trainer.args, "entropy_coef_delta", 0.01)
+    monkeypatch.setattr(trainer, "_entropy_window_stats", None)
+    assert trainer.accelerator.sync_gradients  # the step boundary: the controller updates
+    states = []
+    results = []
+    for fn in (TRLGRPOTrainer._compute_loss, FastRLGRPOTrainer._compute_loss):
+        monkeypatch.setattr(trainer, "entropy_coef", 0.05)
+        monkeypatch.setattr(trainer, "_last_world_entropy", last_world_entropy)
+        results.append(_grads(fn, trainer, inputs))
+        states.append((trainer.entropy_coef, trainer._last_world_entropy, trainer._entropy_window_stats))
+        assert trainer._metrics["train"]["entropy_coef"][-1] == trainer.entropy_coef
+    _assert_same(*results)
+    (c_ref, w_ref, s_ref), (c_got, w_got, s_got) = states
+    assert c_got == pytest.approx(c_ref) and c_ref == pytest.approx(0.06)
+    assert w_got == pytest.approx(w_ref, rel=1e-5) and s_ref is None and s_got is None
+    # the gate: with an infinite previous entropy no bonus is applied this step
+    monkeypatch.setattr(trainer, "_entropy_bonus_enabled", False)
+    no_bonus = _grads(FastRLGRPOTrainer._compute_loss, trainer, inputs)[0]
+    assert torch.equal(results[1][0], no_bonus) == math.isinf(last_world_entropy)
+
+
 @pytest.mark.parametrize(
     "attrs, args, reason",
     [
-        ({"loss_type": "cispo"}, {}, "loss_type='cispo'"),
-        ({"loss_type": "sapo"}, {}, "loss_type='sapo'"),
         ({"loss_type": "grpo", "epsilon_high": 0.3}, {"delta": 1.2}, "delta=1.2"),
-        ({"loss_type": "grpo", "_entropy_bonus_enabled": True}, {}, "entropy bonus"),
+        ({"loss_type": "sapo", "aux_loss_enabled": True}, {}, "aux loss"),
     ],
 )
 def test_unsupported_settings_fall_back_to_trl(batch, monkeypatch, attrs, args, reason):
@@ -249,10 +333,11 @@ def test_unsupported_settings_fall_back_to_trl(batch, monkeypatch, attrs, args, 
     for k, v in args.items():
         monkeypatch.setattr(trainer.args, k, v)
     assert reason in trainer.fastrl_fallback_reason
-    if attrs["loss_type"] != "cispo":
+    if "delta" not in args:
         return
     inputs = {k: v for k, v in base_inputs.items() if not k.startswith("_")}
-    monkeypatch.setattr(ops, "fused_linear_policy_loss", None)  # must not be reached
+    for name in ("fused_linear_policy_loss", "policy_loss", "linear_logprobs"):
+        monkeypatch.setattr(ops, name, None)  # must not be reached
     ref = _grads(TRLGRPOTrainer._compute_loss, trainer, inputs)
     got = _grads(FastRLGRPOTrainer._compute_loss, trainer, inputs)
     _assert_same(ref, got, rtol=1e-6)
@@ -285,6 +370,7 @@ def _train(cls, model_dir, out, loss_type, **overrides):
             train_dataset=prompt_dataset(8),
         )
         trainer.train()
+    assert getattr(trainer, "fastrl_fallback_reason", None) is None
     logs = [h for h in trainer.state.log_history if "loss" in h and "grad_norm" in h]
     params = {k: p.detach().clone() for k, p in trainer.model.named_parameters()}
     return logs, params
@@ -297,6 +383,9 @@ def _train(cls, model_dir, out, loss_type, **overrides):
         ("bnpo", {"beta": 0.04}),
         ("dr_grpo", {"num_iterations": 2}),
         ("dapo", {"epsilon_high": 0.28}),
+        ("cispo", {"epsilon_high": 1.1, "num_iterations": 2, "entropy_coef": 0.01}),
+        ("sapo", {"use_adaptive_entropy": True, "entropy_target": 100.0, "entropy_coef": 0.02}),
+        ("vespo", {"num_iterations": 2, "beta": 0.04}),
     ],
 )
 def test_two_training_steps_match_trl(model_dir, tmp_path, loss_type, overrides):
