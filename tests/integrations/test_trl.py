@@ -255,10 +255,13 @@ def test_loss_and_grads_match_trl(batch, case, monkeypatch):
         assert math.isclose(ours[k][-1], trl_metrics[k][-1], rel_tol=1e-4, abs_tol=1e-6), k
 
 
-def test_eval_mode_normalisation_matches_trl(batch, monkeypatch):
+@pytest.mark.parametrize("loss_type", ["dapo", "cispo", "sapo"])
+def test_eval_mode_normalisation_matches_trl(batch, monkeypatch, loss_type):
     trainer, base_inputs = batch
     inputs = {k: v for k, v in base_inputs.items() if not k.startswith("_")}
-    monkeypatch.setattr(trainer, "loss_type", "dapo")
+    monkeypatch.setattr(trainer, "loss_type", loss_type)
+    monkeypatch.setattr(trainer, "entropy_coef", 0.05)
+    monkeypatch.setattr(trainer, "_entropy_bonus_enabled", loss_type == "sapo")
     trainer.model.eval()
     try:
         with torch.no_grad():
