@@ -35,6 +35,8 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--repeats", type=int, default=3)
     ap.add_argument("--threads", type=int, default=None, help="torch.set_num_threads (CPU)")
     ap.add_argument("--backend", default="auto", choices=("auto", "triton", "torch"), help="decode-attention backend")
+    ap.add_argument("--hidden", type=int, default=64, help="hidden size of the tiny Llama (heads of 16 dims)")
+    ap.add_argument("--layers", type=int, default=2)
     ap.add_argument("--out", default=None)
     args = ap.parse_args(argv)
     device = torch.device(("cuda" if torch.cuda.is_available() else "cpu") if args.device == "auto" else args.device)
@@ -44,7 +46,8 @@ def main(argv: list[str] | None = None) -> int:
         grid = [(2048, 8, 64), (512, 8, 64)]
     else:
         grid = list(itertools.product((512, 2048), (4, 8, 16), (64, 256)))
-    model = tiny_bench_model(device=device)
+    model = tiny_bench_model(device=device, hidden=args.hidden, layers=args.layers, heads=args.hidden // 16,
+                             kv_heads=max(1, args.hidden // 32))
     rows = []
     print(f"{'P':>5} {'G':>3} {'L':>4} {'prefill tok':>12} {'KV MB shared/dup':>18} {'KV/(P+GL)':>9} {'s shared':>9} {'s dup':>8} {'speedup':>8}")
     for P, G, L in grid:
