@@ -81,6 +81,35 @@ class RolloutBatch:
     sampler_logp: torch.Tensor
     stats: RolloutStats = field(default_factory=RolloutStats)
 
+    @classmethod
+    def from_samples(
+        cls,
+        prompts: list[list[int]],
+        completion_ids: list[list[int]],
+        completion_logp: list[torch.Tensor],
+        finish_reasons: list[str],
+        *,
+        group_size: int,
+        pad_token_id: int,
+        stats: RolloutStats,
+    ) -> "RolloutBatch":
+        """A batch from per-sample completions in group order, with the training tensors packed."""
+        input_ids, attention_mask, response_mask, sampler_logp, group_ids = pack_batch(
+            prompts, completion_ids, completion_logp, group_size, pad_token_id
+        )
+        return cls(
+            prompt_ids=prompts,
+            completion_ids=completion_ids,
+            group_ids=group_ids,
+            finish_reasons=finish_reasons,
+            completion_logp=completion_logp,
+            input_ids=input_ids,
+            attention_mask=attention_mask,
+            response_mask=response_mask,
+            sampler_logp=sampler_logp,
+            stats=stats,
+        )
+
 
 @runtime_checkable
 class GroupSampler(Protocol):

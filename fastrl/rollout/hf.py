@@ -48,7 +48,7 @@ import torch.nn.functional as F
 
 from fastrl._checks import check_choice, resolve_backend
 from fastrl.ops.decode_attention import _dispatch, shared_prefix_decode_attention
-from fastrl.rollout.base import RolloutBatch, RolloutStats, SamplingConfig, pack_batch, validate_prompts
+from fastrl.rollout.base import RolloutBatch, RolloutStats, SamplingConfig, validate_prompts
 
 ATTN_NAME = "fastrl_shared_prefix"
 _KV_KWARG = "fastrl_shared_prefix_kv"
@@ -348,9 +348,6 @@ class HFGroupSampler:
             completion_ids.append(row[: end or steps])
             completion_logp.append(logps_h[b, : end or steps].clone())
             finish_reasons.append("stop" if end is not None else "length")
-        input_ids, attention_mask, response_mask, sampler_logp, group_ids = pack_batch(
-            prompts, completion_ids, completion_logp, G, self.pad_token_id
-        )
         computed = cu[-1]
         stats = RolloutStats(
             prompts=N,
@@ -361,15 +358,7 @@ class HFGroupSampler:
             peak_kv_cache_bytes=kv.peak_bytes,
             seconds=time.perf_counter() - t0,
         )
-        return RolloutBatch(
-            prompt_ids=prompts,
-            completion_ids=completion_ids,
-            group_ids=group_ids,
-            finish_reasons=finish_reasons,
-            completion_logp=completion_logp,
-            input_ids=input_ids,
-            attention_mask=attention_mask,
-            response_mask=response_mask,
-            sampler_logp=sampler_logp,
-            stats=stats,
+        return RolloutBatch.from_samples(
+            prompts, completion_ids, completion_logp, finish_reasons,
+            group_size=G, pad_token_id=self.pad_token_id, stats=stats,
         )

@@ -66,7 +66,7 @@ from typing import TYPE_CHECKING, Any, Iterable
 
 import torch
 
-from fastrl.rollout.base import RolloutBatch, RolloutStats, SamplingConfig, pack_batch, validate_prompts
+from fastrl.rollout.base import RolloutBatch, RolloutStats, SamplingConfig, validate_prompts
 
 if TYPE_CHECKING:  # pragma: no cover
     from vllm import LLM
@@ -313,9 +313,6 @@ class VLLMGroupSampler:
             )
             finish_reasons.append(c.finish_reason)
 
-        input_ids, attention_mask, response_mask, sampler_logp, group_ids = pack_batch(
-            prompts, completion_ids, completion_logp, group_size, self.pad_token_id
-        )
         queries = after["queries"] - before["queries"]
         hits = after["hits"] - before["hits"]
         stats = RolloutStats(
@@ -327,17 +324,9 @@ class VLLMGroupSampler:
             seconds=seconds,
             prefix_cache_hit_rate=(hits / queries) if queries > 0 else 0.0,
         )
-        return RolloutBatch(
-            prompt_ids=prompts,
-            completion_ids=completion_ids,
-            group_ids=group_ids,
-            finish_reasons=finish_reasons,
-            completion_logp=completion_logp,
-            input_ids=input_ids,
-            attention_mask=attention_mask,
-            response_mask=response_mask,
-            sampler_logp=sampler_logp,
-            stats=stats,
+        return RolloutBatch.from_samples(
+            prompts, completion_ids, completion_logp, finish_reasons,
+            group_size=group_size, pad_token_id=self.pad_token_id, stats=stats,
         )
 
     # ------------------------------------------------------------------ weights
