@@ -32,6 +32,18 @@ MODE_CODES = {
 
 
 @triton.jit
+def _load_members(vals_ptr, order_ptr, valid_ptr, start, j, length, HAS_VALID: tl.constexpr):
+    """Values (fp32) of the group members at positions ``j`` of its sorted run, and which are real."""
+    inb = j < length
+    idx = tl.load(order_ptr + start + j, mask=inb, other=0)
+    ok = inb
+    if HAS_VALID:
+        ok = ok & (tl.load(valid_ptr + idx, mask=inb, other=0) != 0)
+    x = tl.load(vals_ptr + idx, mask=ok, other=0.0).to(tl.float32)
+    return x, ok
+
+
+@triton.jit
 def _segment_stats_kernel(
     vals_ptr,
     order_ptr,
@@ -57,13 +69,7 @@ def _segment_stats_kernel(
     # take a loaded scalar as a range bound.
     off = start * 0  # a tensor (not a constexpr) so it can be loop-carried
     while off < length:
-        j = off + offs
-        inb = j < length
-        idx = tl.load(order_ptr + start + j, mask=inb, other=0)
-        ok = inb
-        if HAS_VALID:
-            ok = ok & (tl.load(valid_ptr + idx, mask=inb, other=0) != 0)
-        x = tl.load(vals_ptr + idx, mask=ok, other=0.0).to(tl.float32)
+        x, ok = _load_members(vals_ptr, order_ptr, valid_ptr, start, off + offs, length, HAS_VALID)
         off += BLOCK
         acc_sum += tl.where(ok, x, 0.0)
         acc_cnt += tl.where(ok, 1.0, 0.0)
@@ -74,13 +80,7 @@ def _segment_stats_kernel(
     acc_m2 = tl.zeros([BLOCK], dtype=tl.float32)
     off = start * 0  # a tensor (not a constexpr) so it can be loop-carried
     while off < length:
-        j = off + offs
-        inb = j < length
-        idx = tl.load(order_ptr + start + j, mask=inb, other=0)
-        ok = inb
-        if HAS_VALID:
-            ok = ok & (tl.load(valid_ptr + idx, mask=inb, other=0) != 0)
-        x = tl.load(vals_ptr + idx, mask=ok, other=0.0).to(tl.float32)
+        x, ok = _load_members(vals_ptr, order_ptr, valid_ptr, start, off + offs, length, HAS_VALID)
         off += BLOCK
         d = tl.where(ok, x - mean, 0.0)
         acc_m2 += d * d

@@ -17,17 +17,22 @@ BLOCK = 1024
 
 
 @triton.jit
-def expm1_f32(x):
-    """exp(x) - 1 in fp32, accurate near 0 (degree-8 Taylor series for |x| < 0.5)."""
-    small = tl.abs(x) < 0.5
-    xs = tl.where(small, x, 0.0)
+def _exp_series_tail(xs):
+    """1 + x/3 (1 + x/4 (... (1 + x/8))): the shared Horner tail of the exp Taylor series."""
     p = 1.0 + xs * (1.0 / 8.0)
     p = 1.0 + xs * (1.0 / 7.0) * p
     p = 1.0 + xs * (1.0 / 6.0) * p
     p = 1.0 + xs * (1.0 / 5.0) * p
     p = 1.0 + xs * (1.0 / 4.0) * p
-    p = 1.0 + xs * (1.0 / 3.0) * p
-    p = 1.0 + xs * 0.5 * p
+    return 1.0 + xs * (1.0 / 3.0) * p
+
+
+@triton.jit
+def expm1_f32(x):
+    """exp(x) - 1 in fp32, accurate near 0 (degree-8 Taylor series for |x| < 0.5)."""
+    small = tl.abs(x) < 0.5
+    xs = tl.where(small, x, 0.0)
+    p = 1.0 + xs * 0.5 * _exp_series_tail(xs)
     return tl.where(small, xs * p, tl.exp(x) - 1.0)
 
 
@@ -36,13 +41,7 @@ def k3_f32(x):
     """exp(x) - 1 - x in fp32, accurate near 0 (Taylor series x^2/2 + ... + x^8/8! for |x| < 0.5)."""
     small = tl.abs(x) < 0.5
     xs = tl.where(small, x, 0.0)
-    p = 1.0 + xs * (1.0 / 8.0)
-    p = 1.0 + xs * (1.0 / 7.0) * p
-    p = 1.0 + xs * (1.0 / 6.0) * p
-    p = 1.0 + xs * (1.0 / 5.0) * p
-    p = 1.0 + xs * (1.0 / 4.0) * p
-    p = 1.0 + xs * (1.0 / 3.0) * p
-    return tl.where(small, 0.5 * xs * xs * p, tl.exp(x) - 1.0 - x)
+    return tl.where(small, 0.5 * xs * xs * _exp_series_tail(xs), tl.exp(x) - 1.0 - x)
 
 
 @triton.jit

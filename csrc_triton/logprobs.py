@@ -150,6 +150,22 @@ def _grad_logits_tile(u, cols, col_mask, y, lse, ent, gl, ge, inv_temp, WITH_ENT
 
 
 @triton.jit
+def _load_row_stats(y_ptr, lse_ptr, gl_ptr, ent_ptr, ge_ptr, rows, row_mask, WITH_ENTROPY: tl.constexpr):
+    """What the backward needs of each token: target, saved logsumexp and the upstream
+    gradients of log-prob and (when entropy was asked for) entropy and its saved value."""
+    y = tl.load(y_ptr + rows, mask=row_mask, other=-1)
+    lse = tl.load(lse_ptr + rows, mask=row_mask, other=0.0)
+    gl = tl.load(gl_ptr + rows, mask=row_mask, other=0.0)
+    if WITH_ENTROPY:
+        ent = tl.load(ent_ptr + rows, mask=row_mask, other=0.0)
+        ge = tl.load(ge_ptr + rows, mask=row_mask, other=0.0)
+    else:
+        ent = lse
+        ge = gl
+    return y, lse, gl, ent, ge
+
+
+@triton.jit
 def _bwd_hidden_kernel(
     h_ptr, w_ptr, b_ptr, y_ptr, nvalid_ptr, lse_ptr, ent_ptr, gl_ptr, ge_ptr, gh_ptr,
     stride_h, stride_w, stride_gh, inv_temp, V: tl.constexpr, H: tl.constexpr, V_PER_SPLIT: tl.constexpr,
@@ -167,15 +183,7 @@ def _bwd_hidden_kernel(
         return
     rows = row_start + tl.arange(0, BLOCK_N)
     row_mask = rows < n_valid
-    y = tl.load(y_ptr + rows, mask=row_mask, other=-1)
-    lse = tl.load(lse_ptr + rows, mask=row_mask, other=0.0)
-    gl = tl.load(gl_ptr + rows, mask=row_mask, other=0.0)
-    if WITH_ENTROPY:
-        ent = tl.load(ent_ptr + rows, mask=row_mask, other=0.0)
-        ge = tl.load(ge_ptr + rows, mask=row_mask, other=0.0)
-    else:
-        ent = lse
-        ge = gl
+    y, lse, gl, ent, ge = _load_row_stats(y_ptr, lse_ptr, gl_ptr, ent_ptr, ge_ptr, rows, row_mask, WITH_ENTROPY)
     ks = tl.arange(0, BLOCK_K)
     for v0 in range(0, V_PER_SPLIT, BLOCK_V):
         cols = v_lo + v0 + tl.arange(0, BLOCK_V)
@@ -223,15 +231,7 @@ def _bwd_weight_kernel(
         rows = r0 + tl.arange(0, BLOCK_N)
         r0 += BLOCK_N
         row_mask = rows < n_valid
-        y = tl.load(y_ptr + rows, mask=row_mask, other=-1)
-        lse = tl.load(lse_ptr + rows, mask=row_mask, other=0.0)
-        gl = tl.load(gl_ptr + rows, mask=row_mask, other=0.0)
-        if WITH_ENTROPY:
-            ent = tl.load(ent_ptr + rows, mask=row_mask, other=0.0)
-            ge = tl.load(ge_ptr + rows, mask=row_mask, other=0.0)
-        else:
-            ent = lse
-            ge = gl
+        y, lse, gl, ent, ge = _load_row_stats(y_ptr, lse_ptr, gl_ptr, ent_ptr, ge_ptr, rows, row_mask, WITH_ENTROPY)
         u = _logits_tile(h_ptr, w_ptr, b_ptr, rows, row_mask, cols, col_mask, stride_h, stride_w, inv_temp, H,
                          HAS_BIAS, BLOCK_N, BLOCK_V, BLOCK_K, PRECISION, UPCAST)
         g = _grad_logits_tile(u, cols, col_mask, y, lse, ent, gl, ge, inv_temp, WITH_ENTROPY)
