@@ -140,3 +140,16 @@ def resolve_backend(backend: str, device: torch.device) -> Literal["triton", "to
             "before importing triton to run the kernels in the interpreter"
         )
     return "triton"
+
+
+def select_global_count(loss_agg: str, global_token_count: object, global_seq_count: object) -> tuple[str, object]:
+    """The global denominator that applies to ``loss_agg``: the token count for
+    ``token-mean``, the sequence count for the ``seq-*`` modes. Passing the other one is
+    an error (it would be silently ignored). Returns ``(name, value)``; value may be None."""
+    if loss_agg == "token-mean":
+        name, value, other, other_value = "global_token_count", global_token_count, "global_seq_count", global_seq_count
+    else:
+        name, value, other, other_value = "global_seq_count", global_seq_count, "global_token_count", global_token_count
+    if other_value is not None:
+        raise ValueError(f"{other} does not apply to loss_agg={loss_agg!r}: pass {name}")
+    return name, value

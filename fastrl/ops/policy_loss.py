@@ -12,7 +12,15 @@ from __future__ import annotations
 import torch
 from torch.autograd.function import once_differentiable
 
-from fastrl._checks import check_float, check_mask, check_nonempty, check_same_device, check_scalar, resolve_backend
+from fastrl._checks import (
+    check_float,
+    check_mask,
+    check_nonempty,
+    check_same_device,
+    check_scalar,
+    resolve_backend,
+    select_global_count,
+)
 from fastrl.config import PolicyLossConfig
 
 OUT_KEYS = (
@@ -335,16 +343,8 @@ def policy_loss(
         raise ValueError(f"entropy is required when config.entropy_coef != 0 (got entropy_coef={config.entropy_coef})")
     device = check_same_device(logp=logp, old_logp=old_logp, advantages=advantages, mask=mask,
                                ref_logp=ref_logp, entropy=entropy, rollout_logp=rollout_logp)
-    if config.loss_agg == "token-mean":
-        if global_seq_count is not None:
-            raise ValueError("global_seq_count applies to the seq-* loss_agg modes; "
-                             "config.loss_agg is 'token-mean': pass global_token_count")
-        global_count = _check_count("global_token_count", global_token_count, device)
-    else:
-        if global_token_count is not None:
-            raise ValueError(f"global_token_count applies to loss_agg='token-mean'; config.loss_agg is "
-                             f"{config.loss_agg!r}: pass global_seq_count")
-        global_count = _check_count("global_seq_count", global_seq_count, device)
+    count_name, count = select_global_count(config.loss_agg, global_token_count, global_seq_count)
+    global_count = _check_count(count_name, count, device)
     impl = resolve_backend(backend, device)
 
     kw = dict(

@@ -17,6 +17,7 @@ from fastrl._checks import (
     check_same_device,
     check_scalar,
     resolve_backend,
+    select_global_count,
 )
 from fastrl.config import LOSS_AGGS
 from fastrl.ops._segments import kernel_mask
@@ -36,16 +37,17 @@ def _check_count(name: str, value: object, device: torch.device) -> torch.Tensor
     return check_scalar(name, value, low=0.0, low_inclusive=False)
 
 
-def _row_scale(
-    mask: torch.Tensor, loss_agg: str, norm_length: float | None, token_count, seq_count
-) -> torch.Tensor:
-    """Per-row token weight [B] so that loss = sum_bt m[b,t] * row_scale[b] * l[b,t]."""
+def _row_scale(mask: torch.Tensor, loss_agg: str, norm_length: float | None, global_count) -> torch.Tensor:
+    """Per-row token weight [B] so that loss = sum_bt m[b,t] * row_scale[b] * l[b,t].
+
+    ``global_count`` (or None) replaces the local token count (token-mean) or the local
+    count of non-empty rows (seq-* modes)."""
     B, T = mask.shape
     n_b = (mask != 0).sum(dim=1, dtype=torch.float32)
     if loss_agg == "token-mean":
-        denom = n_b.sum().clamp(min=1.0) if token_count is None else token_count
+        denom = n_b.sum().clamp(min=1.0) if global_count is None else global_count
         return (1.0 / denom) * torch.ones(B, dtype=torch.float32, device=mask.device)
-    d_seq = (n_b > 0).sum().to(torch.float32).clamp(min=1.0) if seq_count is None else seq_count
+    d_seq = (n_b > 0).sum().to(torch.float32).clamp(min=1.0) if global_count is None else global_count
     if loss_agg == "seq-mean-token-mean":
         return 1.0 / (n_b.clamp(min=1.0) * d_seq)
     length = float(T) if norm_length is None else norm_length
@@ -196,16 +198,12 @@ def value_loss(
     norm_length = check_scalar("norm_length", norm_length, low=0.0, low_inclusive=False, allow_none=True)
     if norm_length is not None and loss_agg != "seq-mean-token-sum-norm":
         raise ValueError(f"norm_length is only used by loss_agg='seq-mean-token-sum-norm', got loss_agg={loss_agg!r}")
-    token_count = _check_count("global_token_count", global_token_count, device)
-    seq_count = _check_count("global_seq_count", global_seq_count, device)
-    if token_count is not None and loss_agg != "token-mean":
-        raise ValueError(f"global_token_count only applies to loss_agg='token-mean'; use global_seq_count for {loss_agg!r}")
-    if seq_count is not None and loss_agg == "token-mean":
-        raise ValueError("global_seq_count only applies to the seq-* loss_agg modes; use global_token_count for 'token-mean'")
+    count_name, count = select_global_count(loss_agg, global_token_count, global_seq_count)
+    global_count = _check_count(count_name, count, device)
     impl = resolve_backend(backend, device)
 
     with torch.no_grad():
-        row_scale = _row_scale(mask, loss_agg, norm_length, token_count, seq_count)
+        row_scale = _row_scale(mask, loss_agg, norm_length, global_count)
     old = old_values.detach() if old_values is not None else None
     loss, clipped, count, sum_v, sum_R, var_R, var_e = _ValueLoss.apply(
         values, old, returns.detach(), mask, row_scale, clip, impl

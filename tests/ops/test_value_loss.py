@@ -107,7 +107,7 @@ def test_grad_scaling_and_no_grad(backend, device):
 def test_kernel_multi_block(device):
     """Several kernel blocks with a ragged tail: per-block partials merge exactly."""
     v, v_old, R, mask = _case(7, 19, device, seed=5)
-    row_scale = _row_scale(mask, "seq-mean-token-mean", None, None, None)
+    row_scale = _row_scale(mask, "seq-mean-token-mean", None, None)
     for block in (16, 64):
         loss, grad, sums = value_loss_fused(v.detach(), v_old, R, mask, row_scale, clip=0.2, write_grad=True, block=block)
         ref_loss, ref_grad, ref_sums = value_loss_fused(v.detach(), v_old, R, mask, row_scale, clip=0.2, write_grad=True, block=256)
