@@ -1,4 +1,4 @@
-"""The ``fastrl`` command line: ``fastrl bench`` and ``fastrl env``."""
+"""The ``fastrl`` command line: ``fastrl train``, ``fastrl bench`` and ``fastrl env``."""
 
 from __future__ import annotations
 
@@ -60,6 +60,10 @@ def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="fastrl", description=__doc__)
     sub = parser.add_subparsers(dest="command", required=True)
 
+    # `fastrl train` has its own parser generated from TrainConfig (see fastrl/train/cli.py);
+    # this entry only lists it in the top-level help.
+    sub.add_parser("train", help="train a model with GRPO-family algorithms or PPO (fastrl train --help)", add_help=False)
+
     bench = sub.add_parser("bench", help="benchmark fastrl ops against the baselines users run today")
     bench.add_argument("--quick", action="store_true", help="small shapes, a few repeats (about a minute on CPU)")
     bench.add_argument("--device", default="auto", help="auto (CUDA if available), cpu or cuda[:N]")
@@ -73,6 +77,11 @@ def build_parser() -> argparse.ArgumentParser:
 
 
 def main(argv: list[str] | None = None) -> int:
+    argv = list(sys.argv[1:] if argv is None else argv)
+    if argv and argv[0] == "train":
+        from fastrl.train.cli import run_train
+
+        return run_train(argv[1:])
     args = build_parser().parse_args(argv)
     return args.func(args)
 

@@ -1,0 +1,347 @@
+"""``TrainConfig``: every option of ``fastrl train``, one documented field each.
+
+An algorithm preset fills the fields left at ``None`` (loss settings, advantage mode,
+dynamic sampling, critic); anything set explicitly wins. The presets map onto the op-level
+presets (``PolicyLossConfig.preset`` and ``group_advantages`` modes): no formula is
+written twice.
+
+The command line (``fastrl train --help``) is generated from this dataclass by
+jsonargparse, which also reads a YAML file (``--config run.yaml``) and rejects unknown
+keys; the resolved configuration is written beside every run as ``config.yaml``.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from dataclasses import dataclass, field
+from typing import Literal, Optional
+
+from fastrl.config import PolicyLossConfig
+
+Algorithm = Literal["grpo", "dr_grpo", "dapo", "gspo", "rloo", "reinforce_pp", "ppo"]
+ALGORITHMS: tuple[str, ...] = ("grpo", "dr_grpo", "dapo", "gspo", "rloo", "reinforce_pp", "ppo")
+
+
+@dataclass(frozen=True)
+class AlgorithmPreset:
+    """What an algorithm name means: the loss preset, the advantage estimator and the extras."""
+
+    loss_preset: str
+    """``PolicyLossConfig.preset`` name."""
+    advantage: str
+    """A ``group_advantages`` mode, or ``gae`` (critic + GAE)."""
+    kl_coef: float = 0.0
+    """Default KL weight to the reference policy."""
+    dynamic_sampling: bool = False
+    """Drop groups whose rewards are all equal and refill the batch (DAPO)."""
+    citation: str = ""
+
+
+ALGORITHM_PRESETS: dict[str, AlgorithmPreset] = {
+    "grpo": AlgorithmPreset("grpo", "grpo", kl_coef=0.04, citation="Shao et al. 2024, arXiv:2402.03300"),
+    "dr_grpo": AlgorithmPreset("dr_grpo", "dr_grpo", citation="Liu et al. 2025, arXiv:2503.20783"),
+    "dapo": AlgorithmPreset("dapo", "grpo", dynamic_sampling=True, citation="Yu et al. 2025, arXiv:2503.14476"),
+    "gspo": AlgorithmPreset("gspo", "grpo", citation="Zheng et al. 2025, arXiv:2507.18071"),
+    "rloo": AlgorithmPreset("ppo", "rloo", citation="Ahmadian et al. 2024, arXiv:2402.14740"),
+    "reinforce_pp": AlgorithmPreset("ppo", "reinforce_pp", citation="Hu 2025, arXiv:2501.03262"),
+    "ppo": AlgorithmPreset("ppo", "gae", citation="Schulman et al. 2017; Ouyang et al. 2022"),
+}
+
+
+@dataclass
+class TrainConfig:
+    """A fastrl training run. Defaults run the embedded task offline on a CPU."""
+
+    # ------------------------------------------------------------------ algorithm
+    algorithm: Algorithm = "grpo"
+    """Preset: grpo (DeepSeekMath), dr_grpo (no length/std bias), dapo (clip-higher, token-mean,
+    dynamic sampling), gspo (sequence-level ratio), rloo (leave-one-out baseline), reinforce_pp
+    (REINFORCE++: group baseline, batch whitening), ppo (critic + GAE). Fields left unset below
+    take the preset's values."""
+
+    # ------------------------------------------------------------------ model and data
+    model: Optional[str] = None
+    """Policy: a local Hugging Face model directory or a hub id. None: the built-in tiny model
+    (built from a config, random init, then the SFT warm-up) on the built-in task."""
+    tokenizer: Optional[str] = None
+    """Tokenizer directory or hub id (default: the model's; the built-in one for the built-in model)."""
+    dataset: Optional[str] = None
+    """Training prompts: a .jsonl/.json/.parquet file, a saved datasets directory or a hub id.
+    None: the built-in arithmetic task."""
+    dataset_split: str = "train"
+    """Split to read from a hub dataset or a saved DatasetDict."""
+    eval_dataset: Optional[str] = None
+    """Held-out prompts (same formats). None: the built-in task's held-out set, or
+    ``eval_fraction`` of ``dataset``."""
+    eval_fraction: float = 0.05
+    """Share of ``dataset`` held out for evaluation when ``eval_dataset`` is not given."""
+    prompt_column: str = "prompt"
+    """Column holding the prompt (a string, or a list of chat messages)."""
+    chat_template: Optional[bool] = None
+    """Apply the tokenizer's chat template to prompts (None: when the tokenizer has one)."""
+    max_prompt_length: Optional[int] = None
+    """Longest prompt in tokens (None: the model's context minus max_new_tokens). Longer prompts
+    are an error before the first step unless ``drop_long_prompts``."""
+    drop_long_prompts: bool = False
+    """Drop (and count) prompts that do not fit instead of failing."""
+    dtype: Literal["auto", "float32", "bfloat16"] = "auto"
+    """Training precision. auto: bf16 autocast on CUDA, float32 on CPU."""
+    device: str = "auto"
+    """auto (CUDA if available), cpu or cuda[:N]."""
+
+    # ------------------------------------------------------------------ built-in task and warm-up
+    task_digits: int = 2
+    """Built-in task: digits per operand of the arithmetic problems."""
+    task_train_size: int = 4000
+    """Built-in task: number of training problems."""
+    task_eval_size: int = 200
+    """Built-in task: number of held-out problems."""
+    model_hidden_size: int = 128
+    """Built-in model: hidden size."""
+    model_layers: int = 2
+    """Built-in model: decoder layers."""
+    sft_steps: Optional[int] = None
+    """Supervised warm-up steps before RL on the prompt/answer pairs (needs an ``answer`` column).
+    None: a preset number for the built-in model, 0 for a given model."""
+    sft_lr: float = 3e-3
+    """Learning rate of the warm-up."""
+    sft_batch_size: int = 64
+    """Rows per warm-up step."""
+
+    # ------------------------------------------------------------------ rewards
+    rewards: list[str] = field(default_factory=lambda: ["exact_match"])
+    """Reward functions: built-in names (exact_match, math, format) or ``module:function`` /
+    ``path/file.py:function`` with TRL's signature ``f(prompts, completions, **columns)``."""
+    reward_weights: Optional[list[float]] = None
+    """One weight per reward function (default: all 1)."""
+    reward_timeout: float = 10.0
+    """Seconds a reward call may take; past it the worker is killed and its samples score 0."""
+    reward_workers: int = 2
+    """Reward worker processes (0: run in the training process, no hard time limit)."""
+
+    # ------------------------------------------------------------------ rollout
+    sampler: Literal["hf", "vllm"] = "hf"
+    """hf: fastrl's shared-prefix HF sampler (the policy model itself, no copy). vllm: an
+    in-process vLLM engine, weights pushed after every update."""
+    group_size: int = 8
+    """Completions per prompt (G)."""
+    prompts_per_step: int = 16
+    """Prompts per RL step (ignored when ``prompt_token_budget`` is set)."""
+    prompt_token_budget: Optional[int] = None
+    """Batch prompts by tokens instead: (prompt + max_new_tokens) x group_size summed per step."""
+    max_new_tokens: int = 8
+    """Longest completion."""
+    temperature: float = 1.0
+    """Sampling temperature (the loss uses the same temperature)."""
+    top_p: float = 1.0
+    """Nucleus sampling threshold."""
+    top_k: int = 0
+    """Top-k sampling (0: off)."""
+    dynamic_sampling: Optional[bool] = None
+    """Drop groups whose rewards are all equal and sample more prompts to refill the batch
+    (DAPO). None: the preset's choice."""
+    max_resample_rounds: int = 3
+    """Dynamic sampling: extra rollout rounds per step before training on what is there."""
+
+    # ------------------------------------------------------------------ loss
+    clip_low: Optional[float] = None
+    """PPO clip epsilon_low (None: preset)."""
+    clip_high: Optional[float] = None
+    """PPO clip epsilon_high (None: preset; DAPO 0.28)."""
+    dual_clip: Optional[float] = None
+    """Dual-clip constant c > 1 for negative advantages (None: off)."""
+    loss_agg: Optional[str] = None
+    """token-mean | seq-mean-token-mean | seq-mean-token-sum | seq-mean-token-sum-norm (None: preset)."""
+    advantage_mode: Optional[str] = None
+    """grpo | dr_grpo | batch_std | group_mean_batch_std_floor | rloo | reinforce_pp | gae (None: preset)."""
+    kl_coef: Optional[float] = None
+    """KL weight beta to the frozen reference policy (None: preset; 0 skips the reference model)."""
+    kl_estimator: Literal["k1", "k2", "k3"] = "k3"
+    """KL estimator (Schulman 2020)."""
+    kl_in_reward: bool = False
+    """Put the KL in the reward (PPO-RLHF: -beta * KL per token, outcome on the last token)
+    instead of in the loss."""
+    kl_target: Optional[float] = None
+    """Adaptive KL controller target (Ziegler et al. 2019); None keeps beta fixed."""
+    kl_horizon: int = 10000
+    """Adaptive KL controller horizon in samples."""
+    entropy_coef: float = 0.0
+    """Entropy bonus weight."""
+    rollout_correction: Literal["none", "is", "bypass"] = "none"
+    """Sampler/trainer mismatch: none; is (truncated importance weights from the sampler's
+    log-probs, ``is_cap``); bypass (use the sampler's log-probs as old log-probs)."""
+    is_cap: float = 2.0
+    """Truncation of the importance weights of ``rollout_correction=is``."""
+    is_level: Literal["token", "sequence"] = "token"
+    """Importance weights per token or per sequence."""
+
+    # ------------------------------------------------------------------ update
+    steps: int = 60
+    """RL steps (rollout + update)."""
+    ppo_epochs: int = 1
+    """Passes over each rollout batch."""
+    mini_batches: int = 1
+    """Optimizer steps per epoch (the batch is split into this many mini-batches)."""
+    micro_batch_tokens: int = 8192
+    """Padded tokens per forward/backward; the update does not depend on it (global token counts)."""
+    lr: float = 2e-4
+    """AdamW learning rate of the policy."""
+    weight_decay: float = 0.0
+    """AdamW weight decay."""
+    adam_betas: list[float] = field(default_factory=lambda: [0.9, 0.999])
+    """AdamW betas."""
+    warmup_steps: int = 0
+    """Linear learning-rate warm-up (optimizer steps)."""
+    min_lr_ratio: float = 0.1
+    """Cosine decay to this fraction of lr at the last step."""
+    grad_clip: float = 1.0
+    """Clip the gradient norm to this value (0: no clipping)."""
+
+    # ------------------------------------------------------------------ critic (ppo)
+    critic_init: Optional[str] = None
+    """Critic initialisation: None copies the policy; a path loads a model directory (e.g. a GRPO
+    run's final policy: hybrid GRPO -> PPO) or a fastrl critic checkpoint."""
+    critic_lr: float = 5e-4
+    """AdamW learning rate of the critic."""
+    value_clip: Optional[float] = 0.2
+    """Value-loss clip range (None: unclipped)."""
+    gamma: float = 1.0
+    """GAE discount."""
+    lam: float = 0.95
+    """GAE lambda."""
+    whiten_advantages: bool = True
+    """PPO: whiten GAE advantages over the batch."""
+
+    # ------------------------------------------------------------------ evaluation, logging, checkpoints
+    eval_every: int = 10
+    """Held-out evaluation every N steps (and before the first and after the last); 0: off."""
+    eval_prompts: int = 200
+    """Held-out prompts per evaluation."""
+    pass_k: int = 4
+    """pass@k of the evaluation (k samples at the training temperature); 1: greedy accuracy only."""
+    output_dir: str = "runs/fastrl"
+    """Where metrics, samples, checkpoints and the final model go."""
+    save_every: int = 0
+    """Checkpoint every N steps (0: only at the end)."""
+    keep_checkpoints: int = 2
+    """Checkpoints kept on disk (oldest deleted first)."""
+    resume: Optional[str] = None
+    """Resume from a checkpoint directory, or ``latest`` in ``output_dir``."""
+    seed: int = 0
+    """Seeds model init, data order, sampling and the warm-up."""
+    sync_probe_tolerance: float = 1e-3
+    """Largest |sampler logp - trainer logp| on the weight-sync probe before the run stops."""
+    tensorboard: bool = True
+    """Also log to TensorBoard when it is installed."""
+    progress: bool = True
+    """Show a progress bar."""
+    threads: Optional[int] = None
+    """torch intra-op threads (None: torch's default)."""
+
+    # ------------------------------------------------------------------ resolution
+    def resolved(self) -> "TrainConfig":
+        """A copy with every preset-dependent field filled in and the whole config checked."""
+        if self.algorithm not in ALGORITHM_PRESETS:
+            raise ValueError(f"algorithm must be one of {ALGORITHMS}, got {self.algorithm!r}")
+        preset = ALGORITHM_PRESETS[self.algorithm]
+        c = dataclasses.replace(self)
+        if c.advantage_mode is None:
+            c.advantage_mode = preset.advantage
+        if c.kl_coef is None:
+            c.kl_coef = preset.kl_coef
+        if c.dynamic_sampling is None:
+            c.dynamic_sampling = preset.dynamic_sampling
+        c.validate()
+        return c
+
+    def policy_loss_config(self) -> PolicyLossConfig:
+        """The op-level loss settings: the preset with this run's overrides."""
+        preset = ALGORITHM_PRESETS[self.algorithm]
+        overrides: dict[str, object] = {}
+        for name in ("clip_low", "clip_high", "dual_clip", "loss_agg"):
+            value = getattr(self, name)
+            if value is not None:
+                overrides[name] = value
+        overrides["kl_coef"] = 0.0 if self.kl_in_reward else float(self.kl_coef or 0.0)
+        overrides["kl_estimator"] = self.kl_estimator
+        overrides["entropy_coef"] = self.entropy_coef
+        if self.rollout_correction == "is":
+            overrides["is_cap"] = self.is_cap
+            overrides["is_level"] = self.is_level
+        cfg = PolicyLossConfig.preset(preset.loss_preset, **overrides)
+        if cfg.loss_agg == "seq-mean-token-sum-norm" and cfg.norm_length is None:
+            # Dr. GRPO's constant: the longest completion, so micro-batches agree with the batch.
+            cfg = cfg.replace(norm_length=float(self.max_new_tokens))
+        return cfg
+
+    @property
+    def uses_critic(self) -> bool:
+        return self.advantage_mode == "gae"
+
+    @property
+    def uses_reference(self) -> bool:
+        return bool(self.kl_coef) or self.kl_target is not None
+
+    def validate(self) -> None:
+        """Raise ValueError naming the first bad field."""
+        from fastrl.reference.advantages import GROUP_MODES
+
+        def positive_int(name: str, allow_zero: bool = False) -> None:
+            v = getattr(self, name)
+            if isinstance(v, bool) or not isinstance(v, int) or v < (0 if allow_zero else 1):
+                raise ValueError(f"{name} must be an int >= {0 if allow_zero else 1}, got {v!r}")
+
+        for name in ("group_size", "prompts_per_step", "max_new_tokens", "steps", "ppo_epochs", "mini_batches",
+                     "micro_batch_tokens", "eval_prompts", "pass_k", "keep_checkpoints", "task_digits",
+                     "task_train_size", "task_eval_size", "model_hidden_size", "model_layers", "sft_batch_size"):
+            positive_int(name)
+        for name in ("eval_every", "save_every", "warmup_steps", "max_resample_rounds", "reward_workers", "kl_horizon"):
+            positive_int(name, allow_zero=True)
+        if self.sft_steps is not None:
+            positive_int("sft_steps", allow_zero=True)
+        if self.advantage_mode not in (*GROUP_MODES, "gae"):
+            raise ValueError(f"advantage_mode must be one of {(*GROUP_MODES, 'gae')}, got {self.advantage_mode!r}")
+        if self.advantage_mode != "gae" and self.group_size < 2:
+            raise ValueError(f"group_size must be >= 2 for group advantages ({self.advantage_mode}), got {self.group_size}")
+        for name, low in (("lr", 0.0), ("critic_lr", 0.0), ("sft_lr", 0.0), ("temperature", 0.0), ("reward_timeout", 0.0)):
+            v = getattr(self, name)
+            if not isinstance(v, (int, float)) or not v > low or v != v or v == float("inf"):
+                raise ValueError(f"{name} must be a finite number > {low}, got {v!r}")
+        if not 0.0 <= self.min_lr_ratio <= 1.0:
+            raise ValueError(f"min_lr_ratio must be in [0, 1], got {self.min_lr_ratio}")
+        if not 0.0 <= self.gamma <= 1.0 or not 0.0 <= self.lam <= 1.0:
+            raise ValueError(f"gamma and lam must be in [0, 1], got gamma={self.gamma}, lam={self.lam}")
+        if not 0.0 < self.eval_fraction < 1.0:
+            raise ValueError(f"eval_fraction must be in (0, 1), got {self.eval_fraction}")
+        if self.grad_clip < 0:
+            raise ValueError(f"grad_clip must be >= 0, got {self.grad_clip}")
+        if len(self.adam_betas) != 2 or not all(0.0 <= b < 1.0 for b in self.adam_betas):
+            raise ValueError(f"adam_betas must be two numbers in [0, 1), got {self.adam_betas}")
+        if self.kl_coef is not None and self.kl_coef < 0:
+            raise ValueError(f"kl_coef must be >= 0, got {self.kl_coef}")
+        if self.kl_target is not None and not self.kl_target > 0:
+            raise ValueError(f"kl_target must be > 0, got {self.kl_target}")
+        if self.kl_target is not None and not self.kl_coef:
+            raise ValueError("kl_target (adaptive KL) needs a starting kl_coef > 0")
+        if self.reward_weights is not None and len(self.reward_weights) != len(self.rewards):
+            raise ValueError(
+                f"reward_weights has {len(self.reward_weights)} entries for {len(self.rewards)} reward functions {self.rewards}"
+            )
+        if not self.rewards:
+            raise ValueError("rewards must name at least one reward function")
+        if self.rollout_correction == "bypass" and self.ppo_epochs * self.mini_batches != 1:
+            raise ValueError(
+                "rollout_correction=bypass uses the sampler's log-probs as old log-probs, which is only right with exactly "
+                f"one optimizer step per rollout batch; got ppo_epochs={self.ppo_epochs}, mini_batches={self.mini_batches}"
+            )
+        if self.is_cap <= 0:
+            raise ValueError(f"is_cap must be > 0, got {self.is_cap}")
+        if self.critic_init is not None and self.advantage_mode != "gae":
+            raise ValueError(f"critic_init is only used with a critic (algorithm ppo / advantage_mode gae), got {self.advantage_mode}")
+        # Build the loss config now so a bad loss option fails before any work.
+        self.policy_loss_config()
+
+    @property
+    def on_policy(self) -> bool:
+        """One optimizer step per rollout batch: the old policy is the current one."""
+        return self.ppo_epochs * self.mini_batches == 1

@@ -1,0 +1,114 @@
+"""Run monitoring: one JSONL line per step (always), TensorBoard (when installed), a
+progress bar with the headline numbers, and the best/worst completions of each step.
+
+Metric names are ``area/name`` (``reward/mean``, ``loss/clip_frac``, ``time/generate``, ...);
+values are Python floats (the trainer converts 0-dim tensors once per step, never per op).
+"""
+
+from __future__ import annotations
+
+import json
+import math
+import os
+import resource
+import sys
+import time
+from pathlib import Path
+from typing import Any
+
+import torch
+
+HEADLINE = ("reward/mean", "eval/accuracy", "kl/ref", "loss/clip_frac", "time/step")
+
+
+def peak_memory_bytes(device: torch.device) -> int:
+    """Peak memory of this run: CUDA's max allocated on a GPU, the process's peak RSS on CPU."""
+    if device.type == "cuda":
+        return int(torch.cuda.max_memory_allocated(device))
+    rss = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss
+    return int(rss if sys.platform == "darwin" else rss * 1024)
+
+
+def histogram(values: torch.Tensor, bins: int = 10) -> dict[str, list[float]]:
+    """Counts over ``bins`` equal-width bins between min and max (for the JSONL log)."""
+    v = values.detach().float().cpu()
+    lo, hi = float(v.min()), float(v.max())
+    if hi == lo:
+        return {"edges": [lo, hi], "counts": [float(v.numel())]}
+    counts = torch.histc(v, bins=bins, min=lo, max=hi)
+    edges = torch.linspace(lo, hi, bins + 1)
+    return {"edges": [round(float(e), 6) for e in edges], "counts": [float(c) for c in counts]}
+
+
+class MetricsLogger:
+    """Writes ``metrics.jsonl``, ``samples.txt`` and TensorBoard events under ``output_dir``."""
+
+    def __init__(self, output_dir: str | os.PathLike, *, total_steps: int, tensorboard: bool = True, progress: bool = True, start_step: int = 0):
+        self.dir = Path(output_dir)
+        self.dir.mkdir(parents=True, exist_ok=True)
+        self.jsonl = open(self.dir / "metrics.jsonl", "a", buffering=1)
+        self.samples = open(self.dir / "samples.txt", "a", buffering=1)
+        self.tb = None
+        if tensorboard:
+            try:
+                from torch.utils.tensorboard import SummaryWriter
+
+                self.tb = SummaryWriter(str(self.dir / "tensorboard"))
+            except Exception:  # tensorboard not installed: JSONL only
+                self.tb = None
+        self.bar = None
+        if progress:
+            try:
+                from tqdm.auto import tqdm
+
+                self.bar = tqdm(total=total_steps, initial=start_step, desc="fastrl train", dynamic_ncols=True, file=sys.stderr)
+            except ImportError:
+                self.bar = None
+
+    def log(self, step: int, metrics: dict[str, Any], *, extra: dict[str, Any] | None = None) -> None:
+        record = {"step": step, "time": time.time(), **{k: _jsonable(v) for k, v in metrics.items()}}
+        if extra:
+            record.update(extra)
+        self.jsonl.write(json.dumps(record) + "\n")
+        if self.tb is not None:
+            for k, v in metrics.items():
+                if isinstance(v, (int, float)) and math.isfinite(v):
+                    self.tb.add_scalar(k, v, step)
+        if self.bar is not None:
+            shown = {k.split("/")[-1] if k != "eval/accuracy" else "eval": f"{metrics[k]:.3g}" for k in HEADLINE if k in metrics}
+            self.bar.set_postfix(shown, refresh=False)
+            self.bar.update(1)
+
+    def log_eval(self, step: int, metrics: dict[str, float]) -> None:
+        self.jsonl.write(json.dumps({"step": step, "time": time.time(), "event": "eval", **metrics}) + "\n")
+        if self.tb is not None:
+            for k, v in metrics.items():
+                self.tb.add_scalar(k, v, step)
+        if self.bar is not None:
+            self.bar.write(f"step {step}: " + "  ".join(f"{k} {v:.3f}" for k, v in metrics.items()))
+
+    def write_samples(self, step: int, best: tuple[str, str, float], worst: tuple[str, str, float]) -> None:
+        for tag, (prompt, completion, reward) in (("best", best), ("worst", worst)):
+            self.samples.write(f"=== step {step} {tag} (reward {reward:.4g})\n{prompt}{completion}\n")
+
+    def message(self, text: str) -> None:
+        if self.bar is not None:
+            self.bar.write(text)
+        else:
+            print(text, file=sys.stderr)
+
+    def close(self) -> None:
+        if self.bar is not None:
+            self.bar.close()
+        if self.tb is not None:
+            self.tb.close()
+        self.jsonl.close()
+        self.samples.close()
+
+
+def _jsonable(v: Any) -> Any:
+    if isinstance(v, torch.Tensor):
+        v = v.item() if v.numel() == 1 else v.tolist()
+    if isinstance(v, float) and not math.isfinite(v):
+        return str(v)
+    return v

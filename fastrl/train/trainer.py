@@ -1,0 +1,896 @@
+"""The lean RL loop. One step, top to bottom:
+
+1. prompts      ``PromptBatcher`` (by prompt count or token budget; resumable position)
+2. rollout      ``GroupSampler.generate`` (HF shared-prefix sampler, or vLLM)
+3. rewards      ``RewardPool.score`` (TRL-signature functions in a process pool with hard
+                time limits); DAPO's dynamic sampling drops all-equal groups and refills
+4. log-probs    old (skipped when the update is exactly on-policy), reference (only with a
+                KL term) -- ``causal_lm_logprobs``: hidden states + LM head, no logits
+5. advantages   ``group_advantages`` or, for PPO, critic values + ``gae``
+6. update       ppo_epochs x mini-batches x micro-batches (token budget); the loss uses the
+                mini-batch's global token/sequence counts, so the update does not depend on
+                the micro-batch split; gradient clipping; AdamW; warm-up + cosine
+7. weight sync  ``update_weights`` to the sampler, then a probe: the sampler's log-probs of
+                a fixed greedy sequence must equal the trainer's
+8. metrics, held-out evaluation, checkpoints
+
+Every number is computed by a fastrl op; this file only moves tensors between them.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import copy
+import dataclasses
+import json
+import math
+import os
+import time
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any, Callable, Sequence
+
+import torch
+
+from fastrl.ops import gae, group_advantages, kl_penalty, masked_whiten, policy_loss, value_loss
+from fastrl.ops.hf import causal_lm_logprobs
+from fastrl.rollout import HFGroupSampler, SamplingConfig
+from fastrl.rollout.base import RolloutBatch, RolloutStats
+from fastrl.train.checkpoint import (
+    checkpoint_dir,
+    list_checkpoints,
+    load_checkpoint_state,
+    resolve_resume,
+    save_checkpoint,
+    set_rng_state,
+)
+from fastrl.train.config import TrainConfig
+from fastrl.train.critic import ValueModel, explained_variance
+from fastrl.train.metrics import MetricsLogger, histogram, peak_memory_bytes
+from fastrl.train.schedule import AdaptiveKLController, warmup_cosine
+
+__all__ = ["Trainer", "TrainResult", "TrainingDivergedError", "WeightSyncError"]
+
+
+class TrainingDivergedError(RuntimeError):
+    """A non-finite loss or gradient norm: the optimizer step was not taken."""
+
+
+class WeightSyncError(RuntimeError):
+    """The sampler's log-probs disagree with the trainer's after a weight sync."""
+
+
+@dataclass
+class TrainResult:
+    output_dir: Path
+    steps: int
+    eval_history: list[dict[str, float]] = field(default_factory=list)
+    final_model_dir: Path | None = None
+
+    @property
+    def first_eval(self) -> dict[str, float]:
+        return self.eval_history[0] if self.eval_history else {}
+
+    @property
+    def last_eval(self) -> dict[str, float]:
+        return self.eval_history[-1] if self.eval_history else {}
+
+
+@dataclass
+class Rollout:
+    """One step's experience: the sampler's batch plus what the trainer computed on it."""
+
+    batch: RolloutBatch
+    rows: list[dict[str, Any]]  # one dataset row per prompt
+    completions: list[str]  # decoded, per sample
+    rewards: torch.Tensor  # [B] fp32 outcome rewards (failures already 0)
+    reward_metrics: dict[str, float]
+    per_function: dict[str, torch.Tensor]
+
+
+def _device(name: str) -> torch.device:
+    if name == "auto":
+        return torch.device("cuda" if torch.cuda.is_available() else "cpu")
+    device = torch.device(name)
+    if device.type == "cuda" and not torch.cuda.is_available():
+        raise ValueError(f"device={name!r} but CUDA is not available on this machine")
+    return device
+
+
+def _sync(device: torch.device) -> None:
+    if device.type == "cuda":
+        torch.cuda.synchronize(device)
+
+
+class _Timer:
+    def __init__(self, device: torch.device):
+        self.device = device
+        self.seconds: dict[str, float] = {}
+
+    @contextlib.contextmanager
+    def __call__(self, stage: str):
+        _sync(self.device)
+        t0 = time.perf_counter()
+        try:
+            yield
+        finally:
+            _sync(self.device)
+            self.seconds[stage] = self.seconds.get(stage, 0.0) + time.perf_counter() - t0
+
+
+class Trainer:
+    """GRPO-family and PPO training of a Hugging Face causal LM.
+
+    ``Trainer(config).train()`` runs what ``fastrl train`` runs. For use from Python, the
+    model, tokenizer, datasets and reward callables can be passed directly instead of
+    being named in the config.
+    """
+
+    def __init__(
+        self,
+        config: TrainConfig,
+        *,
+        model: torch.nn.Module | None = None,
+        tokenizer: Any = None,
+        train_rows: Sequence[dict[str, Any]] | None = None,
+        eval_rows: Sequence[dict[str, Any]] | None = None,
+        reward_functions: Sequence[Callable | str] | None = None,
+    ):
+        from fastrl.train import data as data_mod
+        from fastrl.train.rewards import RewardPool
+
+        self.cfg = cfg = config.resolved()
+        if cfg.threads:
+            torch.set_num_threads(cfg.threads)
+        self.device = _device(cfg.device)
+        self.out = Path(cfg.output_dir)
+        self.out.mkdir(parents=True, exist_ok=True)
+        self.loss_config = cfg.policy_loss_config()
+        self.autocast_dtype = None
+        if cfg.dtype == "bfloat16" or (cfg.dtype == "auto" and self.device.type == "cuda"):
+            self.autocast_dtype = torch.bfloat16
+        torch.manual_seed(cfg.seed)
+
+        self.resume_dir = resolve_resume(cfg.resume, cfg.output_dir) if cfg.resume else None
+
+        # ---- model, tokenizer, data
+        self.builtin = model is None and cfg.model is None
+        self.tokenizer, self.policy = self._load_policy(model, tokenizer)
+        data_mod.check_tokenizer_matches_model(self.tokenizer, self.policy)
+        self.train_rows, self.eval_rows = self._load_rows(train_rows, eval_rows)
+        self.max_length = int(getattr(self.policy.config, "max_position_embeddings", 0) or 0) or None
+        self.encoded = self._encode_rows(self.train_rows, "dataset")
+        self.eval_encoded = self._encode_rows(self.eval_rows, "eval_dataset") if self.eval_rows else []
+        self.batcher = data_mod.PromptBatcher(
+            len(self.encoded),
+            prompt_lengths=[len(ids) for ids in self.encoded],
+            prompts_per_batch=cfg.prompts_per_step,
+            token_budget=cfg.prompt_token_budget,
+            tokens_per_prompt_extra=cfg.max_new_tokens,
+            group_size=cfg.group_size,
+            seed=cfg.seed,
+        )
+
+        # ---- rewards: checked on real rows before any training work
+        specs = list(reward_functions) if reward_functions is not None else list(cfg.rewards)
+        self.rewards = RewardPool(specs, weights=cfg.reward_weights, timeout_s=cfg.reward_timeout, num_workers=cfg.reward_workers)
+        probe_rows = self.train_rows[: min(2, len(self.train_rows))]
+        self.rewards.validate(
+            [r[cfg.prompt_column] for r in probe_rows],
+            ["" for _ in probe_rows],
+            self._columns(probe_rows),
+        )
+
+        # ---- warm-up (not on resume: the checkpoint has the warmed-up policy)
+        self.sft_metrics: dict[str, float] = {}
+        sft_steps = cfg.sft_steps if cfg.sft_steps is not None else (self._builtin_sft_steps() if self.builtin else 0)
+        if sft_steps and self.resume_dir is None:
+            from fastrl.train.sft import sft_warmup
+
+            if not all("answer" in r for r in self.train_rows):
+                raise ValueError("sft_steps > 0 needs an 'answer' column in the dataset (the warm-up targets)")
+            t0 = time.perf_counter()
+            self.sft_metrics = sft_warmup(
+                self.policy, self.tokenizer, self.train_rows, steps=sft_steps, lr=cfg.sft_lr,
+                batch_size=cfg.sft_batch_size, seed=cfg.seed, prompt_column=cfg.prompt_column,
+                chat_template=cfg.chat_template,
+            )
+            self.sft_metrics["sft/seconds"] = time.perf_counter() - t0
+
+        # ---- reference policy (frozen), critic, optimizers
+        self.reference = None
+        if cfg.uses_reference:
+            self.reference = self._load_reference()
+        self.critic: ValueModel | None = None
+        if cfg.uses_critic:
+            self.critic = self._build_critic()
+        total_updates = cfg.steps * cfg.ppo_epochs * cfg.mini_batches
+        self.optimizer = torch.optim.AdamW(
+            self.policy.parameters(), lr=cfg.lr, betas=tuple(cfg.adam_betas), weight_decay=cfg.weight_decay
+        )
+        self.scheduler = warmup_cosine(self.optimizer, total_steps=total_updates, warmup_steps=cfg.warmup_steps, min_lr_ratio=cfg.min_lr_ratio)
+        self.critic_optimizer = self.critic_scheduler = None
+        if self.critic is not None:
+            self.critic_optimizer = torch.optim.AdamW(
+                self.critic.parameters(), lr=cfg.critic_lr, betas=tuple(cfg.adam_betas), weight_decay=cfg.weight_decay
+            )
+            self.critic_scheduler = warmup_cosine(
+                self.critic_optimizer, total_steps=total_updates, warmup_steps=cfg.warmup_steps, min_lr_ratio=cfg.min_lr_ratio
+            )
+        self.kl_ctl = AdaptiveKLController(float(cfg.kl_coef or 0.0), target=cfg.kl_target, horizon=cfg.kl_horizon)
+
+        self.step = 0
+        self.logger: MetricsLogger | None = None
+        self._reward_histogram: dict[str, list[float]] = {}
+        self.last_checkpoint: Path | None = None
+        self.eval_history: list[dict[str, float]] = []
+        self.sync_gaps: list[float] = []
+        if self.resume_dir is not None:
+            self._load_checkpoint(self.resume_dir)
+
+        # ---- sampler (after the resume, so it starts from the restored weights)
+        self.sampler = self._build_sampler()
+        self.probe_prompt = self.encoded[0]
+        self._write_config()
+
+    # ================================================================== setup helpers
+    def _builtin_sft_steps(self) -> int:
+        from fastrl.train.task import DEFAULT_TASK
+
+        return DEFAULT_TASK.sft_steps
+
+    def _load_policy(self, model, tokenizer):
+        import transformers
+
+        cfg = self.cfg
+        if self.resume_dir is not None and model is None:
+            # the checkpoint holds the policy (after warm-up and the steps so far)
+            path = self.resume_dir / "policy"
+            tok = tokenizer or transformers.AutoTokenizer.from_pretrained(path)
+            policy = transformers.AutoModelForCausalLM.from_pretrained(path, torch_dtype=torch.float32)
+            return tok, policy.to(self.device).train()
+        if model is not None:
+            if tokenizer is None:
+                raise ValueError("a model passed to Trainer needs its tokenizer too (tokenizer=...)")
+            return tokenizer, model.to(self.device).train()
+        if cfg.model is None:
+            from fastrl.train.task import builtin_tokenizer, tiny_model
+
+            tok = builtin_tokenizer()
+            policy = tiny_model(tok, hidden_size=cfg.model_hidden_size, layers=cfg.model_layers, seed=cfg.seed)
+            return tok, policy.to(self.device).train()
+        tok = transformers.AutoTokenizer.from_pretrained(cfg.tokenizer or cfg.model)
+        policy = transformers.AutoModelForCausalLM.from_pretrained(cfg.model, torch_dtype=torch.float32)
+        return tok, policy.to(self.device).train()
+
+    def _load_rows(self, train_rows, eval_rows):
+        from fastrl.train import data as data_mod
+
+        cfg = self.cfg
+        if train_rows is not None:
+            train = [dict(r) for r in train_rows]
+            evals = [dict(r) for r in eval_rows] if eval_rows is not None else []
+        elif cfg.dataset is None:
+            from fastrl.train.task import arithmetic_task
+
+            train, evals = arithmetic_task(
+                n_train=cfg.task_train_size, n_eval=cfg.task_eval_size, digits=cfg.task_digits, seed=cfg.seed
+            )
+        else:
+            train = data_mod.load_rows(cfg.dataset, split=cfg.dataset_split, prompt_column=cfg.prompt_column)
+            if cfg.eval_dataset is not None:
+                evals = data_mod.load_rows(cfg.eval_dataset, split=cfg.dataset_split, prompt_column=cfg.prompt_column)
+            else:
+                n_eval = max(1, int(len(train) * cfg.eval_fraction))
+                g = torch.Generator().manual_seed(cfg.seed)
+                order = torch.randperm(len(train), generator=g).tolist()
+                evals = [train[i] for i in order[:n_eval]]
+                train = [train[i] for i in order[n_eval:]]
+        if not train:
+            raise ValueError("the training dataset is empty")
+        for i, r in enumerate(train[:1] + evals[:1]):
+            if cfg.prompt_column not in r:
+                raise ValueError(f"dataset rows have no {cfg.prompt_column!r} column (columns: {sorted(r)})")
+        return train, evals[: cfg.eval_prompts]
+
+    def _encode_rows(self, rows, what: str) -> list[list[int]]:
+        from fastrl.train import data as data_mod
+
+        cfg = self.cfg
+        encoded = [data_mod.encode_prompt(self.tokenizer, r[cfg.prompt_column], chat_template=cfg.chat_template) for r in rows]
+        limit = cfg.max_prompt_length
+        if self.max_length is not None:
+            fit = self.max_length - cfg.max_new_tokens
+            if fit < 1:
+                raise ValueError(f"max_new_tokens={cfg.max_new_tokens} leaves no room for a prompt in the model's context of {self.max_length}")
+            limit = fit if limit is None else min(limit, fit)
+        if limit is not None:
+            too_long = [i for i, ids in enumerate(encoded) if len(ids) > limit]
+            if too_long and not cfg.drop_long_prompts:
+                i = too_long[0]
+                raise ValueError(
+                    f"{what}: {len(too_long)} prompt(s) longer than {limit} tokens (the model's context {self.max_length} "
+                    f"minus max_new_tokens {cfg.max_new_tokens}, or max_prompt_length); row {i} has {len(encoded[i])}. "
+                    "Shorten them, raise the limit, or set drop_long_prompts"
+                )
+            if too_long:
+                keep = [i for i in range(len(rows)) if i not in set(too_long)]
+                rows[:] = [rows[i] for i in keep]
+                encoded = [encoded[i] for i in keep]
+                self.dropped_prompts = getattr(self, "dropped_prompts", 0) + len(too_long)
+                if not rows:
+                    raise ValueError(f"{what}: every prompt is longer than {limit} tokens")
+        return encoded
+
+    def _load_reference(self) -> torch.nn.Module:
+        import transformers
+
+        path = self.out / "reference"
+        if self.resume_dir is not None:
+            if not (path / "config.json").exists():
+                raise ValueError(f"resume: the reference policy of this run is missing ({path})")
+            ref = transformers.AutoModelForCausalLM.from_pretrained(path, torch_dtype=torch.float32).to(self.device)
+        else:
+            ref = copy.deepcopy(self.policy)
+            # saved once so a resumed run keeps the same reference (the policy at the start of RL)
+            ref.save_pretrained(path, safe_serialization=True)
+        ref.eval().requires_grad_(False)
+        return ref
+
+    def _build_critic(self) -> ValueModel:
+        cfg = self.cfg
+        if self.resume_dir is not None:
+            return ValueModel.load(self.resume_dir / "critic", device=self.device).train()
+        if cfg.critic_init is not None:
+            return ValueModel.load(cfg.critic_init, device=self.device).train()
+        return ValueModel.from_policy(self.policy).train()
+
+    def _build_sampler(self):
+        cfg = self.cfg
+        if cfg.sampler == "hf":
+            self.sampler_shares_weights = True
+            return HFGroupSampler(self.policy, pad_token_id=self.tokenizer.pad_token_id)
+        from fastrl.rollout import VLLMGroupSampler
+
+        self.sampler_shares_weights = False
+        init = self.out / "sampler_init"
+        self.policy.save_pretrained(init, safe_serialization=True)
+        max_len = self.max_length
+        return VLLMGroupSampler(str(init), block_size=32, max_model_len=max_len, seed=cfg.seed)
+
+    def _write_config(self) -> None:
+        import yaml
+
+        (self.out / "config.yaml").write_text(yaml.safe_dump(dataclasses.asdict(self.cfg), sort_keys=False))
+
+    def _columns(self, rows: Sequence[dict[str, Any]], repeat: int = 1) -> dict[str, list]:
+        keys = [k for k in rows[0] if k != self.cfg.prompt_column] if rows else []
+        return {k: [r.get(k) for r in rows for _ in range(repeat)] for k in keys}
+
+    # ================================================================== the step
+    def _sampling(self, *, salt: int) -> SamplingConfig:
+        cfg = self.cfg
+        return SamplingConfig(
+            temperature=cfg.temperature, top_p=cfg.top_p, top_k=cfg.top_k, max_new_tokens=cfg.max_new_tokens,
+            seed=(cfg.seed * 1_000_003 + self.step * 101 + salt) % (2**31),
+        )
+
+    def _rollout(self, prompt_indices: list[int], *, salt: int) -> Rollout:
+        cfg = self.cfg
+        G = cfg.group_size
+        rows = [self.train_rows[i] for i in prompt_indices]
+        prompts = [self.encoded[i] for i in prompt_indices]
+        with self.timer("generate"):
+            batch = self.sampler.generate(prompts, group_size=G, sampling=self._sampling(salt=salt))
+        with self.timer("reward"):
+            completions = self.tokenizer.batch_decode(batch.completion_ids, skip_special_tokens=True)
+            prompt_values = [r[cfg.prompt_column] for r in rows for _ in range(G)]
+            if prompt_values and isinstance(prompt_values[0], list):  # chat prompts: TRL's conversational form
+                completions_arg: list = [[{"role": "assistant", "content": c}] for c in completions]
+            else:
+                completions_arg = completions
+            result = self.rewards.score(
+                prompt_values, completions_arg, completion_ids=batch.completion_ids, columns=self._columns(rows, G)
+            )
+        return Rollout(batch, rows, completions, result.rewards.float(), dict(result.metrics), dict(result.per_function))
+
+    def _collect(self) -> tuple[Rollout, dict[str, float]]:
+        """Roll out one step's prompts; with dynamic sampling, drop all-equal groups and refill."""
+        cfg = self.cfg
+        G = cfg.group_size
+        first = self._rollout(self.batcher.next_batch(), salt=0)
+        info = {"dynamic/rounds": 0.0, "dynamic/dropped_groups": 0.0}
+        if not cfg.dynamic_sampling:
+            return first, info
+        target = len(first.rows)
+        kept: list[tuple[Rollout, list[int]]] = []
+        n_kept = 0
+        current = first
+        dropped = 0
+        for round_ in range(cfg.max_resample_rounds + 1):
+            r = current.rewards.view(-1, G)
+            informative = [g for g in range(r.shape[0]) if bool((r[g] != r[g, 0]).any())]
+            dropped += r.shape[0] - len(informative)
+            kept.append((current, informative))
+            n_kept += len(informative)
+            info["dynamic/rounds"] = float(round_)
+            if n_kept >= target or round_ == cfg.max_resample_rounds:
+                break
+            current = self._rollout(self.batcher.next_batch(), salt=round_ + 1)
+        info["dynamic/dropped_groups"] = float(dropped)
+        if n_kept == 0:
+            # nothing informative: train on the first batch (all advantages are 0; the step only logs)
+            return first, info
+        return _merge_rollouts(kept, group_size=G, limit=target, pad_token_id=self.sampler.pad_token_id), info
+
+    @torch.no_grad()
+    def _token_logprobs(self, model: torch.nn.Module, batch: RolloutBatch) -> torch.Tensor:
+        """``[B, T-1]`` fp32 log-probs of ``input_ids[:, 1:]`` (0 outside completions), by micro-batch."""
+        B, T = batch.input_ids.shape
+        out = torch.zeros(B, T - 1, dtype=torch.float32, device=self.device)
+        was_training = model.training
+        model.eval()
+        try:
+            for rows, Tm, k in self._micro_batches(batch, torch.arange(B)):
+                ids, attn = batch.input_ids[rows, :Tm].to(self.device), batch.attention_mask[rows, :Tm].to(self.device)
+                with self._autocast():
+                    lp = causal_lm_logprobs(model, ids, attn, temperature=self.cfg.temperature, logits_to_keep=k)
+                out[rows.to(self.device), Tm - 1 - k : Tm - 1] = lp.float()
+        finally:
+            model.train(was_training)
+        return out * batch.response_mask[:, 1:].to(self.device)
+
+    @torch.no_grad()
+    def _critic_values(self, batch: RolloutBatch) -> torch.Tensor:
+        B, T = batch.input_ids.shape
+        out = torch.zeros(B, T - 1, dtype=torch.float32, device=self.device)
+        self.critic.eval()
+        for rows, Tm, k in self._micro_batches(batch, torch.arange(B)):
+            ids, attn = batch.input_ids[rows, :Tm].to(self.device), batch.attention_mask[rows, :Tm].to(self.device)
+            with self._autocast():
+                out[rows.to(self.device), Tm - 1 - k : Tm - 1] = self.critic.values(ids, attn, k)
+        self.critic.train()
+        return out * batch.response_mask[:, 1:].to(self.device)
+
+    def _micro_batches(self, batch: RolloutBatch, rows: torch.Tensor):
+        """Split ``rows`` into micro-batches of at most ``micro_batch_tokens`` padded tokens.
+
+        Yields ``(rows, Tm, k)``: the micro-batch is trimmed to its own longest row ``Tm``
+        and scores its last ``k = Tm - shortest prompt`` positions (the prompt-only columns
+        need no log-probs).
+        """
+        lengths = batch.attention_mask.sum(1)
+        prompt_lens = torch.tensor([len(batch.prompt_ids[int(g)]) for g in batch.group_ids])
+        budget = self.cfg.micro_batch_tokens
+        start = 0
+        rows = rows.tolist()
+        while start < len(rows):
+            end = start + 1
+            longest = int(lengths[rows[start]])
+            while end < len(rows):
+                cand = max(longest, int(lengths[rows[end]]))
+                if cand * (end - start + 1) > budget:
+                    break
+                longest = cand
+                end += 1
+            chunk = torch.tensor(rows[start:end])
+            Tm = int(lengths[chunk].max())
+            k = max(1, Tm - int(prompt_lens[chunk].min()))
+            yield chunk, Tm, k
+            start = end
+
+    def _autocast(self):
+        if self.autocast_dtype is None:
+            return contextlib.nullcontext()
+        return torch.autocast(self.device.type, dtype=self.autocast_dtype)
+
+    def train_step(self) -> dict[str, float]:
+        """One RL step; returns its metrics."""
+        cfg = self.cfg
+        self.timer = _Timer(self.device)
+        t_step = time.perf_counter()
+        rollout, metrics = self._collect()
+        batch = rollout.batch
+        B, T = batch.input_ids.shape
+        mask = batch.response_mask[:, 1:].to(self.device).float()  # [B, T-1] aligned with input_ids[:, 1:]
+        sampler_logp = batch.sampler_logp[:, 1:].to(self.device)
+        outcome = rollout.rewards.to(self.device)
+
+        # ---- log-probs of the behaviour and reference policies
+        need_old = not cfg.on_policy or cfg.kl_in_reward or cfg.rollout_correction == "is"
+        old_logp = None
+        if cfg.rollout_correction == "bypass":
+            old_logp = sampler_logp
+        elif need_old:
+            with self.timer("old_logp"):
+                old_logp = self._token_logprobs(self.policy, batch)
+        ref_logp = None
+        if self.reference is not None:
+            with self.timer("ref_logp"):
+                ref_logp = self._token_logprobs(self.reference, batch)
+
+        # ---- advantages
+        with self.timer("advantages"):
+            beta = self.kl_ctl.value
+            token_kl = None
+            if ref_logp is not None:
+                behaviour = old_logp if old_logp is not None else sampler_logp
+                token_kl = kl_penalty(behaviour, ref_logp, estimator=cfg.kl_estimator) * mask
+                seq_kl = token_kl.sum(1)
+                metrics["kl/ref_seq"] = float(seq_kl.mean())
+                metrics["kl/coef"] = beta
+            adv_stats: dict[str, torch.Tensor] = {}
+            old_values = returns = None
+            if cfg.uses_critic:
+                token_rewards = torch.zeros(B, T - 1, device=self.device)
+                last = (mask.cumsum(1) == mask.sum(1, keepdim=True)) & (mask > 0)
+                token_rewards[last] = outcome[last.any(1)]
+                if cfg.kl_in_reward and token_kl is not None:
+                    token_rewards = token_rewards - beta * token_kl
+                with self.timer("values"):
+                    old_values = self._critic_values(batch)
+                advantages, returns = gae(
+                    token_rewards, old_values, mask, gamma=cfg.gamma, lam=cfg.lam, whiten=cfg.whiten_advantages
+                )
+                group_stats = group_advantages(outcome, batch.group_ids.to(self.device), mode="dr_grpo")[1]
+                adv_stats = group_stats
+            else:
+                shaped = outcome
+                if cfg.kl_in_reward and token_kl is not None:
+                    shaped = outcome - beta * token_kl.sum(1)
+                advantages, adv_stats = group_advantages(shaped, batch.group_ids.to(self.device), mode=cfg.advantage_mode)
+            adv_tok = advantages if advantages.dim() == 2 else advantages[:, None].expand(B, T - 1)
+            n_tok = mask.sum().clamp(min=1)
+            metrics["advantage/mean"] = float((adv_tok * mask).sum() / n_tok)
+            metrics["advantage/std"] = float(((adv_tok - metrics["advantage/mean"]) ** 2 * mask).sum().div(n_tok).sqrt())
+            metrics["groups/frac_all_equal"] = float(adv_stats["frac_all_equal_groups"])
+            metrics["groups/effective_ratio"] = float(adv_stats["effective_group_ratio"])
+
+        # ---- update
+        with self.timer("update"):
+            update_metrics = self._update(batch, mask, advantages, old_logp, ref_logp, sampler_logp, old_values, returns)
+        metrics.update(update_metrics)
+        if token_kl is not None:
+            self.kl_ctl.update(metrics["kl/ref_seq"], B)
+
+        # ---- weight sync + probe
+        with self.timer("sync"):
+            metrics["sync/probe_gap"] = self._sync_weights()
+
+        self.step += 1
+        # ---- metrics
+        self._rollout_metrics(rollout, metrics)
+        metrics["time/step"] = time.perf_counter() - t_step
+        for stage, s in self.timer.seconds.items():
+            metrics[f"time/{stage}"] = s
+        gen_s = self.timer.seconds.get("generate", 0.0)
+        metrics["throughput/generate_tokens_per_s"] = batch.stats.generated_tokens / gen_s if gen_s > 0 else 0.0
+        upd_s = self.timer.seconds.get("update", 0.0)
+        metrics["throughput/train_tokens_per_s"] = float(batch.attention_mask.sum()) * cfg.ppo_epochs / upd_s if upd_s > 0 else 0.0
+        metrics["memory/peak_gb"] = peak_memory_bytes(self.device) / 2**30
+        metrics["lr"] = self.scheduler.get_last_lr()[0]
+        return metrics
+
+    def _update(self, batch, mask, advantages, old_logp, ref_logp, sampler_logp, old_values, returns) -> dict[str, float]:
+        cfg = self.cfg
+        B = mask.shape[0]
+        agg: dict[str, list[tuple[float, float]]] = {}
+        grad_norms, critic_grad_norms = [], []
+        g = torch.Generator().manual_seed(cfg.seed * 7919 + self.step)
+        for epoch in range(cfg.ppo_epochs):
+            order = torch.randperm(B, generator=g) if cfg.mini_batches > 1 else torch.arange(B)
+            for mb in order.chunk(cfg.mini_batches):
+                mb = mb.sort().values
+                mb_dev = mb.to(self.device)
+                tokens = mask[mb_dev].sum()
+                seqs = (mask[mb_dev].sum(1) > 0).sum()
+                losses: list[torch.Tensor] = []
+                for rows, Tm, k in self._micro_batches(batch, mb):
+                    r = rows.to(self.device)
+                    cols = slice(Tm - 1 - k, Tm - 1)
+                    ids, attn = batch.input_ids[rows, :Tm].to(self.device), batch.attention_mask[rows, :Tm].to(self.device)
+                    m = mask[r, cols]
+                    with self._autocast():
+                        logp, entropy = causal_lm_logprobs(
+                            self.policy, ids, attn, temperature=cfg.temperature, logits_to_keep=k, return_entropy=True
+                        )
+                    logp, entropy = logp.float(), entropy.float()
+                    old = old_logp[r, cols] if old_logp is not None else logp.detach()
+                    adv = advantages[r, cols] if advantages.dim() == 2 else advantages[r]
+                    loss, lm = policy_loss(
+                        logp, old, adv, m,
+                        ref_logp=ref_logp[r, cols] if (ref_logp is not None and self.loss_config.kl_coef) else None,
+                        entropy=entropy,
+                        rollout_logp=sampler_logp[r, cols] if cfg.rollout_correction == "is" else None,
+                        config=self.loss_config if not self.loss_config.kl_coef else self.loss_config.replace(kl_coef=self.kl_ctl.value),
+                        global_token_count=tokens, global_seq_count=seqs,
+                    )
+                    if self.critic is not None:
+                        with self._autocast():
+                            values = self.critic.values(ids, attn, k)
+                        vloss, vm = value_loss(
+                            values.float(), old_values[r, cols], returns[r, cols], m,
+                            clip=cfg.value_clip, loss_agg="token-mean", global_token_count=tokens,
+                        )
+                        loss_total = loss + vloss
+                        lm = {**lm, **{f"critic_{k_}": v for k_, v in vm.items()}, "critic_loss": vloss.detach()}
+                    else:
+                        loss_total = loss
+                    loss_total.backward()
+                    losses.append(loss.detach())
+                    weight = float(m.sum())
+                    for name, v in lm.items():
+                        agg.setdefault(name, []).append((float(v), weight))
+                total = torch.stack(losses).sum()
+                grad_norm = torch.nn.utils.clip_grad_norm_(self.policy.parameters(), cfg.grad_clip if cfg.grad_clip > 0 else float("inf"))
+                if not (torch.isfinite(total) and torch.isfinite(grad_norm)):
+                    self._diverged(batch, "loss" if not torch.isfinite(total) else "gradient norm", float(total), float(grad_norm))
+                self.optimizer.step()
+                self.scheduler.step()
+                self.optimizer.zero_grad(set_to_none=True)
+                grad_norms.append(float(grad_norm))
+                agg.setdefault("loss", []).append((float(total), 1.0))
+                if self.critic is not None:
+                    cg = torch.nn.utils.clip_grad_norm_(self.critic.parameters(), cfg.grad_clip if cfg.grad_clip > 0 else float("inf"))
+                    if not torch.isfinite(cg):
+                        self._diverged(batch, "critic gradient norm", float(total), float(cg))
+                    self.critic_optimizer.step()
+                    self.critic_scheduler.step()
+                    self.critic_optimizer.zero_grad(set_to_none=True)
+                    critic_grad_norms.append(float(cg))
+        out: dict[str, float] = {}
+        for name, vals in agg.items():
+            if name.endswith("_min"):
+                value = min(v for v, _ in vals)
+            elif name.endswith("_max"):
+                value = max(v for v, _ in vals)
+            else:
+                wsum = sum(w for _, w in vals) or 1.0
+                value = sum(v * w for v, w in vals) / wsum
+            out[_metric_name(name)] = value
+        out["grad_norm"] = max(grad_norms) if grad_norms else 0.0
+        if self.critic is not None:
+            out["critic/grad_norm"] = max(critic_grad_norms) if critic_grad_norms else 0.0
+            out["critic/explained_variance"] = float(explained_variance(old_values, returns, mask))
+        return out
+
+    def _diverged(self, batch: RolloutBatch, what: str, loss: float, grad_norm: float) -> None:
+        path = self.out / f"diverged-step-{self.step:06d}.pt"
+        torch.save({"input_ids": batch.input_ids, "attention_mask": batch.attention_mask, "response_mask": batch.response_mask,
+                    "completion_ids": batch.completion_ids, "prompt_ids": batch.prompt_ids}, path)
+        self.optimizer.zero_grad(set_to_none=True)
+        raise TrainingDivergedError(
+            f"step {self.step}: non-finite {what} (loss {loss}, grad norm {grad_norm}); the optimizer step was not taken. "
+            f"Batch saved to {path}; last good checkpoint: {self.last_checkpoint or 'none yet (save_every=0)'}"
+        )
+
+    @torch.no_grad()
+    def _sync_weights(self) -> float:
+        """Push the policy's weights to the sampler, then compare log-probs on a probe sequence."""
+        if not self.sampler_shares_weights:
+            self.sampler.update_weights(self.policy.state_dict().items())
+        probe = self.sampler.generate(
+            [self.probe_prompt], group_size=1,
+            sampling=SamplingConfig(greedy=True, temperature=1.0, max_new_tokens=min(8, self.cfg.max_new_tokens)),
+        )
+        was_training = self.policy.training
+        self.policy.eval()
+        try:
+            ids = probe.input_ids.to(self.device)
+            k = len(probe.completion_ids[0])
+            lp = causal_lm_logprobs(self.policy, ids, probe.attention_mask.to(self.device), logits_to_keep=k)
+        finally:
+            self.policy.train(was_training)
+        gap = float((lp[0].float().cpu() - probe.completion_logp[0].float()).abs().max())
+        self.sync_gaps.append(gap)
+        if not math.isfinite(gap) or gap > self.cfg.sync_probe_tolerance:
+            raise WeightSyncError(
+                f"step {self.step}: after the weight sync the sampler's log-probs differ from the trainer's by {gap:.3g} "
+                f"(tolerance {self.cfg.sync_probe_tolerance:g}); the sampler is not running the trained weights"
+            )
+        return gap
+
+    def _rollout_metrics(self, rollout: Rollout, metrics: dict[str, float]) -> None:
+        batch, r = rollout.batch, rollout.rewards
+        metrics["reward/mean"] = float(r.mean())
+        metrics["reward/std"] = float(r.std()) if r.numel() > 1 else 0.0
+        metrics["reward/min"] = float(r.min())
+        metrics["reward/max"] = float(r.max())
+        metrics.update({k if k.startswith("reward") else f"reward/{k}": v for k, v in rollout.reward_metrics.items()})
+        lengths = torch.tensor([len(c) for c in batch.completion_ids], dtype=torch.float32)
+        metrics["response/length_mean"] = float(lengths.mean())
+        metrics["response/length_max"] = float(lengths.max())
+        metrics["response/truncated_frac"] = sum(f == "length" for f in batch.finish_reasons) / len(batch.finish_reasons)
+        metrics["rollout/samples"] = float(len(batch.completion_ids))
+        metrics["rollout/generated_tokens"] = float(batch.stats.generated_tokens)
+        metrics["rollout/prefill_tokens"] = float(batch.stats.prefill_tokens_computed)
+        self._reward_histogram = histogram(r)
+        best, worst = int(r.argmax()), int(r.argmin())
+        if getattr(self, "dropped_prompts", 0):
+            metrics["data/dropped_long_prompts"] = float(self.dropped_prompts)
+        if self.logger is None:
+            return
+        G = self.cfg.group_size
+        text = lambda b: self.tokenizer.decode(batch.prompt_ids[b // G], skip_special_tokens=True)  # noqa: E731
+        self.logger.write_samples(
+            self.step, (text(best), rollout.completions[best], float(r[best])), (text(worst), rollout.completions[worst], float(r[worst]))
+        )
+
+    # ================================================================== evaluation
+    @torch.no_grad()
+    def evaluate(self) -> dict[str, float]:
+        """Held-out greedy accuracy, mean reward and pass@k (k samples at the training temperature).
+
+        A completion succeeds when its total reward is at least 1 (the built-in rewards give 1
+        for a right answer).
+        """
+        cfg = self.cfg
+        if not self.eval_rows:
+            return {}
+        t0 = time.perf_counter()
+        rows, prompts = self.eval_rows, self.eval_encoded
+        greedy = self._eval_scores(rows, prompts, SamplingConfig(greedy=True, temperature=1.0, max_new_tokens=cfg.max_new_tokens), 1)
+        out = {"eval/accuracy": float((greedy >= 1.0 - 1e-6).float().mean()), "eval/reward_mean": float(greedy.mean())}
+        if cfg.pass_k > 1:
+            sampled = self._eval_scores(
+                rows, prompts,
+                SamplingConfig(temperature=cfg.temperature, top_p=cfg.top_p, top_k=cfg.top_k, max_new_tokens=cfg.max_new_tokens,
+                               seed=cfg.seed + 17),
+                cfg.pass_k,
+            ).view(-1, cfg.pass_k)
+            ok = sampled >= 1.0 - 1e-6
+            out[f"eval/pass@{cfg.pass_k}"] = float(ok.any(1).float().mean())
+            out["eval/sampled_accuracy"] = float(ok.float().mean())
+        out["time/eval"] = time.perf_counter() - t0
+        return out
+
+    def _eval_scores(self, rows, prompts, sampling: SamplingConfig, k: int) -> torch.Tensor:
+        cfg = self.cfg
+        scores = []
+        chunk = max(1, 256 // k)
+        for s in range(0, len(rows), chunk):
+            r, p = rows[s : s + chunk], prompts[s : s + chunk]
+            batch = self.sampler.generate(p, group_size=k, sampling=sampling)
+            completions = self.tokenizer.batch_decode(batch.completion_ids, skip_special_tokens=True)
+            prompt_values = [x[cfg.prompt_column] for x in r for _ in range(k)]
+            if prompt_values and isinstance(prompt_values[0], list):
+                completions = [[{"role": "assistant", "content": c}] for c in completions]
+            res = self.rewards.score(prompt_values, completions, completion_ids=batch.completion_ids, columns=self._columns(r, k))
+            scores.append(res.rewards.float())
+        return torch.cat(scores)
+
+    # ================================================================== checkpoints
+    def save_checkpoint(self) -> Path:
+        models: dict[str, Any] = {"policy": self.policy}
+        objects: dict[str, Any] = {"optimizer": self.optimizer, "scheduler": self.scheduler}
+        if self.critic is not None:
+            models["critic"] = self.critic
+            objects.update(critic_optimizer=self.critic_optimizer, critic_scheduler=self.critic_scheduler)
+        state = {
+            "step": self.step,
+            "batcher": self.batcher.state_dict(),
+            "kl_controller": self.kl_ctl.state_dict(),
+            "eval_history": self.eval_history,
+            "algorithm": self.cfg.algorithm,
+        }
+        self.last_checkpoint = save_checkpoint(
+            checkpoint_dir(self.out, self.step), models=models, tokenizer=self.tokenizer, objects=objects, state=state,
+            keep=self.cfg.keep_checkpoints,
+        )
+        return self.last_checkpoint
+
+    def _load_checkpoint(self, directory: Path) -> None:
+        state, objects, rng = load_checkpoint_state(directory)
+        if state.get("algorithm") != self.cfg.algorithm:
+            raise ValueError(f"resume: the checkpoint was written by algorithm {state.get('algorithm')!r}, this run is {self.cfg.algorithm!r}")
+        self.optimizer.load_state_dict(objects["optimizer"])
+        self.scheduler.load_state_dict(objects["scheduler"])
+        if self.critic is not None:
+            self.critic_optimizer.load_state_dict(objects["critic_optimizer"])
+            self.critic_scheduler.load_state_dict(objects["critic_scheduler"])
+        self.batcher.load_state_dict(state["batcher"])
+        self.kl_ctl.load_state_dict(state["kl_controller"])
+        self.eval_history = list(state.get("eval_history", []))
+        self.step = int(state["step"])
+        self.last_checkpoint = directory
+        set_rng_state(rng)
+
+    # ================================================================== the run
+    def train(self) -> TrainResult:
+        cfg = self.cfg
+        self.logger = MetricsLogger(self.out, total_steps=cfg.steps, tensorboard=cfg.tensorboard, progress=cfg.progress, start_step=self.step)
+        try:
+            if self.sft_metrics:
+                self.logger.log_eval(self.step, self.sft_metrics)
+            if cfg.eval_every and self.step == 0:
+                self._run_eval()
+            while self.step < cfg.steps:
+                metrics = self.train_step()
+                self.logger.log(self.step, metrics, extra={"reward/histogram": self._reward_histogram})
+                if cfg.eval_every and (self.step % cfg.eval_every == 0 or self.step == cfg.steps):
+                    self._run_eval()
+                if cfg.save_every and self.step % cfg.save_every == 0 and self.step < cfg.steps:
+                    self.save_checkpoint()
+            self.save_checkpoint()
+            final = self.out / "final"
+            self.policy.save_pretrained(final, safe_serialization=True)
+            self.tokenizer.save_pretrained(final)
+            if self.critic is not None:
+                self.critic.save(self.out / "final_critic")
+            summary = {"steps": self.step, "eval_history": self.eval_history, "final_model": str(final)}
+            (self.out / "summary.json").write_text(json.dumps(summary, indent=1))
+            return TrainResult(self.out, self.step, list(self.eval_history), final)
+        finally:
+            self.logger.close()
+
+    def _run_eval(self) -> None:
+        if not self.eval_rows:
+            return
+        metrics = self.evaluate()
+        metrics["step"] = float(self.step)
+        if not self.eval_history or self.eval_history[-1].get("step") != float(self.step):
+            self.eval_history.append(metrics)
+        if self.logger is not None:
+            self.logger.log_eval(self.step, metrics)
+
+    def close(self) -> None:
+        self.rewards.close()
+        if hasattr(self.sampler, "close"):
+            self.sampler.close()
+
+    def __enter__(self) -> "Trainer":
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self.close()
+
+
+_METRIC_NAMES = {
+    "pg_loss": "loss/pg", "clip_frac": "loss/clip_frac", "clip_frac_low": "loss/clip_frac_low",
+    "clip_frac_high": "loss/clip_frac_high", "dual_clip_frac": "loss/dual_clip_frac", "approx_kl": "kl/approx_old",
+    "ratio_mean": "ratio/mean", "ratio_min": "ratio/min", "ratio_max": "ratio/max", "kl_loss": "loss/kl",
+    "kl_ref_mean": "kl/ref", "entropy_loss": "loss/entropy", "entropy_mean": "entropy/mean",
+    "is_weight_mean": "rollout/is_weight_mean", "critic_loss": "critic/loss", "loss": "loss/total",
+}
+
+
+def _metric_name(name: str) -> str:
+    if name in _METRIC_NAMES:
+        return _METRIC_NAMES[name]
+    if name.startswith("critic_"):
+        return "critic/" + name[len("critic_"):]
+    return "loss/" + name
+
+
+def _merge_rollouts(kept: list[tuple[Rollout, list[int]]], *, group_size: int, limit: int, pad_token_id: int) -> Rollout:
+    """One rollout from the informative groups of several (dynamic sampling), at most ``limit`` groups."""
+    G = group_size
+    prompts, comps, logps, reasons, rows, texts, rewards = [], [], [], [], [], [], []
+    per_fn: dict[str, list[torch.Tensor]] = {}
+    metrics: dict[str, list[float]] = {}
+    stats = RolloutStats()
+    for ro, groups in kept:
+        for name, v in ro.reward_metrics.items():
+            metrics.setdefault(name, []).append(v)
+        for f in ("prefill_tokens_computed", "prefix_tokens_reused", "generated_tokens", "seconds"):
+            setattr(stats, f, getattr(stats, f) + getattr(ro.batch.stats, f))
+        for g in groups:
+            if len(rows) == limit:
+                break
+            rows.append(ro.rows[g])
+            prompts.append(ro.batch.prompt_ids[g])
+            sl = slice(g * G, (g + 1) * G)
+            comps.extend(ro.batch.completion_ids[sl])
+            logps.extend(ro.batch.completion_logp[sl])
+            reasons.extend(ro.batch.finish_reasons[sl])
+            texts.extend(ro.completions[sl])
+            rewards.append(ro.rewards[sl])
+            for name, v in ro.per_function.items():
+                per_fn.setdefault(name, []).append(v[sl])
+    stats.prompts, stats.samples = len(prompts), len(comps)
+    batch = RolloutBatch.from_samples(prompts, comps, logps, reasons, group_size=G, pad_token_id=pad_token_id, stats=stats)
+    return Rollout(
+        batch, rows, texts, torch.cat(rewards),
+        {k: sum(v) / len(v) for k, v in metrics.items()},
+        {k: torch.cat(v) for k, v in per_fn.items()},
+    )

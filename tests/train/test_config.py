@@ -1,0 +1,106 @@
+"""TrainConfig presets, validation and the generated command line."""
+
+import dataclasses
+
+import pytest
+import yaml
+
+from fastrl.config import PolicyLossConfig
+from fastrl.train.cli import build_train_parser, parse_train_args
+from fastrl.train.config import ALGORITHM_PRESETS, ALGORITHMS, TrainConfig
+
+
+@pytest.mark.parametrize("algorithm", ALGORITHMS)
+def test_presets_map_onto_op_presets(algorithm):
+    cfg = TrainConfig(algorithm=algorithm).resolved()
+    preset = ALGORITHM_PRESETS[algorithm]
+    loss = cfg.policy_loss_config()
+    expected = PolicyLossConfig.preset(preset.loss_preset)
+    for name in ("ratio_level", "clip_low", "clip_high", "loss_agg"):
+        assert getattr(loss, name) == getattr(expected, name), name
+    assert cfg.advantage_mode == preset.advantage
+    assert cfg.uses_critic == (algorithm == "ppo")
+    assert cfg.dynamic_sampling == (algorithm == "dapo")
+    assert loss.kl_coef == preset.kl_coef
+
+
+def test_dr_grpo_norm_length_is_the_longest_completion():
+    loss = TrainConfig(algorithm="dr_grpo", max_new_tokens=37).resolved().policy_loss_config()
+    assert loss.loss_agg == "seq-mean-token-sum-norm" and loss.norm_length == 37.0
+
+
+def test_explicit_fields_override_the_preset():
+    cfg = TrainConfig(algorithm="grpo", clip_high=0.28, kl_coef=0.0, advantage_mode="rloo").resolved()
+    assert cfg.policy_loss_config().clip_high == 0.28
+    assert cfg.policy_loss_config().kl_coef == 0.0 and not cfg.uses_reference
+    assert cfg.advantage_mode == "rloo"
+
+
+def test_kl_in_reward_moves_beta_out_of_the_loss():
+    cfg = TrainConfig(algorithm="ppo", kl_coef=0.1, kl_in_reward=True).resolved()
+    assert cfg.policy_loss_config().kl_coef == 0.0 and cfg.uses_reference
+
+
+@pytest.mark.parametrize(
+    "changes, needle",
+    [
+        (dict(group_size=1), "group_size"),
+        (dict(lr=-1.0), "lr"),
+        (dict(lr=float("nan")), "lr"),
+        (dict(algorithm="sac"), "algorithm"),
+        (dict(advantage_mode="mean"), "advantage_mode"),
+        (dict(reward_weights=[1.0, 2.0]), "reward_weights"),
+        (dict(rollout_correction="bypass", ppo_epochs=2), "bypass"),
+        (dict(kl_target=1.0, kl_coef=0.0), "kl_target"),
+        (dict(critic_init="/x"), "critic_init"),
+        (dict(loss_agg="sum"), "loss_agg"),
+        (dict(steps=0), "steps"),
+        (dict(adam_betas=[0.9]), "adam_betas"),
+    ],
+)
+def test_bad_options_fail_before_any_work(changes, needle):
+    with pytest.raises(ValueError, match=needle):
+        TrainConfig(**changes).resolved()
+
+
+def test_help_lists_every_option_with_its_doc(capsys):
+    with pytest.raises(SystemExit) as e:
+        build_train_parser().parse_args(["--help"])
+    assert e.value.code == 0
+    text = " ".join(capsys.readouterr().out.split())
+    for f in dataclasses.fields(TrainConfig):
+        assert f"--{f.name}" in text, f.name
+    # attribute docstrings are the help text
+    assert "Completions per prompt (G)." in text
+    assert "Held-out evaluation every N steps" in text
+
+
+def test_yaml_file_plus_overrides(tmp_path):
+    path = tmp_path / "run.yaml"
+    path.write_text(yaml.safe_dump({"algorithm": "dapo", "steps": 7, "lr": 1e-3, "rewards": ["exact_match", "format"],
+                                    "reward_weights": [1.0, 0.1]}))
+    cfg = parse_train_args(["--config", str(path), "--steps", "9"])
+    assert (cfg.algorithm, cfg.steps, cfg.lr) == ("dapo", 9, 1e-3)
+    assert cfg.rewards == ["exact_match", "format"] and cfg.reward_weights == [1.0, 0.1]
+    assert cfg.dynamic_sampling is True  # resolved from the preset
+
+
+@pytest.mark.parametrize("argv", [["--lrr", "1"], ["--algorithm", "sac"], ["--group_size", "x"]])
+def test_unknown_or_bad_options_exit_with_an_error(argv, capsys):
+    with pytest.raises(SystemExit) as e:
+        parse_train_args(argv)
+    assert e.value.code != 0
+
+
+def test_unknown_yaml_key_is_an_error(tmp_path):
+    path = tmp_path / "run.yaml"
+    path.write_text("stepz: 3\n")
+    with pytest.raises(SystemExit):
+        parse_train_args(["--config", str(path)])
+
+
+def test_semantic_errors_from_the_command_line_exit_cleanly(capsys):
+    with pytest.raises(SystemExit) as e:
+        parse_train_args(["--rollout_correction", "bypass", "--ppo_epochs", "2"])
+    assert e.value.code == 2
+    assert "bypass" in capsys.readouterr().err
