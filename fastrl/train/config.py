@@ -37,6 +37,12 @@ class AlgorithmPreset:
     citation: str = ""
 
 
+def _default_task():
+    from fastrl.train.task import DefaultTask
+
+    return DefaultTask()
+
+
 ALGORITHM_PRESETS: dict[str, AlgorithmPreset] = {
     "grpo": AlgorithmPreset("grpo", "grpo", kl_coef=0.04, citation="Shao et al. 2024, arXiv:2402.03300"),
     "dr_grpo": AlgorithmPreset("dr_grpo", "dr_grpo", citation="Liu et al. 2025, arXiv:2503.20783"),
@@ -90,23 +96,25 @@ class TrainConfig:
     """auto (CUDA if available), cpu or cuda[:N]."""
 
     # ------------------------------------------------------------------ built-in task and warm-up
-    task_digits: int = 2
-    """Built-in task: digits per operand of the arithmetic problems."""
-    task_train_size: int = 4000
-    """Built-in task: number of training problems."""
-    task_eval_size: int = 200
-    """Built-in task: number of held-out problems."""
-    model_hidden_size: int = 128
-    """Built-in model: hidden size."""
-    model_layers: int = 2
-    """Built-in model: decoder layers."""
+    task_digits: Optional[int] = None
+    """Built-in task: most digits per operand of the arithmetic problems (None: DefaultTask's)."""
+    task_operations: Optional[str] = None
+    """Built-in task: operations to draw from, any of + - * (None: DefaultTask's)."""
+    task_train_size: Optional[int] = None
+    """Built-in task: number of training problems (None: DefaultTask's)."""
+    task_eval_size: Optional[int] = None
+    """Built-in task: number of held-out problems (None: DefaultTask's)."""
+    model_hidden_size: Optional[int] = None
+    """Built-in model: hidden size (None: DefaultTask's)."""
+    model_layers: Optional[int] = None
+    """Built-in model: decoder layers (None: DefaultTask's)."""
     sft_steps: Optional[int] = None
     """Supervised warm-up steps before RL on the prompt/answer pairs (needs an ``answer`` column).
-    None: a preset number for the built-in model, 0 for a given model."""
-    sft_lr: float = 3e-3
-    """Learning rate of the warm-up."""
-    sft_batch_size: int = 64
-    """Rows per warm-up step."""
+    None: DefaultTask's for the built-in model, 0 for a given model."""
+    sft_lr: Optional[float] = None
+    """Learning rate of the warm-up (None: DefaultTask's)."""
+    sft_batch_size: Optional[int] = None
+    """Rows per warm-up step (None: DefaultTask's)."""
 
     # ------------------------------------------------------------------ rewards
     rewards: list[str] = field(default_factory=lambda: ["exact_match"])
@@ -129,8 +137,8 @@ class TrainConfig:
     """Prompts per RL step (ignored when ``prompt_token_budget`` is set)."""
     prompt_token_budget: Optional[int] = None
     """Batch prompts by tokens instead: (prompt + max_new_tokens) x group_size summed per step."""
-    max_new_tokens: int = 8
-    """Longest completion."""
+    max_new_tokens: Optional[int] = None
+    """Longest completion (None: DefaultTask's on the built-in task, else 256)."""
     temperature: float = 1.0
     """Sampling temperature (the loss uses the same temperature)."""
     top_p: float = 1.0
@@ -225,6 +233,8 @@ class TrainConfig:
     """Checkpoint every N steps (0: only at the end)."""
     keep_checkpoints: int = 2
     """Checkpoints kept on disk (oldest deleted first)."""
+    overwrite: bool = False
+    """Replace an earlier run's outputs in ``output_dir`` (otherwise starting there is an error)."""
     resume: Optional[str] = None
     """Resume from a checkpoint directory, or ``latest`` in ``output_dir``."""
     seed: int = 0
@@ -251,6 +261,18 @@ class TrainConfig:
             c.kl_coef = preset.kl_coef
         if c.dynamic_sampling is None:
             c.dynamic_sampling = preset.dynamic_sampling
+        builtin_task = c.dataset is None and c.model is None
+        default = _default_task()
+        if c.max_new_tokens is None:
+            c.max_new_tokens = default.max_new_tokens if builtin_task else 256
+        for name, value in (("task_digits", default.task.digits), ("task_operations", default.task.operations),
+                            ("task_train_size", default.task.num_train), ("task_eval_size", default.task.num_heldout),
+                            ("model_hidden_size", default.hidden_size), ("model_layers", default.layers),
+                            ("sft_lr", default.sft_lr), ("sft_batch_size", default.sft_batch_size)):
+            if getattr(c, name) is None:
+                setattr(c, name, value)
+        if c.sft_steps is None:
+            c.sft_steps = default.sft_steps if c.model is None else 0
         c.validate()
         return c
 
@@ -297,12 +319,13 @@ class TrainConfig:
             positive_int(name)
         for name in ("eval_every", "save_every", "warmup_steps", "max_resample_rounds", "reward_workers", "kl_horizon"):
             positive_int(name, allow_zero=True)
-        if self.sft_steps is not None:
-            positive_int("sft_steps", allow_zero=True)
+        positive_int("sft_steps", allow_zero=True)
         if self.advantage_mode not in (*GROUP_MODES, "gae"):
             raise ValueError(f"advantage_mode must be one of {(*GROUP_MODES, 'gae')}, got {self.advantage_mode!r}")
         if self.advantage_mode != "gae" and self.group_size < 2:
             raise ValueError(f"group_size must be >= 2 for group advantages ({self.advantage_mode}), got {self.group_size}")
+        if not self.task_operations or set(self.task_operations) - set("+-*"):
+            raise ValueError(f"task_operations must be characters among '+-*', got {self.task_operations!r}")
         for name, low in (("lr", 0.0), ("critic_lr", 0.0), ("sft_lr", 0.0), ("temperature", 0.0), ("reward_timeout", 0.0)):
             v = getattr(self, name)
             if not isinstance(v, (int, float)) or not v > low or v != v or v == float("inf"):
@@ -340,6 +363,10 @@ class TrainConfig:
             raise ValueError(f"critic_init is only used with a critic (algorithm ppo / advantage_mode gae), got {self.advantage_mode}")
         # Build the loss config now so a bad loss option fails before any work.
         self.policy_loss_config()
+
+    @property
+    def builtin_model(self) -> bool:
+        return self.model is None
 
     @property
     def on_policy(self) -> bool:

@@ -152,22 +152,32 @@ class Trainer:
         torch.manual_seed(cfg.seed)
 
         self.resume_dir = resolve_resume(cfg.resume, cfg.output_dir) if cfg.resume else None
+        self.timer = _Timer(self.device)
+        if self.resume_dir is None:
+            self._claim_output_dir()
 
         # ---- model, tokenizer, data
         self.builtin = model is None and cfg.model is None
         self.tokenizer, self.policy = self._load_policy(model, tokenizer)
         data_mod.check_tokenizer_matches_model(self.tokenizer, self.policy)
         self.train_rows, self.eval_rows = self._load_rows(train_rows, eval_rows)
-        self.max_length = int(getattr(self.policy.config, "max_position_embeddings", 0) or 0) or None
-        self.encoded = self._encode_rows(self.train_rows, "dataset")
-        self.eval_encoded = self._encode_rows(self.eval_rows, "eval_dataset") if self.eval_rows else []
+        self.max_length = data_mod.model_context_length(self.policy)
+        if cfg.max_prompt_length is not None:
+            limit = cfg.max_prompt_length + cfg.max_new_tokens
+            self.max_length = limit if self.max_length is None else min(self.max_length, limit)
+        encode = dict(prompt_column=cfg.prompt_column, chat_template=cfg.chat_template, max_new_tokens=cfg.max_new_tokens,
+                      max_length=self.max_length, drop_long_prompts=cfg.drop_long_prompts)
+        train = data_mod.encode_rows(self.tokenizer, self.train_rows, **encode)
+        self.dropped_prompts = len(train.dropped)
+        self.train_rows, self.encoded = train.rows, train.prompt_ids
+        self.eval_encoded: list[list[int]] = []
+        if self.eval_rows:
+            held_out = data_mod.encode_rows(self.tokenizer, self.eval_rows, **encode)
+            self.eval_rows, self.eval_encoded = held_out.rows, held_out.prompt_ids
         self.batcher = data_mod.PromptBatcher(
-            len(self.encoded),
-            prompt_lengths=[len(ids) for ids in self.encoded],
-            prompts_per_batch=cfg.prompts_per_step,
-            token_budget=cfg.prompt_token_budget,
-            tokens_per_prompt_extra=cfg.max_new_tokens,
-            group_size=cfg.group_size,
+            self.train_rows, self.encoded,
+            batch_size=None if cfg.prompt_token_budget else cfg.prompts_per_step,
+            token_budget=cfg.prompt_token_budget, group_size=cfg.group_size, max_new_tokens=cfg.max_new_tokens,
             seed=cfg.seed,
         )
 
@@ -183,19 +193,22 @@ class Trainer:
 
         # ---- warm-up (not on resume: the checkpoint has the warmed-up policy)
         self.sft_metrics: dict[str, float] = {}
-        sft_steps = cfg.sft_steps if cfg.sft_steps is not None else (self._builtin_sft_steps() if self.builtin else 0)
+        sft_steps = cfg.sft_steps
         if sft_steps and self.resume_dir is None:
             from fastrl.train.sft import sft_warmup
 
             if not all("answer" in r for r in self.train_rows):
                 raise ValueError("sft_steps > 0 needs an 'answer' column in the dataset (the warm-up targets)")
-            t0 = time.perf_counter()
-            self.sft_metrics = sft_warmup(
+            result = sft_warmup(
                 self.policy, self.tokenizer, self.train_rows, steps=sft_steps, lr=cfg.sft_lr,
                 batch_size=cfg.sft_batch_size, seed=cfg.seed, prompt_column=cfg.prompt_column,
                 chat_template=cfg.chat_template,
             )
-            self.sft_metrics["sft/seconds"] = time.perf_counter() - t0
+            self.policy.train()
+            self.sft_metrics = {
+                "sft/steps": float(result["steps"]), "sft/first_loss": float(result["first_loss"]),
+                "sft/final_loss": float(result["final_loss"]), "sft/seconds": float(result["seconds"]),
+            }
 
         # ---- reference policy (frozen), critic, optimizers
         self.reference = None
@@ -234,10 +247,21 @@ class Trainer:
         self._write_config()
 
     # ================================================================== setup helpers
-    def _builtin_sft_steps(self) -> int:
-        from fastrl.train.task import DEFAULT_TASK
+    def _claim_output_dir(self) -> None:
+        """A new run never mixes its logs or checkpoints with an earlier run's."""
+        previous = [self.out / n for n in ("metrics.jsonl", "checkpoints", "reference", "final", "samples.txt", "tensorboard",
+                                           "sampler_init", "final_critic", "summary.json") if (self.out / n).exists()]
+        if not previous:
+            return
+        if not self.cfg.overwrite:
+            raise ValueError(
+                f"output_dir {str(self.out)!r} already holds a run ({', '.join(p.name for p in previous)}): pass "
+                "resume=latest to continue it, overwrite=true to replace it, or choose another output_dir"
+            )
+        import shutil
 
-        return DEFAULT_TASK.sft_steps
+        for p in previous:
+            shutil.rmtree(p) if p.is_dir() else p.unlink()
 
     def _load_policy(self, model, tokenizer):
         import transformers
@@ -254,10 +278,14 @@ class Trainer:
                 raise ValueError("a model passed to Trainer needs its tokenizer too (tokenizer=...)")
             return tokenizer, model.to(self.device).train()
         if cfg.model is None:
-            from fastrl.train.task import builtin_tokenizer, tiny_model
+            from fastrl.train.task import DefaultTask, char_tokenizer, tiny_model
 
-            tok = builtin_tokenizer()
-            policy = tiny_model(tok, hidden_size=cfg.model_hidden_size, layers=cfg.model_layers, seed=cfg.seed)
+            default = DefaultTask()
+            tok = char_tokenizer()
+            policy = tiny_model(
+                tok, hidden_size=cfg.model_hidden_size, layers=cfg.model_layers, heads=default.heads, arch=default.arch,
+                max_position_embeddings=default.max_position_embeddings, seed=cfg.seed,
+            )
             return tok, policy.to(self.device).train()
         tok = transformers.AutoTokenizer.from_pretrained(cfg.tokenizer or cfg.model)
         policy = transformers.AutoModelForCausalLM.from_pretrained(cfg.model, torch_dtype=torch.float32)
@@ -271,11 +299,13 @@ class Trainer:
             train = [dict(r) for r in train_rows]
             evals = [dict(r) for r in eval_rows] if eval_rows is not None else []
         elif cfg.dataset is None:
-            from fastrl.train.task import arithmetic_task
+            from fastrl.train.task import ArithmeticTask
 
-            train, evals = arithmetic_task(
-                n_train=cfg.task_train_size, n_eval=cfg.task_eval_size, digits=cfg.task_digits, seed=cfg.seed
+            task = ArithmeticTask(
+                digits=cfg.task_digits, operations=cfg.task_operations, num_train=cfg.task_train_size,
+                num_heldout=cfg.task_eval_size, seed=cfg.seed,
             )
+            train, evals = task.train_rows(), task.heldout_rows()
         else:
             train = data_mod.load_rows(cfg.dataset, split=cfg.dataset_split, prompt_column=cfg.prompt_column)
             if cfg.eval_dataset is not None:
@@ -292,35 +322,6 @@ class Trainer:
             if cfg.prompt_column not in r:
                 raise ValueError(f"dataset rows have no {cfg.prompt_column!r} column (columns: {sorted(r)})")
         return train, evals[: cfg.eval_prompts]
-
-    def _encode_rows(self, rows, what: str) -> list[list[int]]:
-        from fastrl.train import data as data_mod
-
-        cfg = self.cfg
-        encoded = [data_mod.encode_prompt(self.tokenizer, r[cfg.prompt_column], chat_template=cfg.chat_template) for r in rows]
-        limit = cfg.max_prompt_length
-        if self.max_length is not None:
-            fit = self.max_length - cfg.max_new_tokens
-            if fit < 1:
-                raise ValueError(f"max_new_tokens={cfg.max_new_tokens} leaves no room for a prompt in the model's context of {self.max_length}")
-            limit = fit if limit is None else min(limit, fit)
-        if limit is not None:
-            too_long = [i for i, ids in enumerate(encoded) if len(ids) > limit]
-            if too_long and not cfg.drop_long_prompts:
-                i = too_long[0]
-                raise ValueError(
-                    f"{what}: {len(too_long)} prompt(s) longer than {limit} tokens (the model's context {self.max_length} "
-                    f"minus max_new_tokens {cfg.max_new_tokens}, or max_prompt_length); row {i} has {len(encoded[i])}. "
-                    "Shorten them, raise the limit, or set drop_long_prompts"
-                )
-            if too_long:
-                keep = [i for i in range(len(rows)) if i not in set(too_long)]
-                rows[:] = [rows[i] for i in keep]
-                encoded = [encoded[i] for i in keep]
-                self.dropped_prompts = getattr(self, "dropped_prompts", 0) + len(too_long)
-                if not rows:
-                    raise ValueError(f"{what}: every prompt is longer than {limit} tokens")
-        return encoded
 
     def _load_reference(self) -> torch.nn.Module:
         import transformers
@@ -375,11 +376,10 @@ class Trainer:
             seed=(cfg.seed * 1_000_003 + self.step * 101 + salt) % (2**31),
         )
 
-    def _rollout(self, prompt_indices: list[int], *, salt: int) -> Rollout:
+    def _rollout(self, prompt_batch, *, salt: int) -> Rollout:
         cfg = self.cfg
         G = cfg.group_size
-        rows = [self.train_rows[i] for i in prompt_indices]
-        prompts = [self.encoded[i] for i in prompt_indices]
+        rows, prompts = prompt_batch.rows, prompt_batch.prompt_ids
         with self.timer("generate"):
             batch = self.sampler.generate(prompts, group_size=G, sampling=self._sampling(salt=salt))
         with self.timer("reward"):
@@ -398,7 +398,7 @@ class Trainer:
         """Roll out one step's prompts; with dynamic sampling, drop all-equal groups and refill."""
         cfg = self.cfg
         G = cfg.group_size
-        first = self._rollout(self.batcher.next_batch(), salt=0)
+        first = self._rollout(next(self.batcher), salt=0)
         info = {"dynamic/rounds": 0.0, "dynamic/dropped_groups": 0.0}
         if not cfg.dynamic_sampling:
             return first, info
@@ -416,7 +416,7 @@ class Trainer:
             info["dynamic/rounds"] = float(round_)
             if n_kept >= target or round_ == cfg.max_resample_rounds:
                 break
-            current = self._rollout(self.batcher.next_batch(), salt=round_ + 1)
+            current = self._rollout(next(self.batcher), salt=round_ + 1)
         info["dynamic/dropped_groups"] = float(dropped)
         if n_kept == 0:
             # nothing informative: train on the first batch (all advantages are 0; the step only logs)
@@ -511,40 +511,10 @@ class Trainer:
 
         # ---- advantages
         with self.timer("advantages"):
-            beta = self.kl_ctl.value
-            token_kl = None
-            if ref_logp is not None:
-                behaviour = old_logp if old_logp is not None else sampler_logp
-                token_kl = kl_penalty(behaviour, ref_logp, estimator=cfg.kl_estimator) * mask
-                seq_kl = token_kl.sum(1)
-                metrics["kl/ref_seq"] = float(seq_kl.mean())
-                metrics["kl/coef"] = beta
-            adv_stats: dict[str, torch.Tensor] = {}
-            old_values = returns = None
-            if cfg.uses_critic:
-                token_rewards = torch.zeros(B, T - 1, device=self.device)
-                last = (mask.cumsum(1) == mask.sum(1, keepdim=True)) & (mask > 0)
-                token_rewards[last] = outcome[last.any(1)]
-                if cfg.kl_in_reward and token_kl is not None:
-                    token_rewards = token_rewards - beta * token_kl
-                with self.timer("values"):
-                    old_values = self._critic_values(batch)
-                advantages, returns = gae(
-                    token_rewards, old_values, mask, gamma=cfg.gamma, lam=cfg.lam, whiten=cfg.whiten_advantages
-                )
-                group_stats = group_advantages(outcome, batch.group_ids.to(self.device), mode="dr_grpo")[1]
-                adv_stats = group_stats
-            else:
-                shaped = outcome
-                if cfg.kl_in_reward and token_kl is not None:
-                    shaped = outcome - beta * token_kl.sum(1)
-                advantages, adv_stats = group_advantages(shaped, batch.group_ids.to(self.device), mode=cfg.advantage_mode)
-            adv_tok = advantages if advantages.dim() == 2 else advantages[:, None].expand(B, T - 1)
-            n_tok = mask.sum().clamp(min=1)
-            metrics["advantage/mean"] = float((adv_tok * mask).sum() / n_tok)
-            metrics["advantage/std"] = float(((adv_tok - metrics["advantage/mean"]) ** 2 * mask).sum().div(n_tok).sqrt())
-            metrics["groups/frac_all_equal"] = float(adv_stats["frac_all_equal_groups"])
-            metrics["groups/effective_ratio"] = float(adv_stats["effective_group_ratio"])
+            advantages, returns, old_values, token_kl, adv_metrics = self.compute_advantages(
+                batch, outcome, mask, old_logp=old_logp, ref_logp=ref_logp, sampler_logp=sampler_logp
+            )
+        metrics.update(adv_metrics)
 
         # ---- update
         with self.timer("update"):
@@ -570,6 +540,54 @@ class Trainer:
         metrics["memory/peak_gb"] = peak_memory_bytes(self.device) / 2**30
         metrics["lr"] = self.scheduler.get_last_lr()[0]
         return metrics
+
+    def compute_advantages(self, batch: RolloutBatch, outcome: torch.Tensor, mask: torch.Tensor, *, old_logp, ref_logp, sampler_logp):
+        """Advantages of one rollout: ``group_advantages`` of the (optionally KL-shaped) outcome
+        rewards, or for PPO, GAE over per-token rewards and critic values.
+
+        KL in the reward (``kl_in_reward``): per token ``-beta * KL_t`` with the outcome on the
+        last completion token (PPO); for group estimators, the sequence reward
+        ``outcome - beta * sum_t KL_t``. ``KL_t`` is the chosen estimator between the
+        behaviour policy (old log-probs, or the sampler's) and the reference.
+
+        Returns ``(advantages [B] or [B, T-1], returns | None, old_values | None, token_kl | None, metrics)``.
+        """
+        cfg = self.cfg
+        B, Tm1 = mask.shape
+        metrics: dict[str, float] = {}
+        beta = self.kl_ctl.value
+        token_kl = None
+        if ref_logp is not None:
+            behaviour = old_logp if old_logp is not None else sampler_logp
+            token_kl = torch.where(mask > 0, kl_penalty(behaviour, ref_logp, estimator=cfg.kl_estimator), 0.0)
+            metrics["kl/ref_seq"] = float(token_kl.sum(1).mean())
+            metrics["kl/coef"] = beta
+        group_ids = batch.group_ids.to(self.device)
+        old_values = returns = None
+        if cfg.uses_critic:
+            token_rewards = torch.zeros(B, Tm1, device=self.device)
+            last = (mask.cumsum(1) == mask.sum(1, keepdim=True)) & (mask > 0)
+            token_rewards[last] = outcome[last.any(1)]
+            if cfg.kl_in_reward and token_kl is not None:
+                token_rewards = token_rewards - beta * token_kl
+            with self.timer("values"):
+                old_values = self._critic_values(batch)
+            advantages, returns = gae(token_rewards, old_values, mask, gamma=cfg.gamma, lam=cfg.lam, whiten=cfg.whiten_advantages)
+            # group statistics for monitoring only (how many prompts carry signal)
+            adv_stats = group_advantages(outcome, group_ids, mode="dr_grpo")[1]
+        else:
+            shaped = outcome
+            if cfg.kl_in_reward and token_kl is not None:
+                shaped = outcome - beta * token_kl.sum(1)
+            advantages, adv_stats = group_advantages(shaped, group_ids, mode=cfg.advantage_mode)
+        adv_tok = advantages if advantages.dim() == 2 else advantages[:, None].expand(B, Tm1)
+        n_tok = mask.sum().clamp(min=1)
+        mean = (adv_tok * mask).sum() / n_tok
+        metrics["advantage/mean"] = float(mean)
+        metrics["advantage/std"] = float(((adv_tok - mean) ** 2 * mask).sum().div(n_tok).sqrt())
+        metrics["groups/frac_all_equal"] = float(adv_stats["frac_all_equal_groups"])
+        metrics["groups/effective_ratio"] = float(adv_stats["effective_group_ratio"])
+        return advantages, returns, old_values, token_kl, metrics
 
     def _update(self, batch, mask, advantages, old_logp, ref_logp, sampler_logp, old_values, returns) -> dict[str, float]:
         cfg = self.cfg
@@ -603,7 +621,7 @@ class Trainer:
                         entropy=entropy,
                         rollout_logp=sampler_logp[r, cols] if cfg.rollout_correction == "is" else None,
                         config=self.loss_config if not self.loss_config.kl_coef else self.loss_config.replace(kl_coef=self.kl_ctl.value),
-                        global_token_count=tokens, global_seq_count=seqs,
+                        **self._global_count(tokens, seqs),
                     )
                     if self.critic is not None:
                         with self._autocast():
@@ -653,6 +671,12 @@ class Trainer:
             out["critic/grad_norm"] = max(critic_grad_norms) if critic_grad_norms else 0.0
             out["critic/explained_variance"] = float(explained_variance(old_values, returns, mask))
         return out
+
+    def _global_count(self, tokens: torch.Tensor, seqs: torch.Tensor) -> dict[str, torch.Tensor]:
+        """The mini-batch's denominator for the loss's aggregation, so micro-batches add up to it."""
+        if self.loss_config.loss_agg == "token-mean":
+            return {"global_token_count": tokens}
+        return {"global_seq_count": seqs}
 
     def _diverged(self, batch: RolloutBatch, what: str, loss: float, grad_norm: float) -> None:
         path = self.out / f"diverged-step-{self.step:06d}.pt"
@@ -706,7 +730,7 @@ class Trainer:
         metrics["rollout/prefill_tokens"] = float(batch.stats.prefill_tokens_computed)
         self._reward_histogram = histogram(r)
         best, worst = int(r.argmax()), int(r.argmin())
-        if getattr(self, "dropped_prompts", 0):
+        if self.dropped_prompts:
             metrics["data/dropped_long_prompts"] = float(self.dropped_prompts)
         if self.logger is None:
             return
