@@ -70,7 +70,7 @@ class ValueModel(nn.Module):
         directory = Path(directory)
         if not (directory / "config.json").exists():
             raise ValueError(f"critic_init {str(directory)!r} is not a model directory (no config.json)")
-        body = transformers.AutoModelForCausalLM.from_pretrained(directory, torch_dtype=dtype).to(device)
+        body = transformers.AutoModelForCausalLM.from_pretrained(directory, dtype=dtype).to(device)
         critic = cls(body)
         head = directory / VALUE_HEAD_FILE
         if head.exists():

@@ -271,7 +271,7 @@ class Trainer:
             # the checkpoint holds the policy (after warm-up and the steps so far)
             path = self.resume_dir / "policy"
             tok = tokenizer or transformers.AutoTokenizer.from_pretrained(path)
-            policy = transformers.AutoModelForCausalLM.from_pretrained(path, torch_dtype=torch.float32)
+            policy = transformers.AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32)
             return tok, policy.to(self.device).train()
         if model is not None:
             if tokenizer is None:
@@ -288,7 +288,7 @@ class Trainer:
             )
             return tok, policy.to(self.device).train()
         tok = transformers.AutoTokenizer.from_pretrained(cfg.tokenizer or cfg.model)
-        policy = transformers.AutoModelForCausalLM.from_pretrained(cfg.model, torch_dtype=torch.float32)
+        policy = transformers.AutoModelForCausalLM.from_pretrained(cfg.model, dtype=torch.float32)
         return tok, policy.to(self.device).train()
 
     def _load_rows(self, train_rows, eval_rows):
@@ -330,7 +330,7 @@ class Trainer:
         if self.resume_dir is not None:
             if not (path / "config.json").exists():
                 raise ValueError(f"resume: the reference policy of this run is missing ({path})")
-            ref = transformers.AutoModelForCausalLM.from_pretrained(path, torch_dtype=torch.float32).to(self.device)
+            ref = transformers.AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32).to(self.device)
         else:
             ref = copy.deepcopy(self.policy)
             # saved once so a resumed run keeps the same reference (the policy at the start of RL)
@@ -820,15 +820,21 @@ class Trainer:
         set_rng_state(rng)
 
     # ================================================================== the run
-    def train(self) -> TrainResult:
+    def train(self, *, stop_after: int | None = None) -> TrainResult:
+        """Run to ``config.steps``; evaluate, log and checkpoint on the way; save the final model.
+
+        ``stop_after=n`` pauses after step ``n`` instead (a checkpoint is written, no final
+        model): the run continues from there with ``resume``, exactly as if uninterrupted.
+        """
         cfg = self.cfg
+        end = cfg.steps if stop_after is None else min(cfg.steps, stop_after)
         self.logger = MetricsLogger(self.out, total_steps=cfg.steps, tensorboard=cfg.tensorboard, progress=cfg.progress, start_step=self.step)
         try:
             if self.sft_metrics:
                 self.logger.log_eval(self.step, self.sft_metrics)
             if cfg.eval_every and self.step == 0:
                 self._run_eval()
-            while self.step < cfg.steps:
+            while self.step < end:
                 metrics = self.train_step()
                 self.logger.log(self.step, metrics, extra={"reward/histogram": self._reward_histogram})
                 if cfg.eval_every and (self.step % cfg.eval_every == 0 or self.step == cfg.steps):
@@ -836,6 +842,8 @@ class Trainer:
                 if cfg.save_every and self.step % cfg.save_every == 0 and self.step < cfg.steps:
                     self.save_checkpoint()
             self.save_checkpoint()
+            if self.step < cfg.steps:
+                return TrainResult(self.out, self.step, list(self.eval_history), None)
             final = self.out / "final"
             self.policy.save_pretrained(final, safe_serialization=True)
             self.tokenizer.save_pretrained(final)
