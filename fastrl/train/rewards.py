@@ -428,7 +428,9 @@ def resolve_reward(spec: str | Callable) -> tuple[str, RewardFunction]:
 
 _OK, _RAISED, _INVALID, _TIMEOUT, _CRASHED = "ok", "raised", "invalid", "timeout", "crashed"
 _FAILURE_KINDS = (_RAISED, _TIMEOUT, _CRASHED, _INVALID)
+_STARTUP_TIMEOUT_S = 60.0  # a worker's first message (spawn: after importing torch and the functions)
 _RESERVED_KWARGS = ("prompts", "completions", "completion_ids", "trainer_state", "log_metric", "log_extra")
+_SHARED_KWARGS = ("trainer_state",)  # the same object for every chunk; everything else is per sample
 _DROPPED_COLUMNS = ("prompt", "completion", "completion_ids")
 
 
@@ -491,17 +493,25 @@ def _call_reward(function: RewardFunction, prompts: list[str], completions: list
     return _Outcome(_OK, values=values, user_metrics=user_metrics, extra_columns=extra_columns)
 
 
-def _worker_main(connection: Any, functions_payload: Any, parent_pid: int) -> None:
-    """Worker loop: receive ``(task_id, function_index, prompts, completions, kwargs)``, reply
-    ``(task_id, outcome)``; ``None`` stops it. Exits when the parent process is gone."""
+def _worker_main(connection: Any, functions_payload: Any) -> None:
+    """Worker loop: say ``("ready", None)`` (or ``("failed", why)``), then receive
+    ``(task_id, function_index, prompts, completions, kwargs)`` and reply ``(task_id, outcome)``;
+    ``None`` stops it. Exits when its parent process is gone (the trainer, or for
+    ``forkserver`` the server, which exits with the trainer)."""
     signal.signal(signal.SIGINT, signal.SIG_IGN)
     signal.signal(signal.SIGTERM, signal.SIG_DFL)
-    if isinstance(functions_payload, bytes):
-        import cloudpickle
+    parent_pid = os.getppid()
+    try:
+        if isinstance(functions_payload, bytes):
+            import cloudpickle
 
-        functions = cloudpickle.loads(functions_payload)
-    else:
-        functions = functions_payload
+            functions = cloudpickle.loads(functions_payload)
+        else:
+            functions = functions_payload
+    except Exception as error:
+        connection.send(("failed", f"loading the reward functions failed: {type(error).__name__}: {error}"))
+        return
+    connection.send(("ready", None))
     while True:
         try:
             if not connection.poll(1.0):
@@ -534,7 +544,7 @@ class _Worker:
     def __init__(self, context: Any, payload: Any) -> None:
         parent_end, child_end = context.Pipe(duplex=True)
         self.process = context.Process(
-            target=_worker_main, args=(child_end, payload, os.getpid()), daemon=True, name="fastrl-reward-worker"
+            target=_worker_main, args=(child_end, payload), daemon=True, name="fastrl-reward-worker"
         )
         with warnings.catch_warnings():  # Python >= 3.12 warns about forking a threaded process
             warnings.simplefilter("ignore", DeprecationWarning)
@@ -542,6 +552,17 @@ class _Worker:
         child_end.close()
         self.connection = parent_end
         self.task: tuple[int, int, float] | None = None  # (task index, task id, deadline)
+
+    def wait_ready(self, timeout_s: float) -> str | None:
+        """``None`` once the worker has loaded the functions, else why it did not."""
+        try:
+            if not self.connection.poll(timeout_s):
+                return f"the worker did not start within {timeout_s:g} s"
+            status, message = self.connection.recv()
+        except (EOFError, OSError):
+            self.process.join(timeout=1.0)
+            return _death_message(self)
+        return None if status == "ready" else message
 
     def kill(self) -> None:
         """SIGKILL and reap (no zombie left)."""
@@ -662,7 +683,11 @@ class RewardPool:
             self._context = multiprocessing.get_context(start_method)
             self._payload = self.functions if start_method == "fork" else self._pickled_functions()
             self._finalizer = weakref.finalize(self, _shutdown, self._workers)
-            self._start_missing_workers()
+            try:
+                self._start_missing_workers(raise_errors=True)
+            except BaseException:
+                self.close()
+                raise
 
     # ------------------------------------------------------------------ setup helpers
     def _unique_names(self, names: list[str]) -> list[str]:
@@ -695,8 +720,13 @@ class RewardPool:
         except Exception as error:
             raise ValueError(f"the reward functions {self.names} could not be pickled for {self.start_method!r} workers: {error}") from error
 
-    def _start_missing_workers(self) -> None:
-        """Fill empty slots and replace idle workers that died (busy ones are handled by _collect)."""
+    def _start_missing_workers(self, *, raise_errors: bool = False) -> None:
+        """Fill empty slots and replace idle workers that died (busy ones are handled by _collect).
+
+        A worker counts once it has loaded the functions, so a slow start (``spawn`` imports
+        torch) never eats into a task's time limit. One that cannot start leaves its slot
+        empty (retried on the next call) or, with ``raise_errors``, raises ``ValueError``."""
+        started: list[tuple[int, _Worker]] = []
         for slot, worker in enumerate(self._workers):
             if worker is not None and (worker.task is not None or worker.process.is_alive()):
                 continue
@@ -704,9 +734,21 @@ class RewardPool:
                 worker.kill()
                 self._workers[slot] = None
             try:
-                self._workers[slot] = _Worker(self._context, self._payload)
-            except OSError as error:  # fork failed (out of memory, process limit): retried next time
-                logger.warning("could not start a reward worker: %s", error)
+                started.append((slot, _Worker(self._context, self._payload)))
+            except OSError as error:  # fork failed (out of memory, process limit)
+                problem = f"could not start a reward worker: {error}"
+                if raise_errors:
+                    raise ValueError(problem) from error
+                logger.warning(problem)
+        for slot, worker in started:
+            problem = worker.wait_ready(_STARTUP_TIMEOUT_S)
+            if problem is None:
+                self._workers[slot] = worker
+                continue
+            worker.kill()
+            if raise_errors:
+                raise ValueError(f"reward worker for {self.names} could not start: {problem}")
+            logger.warning("reward worker could not start: %s", problem)
 
     @property
     def worker_pids(self) -> list[int]:
@@ -811,7 +853,10 @@ class RewardPool:
             raise ValueError(f"prompts has {len(prompts)} entries for {count} completions")
         if completion_ids is not None and len(completion_ids) != count:
             raise ValueError(f"completion_ids has {len(completion_ids)} entries for {count} completions")
-        kwargs: dict[str, Any] = {"completion_ids": completion_ids, "trainer_state": trainer_state}
+        kwargs: dict[str, Any] = {
+            "completion_ids": None if completion_ids is None else list(completion_ids),
+            "trainer_state": trainer_state,
+        }
         for name, values in (columns or {}).items():
             if name in _DROPPED_COLUMNS:
                 continue
@@ -837,7 +882,10 @@ class RewardPool:
         chunks = [(0, len(completions))] if whole else self._chunks(len(completions))
 
         def chunk_kwargs(start: int, stop: int) -> dict[str, Any]:
-            return {key: (value[start:stop] if isinstance(value, list) else value) for key, value in kwargs.items()}
+            return {
+                key: (value[start:stop] if key not in _SHARED_KWARGS and value is not None else value)
+                for key, value in kwargs.items()
+            }
 
         tasks = [
             (function_index, (start, stop))

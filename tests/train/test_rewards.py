@@ -3,6 +3,7 @@ real processes (hangs, exceptions, bad outputs, dying workers, Ctrl-C, shutdown)
 
 from __future__ import annotations
 
+import faulthandler
 import math
 import os
 import signal
@@ -57,6 +58,7 @@ def dies_on_die(prompts, completions, **kwargs):
     if "exit" in completions:
         os._exit(3)
     if "segv" in completions:
+        faulthandler.disable()  # pytest's crash report would go to the terminal, not to capfd
         os.kill(os.getpid(), signal.SIGSEGV)
     return [1.0] * len(completions)
 
@@ -266,14 +268,13 @@ def test_raise_zeroes_only_its_chunk():
 
 
 @pytest.mark.parametrize("how", ["exit", "segv"])
-def test_worker_that_dies_is_counted_and_replaced(how, capfd):
+def test_worker_that_dies_is_counted_and_replaced(how):
     with RewardPool([dies_on_die], num_workers=2, timeout_s=20) as pool:
         result = pool.score(["p"] * 4, ["a", "b", how, "d"])
         assert result.per_function["dies_on_die"].tolist() == [1.0, 1.0, 0.0, 0.0]
         assert result.metrics["reward/dies_on_die/crashed"] == 2.0
         assert ("SIGSEGV" if how == "segv" else "exit code 3") in " ".join(result.errors)
         assert pool.score(["p"] * 2, ["a", "b"]).rewards.tolist() == [1.0, 1.0]
-    capfd.readouterr()  # the crashed worker's faulthandler report
 
 
 @pytest.mark.parametrize("num_workers", [0, 2])
@@ -371,12 +372,18 @@ def test_pool_dropped_without_close_is_cleaned_up():
     assert all(_process_gone(pid) for pid in pids)
 
 
-def test_spawn_start_method_ships_lambdas_with_cloudpickle():
+def test_forkserver_ships_lambdas_and_workers_outlive_an_idle_spell():
+    # Non-fork start methods ship the functions with cloudpickle; a forkserver worker's parent
+    # is the server, which must not read as "the trainer is gone" while the pool sits idle.
     pytest.importorskip("cloudpickle")
     offset = 5.0
-    with RewardPool([lambda prompts, completions, **kwargs: [offset + len(c) for c in completions]],
-                    num_workers=1, timeout_s=60, start_method="spawn") as pool:
+    function = lambda prompts, completions, **kwargs: [offset + len(c) for c in completions]  # noqa: E731
+    with RewardPool([function], num_workers=1, timeout_s=60, start_method="forkserver") as pool:
         assert pool.score(["p"] * 2, ["a", "bb"]).rewards.tolist() == [6.0, 7.0]
+        pid = pool.worker_pids
+        time.sleep(1.5)  # longer than the worker's parent check interval
+        assert pool.score(["p"], ["abc"]).rewards.tolist() == [8.0]
+        assert pool.worker_pids == pid
 
 
 def test_empty_batch():
