@@ -104,7 +104,7 @@ RewardFunction = Callable[..., Sequence[Any]]
 
 _BOXED_COMMANDS = ("\\boxed", "\\fbox")
 _ANSWER_TAG = re.compile(r"<answer>(.*?)</answer>", re.DOTALL | re.IGNORECASE)
-_NUMBER = re.compile(r"-?\d[\d,]*(?:\.\d+)?(?:/\d+)?|-?\.\d+")
+_NUMBER = re.compile(r"-?\d+(?:,\d{3})*(?:\.\d+)?(?:/\d+)?|-?\.\d+")
 
 
 def _last_boxed(text: str) -> str | None:
@@ -482,8 +482,10 @@ def _call_reward(function: RewardFunction, prompts: list[str], completions: list
         extra_columns.setdefault(str(column), []).extend(values)
 
     try:
-        output = function(prompts=prompts, completions=completions, log_metric=log_metric, log_extra=log_extra, **kwargs)
-    except Exception as error:
+        output = function(
+            prompts=prompts, completions=completions, log_metric=log_metric, log_extra=log_extra, **kwargs
+        )
+    except (Exception, SystemExit) as error:  # sys.exit() in reward code must not end the trainer either
         tail = "".join(traceback.format_exception(type(error), error, error.__traceback__)[-3:])
         return _Outcome(_RAISED, message=f"{type(error).__name__}: {error}\n{tail}".strip())
     values, problem = _coerce_rewards(output, len(completions))
@@ -718,7 +720,9 @@ class RewardPool:
         try:
             return cloudpickle.dumps(self.functions)
         except Exception as error:
-            raise ValueError(f"the reward functions {self.names} could not be pickled for {self.start_method!r} workers: {error}") from error
+            raise ValueError(
+                f"the reward functions {self.names} could not be pickled for {self.start_method!r} workers: {error}"
+            ) from error
 
     def _start_missing_workers(self, *, raise_errors: bool = False) -> None:
         """Fill empty slots and replace idle workers that died (busy ones are handled by _collect).
@@ -809,7 +813,8 @@ class RewardPool:
         for name, chunk_outcomes in zip(self.names, outcomes):
             for _, outcome in chunk_outcomes:
                 if outcome.status != _OK:
-                    hint = f" (raise timeout_s above {self.timeout_s:g} s if it is just slow)" if outcome.status == _TIMEOUT else ""
+                    slow = outcome.status == _TIMEOUT
+                    hint = f" (raise timeout_s above {self.timeout_s:g} s if it is just slow)" if slow else ""
                     raise ValueError(
                         f"reward function {name!r} failed on a probe call with {count} dataset rows "
                         f"({outcome.status}){hint}: {outcome.message}"

@@ -76,6 +76,7 @@ def dies_on_die(prompts, completions, **kwargs):
         ("  just 42  ", "text", "just 42"),
         ("x = 3, y = -4.5", "last_number", "-4.5"),
         ("ratio 3/4", "last_number", "3/4"),
+        ("it is 42, so 1,000 then 7, done", "last_number", "7"),  # list commas are not thousands separators
         ("no digits", "last_number", None),
         ("no marker 5", "none", None),
     ],
@@ -314,10 +315,15 @@ def test_invalid_outputs(num_workers):
 
 
 def test_in_process_mode_catches_exceptions():
-    with RewardPool([raises_on_boom, lambda prompts, completions, **kwargs: [2.0] * len(completions)], num_workers=0) as pool:
+    def exits(prompts, completions, **kwargs):
+        sys.exit(2)
+
+    functions = [raises_on_boom, exits, lambda prompts, completions, **kwargs: [2.0] * len(completions)]
+    with RewardPool(functions, num_workers=0) as pool:
         result = pool.score(["p"] * 3, ["a", "boom", "c"])
     assert result.per_function["raises_on_boom"].tolist() == [0.0, 0.0, 0.0]  # one chunk in-process
     assert result.metrics["reward/raises_on_boom/raised"] == 3.0
+    assert result.metrics["reward/exits/raised"] == 3.0 and "SystemExit" in " ".join(result.errors)
     assert result.per_function["lambda"].tolist() == [2.0, 2.0, 2.0]
 
 
