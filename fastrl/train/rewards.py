@@ -42,7 +42,9 @@ that runs in the worker; if the worker ever deadlocks on a lock inherited from a
 thread, the time limit turns that into a counted timeout and a fresh worker. With
 ``"spawn"``/``"forkserver"`` the functions are shipped with ``cloudpickle`` (by value for
 lambdas, closures and functions loaded from ``path/to/file.py``; it must be installed for
-those) and each worker imports torch once. Workers are daemonic, ignore SIGINT (a Ctrl-C is
+those) and each worker imports torch once. Workers run torch with one thread: after a fork,
+torch's multi-threaded ops would hang (its OpenMP pool does not survive a fork), and several
+workers should not compete for the trainer's cores anyway. Workers are daemonic, ignore SIGINT (a Ctrl-C is
 the trainer's to handle; :meth:`RewardPool.close` or the interpreter's exit ends them) and
 exit when the trainer process disappears. A daemonic worker cannot start
 ``multiprocessing`` children of its own (``subprocess`` works).
@@ -503,6 +505,10 @@ def _worker_main(connection: Any, functions_payload: Any) -> None:
     signal.signal(signal.SIGINT, signal.SIG_IGN)
     signal.signal(signal.SIGTERM, signal.SIG_DFL)
     parent_pid = os.getppid()
+    # A forked child inherits torch's intra-op (OpenMP) pool in a broken state: its first
+    # multi-threaded op hangs forever. One thread per worker avoids that (as torch's own
+    # DataLoader workers do) and keeps num_workers processes from oversubscribing the cores.
+    torch.set_num_threads(1)
     try:
         if isinstance(functions_payload, bytes):
             import cloudpickle

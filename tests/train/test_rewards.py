@@ -259,6 +259,27 @@ def test_every_chunk_hanging_returns_in_about_the_limit():
     assert result.metrics["reward/sleeps_on_hang/timeout"] == 6.0
 
 
+def torch_reward(prompts, completions, **kwargs):
+    matrix = torch.full((256, 256), 0.5)
+    return [float((matrix @ matrix)[0, 0]) + len(completion) for completion in completions]
+
+
+def test_torch_ops_in_forked_workers_after_the_trainer_used_threads():
+    # The trainer has run multi-threaded torch ops before the workers fork; without care the
+    # workers' first multi-threaded op deadlocks (every call would time out and score 0).
+    threads = torch.get_num_threads()
+    torch.set_num_threads(2)
+    try:
+        big = torch.randn(512, 512)
+        (big @ big).sum()
+        with RewardPool([torch_reward], num_workers=2, timeout_s=10) as pool:
+            result = pool.score(["p"] * 4, ["a", "bb", "c", "dd"])
+    finally:
+        torch.set_num_threads(threads)
+    assert result.errors == []
+    assert result.rewards.tolist() == [65.0, 66.0, 65.0, 66.0]
+
+
 def test_raise_zeroes_only_its_chunk():
     with RewardPool([raises_on_boom, length_reward], num_workers=2, timeout_s=20) as pool:
         result = pool.score(["p"] * 4, ["a", "boom", "c", "d"])
