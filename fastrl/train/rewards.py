@@ -60,6 +60,7 @@ pattern. Other functions come from ``module.sub:function`` or ``path/to/file.py:
 
 from __future__ import annotations
 
+import asyncio
 import importlib
 import importlib.util
 import inspect
@@ -472,6 +473,10 @@ def _coerce_rewards(output: Any, count: int) -> tuple[list[float | None] | None,
     return values, ""
 
 
+async def _awaited(awaitable: Any) -> Any:
+    return await awaitable
+
+
 def _call_reward(function: RewardFunction, prompts: list[str], completions: list[str], kwargs: dict) -> _Outcome:
     """Call ``function`` on one chunk; every exception and bad output becomes an outcome."""
     user_metrics: dict[str, list[float]] = {}
@@ -487,6 +492,8 @@ def _call_reward(function: RewardFunction, prompts: list[str], completions: list
         output = function(
             prompts=prompts, completions=completions, log_metric=log_metric, log_extra=log_extra, **kwargs
         )
+        if inspect.isawaitable(output):  # an ``async def`` reward (TRL accepts those too)
+            output = asyncio.run(_awaited(output))
     except (Exception, SystemExit) as error:  # sys.exit() in reward code must not end the trainer either
         tail = "".join(traceback.format_exception(type(error), error, error.__traceback__)[-3:])
         return _Outcome(_RAISED, message=f"{type(error).__name__}: {error}\n{tail}".strip())
@@ -537,8 +544,10 @@ def _worker_main(connection: Any, functions_payload: Any) -> None:
             connection.send((task_id, outcome))
         except (EOFError, OSError):
             return
-        except Exception as error:  # something the function logged does not pickle
-            connection.send((task_id, _Outcome(_INVALID, message=f"result could not be sent back: {error}")))
+        except Exception as error:  # something the function logged does not pickle: keep the rewards
+            logger.warning("reward logs dropped, they could not be sent back: %s", error)
+            outcome.user_metrics, outcome.extra_columns = {}, {}
+            connection.send((task_id, outcome))
 
 
 # ---------------------------------------------------------------------------------------

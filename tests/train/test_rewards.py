@@ -6,6 +6,7 @@ from __future__ import annotations
 import faulthandler
 import math
 import os
+import random
 import signal
 import sys
 import threading
@@ -259,6 +260,52 @@ def test_every_chunk_hanging_returns_in_about_the_limit():
     assert result.metrics["reward/sleeps_on_hang/timeout"] == 6.0
 
 
+def scripted(prompts, completions, **kwargs):
+    """Does what each completion says: 'ok:<v>', 'none', 'nan', or the first of raise/exit/hang."""
+    for completion in completions:
+        if completion == "raise":
+            raise ValueError("scripted failure")
+        if completion == "exit":
+            os._exit(1)
+        if completion == "hang":
+            time.sleep(60)
+    special = {"none": None, "nan": math.nan}
+    return [special[c] if c in special else float(c.split(":")[1]) for c in completions]
+
+
+@pytest.mark.parametrize("seed", [0, 1, 2])
+def test_random_mix_of_failures_matches_the_chunk_rule(seed):
+    """Each chunk's first fatal behaviour zeroes that chunk and is counted; the rest per sample."""
+    rng = random.Random(seed)
+    count, workers = 11, 3
+    kinds = ["raise", "exit", "hang", "none", "nan"]
+    completions = [rng.choice(kinds) if rng.random() < 0.35 else f"ok:{rng.randint(-5, 5)}" for _ in range(count)]
+    bounds = [round(index * count / workers) for index in range(workers + 1)]
+    expected = [0.0] * count
+    counts = dict.fromkeys(["raised", "crashed", "timeout", "none", "invalid"], 0)
+    fatal_kind = {"raise": "raised", "exit": "crashed", "hang": "timeout"}
+    for start, stop in zip(bounds, bounds[1:]):
+        chunk = completions[start:stop]
+        fatal = next((c for c in chunk if c in fatal_kind), None)
+        if fatal is not None:
+            counts[fatal_kind[fatal]] += stop - start
+            continue
+        for offset, completion in enumerate(chunk):
+            if completion == "none":
+                counts["none"] += 1
+            elif completion == "nan":
+                counts["invalid"] += 1
+            else:
+                expected[start + offset] = float(completion.split(":")[1])
+    with RewardPool([scripted, length_reward], weights=[1.0, 0.0], num_workers=workers, timeout_s=0.3) as pool:
+        result = pool.score(["p"] * count, completions)
+        assert result.rewards.tolist() == expected
+        assert result.per_function["length_reward"].tolist() == [float(len(c)) for c in completions]
+        for kind, number in counts.items():
+            assert result.metrics[f"reward/scripted/{kind}"] == number, kind
+        assert len(pool.worker_pids) == workers
+
+
 def torch_reward(prompts, completions, **kwargs):
     matrix = torch.full((256, 256), 0.5)
     return [float((matrix @ matrix)[0, 0]) + len(completion) for completion in completions]
@@ -333,6 +380,22 @@ def test_invalid_outputs(num_workers):
         scalars = pool.score(["p"] * 5, ["a", "b", "c", "d", "e"])
         assert scalars.per_function["numpy_and_torch_scalars"].tolist() == [0.5, 3.0, 1.0, -2.0, 1.0]
         assert scalars.metrics["reward/numpy_and_torch_scalars/invalid"] == 0.0
+
+
+async def async_reward(prompts, completions, **kwargs):
+    return [float(len(completion)) for completion in completions]
+
+
+def test_async_reward_and_unpicklable_logs():
+    def logs_a_lock(prompts, completions, log_extra, **kwargs):
+        log_extra("lock", [threading.Lock() for _ in completions])  # cannot travel back to the trainer
+        return [1.0] * len(completions)
+
+    with RewardPool([async_reward, logs_a_lock], num_workers=2, timeout_s=20) as pool:
+        result = pool.score(["p"] * 3, ["a", "bb", "ccc"])
+    assert result.per_function["async_reward"].tolist() == [1.0, 2.0, 3.0]
+    assert result.per_function["logs_a_lock"].tolist() == [1.0, 1.0, 1.0]  # the rewards survive
+    assert "lock" not in result.extra_columns
 
 
 def test_in_process_mode_catches_exceptions():
