@@ -36,22 +36,27 @@ of every function hangs).
 
 **Start method.** Workers are forked where the platform allows (Linux, macOS with
 ``start_method="fork"``): they inherit the functions, so lambdas, closures and functions
-defined in a user's script work without pickling, and a worker starts in milliseconds.
-Forking a process that has threads (torch's, a progress bar's) is safe for the Python code
-that runs in the worker; if the worker ever deadlocks on a lock inherited from another
-thread, the time limit turns that into a counted timeout and a fresh worker. With
-``"spawn"``/``"forkserver"`` the functions are shipped with ``cloudpickle`` (by value for
-lambdas, closures and functions loaded from ``path/to/file.py``; it must be installed for
-those) and each worker imports torch once. Workers run torch with one thread: after a fork,
-torch's multi-threaded ops would hang (its OpenMP pool does not survive a fork), and several
-workers should not compete for the trainer's cores anyway. Workers are daemonic, ignore SIGINT (a Ctrl-C is
-the trainer's to handle; :meth:`RewardPool.close` or the interpreter's exit ends them) and
-exit when the trainer process disappears. A daemonic worker cannot start
-``multiprocessing`` children of its own (``subprocess`` works).
+defined in a user's script work without pickling, and a worker starts in milliseconds
+(about 0.2 s for a trainer holding 2 GB). Forking a process that has threads (torch's, a
+progress bar's) is safe for the Python code that runs in the worker; if a worker ever
+deadlocks on a lock inherited from another thread, the time limit turns that into a counted
+timeout and a fresh worker. Workers run torch with one thread: after a fork, torch's
+multi-threaded CPU ops would hang (its OpenMP pool does not survive a fork), and several
+workers should not compete for the trainer's cores anyway. A forked worker cannot use CUDA
+once the trainer has initialised it; a reward that needs the GPU uses
+``start_method="spawn"`` or ``num_workers=0``. With ``"spawn"``/``"forkserver"`` the
+functions are shipped with ``cloudpickle`` (by value for lambdas, closures and functions
+loaded from ``path/to/file.py``) and each worker imports torch once when it starts; a task
+is only dispatched to a worker that has started, so start-up never counts against
+``timeout_s``. Workers are daemonic, ignore SIGINT (a Ctrl-C is the trainer's to handle;
+the pool kills the workers busy with the interrupted call, and :meth:`RewardPool.close` or
+the interpreter's exit ends the rest) and exit when the trainer process disappears. A
+daemonic worker cannot start ``multiprocessing`` children of its own (``subprocess`` works).
 
 **In-process mode** (``num_workers=0``) calls the functions in the training process, for
-debugging with breakpoints. Exceptions and invalid outputs are still caught and counted,
-but there is no time limit and a function that exits the process ends the run.
+debugging with breakpoints. Exceptions (``sys.exit`` included) and invalid outputs are
+still caught and counted, but there is no time limit, and a function that hangs, calls
+``os._exit`` or crashes the interpreter takes the run with it.
 
 **Built-ins** (names usable from the command line): ``exact_match``, ``math`` and
 ``format`` (see their docstrings); ``format=<regex>`` is a format check with your own
@@ -105,30 +110,40 @@ RewardFunction = Callable[..., Sequence[Any]]
 # Final-answer extraction and the built-in reward functions
 # ---------------------------------------------------------------------------------------
 
-_BOXED_COMMANDS = ("\\boxed", "\\fbox")
-_ANSWER_TAG = re.compile(r"<answer>(.*?)</answer>", re.DOTALL | re.IGNORECASE)
+_BOX_START = re.compile(r"\\(?:boxed|fbox)\{")
+_BRACE = re.compile(r"[{}]")
 _NUMBER = re.compile(r"-?\d+(?:,\d{3})*(?:\.\d+)?(?:/\d+)?|-?\.\d+")
 
 
 def _last_boxed(text: str) -> str | None:
-    """Content of the last ``\\boxed{...}`` (or ``\\fbox{...}``), nested braces balanced."""
-    best_start = -1
-    for command in _BOXED_COMMANDS:
-        best_start = max(best_start, text.rfind(command + "{"))
-    while best_start >= 0:
-        open_brace = text.index("{", best_start)
-        depth = 0
-        for position in range(open_brace, len(text)):
-            char = text[position]
-            if char == "{":
-                depth += 1
-            elif char == "}":
-                depth -= 1
-                if depth == 0:
-                    return text[open_brace + 1 : position]
-        # Unbalanced (truncated completion): fall back to an earlier, complete box.
-        best_start = max(text.rfind(command + "{", 0, best_start) for command in _BOXED_COMMANDS)
+    """Content of the last complete ``\\boxed{...}`` (or ``\\fbox{...}``), nested braces balanced.
+
+    One pass over the text (a degenerate completion full of unclosed boxes stays linear)."""
+    starts = [match.end() - 1 for match in _BOX_START.finditer(text)]
+    if not starts:
+        return None
+    closing: dict[int, int] = {}  # brace matching from the first box on (earlier braces cannot close a box)
+    open_positions: list[int] = []
+    for brace in _BRACE.finditer(text, starts[0]):
+        if brace.group() == "{":
+            open_positions.append(brace.start())
+        elif open_positions:
+            closing[open_positions.pop()] = brace.start()
+    starts.reverse()
+    for open_brace in starts:  # the last box that closes; a truncated one is skipped
+        if open_brace in closing:
+            return text[open_brace + 1 : closing[open_brace]]
     return None
+
+
+def _last_answer_tag(text: str) -> str | None:
+    """Content of the last complete ``<answer>...</answer>`` (case-insensitive), in linear time."""
+    lowered = text.lower()
+    close = lowered.rfind("</answer>")
+    if close < 0:
+        return None
+    open_tag = lowered.rfind("<answer>", 0, close)
+    return None if open_tag < 0 else text[open_tag + len("<answer>") : close]
 
 
 def extract_final_answer(text: str, *, fallback: Literal["text", "last_number", "none"] = "text") -> str | None:
@@ -148,9 +163,9 @@ def extract_final_answer(text: str, *, fallback: Literal["text", "last_number", 
     marker = text.rfind("####")
     if marker >= 0:
         return text[marker + 4 :].split("\n", 1)[0].strip()
-    tags = _ANSWER_TAG.findall(text)
-    if tags:
-        return tags[-1].strip()
+    tag = _last_answer_tag(text)
+    if tag is not None:
+        return tag.strip()
     if fallback == "text":
         return text.strip()
     if fallback == "last_number":
@@ -319,19 +334,14 @@ def math_reward(
     return rewards
 
 
-DEFAULT_FORMAT_PATTERN = r"\\boxed\{.+\}|####[ \t]*\S|<answer>.+?</answer>"
-
-
 class RegexFormatReward:
-    """1.0 when ``re.search(pattern, completion)`` matches, else 0.0.
+    """1.0 when ``re.search(pattern, completion)`` matches, else 0.0 (``format=<regex>``).
 
     ``re.DOTALL`` is on by default (``.`` matches newlines); anchor the pattern with
     ``^...$`` for a whole-completion format such as ``^<think>.*</think>\\s*<answer>.*</answer>$``.
-    The default pattern asks for a final answer in a form the other built-ins read:
-    ``\\boxed{...}``, ``#### x`` or ``<answer>...</answer>``.
     """
 
-    def __init__(self, pattern: str = DEFAULT_FORMAT_PATTERN, *, flags: int = re.DOTALL) -> None:
+    def __init__(self, pattern: str, *, flags: int = re.DOTALL) -> None:
         try:
             self.regex = re.compile(pattern, flags)
         except re.error as error:
@@ -345,7 +355,12 @@ class RegexFormatReward:
         return f"RegexFormatReward({self.regex.pattern!r})"
 
 
-format_reward = RegexFormatReward()
+def format_reward(prompts: list[str], completions: list[str], **kwargs: Any) -> list[float]:
+    """1.0 when the completion states a final answer in a form the other built-ins read -- a
+    complete ``\\boxed{...}``, a ``####`` line or an ``<answer>...</answer>`` tag -- that is not
+    empty, else 0.0 (:func:`extract_final_answer` with ``fallback="none"``)."""
+    return [1.0 if (extract_final_answer(c, fallback="none") or "") else 0.0 for c in completions]
+
 
 BUILTIN_REWARDS: dict[str, RewardFunction] = {
     "exact_match": exact_match_reward,

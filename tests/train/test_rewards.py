@@ -86,6 +86,16 @@ def test_extract_final_answer(text, fallback, expected):
     assert extract_final_answer(text, fallback=fallback) == expected
 
 
+def test_degenerate_completions_are_read_in_linear_time():
+    # Thousands of unclosed boxes/tags (a collapsing policy) must not make extraction quadratic
+    # (in-process mode has no time limit to save it).
+    junk = "\\boxed{" * 30_000 + "<answer>" * 30_000 + "\\boxed{7}" + "{" * 30_000
+    assert extract_final_answer(junk) == "7"
+    assert format_reward([""], [junk]) == [1.0]
+    assert format_reward([""], ["\\boxed{" * 30_000 + "<ANSWER>" * 30_000]) == [0.0]
+    assert math_reward([""], [junk], answer=["7"]) == [1.0]
+
+
 def test_exact_match_reward_hand_cases():
     completions = ["#### 72", "The sum is \\boxed{72.0}", "72", "73", "<answer>Paris.</answer>", "#### 1,000", "x"]
     answers = ["Janet has ... so 72 in total.\n#### 72", "72", " 72 ", "72", "paris", "1000", None]
@@ -137,8 +147,8 @@ def test_math_answers_equal_fallback_is_exact_on_rationals():
 
 
 def test_format_rewards():
-    completions = ["\\boxed{3}", "#### 4", "<answer>5</answer>", "just 6", "####"]
-    assert format_reward([""] * 5, completions) == [1.0, 1.0, 1.0, 0.0, 0.0]
+    completions = ["\\boxed{3}", "#### 4", "<answer>5</answer>", "just 6", "####", "\\boxed{}", "\\boxed{8"]
+    assert format_reward([""] * 7, completions) == [1.0, 1.0, 1.0, 0.0, 0.0, 0.0, 0.0]
     name, think = resolve_reward("format=^<think>.*</think>\\s*\\S")
     assert name == "format"
     assert think([""] * 3, ["<think>a\nb</think> 7", "7 <think></think> 8", "<think>a</think>"]) == [1.0, 0.0, 0.0]
