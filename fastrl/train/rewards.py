@@ -667,7 +667,12 @@ class RewardPool:
         start_method: ``"fork"`` (default where available), ``"spawn"`` or ``"forkserver"``.
 
     Use as a context manager or call :meth:`close`; a pool that is garbage collected or
-    alive at interpreter exit is closed too.
+    alive at interpreter exit is closed too. Typical use::
+
+        with RewardPool(["math", "format"], weights=[1.0, 0.1], timeout_s=5.0) as pool:
+            pool.validate(prompts[:4], answers[:4], {"answer": answers[:4]})  # before step 1
+            result = pool.score(prompts, completions, completion_ids=ids, columns={"answer": answers})
+            result.rewards  # [N] float32
     """
 
     def __init__(
@@ -774,15 +779,21 @@ class RewardPool:
                 if raise_errors:
                     raise ValueError(problem) from error
                 logger.warning(problem)
-        for slot, worker in started:
-            problem = worker.wait_ready(_STARTUP_TIMEOUT_S)
-            if problem is None:
-                self._workers[slot] = worker
-                continue
-            worker.kill()
-            if raise_errors:
-                raise ValueError(f"reward worker for {self.names} could not start: {problem}")
-            logger.warning("reward worker could not start: %s", problem)
+        try:
+            while started:
+                slot, worker = started[0]
+                problem = worker.wait_ready(_STARTUP_TIMEOUT_S)
+                started.pop(0)
+                if problem is None:
+                    self._workers[slot] = worker
+                    continue
+                worker.kill()
+                if raise_errors:
+                    raise ValueError(f"reward worker for {self.names} could not start: {problem}")
+                logger.warning("reward worker could not start: %s", problem)
+        finally:  # interrupted while waiting: no started worker may be left outside the pool
+            for _, worker in started:
+                worker.kill()
 
     @property
     def worker_pids(self) -> list[int]:

@@ -481,7 +481,7 @@ def test_forkserver_ships_lambdas_and_workers_outlive_an_idle_spell():
     with RewardPool([function], num_workers=1, timeout_s=60, start_method="forkserver") as pool:
         assert pool.score(["p"] * 2, ["a", "bb"]).rewards.tolist() == [6.0, 7.0]
         pid = pool.worker_pids
-        time.sleep(1.5)  # longer than the worker's parent check interval
+        time.sleep(1.3)  # longer than the worker's 1 s parent check interval
         assert pool.score(["p"], ["abc"]).rewards.tolist() == [8.0]
         assert pool.worker_pids == pid
 
