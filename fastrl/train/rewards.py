@@ -446,7 +446,9 @@ def resolve_reward(spec: str | Callable) -> tuple[str, RewardFunction]:
 
 _OK, _RAISED, _INVALID, _TIMEOUT, _CRASHED = "ok", "raised", "invalid", "timeout", "crashed"
 _FAILURE_KINDS = (_RAISED, _TIMEOUT, _CRASHED, _INVALID)
-_STARTUP_TIMEOUT_S = 60.0  # a worker's first message (spawn: after importing torch and the functions)
+# Longest wait for a new worker's first message: a forked one answers in milliseconds; a
+# spawned one imports torch and the functions first (slow on a loaded machine).
+_STARTUP_TIMEOUT_S = {"fork": 10.0, "spawn": 120.0, "forkserver": 120.0}
 _RESERVED_KWARGS = ("prompts", "completions", "completion_ids", "trainer_state", "log_metric", "log_extra")
 _SHARED_KWARGS = ("trainer_state",)  # the same object for every chunk; everything else is per sample
 _DROPPED_COLUMNS = ("prompt", "completion", "completion_ids")
@@ -782,7 +784,7 @@ class RewardPool:
         try:
             while started:
                 slot, worker = started[0]
-                problem = worker.wait_ready(_STARTUP_TIMEOUT_S)
+                problem = worker.wait_ready(_STARTUP_TIMEOUT_S.get(self.start_method, 120.0))
                 started.pop(0)
                 if problem is None:
                     self._workers[slot] = worker
