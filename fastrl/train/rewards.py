@@ -514,7 +514,10 @@ def _call_reward(function: RewardFunction, prompts: list[str], completions: list
     except (Exception, SystemExit) as error:  # sys.exit() in reward code must not end the trainer either
         tail = "".join(traceback.format_exception(type(error), error, error.__traceback__)[-3:])
         return _Outcome(_RAISED, message=f"{type(error).__name__}: {error}\n{tail}".strip())
-    values, problem = _coerce_rewards(output, len(completions))
+    try:
+        values, problem = _coerce_rewards(output, len(completions))
+    except Exception as error:  # an output object whose len/iter/float itself fails
+        values, problem = None, f"the returned {type(output).__name__} could not be read: {type(error).__name__}: {error}"
     if values is None:
         return _Outcome(_INVALID, message=problem)
     extra_columns = {name: column for name, column in extra_columns.items() if len(column) == len(completions)}

@@ -372,17 +372,27 @@ def test_invalid_outputs(num_workers):
     def a_scalar(prompts, completions, **kwargs):
         return 1.0
 
+    def vectors(prompts, completions, **kwargs):
+        return [torch.ones(2) for _ in completions]  # float() of a 2-element tensor raises
+
+    class Unmeasurable(list):
+        def __len__(self):
+            raise RuntimeError("no length today")
+
+    def unmeasurable(prompts, completions, **kwargs):
+        return Unmeasurable([1.0] * len(completions))
+
     numbers = {"a": np.float32(0.5), "b": np.int64(3), "c": np.bool_(True), "d": torch.tensor(-2.0), "e": True}
 
     def numpy_and_torch_scalars(prompts, completions, **kwargs):
         return np.array([numbers[completion] for completion in completions], dtype=object)
 
-    functions = [non_finite, too_short, a_string, a_scalar, numpy_and_torch_scalars]
+    functions = [non_finite, too_short, a_string, a_scalar, vectors, unmeasurable, numpy_and_torch_scalars]
     with RewardPool(functions, num_workers=num_workers, timeout_s=20) as pool:
         result = pool.score(["p"] * 5, ["nan", "inf", "ok", "-inf", "ok"])
         assert result.per_function["non_finite"].tolist() == [0.0, 0.0, 1.0, 0.0, 1.0]
         assert result.metrics["reward/non_finite/invalid"] == 3.0
-        for name in ("too_short", "a_string", "a_scalar"):
+        for name in ("too_short", "a_string", "a_scalar", "vectors", "unmeasurable"):
             assert result.per_function[name].tolist() == [0.0] * 5
             assert result.metrics[f"reward/{name}/invalid"] == 5.0
         assert result.rewards.tolist() == [0.0, 0.0, 1.0, 0.0, 1.0]
