@@ -184,6 +184,8 @@ def test_trl_style_kwargs_columns_and_logging():
 
     def inspects_kwargs(prompts, completions, completion_ids, answer, trainer_state, log_metric, log_extra, **kwargs):
         seen.update(kwargs)  # runs in a worker: only the return value and the logs come back
+        if "prompt" in kwargs:  # TRL drops the prompt column (the prompts come as `prompts`)
+            raise KeyError("the prompt column was passed twice")
         log_metric("mean_len", sum(map(len, completions)) / len(completions))
         log_extra("echo", [f"{p}|{a}" for p, a in zip(prompts, answer)])
         return [float(len(ids) + trainer_state["step"]) if a == c else 0.0 for ids, a, c in zip(completion_ids, answer, completions)]
@@ -538,6 +540,8 @@ def test_bad_pool_arguments_and_inputs():
         RewardPool(["format"], timeout_s=0, num_workers=0)
     with pytest.raises(ValueError, match="num_workers"):
         RewardPool(["format"], num_workers=-1)
+    with RewardPool(["format", length_reward], names=["fmt", "len"], num_workers=0) as pool:
+        assert pool.score(["p"], ["#### 1"]).per_function.keys() == {"fmt", "len"}
     with RewardPool(["format", "format"], num_workers=0) as pool:
         assert pool.names == ["format", "format_2"]
         with pytest.raises(ValueError, match="column 'answer' must hold one value per completion"):
