@@ -276,6 +276,9 @@ class Trainer:
         if model is not None:
             if tokenizer is None:
                 raise ValueError("a model passed to Trainer needs its tokenizer too (tokenizer=...)")
+            if self.resume_dir is not None:  # continue from the checkpoint's weights, not the given ones
+                saved = transformers.AutoModelForCausalLM.from_pretrained(self.resume_dir / "policy", dtype=torch.float32)
+                model.load_state_dict(saved.state_dict())
             return tokenizer, model.to(self.device).train()
         if cfg.model is None:
             from fastrl.train.task import DefaultTask, char_tokenizer, tiny_model
