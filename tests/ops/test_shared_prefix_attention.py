@@ -137,13 +137,14 @@ def test_torch_backends_moderate_shape_fp32(backend):
 
 
 def test_torch_auto_picks_by_size():
-    from fastrl.ops import shared_prefix_attention as spa
+    # (fastrl.ops.shared_prefix_attention is also the op's name in fastrl.ops: import from the module path)
+    from fastrl.ops.shared_prefix_attention import DENSE_MAX_TOKENS, _resolve
 
     small = SharedPrefixLayout.packed([4])
-    big = SharedPrefixLayout.packed([spa.DENSE_MAX_TOKENS + 1])
+    big = SharedPrefixLayout.packed([DENSE_MAX_TOKENS + 1])
     q = torch.zeros(4, 1, 8)
-    assert spa._resolve("auto", q, small) == "sdpa"
-    assert spa._resolve("torch", q, big) == "segments"
+    assert _resolve("auto", q, small) == "sdpa"
+    assert _resolve("torch", q, big) == "segments"
 
 
 def test_flex_forward_matches_oracle_cpu():
