@@ -28,6 +28,10 @@ Backends of ``shared_prefix_attention`` (``backend=``):
 - ``flex``: ``torch.nn.attention.flex_attention`` with a block mask. In torch 2.13 it has
   no backward on CPU (``NotImplementedError``), its CPU forward needs ``torch.compile``
   to be fast (~30 s compile) and has no fp64, so it is opt-in: meant for CUDA.
+- ``flash_attn``: one ``flash_attn_varlen_func`` call of the ``flash-attn`` package
+  (fp16/bf16, CUDA). UNTESTED on a GPU here: flash-attn cannot be installed on the CPU
+  machines this is developed on; only its index metadata is tested (against an emulation
+  of flash-attn's documented varlen semantics).
 """
 
 from __future__ import annotations
@@ -42,11 +46,13 @@ from fastrl._checks import check_choice, check_float, resolve_backend
 
 __all__ = ["SharedPrefixLayout", "PackedGroups", "shared_prefix_attention", "DENSE_MAX_TOKENS"]
 
-BACKENDS = ("auto", "triton", "torch", "sdpa", "segments", "flex")
+BACKENDS = ("auto", "triton", "torch", "sdpa", "segments", "flex", "flash_attn")
 
-# Below this many tokens the CPU default is the dense-mask SDPA (one call); above it the
-# per-segment SDPA (no N^2 mask). Measured by benchmarks in the report of issue 9.
-DENSE_MAX_TOKENS = 1024
+# Up to this many tokens the CPU default is the dense-mask SDPA (one call: wins with many
+# short segments, e.g. N=288 in 64 segments: 39 vs 110 ms fwd+bwd); above it the
+# per-segment SDPA (no N^2 mask: N=768, one group of 8: 120 vs 229 ms; N=3072: 1.3 vs
+# 3.5 s). Single-thread best-of-3, Hq=8, Hkv=2, D=64, fp32.
+DENSE_MAX_TOKENS = 512
 
 
 def _as_lengths(name: str, values: object, *, minimum: int) -> tuple[int, ...]:
@@ -402,6 +408,64 @@ def _flex(q, k, v, layout: SharedPrefixLayout, scale: float) -> torch.Tensor:
     return out[0].transpose(0, 1)
 
 
+def _flash_metadata(layout: SharedPrefixLayout, device: torch.device) -> dict:
+    """Varlen metadata: one attention "sequence" per prefix and per segment. A prefix's
+    keys are itself; a segment's keys are its document's prefix followed by itself.
+    Queries stay in packed order (prefix, then segments), so q and the output need no
+    gather; k/v are gathered along ``kv_index`` (the prefix once per segment)."""
+    key = ("flash", device)
+    meta = layout._cache.get(key)
+    if meta is None:
+        kv_index: list[int] = []
+        cu_q, cu_k = [0], [0]
+        seg = 0
+        for d, (p, lens) in enumerate(zip(layout.prefix_lens, layout.segment_lens)):
+            a = layout.host_doc_cu[d]
+            if p:
+                kv_index += range(a, a + p)
+                cu_q.append(cu_q[-1] + p)
+                cu_k.append(cu_k[-1] + p)
+            for n in lens:
+                s = layout.host_seg_cu[seg]
+                seg += 1
+                kv_index += range(a, a + p)
+                kv_index += range(s, s + n)
+                cu_q.append(cu_q[-1] + n)
+                cu_k.append(cu_k[-1] + p + n)
+        qlens = [b - a for a, b in zip(cu_q[:-1], cu_q[1:])]
+        klens = [b - a for a, b in zip(cu_k[:-1], cu_k[1:])]
+        meta = dict(
+            kv_index=torch.tensor(kv_index, dtype=torch.long, device=device),
+            cu_seqlens_q=torch.tensor(cu_q, dtype=torch.int32, device=device),
+            cu_seqlens_k=torch.tensor(cu_k, dtype=torch.int32, device=device),
+            max_seqlen_q=max(qlens),
+            max_seqlen_k=max(klens),
+        )
+        layout._cache[key] = meta
+    return meta
+
+
+def _flash_attn(q, k, v, layout: SharedPrefixLayout, scale: float) -> torch.Tensor:
+    """flash-attn's causal mask is aligned to the bottom right when a sequence has more
+    keys than queries, so a segment's query t sees all P prefix keys and segment keys
+    <= t: exactly the shared-prefix mask, in one call, with exact gradients (autograd
+    sums the gathered prefix keys' gradients over the segments). This avoids merging two
+    calls by their log-sum-exps, whose gradient flash-attn's autograd does not propagate."""
+    try:
+        from flash_attn import flash_attn_varlen_func
+    except ImportError as e:
+        raise ValueError("backend='flash_attn' needs the flash-attn package (pip install flash-attn)") from e
+    if q.dtype not in (torch.float16, torch.bfloat16):
+        raise TypeError(f"backend='flash_attn' needs fp16/bf16 inputs, got {q.dtype}")
+    meta = _flash_metadata(layout, q.device)
+    idx = meta["kv_index"]
+    return flash_attn_varlen_func(
+        q, k.index_select(0, idx), v.index_select(0, idx),
+        meta["cu_seqlens_q"], meta["cu_seqlens_k"], meta["max_seqlen_q"], meta["max_seqlen_k"],
+        dropout_p=0.0, softmax_scale=scale, causal=True,
+    )
+
+
 # ---------------------------------------------------------------------------------------
 # Triton backend
 
@@ -441,7 +505,7 @@ def _resolve(backend: str, q: torch.Tensor, layout: SharedPrefixLayout) -> str:
     return backend
 
 
-_IMPLS = {"sdpa": _sdpa_dense, "segments": _sdpa_segments, "flex": _flex}
+_IMPLS = {"sdpa": _sdpa_dense, "segments": _sdpa_segments, "flex": _flex, "flash_attn": _flash_attn}
 
 
 def shared_prefix_attention(
@@ -464,7 +528,7 @@ def shared_prefix_attention(
         scale: softmax scale (usually ``D ** -0.5``).
         backend: ``auto`` (Triton on CUDA, ``torch`` otherwise) | ``triton`` | ``torch``
             (``sdpa`` up to ``DENSE_MAX_TOKENS`` tokens, ``segments`` above) | ``sdpa`` |
-            ``segments`` | ``flex`` (see the module docstring).
+            ``segments`` | ``flex`` | ``flash_attn`` (see the module docstring).
 
     Returns:
         ``[N, Hq, D]`` in ``q.dtype``. Query i attends key j iff same document, j <= i, and

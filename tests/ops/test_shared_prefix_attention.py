@@ -192,3 +192,34 @@ def test_validation():
         shared_prefix_attention(q, k, v, lay, scale=1.0, backend="nope")
     with pytest.raises(TypeError, match="layout"):
         shared_prefix_attention(q, k, v, [3], scale=1.0)
+
+
+def _flash_varlen_emulation(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, dropout_p=0.0, softmax_scale=None, causal=False):
+    """flash-attn's documented varlen semantics in torch (flash-attn cannot be installed
+    here): per sequence, GQA, and with causal=True a mask aligned to the bottom right
+    (query t of a sequence with nq queries and nk keys sees keys <= t + nk - nq)."""
+    outs = []
+    rep = q.shape[1] // k.shape[1]
+    for (qa, qb), (ka, kb) in zip(zip(cu_seqlens_q[:-1].tolist(), cu_seqlens_q[1:].tolist()), zip(cu_seqlens_k[:-1].tolist(), cu_seqlens_k[1:].tolist())):
+        qs = q[qa:qb].float().transpose(0, 1)
+        ks = k[ka:kb].float().transpose(0, 1).repeat_interleave(rep, 0)
+        vs = v[ka:kb].float().transpose(0, 1).repeat_interleave(rep, 0)
+        s = qs @ ks.transpose(1, 2) * softmax_scale
+        nq, nk = qb - qa, kb - ka
+        assert nq <= max_seqlen_q and nk <= max_seqlen_k
+        if causal:
+            t = torch.arange(nq)[:, None]
+            s = s.masked_fill(torch.arange(nk)[None, :] > t + nk - nq, float("-inf"))
+        outs.append((torch.softmax(s, -1) @ vs).transpose(0, 1))
+    return torch.cat(outs).to(q.dtype)
+
+
+@pytest.mark.parametrize("key", ["mixed", "plain_packing", "prefix_only_doc"])
+def test_flash_attn_metadata_against_an_emulation(key, monkeypatch):
+    import sys
+    import types
+
+    fake = types.ModuleType("flash_attn")
+    fake.flash_attn_varlen_func = _flash_varlen_emulation
+    monkeypatch.setitem(sys.modules, "flash_attn", fake)
+    _check_against_oracle(*LAYOUTS[key], "flash_attn", torch.bfloat16, atol=4e-2)
