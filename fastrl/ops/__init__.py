@@ -10,6 +10,7 @@ from fastrl.ops.kl import kl_penalty
 from fastrl.ops.logprobs import fused_linear_policy_loss, linear_logprobs
 from fastrl.ops.policy_loss import policy_loss
 from fastrl.ops.scans import discounted_returns, gae
+from fastrl.ops.shared_prefix_attention import PackedGroups, SharedPrefixLayout, shared_prefix_attention
 from fastrl.ops.value_loss import value_loss
 from fastrl.ops.whiten import masked_whiten
 
@@ -26,3 +27,4 @@ __all__ = [
     "step_advantages",
     "value_loss",
 ]
+__all__ += ["PackedGroups", "SharedPrefixLayout", "shared_prefix_attention"]
