@@ -190,8 +190,13 @@ class TrainConfig:
     """Passes over each rollout batch."""
     mini_batches: int = 1
     """Optimizer steps per epoch (the batch is split into this many mini-batches)."""
+    shared_prefix: bool = True
+    """Training forwards (policy, old, reference, critic) pack each group as one row
+    [prompt | c1 | ... | cG] with a shared-prefix attention mask, so the prompt runs once per
+    group; loss and gradients equal the padded batch's. False: right-padded [B, T] rows."""
     micro_batch_tokens: int = 8192
-    """Padded tokens per forward/backward; the update does not depend on it (global token counts)."""
+    """Tokens per forward/backward (packed tokens with shared_prefix, else padded rows x length);
+    whole groups go together. The update does not depend on it (global token counts)."""
     lr: float = 2e-4
     """AdamW learning rate of the policy."""
     weight_decay: float = 0.0

@@ -43,7 +43,10 @@ class ValueModel(nn.Module):
 
     def values(self, input_ids: torch.Tensor, attention_mask: torch.Tensor, k: int) -> torch.Tensor:
         """``[B, k]`` fp32 values of the states before each of the last ``k`` tokens."""
-        hidden = causal_lm_hidden_states(self.body, input_ids, attention_mask, logits_to_keep=k)
+        return self.head(causal_lm_hidden_states(self.body, input_ids, attention_mask, logits_to_keep=k))
+
+    def head(self, hidden: torch.Tensor) -> torch.Tensor:
+        """Values from last hidden states ``[..., H]`` -> ``[...]`` fp32."""
         return self.value_head(hidden.to(self.value_head.weight.dtype)).squeeze(-1).float()
 
     # ------------------------------------------------------------------ persistence

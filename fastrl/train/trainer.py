@@ -77,6 +77,18 @@ class TrainResult:
 
 
 @dataclass
+class _MicroBatch:
+    """Rows of one forward/backward and where their per-token values go in the [B, T-1] layout."""
+
+    rows: torch.Tensor  # sample indices, batch order
+    cols: slice
+    input_ids: torch.Tensor | None = None  # padded layout
+    attention_mask: torch.Tensor | None = None
+    k: int = 0
+    packed: Any = None  # shared-prefix layout: fastrl.ops.shared_prefix_attention.PackedGroups
+
+
+@dataclass
 class Rollout:
     """One step's experience: the sampler's batch plus what the trainer computed on it."""
 
@@ -160,6 +172,8 @@ class Trainer:
         self.builtin = model is None and cfg.model is None
         self.tokenizer, self.policy = self._load_policy(model, tokenizer)
         data_mod.check_tokenizer_matches_model(self.tokenizer, self.policy)
+        if cfg.shared_prefix:
+            _check_shared_prefix_support(self.policy)
         self.train_rows, self.eval_rows = self._load_rows(train_rows, eval_rows)
         self.max_length = data_mod.model_context_length(self.policy)
         if cfg.max_prompt_length is not None:
@@ -426,6 +440,88 @@ class Trainer:
             return first, info
         return _merge_rollouts(kept, group_size=G, limit=target, pad_token_id=self.sampler.pad_token_id), info
 
+    # ------------------------------------------------------------------ forward passes
+    # Two layouts, one interface. Padded: rows of the [B, T] batch, trimmed per micro-batch.
+    # Shared prefix (default): whole groups packed as [prompt | c1 | ... | cG], the prompt run
+    # once per group (fastrl.ops.hf_packed). Either way a micro-batch returns per-token values
+    # for its rows at columns ``cols`` of the [B, T-1] layout (column c scores token c + 1).
+    def _micro_batches(self, batch: RolloutBatch, groups: list[int]):
+        """Split whole groups into micro-batches of at most ``micro_batch_tokens`` tokens:
+        padded tokens of the rows, or with shared prefixes the packed tokens ``P + sum(L_i)``.
+
+        Yields ``_MicroBatch``es whose rows are the groups' samples in batch order.
+        """
+        G = self.cfg.group_size
+        lengths = batch.attention_mask.sum(1).tolist()
+        budget = self.cfg.micro_batch_tokens
+        chunk: list[int] = []
+        cost = 0
+        for g in groups:
+            rows = range(g * G, (g + 1) * G)
+            if self.cfg.shared_prefix:
+                add = len(batch.prompt_ids[g]) + sum(len(batch.completion_ids[r]) for r in rows)
+                new_cost = cost + add
+            else:
+                longest = max([lengths[r] for r in rows] + [lengths[r] for c in chunk for r in range(c * G, (c + 1) * G)])
+                new_cost = longest * G * (len(chunk) + 1)
+            if chunk and new_cost > budget:
+                yield self._make_micro_batch(batch, chunk)
+                chunk, cost = [], 0
+                new_cost = (len(batch.prompt_ids[g]) + sum(len(batch.completion_ids[r]) for r in rows)) if self.cfg.shared_prefix else 0
+            chunk.append(g)
+            cost = new_cost
+        if chunk:
+            yield self._make_micro_batch(batch, chunk)
+
+    def _make_micro_batch(self, batch: RolloutBatch, groups: list[int]) -> "_MicroBatch":
+        G = self.cfg.group_size
+        rows = torch.tensor([r for g in groups for r in range(g * G, (g + 1) * G)])
+        if self.cfg.shared_prefix:
+            from fastrl.ops.shared_prefix_attention import PackedGroups
+
+            packed = PackedGroups.from_groups(
+                [(batch.prompt_ids[g], batch.completion_ids[g * G : (g + 1) * G]) for g in groups], device=self.device
+            )
+            return _MicroBatch(rows, slice(0, packed.max_seq_len - 1), packed=packed)
+        Tm = int(batch.attention_mask[rows].sum(1).max())
+        k = max(1, Tm - min(len(batch.prompt_ids[g]) for g in groups))
+        ids = batch.input_ids[rows, :Tm].to(self.device)
+        attn = batch.attention_mask[rows, :Tm].to(self.device)
+        return _MicroBatch(rows, slice(Tm - 1 - k, Tm - 1), input_ids=ids, attention_mask=attn, k=k)
+
+    def _logprobs(self, model: torch.nn.Module, mb: "_MicroBatch", *, entropy: bool):
+        """Log-probs (and entropies) of the micro-batch's rows at columns ``mb.cols``."""
+        temperature = self.cfg.temperature
+        with self._autocast():
+            if mb.packed is not None:
+                from fastrl.ops.hf_packed import packed_causal_lm_logprobs
+
+                out = packed_causal_lm_logprobs(model, mb.packed, temperature=temperature, return_entropy=entropy)
+                width = mb.cols.stop
+                if entropy:
+                    lp, ent = out
+                    return (mb.packed.to_batch_layout(lp.float(), seq_len=width, shift=1),
+                            mb.packed.to_batch_layout(ent.float(), seq_len=width, shift=1))
+                return mb.packed.to_batch_layout(out.float(), seq_len=width, shift=1), None
+            out = causal_lm_logprobs(model, mb.input_ids, mb.attention_mask, temperature=temperature, logits_to_keep=mb.k,
+                                     return_entropy=entropy)
+        if entropy:
+            return out[0].float(), out[1].float()
+        return out.float(), None
+
+    def _values(self, mb: "_MicroBatch") -> torch.Tensor:
+        with self._autocast():
+            if mb.packed is not None:
+                from fastrl.ops.hf_packed import packed_causal_lm_hidden_states
+
+                hidden = packed_causal_lm_hidden_states(self.critic.body, mb.packed)
+                values = self.critic.head(hidden)
+                return mb.packed.to_batch_layout(values, seq_len=mb.cols.stop, shift=1)
+            return self.critic.values(mb.input_ids, mb.attention_mask, mb.k)
+
+    def _all_groups(self, batch: RolloutBatch) -> list[int]:
+        return list(range(len(batch.prompt_ids)))
+
     @torch.no_grad()
     def _token_logprobs(self, model: torch.nn.Module, batch: RolloutBatch) -> torch.Tensor:
         """``[B, T-1]`` fp32 log-probs of ``input_ids[:, 1:]`` (0 outside completions), by micro-batch."""
@@ -434,11 +530,8 @@ class Trainer:
         was_training = model.training
         model.eval()
         try:
-            for rows, Tm, k in self._micro_batches(batch, torch.arange(B)):
-                ids, attn = batch.input_ids[rows, :Tm].to(self.device), batch.attention_mask[rows, :Tm].to(self.device)
-                with self._autocast():
-                    lp = causal_lm_logprobs(model, ids, attn, temperature=self.cfg.temperature, logits_to_keep=k)
-                out[rows.to(self.device), Tm - 1 - k : Tm - 1] = lp.float()
+            for mb in self._micro_batches(batch, self._all_groups(batch)):
+                out[mb.rows.to(self.device), mb.cols] = self._logprobs(model, mb, entropy=False)[0]
         finally:
             model.train(was_training)
         return out * batch.response_mask[:, 1:].to(self.device)
@@ -448,39 +541,10 @@ class Trainer:
         B, T = batch.input_ids.shape
         out = torch.zeros(B, T - 1, dtype=torch.float32, device=self.device)
         self.critic.eval()
-        for rows, Tm, k in self._micro_batches(batch, torch.arange(B)):
-            ids, attn = batch.input_ids[rows, :Tm].to(self.device), batch.attention_mask[rows, :Tm].to(self.device)
-            with self._autocast():
-                out[rows.to(self.device), Tm - 1 - k : Tm - 1] = self.critic.values(ids, attn, k)
+        for mb in self._micro_batches(batch, self._all_groups(batch)):
+            out[mb.rows.to(self.device), mb.cols] = self._values(mb)
         self.critic.train()
         return out * batch.response_mask[:, 1:].to(self.device)
-
-    def _micro_batches(self, batch: RolloutBatch, rows: torch.Tensor):
-        """Split ``rows`` into micro-batches of at most ``micro_batch_tokens`` padded tokens.
-
-        Yields ``(rows, Tm, k)``: the micro-batch is trimmed to its own longest row ``Tm``
-        and scores its last ``k = Tm - shortest prompt`` positions (the prompt-only columns
-        need no log-probs).
-        """
-        lengths = batch.attention_mask.sum(1)
-        prompt_lens = torch.tensor([len(batch.prompt_ids[int(g)]) for g in batch.group_ids])
-        budget = self.cfg.micro_batch_tokens
-        start = 0
-        rows = rows.tolist()
-        while start < len(rows):
-            end = start + 1
-            longest = int(lengths[rows[start]])
-            while end < len(rows):
-                cand = max(longest, int(lengths[rows[end]]))
-                if cand * (end - start + 1) > budget:
-                    break
-                longest = cand
-                end += 1
-            chunk = torch.tensor(rows[start:end])
-            Tm = int(lengths[chunk].max())
-            k = max(1, Tm - int(prompt_lens[chunk].min()))
-            yield chunk, Tm, k
-            start = end
 
     def _autocast(self):
         if self.autocast_dtype is None:
@@ -598,24 +662,22 @@ class Trainer:
         agg: dict[str, list[tuple[float, float]]] = {}
         grad_norms, critic_grad_norms = [], []
         g = torch.Generator().manual_seed(cfg.seed * 7919 + self.step)
+        n_groups = len(batch.prompt_ids)
         for epoch in range(cfg.ppo_epochs):
-            order = torch.randperm(B, generator=g) if cfg.mini_batches > 1 else torch.arange(B)
-            for mb in order.chunk(cfg.mini_batches):
-                mb = mb.sort().values
-                mb_dev = mb.to(self.device)
+            # mini-batches of whole groups (the shared-prefix layout packs a group as one document)
+            order = torch.randperm(n_groups, generator=g) if cfg.mini_batches > 1 else torch.arange(n_groups)
+            for mini in order.chunk(cfg.mini_batches):
+                mini_groups = mini.sort().values.tolist()
+                mini_rows = torch.tensor([r for q in mini_groups for r in range(q * cfg.group_size, (q + 1) * cfg.group_size)])
+                mb_dev = mini_rows.to(self.device)
                 tokens = mask[mb_dev].sum()
                 seqs = (mask[mb_dev].sum(1) > 0).sum()
                 losses: list[torch.Tensor] = []
-                for rows, Tm, k in self._micro_batches(batch, mb):
-                    r = rows.to(self.device)
-                    cols = slice(Tm - 1 - k, Tm - 1)
-                    ids, attn = batch.input_ids[rows, :Tm].to(self.device), batch.attention_mask[rows, :Tm].to(self.device)
+                for mb in self._micro_batches(batch, mini_groups):
+                    r = mb.rows.to(self.device)
+                    cols = mb.cols
                     m = mask[r, cols]
-                    with self._autocast():
-                        logp, entropy = causal_lm_logprobs(
-                            self.policy, ids, attn, temperature=cfg.temperature, logits_to_keep=k, return_entropy=True
-                        )
-                    logp, entropy = logp.float(), entropy.float()
+                    logp, entropy = self._logprobs(self.policy, mb, entropy=True)
                     old = old_logp[r, cols] if old_logp is not None else logp.detach()
                     adv = advantages[r, cols] if advantages.dim() == 2 else advantages[r]
                     loss, lm = policy_loss(
@@ -627,8 +689,7 @@ class Trainer:
                         **self._global_count(tokens, seqs),
                     )
                     if self.critic is not None:
-                        with self._autocast():
-                            values = self.critic.values(ids, attn, k)
+                        values = self._values(mb)
                         vloss, vm = value_loss(
                             values.float(), old_values[r, cols], returns[r, cols], m,
                             clip=cfg.value_clip, loss_agg="token-mean", global_token_count=tokens,
@@ -878,6 +939,30 @@ class Trainer:
 
     def __exit__(self, *exc) -> None:
         self.close()
+
+
+def _check_shared_prefix_support(model: torch.nn.Module) -> None:
+    """The packed shared-prefix forward needs full causal attention layers that take RoPE
+    positions from ``position_ids`` (Llama, Qwen2/3, Mistral, ...)."""
+    config = model.config
+    layer_types = getattr(config, "layer_types", None) or []
+    problems = []
+    # Qwen2-style configs carry a sliding_window that only applies with use_sliding_window;
+    # Mistral-style configs apply it whenever it is set.
+    window_on = getattr(config, "use_sliding_window", getattr(config, "sliding_window", None) is not None)
+    if any(t != "full_attention" for t in layer_types) or (window_on and getattr(config, "sliding_window", None)):
+        problems.append(f"sliding-window attention (layer_types={sorted(set(layer_types))}, sliding_window={config.sliding_window})")
+    if getattr(config, "attn_logit_softcapping", None):
+        problems.append("attention-logit soft-capping")
+    if getattr(config, "attention_dropout", 0.0):
+        problems.append(f"attention dropout {config.attention_dropout}")
+    if getattr(config, "is_encoder_decoder", False):
+        problems.append("an encoder-decoder architecture")
+    if problems:
+        raise ValueError(
+            f"{type(model).__name__} has {', '.join(problems)}, which the shared-prefix training forward does not "
+            "support; set shared_prefix=false to train on padded rows"
+        )
 
 
 _METRIC_NAMES = {

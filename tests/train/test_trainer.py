@@ -94,17 +94,17 @@ def test_output_dir_of_an_earlier_run_is_not_mixed(tmp_path):
 
 
 # ---------------------------------------------------------------------- the update
-@pytest.mark.parametrize("algorithm, loss_agg", [("grpo", None), ("dapo", None), ("gspo", None), ("dr_grpo", None),
-                                                 ("ppo", None)])
-def test_update_does_not_depend_on_the_micro_batch_split(tmp_path, algorithm, loss_agg):
-    """ppo_epochs=2 x mini_batches=2 (off-policy: old log-probs, ratios move); the same run with
-    whole mini-batches per forward and with one row per forward takes the same gradient into its
-    first optimizer step and ends at the same parameters (up to float noise, which Adam turns
-    into steps of size ~lr for coordinates whose gradient is ~0)."""
+@pytest.mark.parametrize("algorithm", ["grpo", "dapo", "gspo", "ppo"])
+def test_update_does_not_depend_on_the_layout_or_the_micro_batch_split(tmp_path, algorithm):
+    """ppo_epochs=2 x mini_batches=2 (off-policy: old log-probs, ratios move). Three runs: groups
+    packed with shared prefixes, whole mini-batch per forward (the default layout); padded rows,
+    one group per forward; packed, one group per forward. They take the same gradient into their
+    first optimizer step and end at the same parameters (up to float noise, which Adam turns into
+    steps of size ~lr for coordinates whose gradient is ~0)."""
     finals, first_grads, initial = [], [], None
-    for i, budget in enumerate((100_000, 12)):
+    for i, (shared, budget) in enumerate(((True, 100_000), (False, 12), (True, 12))):
         cfg = tiny(tmp_path / str(i), algorithm=algorithm, ppo_epochs=2, mini_batches=2, micro_batch_tokens=budget,
-                   lr=5e-3, kl_coef=0.05 if algorithm != "ppo" else None, dynamic_sampling=False)
+                   shared_prefix=shared, lr=5e-3, kl_coef=0.05 if algorithm != "ppo" else None, dynamic_sampling=False)
         with Trainer(cfg, reward_functions=[digit_share]) as trainer:
             initial = initial or params(trainer.policy)
             grads = []
@@ -116,12 +116,21 @@ def test_update_does_not_depend_on_the_micro_batch_split(tmp_path, algorithm, lo
             assert len(grads) == cfg.steps * 4
             first_grads.append(grads[0])
             finals.append(params(trainer.policy))
-    for name, g in first_grads[0].items():
-        torch.testing.assert_close(first_grads[1][name], g, rtol=1e-4, atol=1e-7 + 1e-5 * float(g.abs().max()), msg=name)
-    for k in finals[0]:
-        torch.testing.assert_close(finals[0][k], finals[1][k], rtol=0, atol=1e-3, msg=k)
+    for other in (1, 2):
+        for name, g in first_grads[0].items():
+            torch.testing.assert_close(first_grads[other][name], g, rtol=1e-4, atol=1e-7 + 1e-5 * float(g.abs().max()), msg=name)
+        for k in finals[0]:
+            torch.testing.assert_close(finals[0][k], finals[other][k], rtol=0, atol=1e-3, msg=k)
     moved = sum(not torch.allclose(initial[k], finals[0][k], atol=1e-2) for k in initial)
     assert moved >= len(initial) // 2  # the updates are large next to the tolerance: the check is not vacuous
+
+
+def test_shared_prefix_forward_refuses_sliding_window_models(tmp_path):
+    tok = char_tokenizer()
+    model = tiny_model(tok, hidden_size=32, layers=1, arch="qwen2")
+    model.config.use_sliding_window, model.config.sliding_window = True, 4
+    with pytest.raises(ValueError, match="shared_prefix=false"):
+        Trainer(tiny(tmp_path), model=model, tokenizer=tok)
 
 
 def test_resume_reproduces_the_uninterrupted_run(tmp_path):
