@@ -53,6 +53,16 @@ def sft_loss(model: torch.nn.Module, input_ids: torch.Tensor, attention_mask: to
     return -(logp * loss_mask).sum() / loss_mask.sum().clamp(min=1.0)
 
 
+def _learning_rate(step: int, *, steps: int, lr: float, warmup_steps: int, schedule: str) -> float:
+    """The rate of step ``step`` (0-based): linear warm-up, then constant or half-cosine decay."""
+    if step < warmup_steps:
+        return lr * (step + 1) / warmup_steps
+    if schedule == "constant":
+        return lr
+    progress = (step - warmup_steps) / max(1, steps - warmup_steps)
+    return lr * 0.5 * (1.0 + math.cos(math.pi * progress))
+
+
 def sft_warmup(
     model: torch.nn.Module,
     tokenizer: Any,
@@ -67,6 +77,7 @@ def sft_warmup(
     chat_template: bool | None = None,
     weight_decay: float = 0.0,
     warmup_steps: int = 0,
+    schedule: str = "constant",
     max_grad_norm: float | None = 1.0,
     callback: Callable[[int, float], None] | None = None,
 ) -> dict[str, Any]:
@@ -74,7 +85,10 @@ def sft_warmup(
 
     Batches of ``batch_size`` examples walk through seeded shuffled epochs of the rows; the
     learning rate warms up linearly over ``warmup_steps`` then stays at ``lr``. Given the
-    same model, rows and ``seed`` the run is deterministic on CPU. ``callback(step, loss)``
+    same model, rows and ``seed`` the run is deterministic on CPU. After the warm-up the rate
+    stays at ``lr`` (``schedule="constant"``) or decays to 0 along a half cosine
+    (``schedule="cosine"``, which ends the stage at a settled point rather than wherever
+    the last high-rate step left it). ``callback(step, loss)``
     is called after each step. The model is left in eval mode.
 
     Returns ``{"losses": [per-step loss], "first_loss", "final_loss", "seconds",
@@ -85,6 +99,8 @@ def sft_warmup(
             raise ValueError(f"{name} must be an int >= {low}, got {value!r}")
     if not (isinstance(lr, (int, float)) and math.isfinite(lr) and lr > 0):
         raise ValueError(f"lr must be a finite float > 0, got {lr!r}")
+    if schedule not in ("constant", "cosine"):
+        raise ValueError(f"schedule must be 'constant' or 'cosine', got {schedule!r}")
     check_rows(rows, prompt_column=prompt_column)
     for i, row in enumerate(rows):
         if answer_column not in row:
@@ -114,7 +130,7 @@ def sft_warmup(
         input_ids, attention_mask, loss_mask = collate_sft([examples[i] for i in picked], pad_token_id=pad_id)
         input_ids, attention_mask, loss_mask = input_ids.to(device), attention_mask.to(device), loss_mask.to(device)
         for group in optimizer.param_groups:
-            group["lr"] = lr * min(1.0, (step + 1) / warmup_steps) if warmup_steps else lr
+            group["lr"] = _learning_rate(step, steps=steps, lr=lr, warmup_steps=warmup_steps, schedule=schedule)
         loss = sft_loss(model, input_ids, attention_mask, loss_mask)
         if not torch.isfinite(loss):
             raise FloatingPointError(f"SFT loss is {loss.item()} at step {step}")

@@ -101,3 +101,17 @@ def test_sft_bad_input(tok):
         sft_warmup(model, tok, [{"prompt": "1+1=", "answer": "2"}], steps=1, lr=float("nan"), batch_size=1)
     with pytest.raises(ValueError, match="batch_size"):
         sft_warmup(model, tok, [{"prompt": "1+1=", "answer": "2"}], steps=1, lr=1e-3, batch_size=0)
+
+
+def test_learning_rate_schedules():
+    from fastrl.train.sft import _learning_rate
+
+    const = [_learning_rate(s, steps=10, lr=1.0, warmup_steps=4, schedule="constant") for s in range(10)]
+    assert const == [0.25, 0.5, 0.75, 1.0] + [1.0] * 6
+    cos = [_learning_rate(s, steps=10, lr=2.0, warmup_steps=2, schedule="cosine") for s in range(10)]
+    assert cos[:3] == [1.0, 2.0, 2.0]  # warm-up, then the decay starts from the full rate
+    assert all(a > b for a, b in zip(cos[2:], cos[3:])) and 0 < cos[-1] < 0.2
+    assert _learning_rate(5, steps=10, lr=1.0, warmup_steps=0, schedule="cosine") == pytest.approx(0.5)
+    with pytest.raises(ValueError, match="schedule"):
+        sft_warmup(tiny_model(char_tokenizer(), hidden_size=16, layers=1, heads=2), char_tokenizer(),
+                   [{"prompt": "1+1=", "answer": "2"}], steps=1, lr=1e-3, batch_size=1, schedule="linear")
