@@ -314,6 +314,27 @@ class PackedGroups:
             completion_lens=tuple(completion_lens),
         )
 
+    @classmethod
+    def from_samples(
+        cls,
+        prompt_ids: Sequence[Sequence[int]],
+        completion_ids: Sequence[Sequence[int]],
+        *,
+        group_size: int,
+        device: torch.device | str | None = None,
+    ) -> "PackedGroups":
+        """From ``RolloutBatch``'s fields: one prompt per group and the flat completions in
+        group order (sample b belongs to prompt ``b // group_size``)."""
+        if isinstance(group_size, bool) or not isinstance(group_size, int) or group_size < 1:
+            raise ValueError(f"group_size must be an int >= 1, got {group_size!r}")
+        if len(completion_ids) != len(prompt_ids) * group_size:
+            raise ValueError(
+                f"completion_ids has {len(completion_ids)} samples, expected len(prompt_ids) * group_size = "
+                f"{len(prompt_ids)} * {group_size}"
+            )
+        G = group_size
+        return cls.from_groups([(p, completion_ids[g * G : (g + 1) * G]) for g, p in enumerate(prompt_ids)], device=device)
+
     def to_completion_layout(self, values: torch.Tensor, *, fill: float = 0.0) -> torch.Tensor:
         """``[M, ...]`` per completion token -> ``[B, L_max, ...]`` (``fill`` elsewhere);
         differentiable."""

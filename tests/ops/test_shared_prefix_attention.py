@@ -117,6 +117,17 @@ def test_packed_groups_maps_match_rollout_batch_layout():
     assert torch.equal(pg.from_completion_layout(cl), pg.target_ids)
 
 
+def test_packed_groups_from_samples_is_from_groups():
+    prompts = [[1, 2], [3, 4, 5]]
+    comps = [[6], [7, 8], [9, 10, 11], []]
+    a = PackedGroups.from_samples(prompts, comps, group_size=2)
+    b = PackedGroups.from_groups([(prompts[0], comps[:2]), (prompts[1], comps[2:])])
+    assert torch.equal(a.input_ids, b.input_ids) and torch.equal(a.predictor_index, b.predictor_index)
+    assert a.completion_lens == (1, 2, 3, 0)
+    with pytest.raises(ValueError, match="samples"):
+        PackedGroups.from_samples(prompts, comps[:3], group_size=2)
+
+
 def test_packed_groups_rejects_empty_prompt():
     with pytest.raises(ValueError, match="empty prompt"):
         PackedGroups.from_groups([([], [[1, 2]])])
