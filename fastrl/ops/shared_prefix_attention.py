@@ -49,9 +49,10 @@ __all__ = ["SharedPrefixLayout", "PackedGroups", "shared_prefix_attention", "DEN
 BACKENDS = ("auto", "triton", "torch", "sdpa", "segments", "flex", "flash_attn")
 
 # Up to this many tokens the CPU default is the dense-mask SDPA (one call: wins with many
-# short segments, e.g. N=288 in 64 segments: 39 vs 110 ms fwd+bwd); above it the
-# per-segment SDPA (no N^2 mask: N=768, one group of 8: 120 vs 229 ms; N=3072: 1.3 vs
-# 3.5 s). Single-thread best-of-3, Hq=8, Hkv=2, D=64, fp32.
+# short segments, e.g. N=288 in 64 segments: 49 vs 94 ms fwd+bwd); above it the
+# per-segment SDPA (no N^2 mask: N=576 in 4 groups of 16: 99 vs 217 ms; N=3072, one
+# group of 8: 2.1 vs 5.4 s). Single thread, best of 3, Hq=8, Hkv=2, D=64, fp32, on a
+# shared (loaded) 2-core machine.
 DENSE_MAX_TOKENS = 512
 
 
@@ -378,30 +379,38 @@ def _sdpa_dense(q, k, v, layout: SharedPrefixLayout, scale: float) -> torch.Tens
 
 def _sdpa_segments(q, k, v, layout: SharedPrefixLayout, scale: float) -> torch.Tensor:
     """Per document: causal SDPA over the prefix; per segment: SDPA over [prefix ; segment]
-    keys with the bottom-right-aligned causal mask (all prefix keys, causal in the segment)."""
+    keys with the bottom-right-aligned causal mask (all prefix keys, causal in the segment).
+
+    The row is cut with one ``torch.split`` per tensor (its backward is one concatenation;
+    slicing the full row per piece would make every piece's backward allocate and add a
+    zero-filled row-sized gradient)."""
     gqa = q.shape[1] != k.shape[1]
-    qt, kt, vt = q.transpose(0, 1), k.transpose(0, 1), v.transpose(0, 1)  # [H, N, D] views
+    sizes = []
+    for p, lens in zip(layout.prefix_lens, layout.segment_lens):
+        sizes.append(p)
+        sizes.extend(lens)
+    qs, ks, vs = (torch.split(t.transpose(0, 1), sizes, dim=1) for t in (q, k, v))  # pieces [H, n, D]
     outs = []
-    seg = 0
     masks: dict[tuple[int, int], torch.Tensor] = {}
-    for d, (p, lens) in enumerate(zip(layout.prefix_lens, layout.segment_lens)):
-        a = layout.host_doc_cu[d]
+    i = 0
+    for p, lens in zip(layout.prefix_lens, layout.segment_lens):
+        kp, vp = ks[i], vs[i]
         if p:
-            outs.append(F.scaled_dot_product_attention(qt[None, :, a : a + p], kt[None, :, a : a + p], vt[None, :, a : a + p], is_causal=True, scale=scale, enable_gqa=gqa)[0])
+            outs.append(F.scaled_dot_product_attention(qs[i][None], kp[None], vp[None], is_causal=True, scale=scale, enable_gqa=gqa)[0])
+        i += 1
         for n in lens:
-            s = layout.host_seg_cu[seg]
-            seg += 1
             if p == 0:
-                outs.append(F.scaled_dot_product_attention(qt[None, :, s : s + n], kt[None, :, s : s + n], vt[None, :, s : s + n], is_causal=True, scale=scale, enable_gqa=gqa)[0])
-                continue
-            mask = masks.get((n, p))
-            if mask is None:
-                i = torch.arange(n, device=q.device)
-                mask = torch.cat([torch.ones(n, p, dtype=torch.bool, device=q.device), i[None, :] <= i[:, None]], dim=1)
-                masks[(n, p)] = mask
-            ks = torch.cat([kt[:, a : a + p], kt[:, s : s + n]], dim=1)[None]
-            vs = torch.cat([vt[:, a : a + p], vt[:, s : s + n]], dim=1)[None]
-            outs.append(F.scaled_dot_product_attention(qt[None, :, s : s + n], ks, vs, attn_mask=mask, scale=scale, enable_gqa=gqa)[0])
+                outs.append(F.scaled_dot_product_attention(qs[i][None], ks[i][None], vs[i][None], is_causal=True, scale=scale, enable_gqa=gqa)[0])
+            else:
+                mask = masks.get((n, p))
+                if mask is None:
+                    t = torch.arange(n, device=q.device)
+                    mask = torch.cat([torch.ones(n, p, dtype=torch.bool, device=q.device), t[None, :] <= t[:, None]], dim=1)
+                    masks[(n, p)] = mask
+                kc = torch.cat([kp, ks[i]], dim=1)[None]
+                vc = torch.cat([vp, vs[i]], dim=1)[None]
+                outs.append(F.scaled_dot_product_attention(qs[i][None], kc, vc, attn_mask=mask, scale=scale, enable_gqa=gqa)[0])
+            i += 1
     out = outs[0] if len(outs) == 1 else torch.cat(outs, dim=1)
     return out.transpose(0, 1)
 
