@@ -234,3 +234,21 @@ def test_flash_attn_metadata_against_an_emulation(key, monkeypatch):
     fake.flash_attn_varlen_func = _flash_varlen_emulation
     monkeypatch.setitem(sys.modules, "flash_attn", fake)
     _check_against_oracle(*LAYOUTS[key], "flash_attn", torch.bfloat16, atol=4e-2)
+
+
+@pytest.mark.parametrize("backend", ["segments", "triton"])
+def test_extreme_scores_stay_finite_and_exact(backend, device):
+    # scores of several hundred: a softmax that is not max-shifted would overflow in fp32
+    dev = device if backend == "triton" else torch.device("cpu")
+    pl, sl = LAYOUTS["mixed"]
+    lay = SharedPrefixLayout.from_lengths(pl, sl, device=dev)
+    q, k, v = _qkv(lay.num_tokens, 2, 1, 16, torch.float32, dev, scale=8.0)
+    out = shared_prefix_attention(q, k, v, lay, scale=0.25, backend=backend)
+    grads = torch.autograd.grad(out.square().sum(), (q, k, v))
+    q64, k64, v64 = (t.detach().double().requires_grad_() for t in (q, k, v))
+    ref = shared_prefix_attention_reference(q64, k64, v64, prefix_lens=pl, segment_lens=sl, scale=0.25)
+    want = torch.autograd.grad(ref.square().sum(), (q64, k64, v64))
+    assert torch.isfinite(out).all() and all(torch.isfinite(g).all() for g in grads)
+    torch.testing.assert_close(out.double(), ref, atol=1e-3, rtol=1e-4)
+    for g, w in zip(grads, want):
+        assert (g.double() - w).abs().max() <= 1e-3 * w.abs().max()
