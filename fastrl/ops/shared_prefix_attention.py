@@ -415,6 +415,9 @@ def _sdpa_segments(q, k, v, layout: SharedPrefixLayout, scale: float) -> torch.T
     return out.transpose(0, 1)
 
 
+_FLEX_COMPILED = None
+
+
 def _flex(q, k, v, layout: SharedPrefixLayout, scale: float) -> torch.Tensor:
     from torch.nn.attention.flex_attention import create_block_mask, flex_attention
 
@@ -429,10 +432,13 @@ def _flex(q, k, v, layout: SharedPrefixLayout, scale: float) -> torch.Tensor:
         N = layout.num_tokens
         block_mask = create_block_mask(mask_mod, None, None, N, N, device=q.device)
         layout._cache[key] = block_mask
-    fn = layout._cache.get("flex_fn")
-    if fn is None:
-        fn = torch.compile(flex_attention, dynamic=False) if q.device.type == "cuda" else flex_attention
-        layout._cache["flex_fn"] = fn
+    global _FLEX_COMPILED
+    if q.device.type == "cuda":
+        if _FLEX_COMPILED is None:  # one compiled function for all layouts (dynamic shapes: no recompile per N)
+            _FLEX_COMPILED = torch.compile(flex_attention)
+        fn = _FLEX_COMPILED
+    else:  # eager on CPU (forward only in torch 2.13; compiling costs ~30 s)
+        fn = flex_attention
     gqa = q.shape[1] != k.shape[1]
     out = fn(q.transpose(0, 1)[None], k.transpose(0, 1)[None], v.transpose(0, 1)[None], block_mask=block_mask, scale=scale, enable_gqa=gqa)
     return out[0].transpose(0, 1)
