@@ -9,7 +9,8 @@ work scales with ``P + G * L``. ``fastrl.reference.shared_prefix_attention`` is 
 oracle (mask formula there).
 
 General form (``SharedPrefixLayout``): a packed row holds documents; a document is a
-shared prefix (length >= 0) plus one or more segments. Padding-free packing is
+shared prefix (length >= 0) plus segments (none only if the prefix is not empty; an
+empty completion has no segment). Padding-free packing is
 "prefix 0, one segment per document". The layout is int32 metadata built once per
 micro-batch on the host; the kernels never derive it. ``PackedGroups.from_groups`` also
 builds ``input_ids``/``position_ids`` and the index maps between packed tokens and the
@@ -19,8 +20,8 @@ Backends of ``shared_prefix_attention`` (``backend=``):
 
 - ``triton``: ``csrc_triton.shared_prefix_attention`` (flash-attention style forward and
   backward; default on CUDA).
-- ``torch`` (default on CPU): ``sdpa`` below ``DENSE_MAX_TOKENS`` tokens, ``segments``
-  above.
+- ``torch`` (default on CPU): ``sdpa`` up to ``DENSE_MAX_TOKENS`` tokens, ``segments``
+  above (measured, see the constant).
 - ``sdpa``: one ``scaled_dot_product_attention`` call with the dense ``[N, N]`` boolean
   mask (memory ``N^2`` bytes for the mask).
 - ``segments``: per document, the prefix with causal SDPA and each segment with SDPA over
@@ -37,7 +38,7 @@ Backends of ``shared_prefix_attention`` (``backend=``):
 from __future__ import annotations
 
 from dataclasses import dataclass, field
-from typing import Any, Sequence
+from typing import Sequence
 
 import torch
 import torch.nn.functional as F
