@@ -9,7 +9,8 @@ work scales with ``P + G * L``. ``fastrl.reference.shared_prefix_attention`` is 
 oracle (mask formula there).
 
 General form (``SharedPrefixLayout``): a packed row holds documents; a document is a
-shared prefix (length >= 0) plus one or more segments. Padding-free packing is
+shared prefix (length >= 0) plus segments (none only if the prefix is not empty; an
+empty completion has no segment). Padding-free packing is
 "prefix 0, one segment per document". The layout is int32 metadata built once per
 micro-batch on the host; the kernels never derive it. ``PackedGroups.from_groups`` also
 builds ``input_ids``/``position_ids`` and the index maps between packed tokens and the
@@ -19,8 +20,8 @@ Backends of ``shared_prefix_attention`` (``backend=``):
 
 - ``triton``: ``csrc_triton.shared_prefix_attention`` (flash-attention style forward and
   backward; default on CUDA).
-- ``torch`` (default on CPU): ``sdpa`` below ``DENSE_MAX_TOKENS`` tokens, ``segments``
-  above.
+- ``torch`` (default on CPU): ``sdpa`` up to ``DENSE_MAX_TOKENS`` tokens, ``segments``
+  above (measured, see the constant).
 - ``sdpa``: one ``scaled_dot_product_attention`` call with the dense ``[N, N]`` boolean
   mask (memory ``N^2`` bytes for the mask).
 - ``segments``: per document, the prefix with causal SDPA and each segment with SDPA over
@@ -37,7 +38,7 @@ Backends of ``shared_prefix_attention`` (``backend=``):
 from __future__ import annotations
 
 from dataclasses import dataclass, field
-from typing import Any, Sequence
+from typing import Sequence
 
 import torch
 import torch.nn.functional as F
@@ -49,9 +50,10 @@ __all__ = ["SharedPrefixLayout", "PackedGroups", "shared_prefix_attention", "DEN
 BACKENDS = ("auto", "triton", "torch", "sdpa", "segments", "flex", "flash_attn")
 
 # Up to this many tokens the CPU default is the dense-mask SDPA (one call: wins with many
-# short segments, e.g. N=288 in 64 segments: 39 vs 110 ms fwd+bwd); above it the
-# per-segment SDPA (no N^2 mask: N=768, one group of 8: 120 vs 229 ms; N=3072: 1.3 vs
-# 3.5 s). Single-thread best-of-3, Hq=8, Hkv=2, D=64, fp32.
+# short segments, e.g. N=288 in 64 segments: 49 vs 94 ms fwd+bwd); above it the
+# per-segment SDPA (no N^2 mask: N=576 in 4 groups of 16: 99 vs 217 ms; N=3072, one
+# group of 8: 2.1 vs 5.4 s). Single thread, best of 3, Hq=8, Hkv=2, D=64, fp32, on a
+# shared (loaded) 2-core machine.
 DENSE_MAX_TOKENS = 512
 
 
@@ -314,6 +316,27 @@ class PackedGroups:
             completion_lens=tuple(completion_lens),
         )
 
+    @classmethod
+    def from_samples(
+        cls,
+        prompt_ids: Sequence[Sequence[int]],
+        completion_ids: Sequence[Sequence[int]],
+        *,
+        group_size: int,
+        device: torch.device | str | None = None,
+    ) -> "PackedGroups":
+        """From ``RolloutBatch``'s fields: one prompt per group and the flat completions in
+        group order (sample b belongs to prompt ``b // group_size``)."""
+        if isinstance(group_size, bool) or not isinstance(group_size, int) or group_size < 1:
+            raise ValueError(f"group_size must be an int >= 1, got {group_size!r}")
+        if len(completion_ids) != len(prompt_ids) * group_size:
+            raise ValueError(
+                f"completion_ids has {len(completion_ids)} samples, expected len(prompt_ids) * group_size = "
+                f"{len(prompt_ids)} * {group_size}"
+            )
+        G = group_size
+        return cls.from_groups([(p, completion_ids[g * G : (g + 1) * G]) for g, p in enumerate(prompt_ids)], device=device)
+
     def to_completion_layout(self, values: torch.Tensor, *, fill: float = 0.0) -> torch.Tensor:
         """``[M, ...]`` per completion token -> ``[B, L_max, ...]`` (``fill`` elsewhere);
         differentiable."""
@@ -357,32 +380,43 @@ def _sdpa_dense(q, k, v, layout: SharedPrefixLayout, scale: float) -> torch.Tens
 
 def _sdpa_segments(q, k, v, layout: SharedPrefixLayout, scale: float) -> torch.Tensor:
     """Per document: causal SDPA over the prefix; per segment: SDPA over [prefix ; segment]
-    keys with the bottom-right-aligned causal mask (all prefix keys, causal in the segment)."""
+    keys with the bottom-right-aligned causal mask (all prefix keys, causal in the segment).
+
+    The row is cut with one ``torch.split`` per tensor (its backward is one concatenation;
+    slicing the full row per piece would make every piece's backward allocate and add a
+    zero-filled row-sized gradient)."""
     gqa = q.shape[1] != k.shape[1]
-    qt, kt, vt = q.transpose(0, 1), k.transpose(0, 1), v.transpose(0, 1)  # [H, N, D] views
+    sizes = []
+    for p, lens in zip(layout.prefix_lens, layout.segment_lens):
+        sizes.append(p)
+        sizes.extend(lens)
+    qs, ks, vs = (torch.split(t.transpose(0, 1), sizes, dim=1) for t in (q, k, v))  # pieces [H, n, D]
     outs = []
-    seg = 0
     masks: dict[tuple[int, int], torch.Tensor] = {}
-    for d, (p, lens) in enumerate(zip(layout.prefix_lens, layout.segment_lens)):
-        a = layout.host_doc_cu[d]
+    i = 0
+    for p, lens in zip(layout.prefix_lens, layout.segment_lens):
+        kp, vp = ks[i], vs[i]
         if p:
-            outs.append(F.scaled_dot_product_attention(qt[None, :, a : a + p], kt[None, :, a : a + p], vt[None, :, a : a + p], is_causal=True, scale=scale, enable_gqa=gqa)[0])
+            outs.append(F.scaled_dot_product_attention(qs[i][None], kp[None], vp[None], is_causal=True, scale=scale, enable_gqa=gqa)[0])
+        i += 1
         for n in lens:
-            s = layout.host_seg_cu[seg]
-            seg += 1
             if p == 0:
-                outs.append(F.scaled_dot_product_attention(qt[None, :, s : s + n], kt[None, :, s : s + n], vt[None, :, s : s + n], is_causal=True, scale=scale, enable_gqa=gqa)[0])
-                continue
-            mask = masks.get((n, p))
-            if mask is None:
-                i = torch.arange(n, device=q.device)
-                mask = torch.cat([torch.ones(n, p, dtype=torch.bool, device=q.device), i[None, :] <= i[:, None]], dim=1)
-                masks[(n, p)] = mask
-            ks = torch.cat([kt[:, a : a + p], kt[:, s : s + n]], dim=1)[None]
-            vs = torch.cat([vt[:, a : a + p], vt[:, s : s + n]], dim=1)[None]
-            outs.append(F.scaled_dot_product_attention(qt[None, :, s : s + n], ks, vs, attn_mask=mask, scale=scale, enable_gqa=gqa)[0])
+                outs.append(F.scaled_dot_product_attention(qs[i][None], ks[i][None], vs[i][None], is_causal=True, scale=scale, enable_gqa=gqa)[0])
+            else:
+                mask = masks.get((n, p))
+                if mask is None:
+                    t = torch.arange(n, device=q.device)
+                    mask = torch.cat([torch.ones(n, p, dtype=torch.bool, device=q.device), t[None, :] <= t[:, None]], dim=1)
+                    masks[(n, p)] = mask
+                kc = torch.cat([kp, ks[i]], dim=1)[None]
+                vc = torch.cat([vp, vs[i]], dim=1)[None]
+                outs.append(F.scaled_dot_product_attention(qs[i][None], kc, vc, attn_mask=mask, scale=scale, enable_gqa=gqa)[0])
+            i += 1
     out = outs[0] if len(outs) == 1 else torch.cat(outs, dim=1)
     return out.transpose(0, 1)
+
+
+_FLEX_COMPILED = None
 
 
 def _flex(q, k, v, layout: SharedPrefixLayout, scale: float) -> torch.Tensor:
@@ -399,10 +433,13 @@ def _flex(q, k, v, layout: SharedPrefixLayout, scale: float) -> torch.Tensor:
         N = layout.num_tokens
         block_mask = create_block_mask(mask_mod, None, None, N, N, device=q.device)
         layout._cache[key] = block_mask
-    fn = layout._cache.get("flex_fn")
-    if fn is None:
-        fn = torch.compile(flex_attention, dynamic=False) if q.device.type == "cuda" else flex_attention
-        layout._cache["flex_fn"] = fn
+    global _FLEX_COMPILED
+    if q.device.type == "cuda":
+        if _FLEX_COMPILED is None:  # one compiled function for all layouts (dynamic shapes: no recompile per N)
+            _FLEX_COMPILED = torch.compile(flex_attention)
+        fn = _FLEX_COMPILED
+    else:  # eager on CPU (forward only in torch 2.13; compiling costs ~30 s)
+        fn = flex_attention
     gqa = q.shape[1] != k.shape[1]
     out = fn(q.transpose(0, 1)[None], k.transpose(0, 1)[None], v.transpose(0, 1)[None], block_mask=block_mask, scale=scale, enable_gqa=gqa)
     return out[0].transpose(0, 1)
