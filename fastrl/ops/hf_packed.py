@@ -19,7 +19,11 @@ LM-head ops (no ``[tokens, vocab]`` logits):
 Values and every parameter gradient equal those of the repeated-prefix batch (the prompt's
 keys/values collect gradient from all G completions); the cost is ``P + G * L`` tokens per
 group instead of ``G * (P + L)``. The model is used unchanged: ``config._attn_implementation``
-is switched for the duration of the call. Supported: decoder-only models whose attention
+is switched for the duration of the call -- with activation checkpointing, keep
+``shared_prefix_attention_enabled(model)`` entered around the backward as well: checkpointed
+layers re-run their forward there, and would otherwise recompute with the model's default
+attention (wrong gradients with reentrant checkpointing, a saved-tensor count error without).
+Supported: decoder-only models whose attention
 layers call ``ALL_ATTENTION_FUNCTIONS`` with RoPE from ``position_ids`` and full attention
 (Llama, Qwen2, Qwen3, Mistral, ...); no sliding windows, no attention dropout.
 """

@@ -194,6 +194,12 @@ class TrainConfig:
     """Training forwards (policy, old, reference, critic) pack each group as one row
     [prompt | c1 | ... | cG] with a shared-prefix attention mask, so the prompt runs once per
     group; loss and gradients equal the padded batch's. False: right-padded [B, T] rows."""
+    activation_checkpointing: Literal["auto", "off", "layer"] = "auto"
+    """Recompute each decoder layer in the backward instead of keeping its activations (policy and
+    critic). auto: on when a trajectory (longest prompt + max_new_tokens) reaches 2048 tokens."""
+    offload_activations: bool = False
+    """With checkpointing, keep each layer's saved input in (pinned) CPU memory during the
+    backward instead of on the device: the only tensors checkpointing keeps are offloaded."""
     micro_batch_tokens: int = 8192
     """Tokens per forward/backward (packed tokens with shared_prefix, else padded rows x length);
     whole groups go together. The update does not depend on it (global token counts)."""

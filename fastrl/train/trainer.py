@@ -100,6 +100,10 @@ class Rollout:
     per_function: dict[str, torch.Tensor]
 
 
+AUTO_CHECKPOINTING_TOKENS = 2048
+"""activation_checkpointing=auto turns it on for trajectories at least this long."""
+
+
 def _device(name: str) -> torch.device:
     if name == "auto":
         return torch.device("cuda" if torch.cuda.is_available() else "cpu")
@@ -224,6 +228,14 @@ class Trainer:
                 "sft/final_loss": float(result["final_loss"]), "sft/seconds": float(result["seconds"]),
             }
 
+        # ---- memory at length
+        longest = max(len(ids) for ids in self.encoded) + cfg.max_new_tokens
+        self.checkpointing = cfg.activation_checkpointing == "layer" or (
+            cfg.activation_checkpointing == "auto" and longest >= AUTO_CHECKPOINTING_TOKENS
+        )
+        if cfg.offload_activations and not self.checkpointing:
+            raise ValueError("offload_activations offloads the layer inputs that checkpointing keeps: set activation_checkpointing=layer")
+
         # ---- reference policy (frozen), critic, optimizers
         self.reference = None
         if cfg.uses_reference:
@@ -244,6 +256,12 @@ class Trainer:
             self.critic_scheduler = warmup_cosine(
                 self.critic_optimizer, total_steps=total_updates, warmup_steps=cfg.warmup_steps, min_lr_ratio=cfg.min_lr_ratio
             )
+        if self.checkpointing:
+            for m in (self.policy, self.critic.body if self.critic is not None else None):
+                if m is not None:
+                    if not getattr(m, "supports_gradient_checkpointing", False):
+                        raise ValueError(f"{type(m).__name__} does not support gradient checkpointing; set activation_checkpointing=off")
+                    m.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
         self.kl_ctl = AdaptiveKLController(float(cfg.kl_coef or 0.0), target=cfg.kl_target, horizon=cfg.kl_horizon)
 
         self.step = 0
@@ -489,10 +507,17 @@ class Trainer:
         attn = batch.attention_mask[rows, :Tm].to(self.device)
         return _MicroBatch(rows, slice(Tm - 1 - k, Tm - 1), input_ids=ids, attention_mask=attn, k=k)
 
+    def _offload(self):
+        """During the policy/critic forward with grad: saved tensors (with checkpointing, just each
+        layer's input) go to CPU memory, pinned on a GPU so the copies are asynchronous."""
+        if not (self.cfg.offload_activations and torch.is_grad_enabled()):
+            return contextlib.nullcontext()
+        return torch.autograd.graph.save_on_cpu(pin_memory=self.device.type == "cuda")
+
     def _logprobs(self, model: torch.nn.Module, mb: "_MicroBatch", *, entropy: bool):
         """Log-probs (and entropies) of the micro-batch's rows at columns ``mb.cols``."""
         temperature = self.cfg.temperature
-        with self._autocast():
+        with self._autocast(), self._offload():
             if mb.packed is not None:
                 from fastrl.ops.hf_packed import packed_causal_lm_logprobs
 
@@ -510,7 +535,7 @@ class Trainer:
         return out.float(), None
 
     def _values(self, mb: "_MicroBatch") -> torch.Tensor:
-        with self._autocast():
+        with self._autocast(), self._offload():
             if mb.packed is not None:
                 from fastrl.ops.hf_packed import packed_causal_lm_hidden_states
 
@@ -674,33 +699,13 @@ class Trainer:
                 seqs = (mask[mb_dev].sum(1) > 0).sum()
                 losses: list[torch.Tensor] = []
                 for mb in self._micro_batches(batch, mini_groups):
-                    r = mb.rows.to(self.device)
-                    cols = mb.cols
-                    m = mask[r, cols]
-                    logp, entropy = self._logprobs(self.policy, mb, entropy=True)
-                    old = old_logp[r, cols] if old_logp is not None else logp.detach()
-                    adv = advantages[r, cols] if advantages.dim() == 2 else advantages[r]
-                    loss, lm = policy_loss(
-                        logp, old, adv, m,
-                        ref_logp=ref_logp[r, cols] if (ref_logp is not None and self.loss_config.kl_coef) else None,
-                        entropy=entropy,
-                        rollout_logp=sampler_logp[r, cols] if cfg.rollout_correction == "is" else None,
-                        config=self.loss_config if not self.loss_config.kl_coef else self.loss_config.replace(kl_coef=self.kl_ctl.value),
-                        **self._global_count(tokens, seqs),
-                    )
-                    if self.critic is not None:
-                        values = self._values(mb)
-                        vloss, vm = value_loss(
-                            values.float(), old_values[r, cols], returns[r, cols], m,
-                            clip=cfg.value_clip, loss_agg="token-mean", global_token_count=tokens,
-                        )
-                        loss_total = loss + vloss
-                        lm = {**lm, **{f"critic_{k_}": v for k_, v in vm.items()}, "critic_loss": vloss.detach()}
-                    else:
-                        loss_total = loss
-                    loss_total.backward()
-                    losses.append(loss.detach())
-                    weight = float(m.sum())
+                    # the attention switch stays on through the backward: checkpointed layers
+                    # recompute their forward there and must see the same attention
+                    with self._packed_attention(mb):
+                        loss, lm = self._micro_batch_loss(mb, mask, advantages, old_logp, ref_logp, sampler_logp,
+                                                          old_values, returns, tokens, seqs)
+                    losses.append(loss)
+                    weight = float(mask[mb.rows.to(self.device), mb.cols].sum())
                     for name, v in lm.items():
                         agg.setdefault(name, []).append((float(v), weight))
                 total = torch.stack(losses).sum()
@@ -735,6 +740,47 @@ class Trainer:
             out["critic/grad_norm"] = max(critic_grad_norms) if critic_grad_norms else 0.0
             out["critic/explained_variance"] = float(explained_variance(old_values, returns, mask))
         return out
+
+    def _micro_batch_loss(self, mb, mask, advantages, old_logp, ref_logp, sampler_logp, old_values, returns, tokens, seqs):
+        """Forward + backward of one micro-batch; returns its (detached) share of the policy loss and its metrics."""
+        cfg = self.cfg
+        r = mb.rows.to(self.device)
+        cols = mb.cols
+        m = mask[r, cols]
+        logp, entropy = self._logprobs(self.policy, mb, entropy=True)
+        old = old_logp[r, cols] if old_logp is not None else logp.detach()
+        adv = advantages[r, cols] if advantages.dim() == 2 else advantages[r]
+        loss_config = self.loss_config if not self.loss_config.kl_coef else self.loss_config.replace(kl_coef=self.kl_ctl.value)
+        loss, metrics = policy_loss(
+            logp, old, adv, m,
+            ref_logp=ref_logp[r, cols] if (ref_logp is not None and self.loss_config.kl_coef) else None,
+            entropy=entropy,
+            rollout_logp=sampler_logp[r, cols] if cfg.rollout_correction == "is" else None,
+            config=loss_config,
+            **self._global_count(tokens, seqs),
+        )
+        total = loss
+        if self.critic is not None:
+            values = self._values(mb)
+            vloss, vm = value_loss(
+                values.float(), old_values[r, cols], returns[r, cols], m,
+                clip=cfg.value_clip, loss_agg="token-mean", global_token_count=tokens,
+            )
+            total = loss + vloss
+            metrics = {**metrics, **{f"critic_{k}": v for k, v in vm.items()}, "critic_loss": vloss.detach()}
+        total.backward()
+        return loss.detach(), metrics
+
+    def _packed_attention(self, mb: "_MicroBatch"):
+        if mb.packed is None:
+            return contextlib.nullcontext()
+        from fastrl.ops.hf_packed import shared_prefix_attention_enabled
+
+        stack = contextlib.ExitStack()
+        stack.enter_context(shared_prefix_attention_enabled(self.policy))
+        if self.critic is not None:
+            stack.enter_context(shared_prefix_attention_enabled(self.critic.body))
+        return stack
 
     def _global_count(self, tokens: torch.Tensor, seqs: torch.Tensor) -> dict[str, torch.Tensor]:
         """The mini-batch's denominator for the loss's aggregation, so micro-batches add up to it."""

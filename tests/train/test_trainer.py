@@ -125,6 +125,36 @@ def test_update_does_not_depend_on_the_layout_or_the_micro_batch_split(tmp_path,
     assert moved >= len(initial) // 2  # the updates are large next to the tolerance: the check is not vacuous
 
 
+@pytest.mark.parametrize("algorithm", ["grpo", "ppo"])
+def test_activation_checkpointing_and_offload_leave_the_gradients_unchanged(tmp_path, algorithm):
+    grads = []
+    for i, (ckpt, offload) in enumerate((("off", False), ("layer", False), ("layer", True))):
+        cfg = tiny(tmp_path / str(i), algorithm=algorithm, steps=1, activation_checkpointing=ckpt, offload_activations=offload,
+                   model_layers=2)
+        with Trainer(cfg, reward_functions=[digit_share]) as trainer:
+            assert trainer.checkpointing == (ckpt == "layer")
+            assert trainer.policy.is_gradient_checkpointing == (ckpt == "layer")
+            seen = []
+            named = list(trainer.policy.named_parameters())
+            trainer.optimizer.register_step_pre_hook(lambda opt, a, k: seen.append({n: p.grad.clone() for n, p in named}))
+            trainer.train()
+            grads.append(seen[0])
+    for other in (1, 2):
+        for name, g in grads[0].items():
+            torch.testing.assert_close(grads[other][name], g, rtol=1e-5, atol=1e-7, msg=name)
+
+
+def test_checkpointing_turns_itself_on_for_long_trajectories(tmp_path):
+    rows = [{"prompt": "1" * 2100, "answer": "1"}] * 4
+    tok = char_tokenizer()
+    model = tiny_model(tok, hidden_size=32, layers=1, max_position_embeddings=2200)
+    trainer = Trainer(tiny(tmp_path, steps=1), model=model, tokenizer=tok, train_rows=rows, eval_rows=rows[:1])
+    assert trainer.checkpointing and trainer.policy.is_gradient_checkpointing
+    trainer.close()
+    with pytest.raises(ValueError, match="offload_activations"):
+        Trainer(tiny(tmp_path / "b", activation_checkpointing="off", offload_activations=True))
+
+
 def test_shared_prefix_forward_refuses_sliding_window_models(tmp_path):
     tok = char_tokenizer()
     model = tiny_model(tok, hidden_size=32, layers=1, arch="qwen2")
@@ -186,14 +216,14 @@ def test_ppo_token_rewards_put_the_outcome_on_the_last_token_and_kl_on_every_tok
     trainer, _ = run(tiny(tmp_path, algorithm="ppo", kl_coef=0.2, kl_in_reward=True, steps=1, whiten_advantages=False),
                      reward_functions=[digit_share])
     with torch.no_grad():
-        batch = trainer.sampler.generate(trainer.encoded[:2], group_size=3, sampling=trainer._sampling(salt=5))
+        batch = trainer.sampler.generate(trainer.encoded[:2], group_size=4, sampling=trainer._sampling(salt=5))
         mask = batch.response_mask[:, 1:].float()
         old = trainer._token_logprobs(trainer.policy, batch)
         ref = trainer._token_logprobs(trainer.reference, batch)
-        outcome = torch.tensor([1.0, 0.0, 1.0, 0.0, 0.0, 1.0])
+        outcome = torch.tensor([1.0, 0.0, 1.0, 0.0, 0.0, 1.0, 0.5, 0.0])
         adv, returns, values, token_kl, _ = trainer.compute_advantages(batch, outcome, mask, old_logp=old, ref_logp=ref, sampler_logp=None)
         rewards = -trainer.kl_ctl.value * token_kl
-        for b in range(6):
+        for b in range(8):
             last = int(mask[b].nonzero().max())
             rewards[b, last] += outcome[b]
         exp_adv, exp_ret = gae(rewards, values, mask, gamma=1.0, lam=0.95)
