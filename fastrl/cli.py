@@ -128,8 +128,10 @@ def cmd_bench(args: argparse.Namespace) -> int:
         print("no benchmark ran: nothing written", file=sys.stderr)
         return 1
     write_results(results, device, out, extra=extra)
-    if any(r.within_noise for r in results):
-        print(NOISE_LEGEND)
+    compared = [r for r in results if r.within_noise is not None]
+    noisy = sum(r.within_noise for r in compared)
+    print(f"noise check: {noisy} of {len(compared)} ratios marked ~ ({NOISE_LEGEND})" if noisy
+          else f"noise check: all {len(compared)} ratios lie outside the spread (median/best) of their rows")
     print(f"results written to {out.resolve()}")
     return 0
 

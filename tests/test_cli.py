@@ -61,6 +61,9 @@ def test_quick_mode_pins_one_thread_on_cpu_and_says_so(quick_scans):
     assert pinned == 1
     assert payload["threads"] == 1 and payload["threads_pinned"] is True
     assert "1 intra-op thread(s), pinned" in printed.splitlines()[0]
+    noisy = sum(bool(r["within_noise"]) for r in payload["results"])
+    assert printed.strip().splitlines()[-2].startswith("noise check: " + (f"{noisy} of" if noisy else "all"))
+    assert (noisy > 0) == ("~ " in printed or "~\n" in printed)
 
 
 def test_results_dir_defaults_to_the_user_cache(monkeypatch, tmp_path):

@@ -145,7 +145,7 @@ def format_header() -> str:
     return f"{'op':<22} {'shape':<34} {'impl':<26} {'best ms':>10} {'median ms':>10} {'peak MB':>9} {'x fastrl':>9}"
 
 
-NOISE_LEGEND = "~ after a ratio: it lies within the spread (median/best) of the two rows, too noisy to rank them"
+NOISE_LEGEND = "~: the ratio lies within the spread (median/best) of the two rows, too noisy to rank them"
 
 
 def format_row(r: BenchResult) -> str:
