@@ -102,7 +102,8 @@ def cmd_bench(args: argparse.Namespace) -> int:
         torch.set_num_threads(threads)
     thread_note = (f"{torch.get_num_threads()} intra-op thread(s), "
                    + ("pinned" if threads is not None else "torch's default; --threads N pins them"))
-    out = Path(args.out) if args.out else bench_results_dir() / f"bench-{device.type}-{mode}-{time.strftime('%Y%m%d-%H%M%S')}.json"
+    stamp = time.strftime("%Y%m%d-%H%M%S")
+    out = Path(args.out) if args.out else bench_results_dir() / f"bench-{device.type}-{mode}-{stamp}.json"
 
     print(f"fastrl bench on {device} ({mode}): {thread_note}; ratios use best-of-n times")
     print(format_header())
@@ -119,7 +120,7 @@ def cmd_bench(args: argparse.Namespace) -> int:
             if package is None:
                 raise
             skipped[name] = f"needs {package}"
-            print(f"-- {name}: skipped, {package} is not installed (pip install 'fastrl-kernels[dev]' brings every baseline)")
+            print(f"-- {name}: skipped, {package} is not installed (the `dev` extra installs every baseline)")
             continue
         results.extend(run_cases(cases, device))
         # Written after every module so a run cut short by a time limit keeps what it measured.
