@@ -242,13 +242,19 @@ def _version() -> str:
     return f"fastrl {__version__} (distribution fastrl-kernels)"
 
 
+EXAMPLES = (
+    ("fastrl bench --quick", "the benchmark table on this machine (minutes on a CPU)"),
+    ("fastrl bench --only scans", "one group of cases (fastrl bench --help lists them)"),
+    ("fastrl env", "versions, device, the backend `auto` picks, threads"),
+    ("python -m fastrl --version", "the same CLI through the interpreter"),
+)
+
+
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(
         prog="fastrl",
         description="fastrl: fused kernels and a lean orchestrator for LLM reinforcement learning.",
-        epilog="examples:\n  fastrl bench --quick            the benchmark table on this machine (about a minute)\n"
-               "  fastrl bench --only scans        one group of cases\n"
-               "  fastrl env                       versions, device, backend and threads\n",
+        epilog="examples:\n" + "".join(f"  {command:<27} {what}\n" for command, what in EXAMPLES),
         formatter_class=argparse.RawDescriptionHelpFormatter,
     )
     parser.add_argument("--version", action="version", version=_version())
@@ -266,7 +272,7 @@ def build_parser() -> argparse.ArgumentParser:
         formatter_class=argparse.RawDescriptionHelpFormatter,
     )
     bench.add_argument("--quick", action="store_true",
-                       help="small shapes, a few repeats (about a minute on CPU); pins one intra-op thread on CPU")
+                       help="small shapes, a few repeats (a few minutes on a 2-core CPU); pins one intra-op thread on CPU")
     bench.add_argument("--device", default="auto", help="auto (CUDA if available), cpu, cuda or cuda:N")
     bench.add_argument("--only", nargs="+", metavar="NAME",
                        help=f"run only the cases whose name contains one of these words ({', '.join(BENCH_CASES)})")
