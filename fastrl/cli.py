@@ -193,8 +193,9 @@ def tested_triton_range() -> str | None:
             requirements = re.findall(r'"(triton[^"]*)"', pyproject.read_text())
     for req in requirements:
         match = re.match(r"\s*triton\s*([<>=!~][^;]*)", req)
-        if match:
-            return match.group(1).replace(" ", "")
+        if match:  # lower bound first, however the metadata orders them
+            parts = match.group(1).replace(" ", "").split(",")
+            return ",".join(sorted(parts, key=lambda part: not part.startswith(">")))
     return None
 
 
