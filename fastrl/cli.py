@@ -223,7 +223,8 @@ def cmd_env(args: argparse.Namespace) -> int:
     print(f"fastrl        {report['fastrl']}  ({report['fastrl_path']})")
     print(f"python        {report['python']}")
     print(f"torch         {versions['torch']}  ({f'CUDA {cuda} build' if cuda else 'CPU-only build'})")
-    print(f"triton        {_triton_status(versions['triton'], report['tested_triton'])}")
+    importable = "" if report["triton_importable"] or versions["triton"] is None else ", but it does not import"
+    print(f"triton        {_triton_status(versions['triton'], report['tested_triton'])}{importable}")
     for name in ("transformers", "trl", "vllm", "liger-kernel", "verl", "openrlhf"):
         print(f"{name:<13} {versions[name] or 'not installed'}")
     print(f"device        {report['device']}" + (f"  ({report['gpu']})" if report["gpu"] else ""))
@@ -298,6 +299,9 @@ def main(argv: list[str] | None = None) -> int:
     except UsageError as exc:
         print(f"fastrl {args.command}: error: {exc}", file=sys.stderr)
         return 2
+    except BrokenPipeError:  # the reader of our output (`| head`) closed it: stop quietly
+        os.dup2(os.open(os.devnull, os.O_WRONLY), sys.stdout.fileno())
+        return 1
 
 
 if __name__ == "__main__":

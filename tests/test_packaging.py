@@ -145,6 +145,8 @@ def test_fastrl_imports_and_runs_its_torch_paths_without_triton(tmp_path):
                          text=True, timeout=300)
     assert out.returncode == 0, out.stderr[-3000:]
     assert "ran without triton" in out.stdout and out.stdout.strip().endswith("True")
+    triton_line = next(line for line in out.stdout.splitlines() if line.startswith("triton "))
+    assert "not installed" in triton_line or "does not import" in triton_line, triton_line
 
 
 def test_the_blocker_really_hides_triton(tmp_path):

@@ -156,9 +156,9 @@ def format_row(r: BenchResult) -> str:
 
 
 # Distributions whose versions matter when a run is slow or fails (the first installed name
-# of each entry is reported).
+# of each entry is reported). fastrl's own is the imported module's: the distribution named
+# `fastrl` on PyPI is an unrelated project.
 PACKAGES = {
-    "fastrl": ("fastrl-kernels", "fastrl"),
     "torch": ("torch",),
     "triton": ("triton", "pytorch-triton"),
     "transformers": ("transformers",),
@@ -182,11 +182,11 @@ def installed_version(*distributions: str) -> str | None:
 
 
 def package_versions() -> dict[str, str | None]:
-    versions = {key: installed_version(*dists) for key, dists in PACKAGES.items()}
-    versions["torch"] = torch.__version__
     import fastrl
 
-    versions["fastrl"] = fastrl.__version__  # the imported one (a source checkout may differ)
+    versions = {"fastrl": fastrl.__version__}
+    versions.update({key: installed_version(*dists) for key, dists in PACKAGES.items()})
+    versions["torch"] = torch.__version__  # the imported build, with its +cpu/+cu tag
     return versions
 
 
