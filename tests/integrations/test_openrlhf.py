@@ -16,7 +16,7 @@ import types
 import pytest
 import torch
 
-openrlhf = pytest.importorskip("openrlhf", reason="OpenRLHF is not installed (pip install 'fastrl[openrlhf]')")
+openrlhf = pytest.importorskip("openrlhf", reason="OpenRLHF is not installed (pip install -e '.[openrlhf]' && pip install --no-deps openrlhf==0.11.2 deepspeed==0.19.8)")
 pytest.importorskip("deepspeed", reason="openrlhf.models.utils imports deepspeed")
 
 

@@ -23,7 +23,7 @@ import warnings
 import pytest
 import torch
 
-trl = pytest.importorskip("trl", reason="TRL is not installed (pip install 'fastrl[trl]')")
+trl = pytest.importorskip("trl", reason="TRL is not installed (pip install 'trl>=1.16,<1.17')")
 sys.path.insert(0, os.path.dirname(__file__))
 
 from trl import GRPOConfig  # noqa: E402

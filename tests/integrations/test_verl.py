@@ -11,7 +11,7 @@ import numpy as np
 import pytest
 import torch
 
-pytest.importorskip("verl", reason="verl is not installed (pip install 'fastrl[verl]')")
+pytest.importorskip("verl", reason="verl is not installed (pip install -e '.[verl]' && pip install --no-deps verl==0.9.1)")
 core_algos = pytest.importorskip("verl.trainer.ppo.core_algos", reason="verl's core_algos does not import")
 
 from verl.trainer.config import AlgoConfig  # noqa: E402

@@ -1,0 +1,7 @@
+"""`python -m fastrl` runs the fastrl command line."""
+
+import sys
+
+from fastrl.cli import main
+
+sys.exit(main())
