@@ -79,7 +79,7 @@ def sft_warmup(
     warmup_steps: int = 0,
     schedule: str = "constant",
     max_grad_norm: float | None = 1.0,
-    callback: Callable[[int, float], None] | None = None,
+    callback: Callable[[int, float], bool | None] | None = None,
 ) -> dict[str, Any]:
     """Teacher-forced SFT of ``model`` on ``rows`` (in place), for ``steps`` AdamW steps.
 
@@ -88,11 +88,13 @@ def sft_warmup(
     same model, rows and ``seed`` the run is deterministic on CPU. After the warm-up the rate
     stays at ``lr`` (``schedule="constant"``) or decays to 0 along a half cosine
     (``schedule="cosine"``, which ends the stage at a settled point rather than wherever
-    the last high-rate step left it). ``callback(step, loss)``
-    is called after each step. The model is left in eval mode.
+    the last high-rate step left it). ``callback(step, loss)`` is called after each step;
+    when it returns True the warm-up stops there (e.g. once a probe accuracy is reached:
+    the cosine schedule still runs over ``steps``). The model is left in eval mode.
 
     Returns ``{"losses": [per-step loss], "first_loss", "final_loss", "seconds",
-    "tokens" (answer + eos tokens trained on), "steps"}``.
+    "tokens" (answer + eos tokens trained on), "steps" (taken: fewer than asked when the
+    callback stopped the warm-up)}``.
     """
     for name, value, low in (("steps", steps, 0), ("batch_size", batch_size, 1), ("warmup_steps", warmup_steps, 0)):
         if not isinstance(value, int) or isinstance(value, bool) or value < low:
@@ -142,8 +144,8 @@ def sft_warmup(
         value = float(loss.detach())
         losses.append(value)
         tokens += int(loss_mask.sum())
-        if callback is not None:
-            callback(step, value)
+        if callback is not None and callback(step, value) is True:
+            break
     model.eval()
     return {
         "losses": losses,
@@ -151,5 +153,5 @@ def sft_warmup(
         "final_loss": losses[-1] if losses else None,
         "seconds": time.perf_counter() - t0,
         "tokens": tokens,
-        "steps": steps,
+        "steps": len(losses),
     }

@@ -115,3 +115,13 @@ def test_learning_rate_schedules():
     with pytest.raises(ValueError, match="schedule"):
         sft_warmup(tiny_model(char_tokenizer(), hidden_size=16, layers=1, heads=2), char_tokenizer(),
                    [{"prompt": "1+1=", "answer": "2"}], steps=1, lr=1e-3, batch_size=1, schedule="linear")
+
+
+def test_callback_can_stop_the_warmup_early(tok):
+    rows = ArithmeticTask(digits=1, num_train=20, num_heldout=0).train_rows()
+    model = tiny_model(tok, hidden_size=16, layers=1, heads=2, max_position_embeddings=24)
+    out = sft_warmup(model, tok, rows, steps=50, lr=1e-3, batch_size=4, callback=lambda step, loss: step == 4)
+    assert out["steps"] == 5 and len(out["losses"]) == 5 and out["final_loss"] == out["losses"][-1]
+    # only an explicit True stops it (a callback returning a loss or None does not)
+    out = sft_warmup(model, tok, rows, steps=6, lr=1e-3, batch_size=4, callback=lambda step, loss: loss)
+    assert out["steps"] == 6
