@@ -18,7 +18,7 @@ import torch
 from fastrl.ops.hf import causal_lm_logprobs
 from fastrl.train.data import check_rows, encode_prompt
 
-__all__ = ["encode_sft_example", "collate_sft", "sft_loss", "sft_warmup"]
+__all__ = ["encode_sft_example", "collate_sft", "sft_loss", "sft_warmup", "sft_to_target"]
 
 
 def encode_sft_example(
@@ -79,7 +79,7 @@ def sft_warmup(
     warmup_steps: int = 0,
     schedule: str = "constant",
     max_grad_norm: float | None = 1.0,
-    callback: Callable[[int, float], None] | None = None,
+    callback: Callable[[int, float], bool | None] | None = None,
 ) -> dict[str, Any]:
     """Teacher-forced SFT of ``model`` on ``rows`` (in place), for ``steps`` AdamW steps.
 
@@ -88,11 +88,13 @@ def sft_warmup(
     same model, rows and ``seed`` the run is deterministic on CPU. After the warm-up the rate
     stays at ``lr`` (``schedule="constant"``) or decays to 0 along a half cosine
     (``schedule="cosine"``, which ends the stage at a settled point rather than wherever
-    the last high-rate step left it). ``callback(step, loss)``
-    is called after each step. The model is left in eval mode.
+    the last high-rate step left it). ``callback(step, loss)`` is called after each step;
+    when it returns True the warm-up stops there (e.g. once a probe accuracy is reached:
+    the cosine schedule still runs over ``steps``). The model is left in eval mode.
 
     Returns ``{"losses": [per-step loss], "first_loss", "final_loss", "seconds",
-    "tokens" (answer + eos tokens trained on), "steps"}``.
+    "tokens" (answer + eos tokens trained on), "steps" (taken: fewer than asked when the
+    callback stopped the warm-up)}``.
     """
     for name, value, low in (("steps", steps, 0), ("batch_size", batch_size, 1), ("warmup_steps", warmup_steps, 0)):
         if not isinstance(value, int) or isinstance(value, bool) or value < low:
@@ -142,8 +144,8 @@ def sft_warmup(
         value = float(loss.detach())
         losses.append(value)
         tokens += int(loss_mask.sum())
-        if callback is not None:
-            callback(step, value)
+        if callback is not None and callback(step, value) is True:
+            break
     model.eval()
     return {
         "losses": losses,
@@ -151,5 +153,57 @@ def sft_warmup(
         "final_loss": losses[-1] if losses else None,
         "seconds": time.perf_counter() - t0,
         "tokens": tokens,
-        "steps": steps,
+        "steps": len(losses),
     }
+
+
+def sft_to_target(
+    model: torch.nn.Module,
+    tokenizer: Any,
+    rows: Sequence[dict],
+    *,
+    score_fn: Callable[[list, list[str], list], list[float]],
+    target_accuracy: float,
+    max_steps: int,
+    check_every: int,
+    probe_rows: int,
+    max_new_tokens: int,
+    lr: float,
+    batch_size: int,
+    seed: int = 0,
+    warmup_steps: int = 0,
+    prompt_column: str = "prompt",
+    answer_column: str = "answer",
+    chat_template: bool | None = None,
+) -> dict[str, Any]:
+    """``sft_warmup`` (constant rate) that stops once greedy accuracy on the first
+    ``probe_rows`` training rows reaches ``target_accuracy`` (checked every ``check_every``
+    steps), or after ``max_steps``.
+
+    Returns ``sft_warmup``'s dict plus ``"probe"``: ``[(steps done, probe accuracy)]``.
+    """
+    from fastrl.rollout import HFGroupSampler
+    from fastrl.train.evaluate import evaluate
+
+    if not isinstance(check_every, int) or check_every < 1:
+        raise ValueError(f"check_every must be an int >= 1, got {check_every!r}")
+    probe = list(rows[: max(1, probe_rows)])
+    sampler = HFGroupSampler(model)
+    history: list[tuple[int, float]] = []
+
+    def check(step: int, loss: float) -> bool:
+        if (step + 1) % check_every:
+            return False
+        acc = evaluate(
+            model, tokenizer, probe, score_fn=score_fn, max_new_tokens=max_new_tokens, sampler=sampler,
+            prompt_column=prompt_column, answer_column=answer_column, chat_template=chat_template,
+        )["accuracy"]
+        history.append((step + 1, acc))
+        return acc >= target_accuracy
+
+    out = sft_warmup(
+        model, tokenizer, rows, steps=max_steps, lr=lr, batch_size=batch_size, seed=seed, warmup_steps=warmup_steps,
+        prompt_column=prompt_column, answer_column=answer_column, chat_template=chat_template, callback=check,
+    )
+    out["probe"] = history
+    return out

@@ -115,3 +115,30 @@ def test_learning_rate_schedules():
     with pytest.raises(ValueError, match="schedule"):
         sft_warmup(tiny_model(char_tokenizer(), hidden_size=16, layers=1, heads=2), char_tokenizer(),
                    [{"prompt": "1+1=", "answer": "2"}], steps=1, lr=1e-3, batch_size=1, schedule="linear")
+
+
+def test_callback_can_stop_the_warmup_early(tok):
+    rows = ArithmeticTask(digits=1, num_train=20, num_heldout=0).train_rows()
+    model = tiny_model(tok, hidden_size=16, layers=1, heads=2, max_position_embeddings=24)
+    out = sft_warmup(model, tok, rows, steps=50, lr=1e-3, batch_size=4, callback=lambda step, loss: step == 4)
+    assert out["steps"] == 5 and len(out["losses"]) == 5 and out["final_loss"] == out["losses"][-1]
+    # only an explicit True stops it (a callback returning a loss or None does not)
+    out = sft_warmup(model, tok, rows, steps=6, lr=1e-3, batch_size=4, callback=lambda step, loss: loss)
+    assert out["steps"] == 6
+
+
+def test_sft_to_target_stops_at_the_probe_target(tok):
+    from fastrl.train.evaluate import evaluate
+    from fastrl.train.sft import sft_to_target
+    from fastrl.train.task import exact_match_score
+
+    rows = ArithmeticTask(digits=1, num_train=40, num_heldout=0).train_rows()
+    kw = dict(score_fn=exact_match_score, check_every=3, probe_rows=10, max_new_tokens=3, lr=3e-3, batch_size=8)
+    model = tiny_model(tok, hidden_size=16, layers=1, heads=2, max_position_embeddings=24)
+    out = sft_to_target(model, tok, rows, target_accuracy=0.0, max_steps=20, **kw)
+    assert out["steps"] == 3 and [s for s, _ in out["probe"]] == [3]  # 0.0 is reached at the first check
+    model = tiny_model(tok, hidden_size=16, layers=1, heads=2, max_position_embeddings=24)
+    out = sft_to_target(model, tok, rows, target_accuracy=1.01, max_steps=7, **kw)  # unreachable: runs to max_steps
+    assert out["steps"] == 7 and [s for s, _ in out["probe"]] == [3, 6]
+    final = evaluate(model, tok, rows[:10], score_fn=exact_match_score, max_new_tokens=3)["accuracy"]
+    assert out["probe"][-1][1] <= 1.0 and 0.0 <= final <= 1.0
