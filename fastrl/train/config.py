@@ -109,8 +109,19 @@ class TrainConfig:
     model_layers: Optional[int] = None
     """Built-in model: decoder layers (None: DefaultTask's)."""
     sft_steps: Optional[int] = None
-    """Supervised warm-up steps before RL on the prompt/answer pairs (needs an ``answer`` column).
-    None: DefaultTask's for the built-in model, 0 for a given model."""
+    """Supervised warm-up steps before RL on the prompt/answer pairs (needs an ``answer`` column);
+    with ``sft_target_accuracy``, the most steps. None: DefaultTask's for the built-in model, 0
+    for a given model."""
+    sft_target_accuracy: Optional[float] = None
+    """Stop the warm-up once greedy accuracy (reward >= 1 with the answer column) on
+    ``sft_probe_rows`` training prompts reaches this; None: DefaultTask's for the built-in
+    model (GRPO needs groups that are sometimes right), else run all ``sft_steps``."""
+    sft_warmup_steps: Optional[int] = None
+    """Linear learning-rate warm-up of the supervised stage (None: DefaultTask's)."""
+    sft_probe_rows: int = 100
+    """Training prompts the warm-up's accuracy probe evaluates."""
+    sft_check_every: int = 50
+    """Warm-up steps between accuracy probes."""
     sft_lr: Optional[float] = None
     """Learning rate of the warm-up (None: DefaultTask's)."""
     sft_batch_size: Optional[int] = None
@@ -203,8 +214,8 @@ class TrainConfig:
     micro_batch_tokens: int = 8192
     """Tokens per forward/backward (packed tokens with shared_prefix, else padded rows x length);
     whole groups go together. The update does not depend on it (global token counts)."""
-    lr: float = 2e-4
-    """AdamW learning rate of the policy."""
+    lr: Optional[float] = None
+    """AdamW learning rate of the policy (None: DefaultTask's on the built-in model, else 1e-6)."""
     weight_decay: float = 0.0
     """AdamW weight decay."""
     adam_betas: list[float] = field(default_factory=lambda: [0.9, 0.999])
@@ -279,11 +290,16 @@ class TrainConfig:
         for name, value in (("task_digits", default.task.digits), ("task_operations", default.task.operations),
                             ("task_train_size", default.task.num_train), ("task_eval_size", default.task.num_heldout),
                             ("model_hidden_size", default.hidden_size), ("model_layers", default.layers),
-                            ("sft_lr", default.sft_lr), ("sft_batch_size", default.sft_batch_size)):
+                            ("sft_lr", default.sft_lr), ("sft_batch_size", default.sft_batch_size),
+                            ("sft_warmup_steps", default.sft_warmup_steps)):
             if getattr(c, name) is None:
                 setattr(c, name, value)
         if c.sft_steps is None:
-            c.sft_steps = default.sft_steps if c.model is None else 0
+            c.sft_steps = default.sft_max_steps if c.model is None else 0
+        if c.sft_target_accuracy is None and c.model is None and c.dataset is None:
+            c.sft_target_accuracy = default.sft_target_accuracy
+        if c.lr is None:
+            c.lr = default.grpo_lr if c.model is None else 1e-6
         c.validate()
         return c
 
@@ -324,7 +340,9 @@ class TrainConfig:
             if isinstance(v, bool) or not isinstance(v, int) or v < (0 if allow_zero else 1):
                 raise ValueError(f"{name} must be an int >= {0 if allow_zero else 1}, got {v!r}")
 
-        for name in ("group_size", "prompts_per_step", "max_new_tokens", "steps", "ppo_epochs", "mini_batches",
+        if self.sft_target_accuracy is not None and not 0.0 < self.sft_target_accuracy <= 1.0:
+            raise ValueError(f"sft_target_accuracy must be in (0, 1], got {self.sft_target_accuracy}")
+        for name in ("group_size", "prompts_per_step", "max_new_tokens", "steps", "ppo_epochs", "mini_batches", "sft_probe_rows", "sft_check_every",
                      "micro_batch_tokens", "eval_prompts", "pass_k", "keep_checkpoints", "task_digits",
                      "task_train_size", "task_eval_size", "model_hidden_size", "model_layers", "sft_batch_size"):
             positive_int(name)

@@ -213,20 +213,28 @@ class Trainer:
         self.sft_metrics: dict[str, float] = {}
         sft_steps = cfg.sft_steps
         if sft_steps and self.resume_dir is None:
-            from fastrl.train.sft import sft_warmup
+            from fastrl.train.sft import sft_to_target, sft_warmup
 
             if not all("answer" in r for r in self.train_rows):
                 raise ValueError("sft_steps > 0 needs an 'answer' column in the dataset (the warm-up targets)")
-            result = sft_warmup(
-                self.policy, self.tokenizer, self.train_rows, steps=sft_steps, lr=cfg.sft_lr,
-                batch_size=cfg.sft_batch_size, seed=cfg.seed, prompt_column=cfg.prompt_column,
-                chat_template=cfg.chat_template,
-            )
+            common = dict(steps=sft_steps, lr=cfg.sft_lr, batch_size=cfg.sft_batch_size, seed=cfg.seed, warmup_steps=cfg.sft_warmup_steps,
+                          prompt_column=cfg.prompt_column, chat_template=cfg.chat_template)
+            if cfg.sft_target_accuracy is not None:
+                common["max_steps"] = common.pop("steps")
+                result = sft_to_target(
+                    self.policy, self.tokenizer, self.train_rows, score_fn=self._answer_score,
+                    target_accuracy=cfg.sft_target_accuracy, check_every=cfg.sft_check_every,
+                    probe_rows=cfg.sft_probe_rows, max_new_tokens=cfg.max_new_tokens, **common,
+                )
+            else:
+                result = sft_warmup(self.policy, self.tokenizer, self.train_rows, **common)
             self.policy.train()
             self.sft_metrics = {
                 "sft/steps": float(result["steps"]), "sft/first_loss": float(result["first_loss"]),
                 "sft/final_loss": float(result["final_loss"]), "sft/seconds": float(result["seconds"]),
             }
+            if result.get("probe"):
+                self.sft_metrics["sft/probe_accuracy"] = float(result["probe"][-1][1])
 
         # ---- memory at length
         longest = max(len(ids) for ids in self.encoded) + cfg.max_new_tokens
@@ -398,6 +406,10 @@ class Trainer:
         import yaml
 
         (self.out / "config.yaml").write_text(yaml.safe_dump(dataclasses.asdict(self.cfg), sort_keys=False))
+
+    def _answer_score(self, prompts: list, completions: list[str], answers: list) -> list[float]:
+        """The run's rewards with only the answer column (the warm-up's accuracy probe)."""
+        return self.rewards.score(prompts, completions, columns={"answer": list(answers)}).rewards.tolist()
 
     def _columns(self, rows: Sequence[dict[str, Any]], repeat: int = 1) -> dict[str, list]:
         keys = [k for k in rows[0] if k != self.cfg.prompt_column] if rows else []
