@@ -9,7 +9,8 @@ compile keys Triton's JIT would compute for sm_90 (its own binder and cache-key 
 see benchmarks/gpu/sm90_compile.py). No GPU is needed; it runs in a subprocess because
 tests/conftest.py turns the interpreter on.
 
-The bounds (``KEY_BOUNDS``) are per kernel for one model/configuration:
+The bounds (``KEY_BOUNDS``) are per kernel and configuration (one model, one set of flags;
+the walk's ``rec.label``), the most distinct keys any one configuration needs:
 - log-probs: the vocabulary split is a runtime argument; ``_bwd_hidden_kernel`` has one
   flag that follows the token count (atomic adds when the vocabulary is split): 2 keys.
 - decode attention: 1 key per (model, group size, dtype), whatever the batch and lengths.
@@ -34,18 +35,21 @@ KEY_BOUNDS = {
     "_bwd_weight_kernel": 1,
     "_prefix_attn_kernel": 1,
     "_suffix_merge_kernel": 1,
-    # power-of-two blocks from T, x the JIT's T/stride specialisation (follow-up: see
-    # benchmarks/gpu/README.md "Compile keys")
-    "_row_pre_kernel": 32,
-    "_policy_fwd_kernel": 32,
-    "_policy_finalize_kernel": 12,
-    "_policy_bwd_kernel": 32,
-    "_reverse_affine_scan_kernel": 32,
-    "_step_adv_kernel": 12,
-    # runtime sizes only: the JIT's "== 1" / "% 16 == 0" specialisation of each size argument
+    # As measured (csrc_triton/{policy_loss,scans,advantages}.py are not changed here): a
+    # power-of-two block min(1024, next_pow2(T)) and NC_P2 = next_pow2(cdiv(T, 1024)) are
+    # constexprs, times the JIT's "T == 1" / "T % 16 == 0" specialisation of T and the row
+    # strides. benchmarks/gpu/README.md ("Compile keys") says how to bring them to <= 3.
+    "_row_pre_kernel": 21,
+    "_policy_fwd_kernel": 29,
+    "_policy_finalize_kernel": 14,
+    "_policy_bwd_kernel": 18,
+    "_reverse_affine_scan_kernel": 28,
+    "_step_adv_kernel": 10,
+    # runtime sizes only: the JIT specialises each integer argument three ways (== 1,
+    # % 16 == 0, other), so k size arguments give at most 3**k keys, whatever the range
     "_kl_fwd_kernel": 3,
     "_kl_bwd_kernel": 3,
-    "_value_loss_kernel": 9,
+    "_value_loss_kernel": 27,  # N, T, number of blocks
     "_moments_kernel": 3,
     "_whiten_apply_kernel": 3,
     "_grad_sums_kernel": 3,
@@ -56,11 +60,11 @@ KEY_BOUNDS = {
 
 
 def token_counts(limit: int = 20000) -> list[int]:
-    """1..limit in uneven steps: every count up to 300, then steps that grow and wobble."""
+    """1..limit in uneven steps: every count up to 130, then steps that grow and wobble."""
     out, n = [], 1
     while n <= limit:
         out.append(n)
-        n += 1 if n < 300 else max(1, n // 41) + n % 13
+        n += 1 if n < 130 else max(1, n // 41) + n % 13
     return out
 
 
@@ -93,11 +97,15 @@ def walk(rec) -> None:
     ns = token_counts()
     for n in ns:
         # Qwen2.5-0.5B head, bf16, entropy and bias on: n tokens of a packed batch
+        rec.label = "logprobs"
         _logprob_call(rec, n, 896, 151936, bf16, bias=True, entropy=True)
         # [B, T] token-level ops: B rows padded to T
         B, T = 1 + n % 7, n
+        rec.label = "ppo"
         _policy_call(rec, B, T, bf16, ref=True, ent=True)
-        _policy_call(rec, B, T, bf16, seq_ratio=True)  # GSPO: the row pre-pass
+        rec.label = "gspo"
+        _policy_call(rec, B, T, bf16, seq_ratio=True)  # the row pre-pass
+        rec.label = "token ops"
         kl_fwd(meta(B, T, dtype=bf16), meta(B, T), estimator="k3", clamp=None)
         kl_bwd(meta(B, T, dtype=bf16), meta(B, T), meta(B, T), estimator="k3", clamp=None, need_logp=True,
                need_ref=False)
@@ -106,8 +114,11 @@ def walk(rec) -> None:
         x, m = meta(B * T), meta(B * T, dtype=torch.bool)
         y, mu, rstd, cnt = whiten_forward(x, m, shift_mean=True, eps=1e-8)
         whiten_backward(meta(B * T), x, m, mu, rstd, cnt, shift_mean=True)
+        rec.label = "gae"
         gae_fwd(meta(B, T), meta(B, T), meta(B, T, dtype=torch.bool), 0.99, 0.95)
+        rec.label = "returns"
         discounted_returns_fwd(meta(B, T), meta(B, T, dtype=torch.bool), 0.99)
+        rec.label = "advantages"
         # n samples in n // 8 + 1 groups; process rewards: up to 64 steps per row
         G = n // 8 + 1
         segment_stats(meta(n), meta(n, dtype=torch.int64), meta(G, dtype=torch.int64), meta(G, dtype=torch.int64))
@@ -117,6 +128,7 @@ def walk(rec) -> None:
         step_advantages_tokens(meta(B, S), meta(B, S, dtype=torch.int64), meta(B, dtype=torch.int64), meta(B),
                                meta(B), meta(B, T, dtype=torch.uint8), eps=1e-6)
     # decode attention (Qwen2.5-1.5B heads, groups of 8): prompts per step, prompt and suffix lengths
+    rec.label = "decode attention"
     for n in ns[::7]:
         _attn_call(rec, 12, 2, 128, 8, bf16, n_groups=1 + n % 29, prefix=1 + n % 3000, suffix=1 + n % 4096)
 
@@ -128,9 +140,13 @@ if __name__ == "__main__":
     rec = Recorder()
     with rec.active():
         walk(rec)
+    keys: dict[tuple[str, str], set[str]] = {}  # (kernel, configuration) -> compile keys
+    for (name, key), labels in rec.labels.items():
+        for label in labels:
+            keys.setdefault((name, label), set()).add(key)
     counts: dict[str, int] = {}
-    for name, _ in rec.distinct():
-        counts[name] = counts.get(name, 0) + 1
+    for (name, label), ks in keys.items():
+        counts[name] = max(counts.get(name, 0), len(ks))
     launches: dict[str, int] = {}
     for launch in rec.launches:
         launches[launch.name] = launches.get(launch.name, 0) + 1
