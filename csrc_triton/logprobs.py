@@ -46,7 +46,8 @@ HOPPER_TILES = {
     "bwd_weight": dict(BLOCK_N=64, BLOCK_V=128, BLOCK_K=64, num_warps=8, num_stages=2),
 }
 # fp32 inputs with exact ("ieee") dots run on the FMA units, which hold whole operand slices in
-# registers: narrower K steps (and token tiles in the weight gradient) keep them from spilling.
+# registers (and "tf32x3" splits each operand in three): narrower K steps, and token tiles in
+# the weight gradient, keep them from spilling.
 HOPPER_TILES_FP32 = {
     "fwd": dict(BLOCK_N=64, BLOCK_V=128, BLOCK_K=32, num_warps=8, num_stages=3),
     "bwd_hidden": dict(BLOCK_N=64, BLOCK_V=128, BLOCK_K=32, num_warps=8, num_stages=2),
@@ -79,7 +80,7 @@ def default_tiles(device: torch.device, dtype: torch.dtype = torch.bfloat16) -> 
     shapes: see benchmarks/results/sm90_compile_report.json)."""
     if _interpreted(device):
         return INTERPRETER_TILES
-    if dtype == torch.float32 and FP32_DOT_PRECISION == "ieee":
+    if dtype == torch.float32:  # "ieee" and "tf32x3" spill with the bf16 tiles
         return HOPPER_TILES_FP32
     return HOPPER_TILES
 

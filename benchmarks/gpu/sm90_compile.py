@@ -424,18 +424,39 @@ def check(report: dict) -> list[str]:
     return problems
 
 
-def compile_all(rec: Recorder, *, progress=None) -> list[dict]:
-    reports = []
-    for (name, key), launch in sorted(rec.distinct().items(), key=lambda kv: kv[0]):
-        labels = sorted(rec.labels[(name, key)])
-        r = compile_launch(launch)
-        r["cases"] = labels[:6] + ([f"... {len(labels) - 6} more"] if len(labels) > 6 else [])
-        r["strict"] = any(lbl.startswith("strict:") for lbl in labels)
-        r["problems"] = check(r)
-        reports.append(r)
-        if progress:
-            progress(r)
-    return reports
+def _compile_index(i: int) -> dict:
+    return compile_launch(_POOL_LAUNCHES[i])
+
+
+_POOL_LAUNCHES: list[Launch] = []
+
+
+def compile_all(rec: Recorder, *, jobs: int = 1, progress=None) -> list[dict]:
+    """Compile every distinct record (strict ones first), ``jobs`` at a time (forked workers)."""
+    items = sorted(rec.distinct().items(), key=lambda kv: (not _is_strict(rec, kv[0]), kv[0]))
+    launches = [launch for _, launch in items]
+    if jobs > 1:
+        import multiprocessing
+
+        _POOL_LAUNCHES[:] = launches  # inherited by the forked workers
+        with multiprocessing.get_context("fork").Pool(jobs) as pool:
+            compiled = pool.imap(_compile_index, range(len(launches)))
+            return [_finish(rec, key, r, progress) for (key, _), r in zip(items, compiled)]
+    return [_finish(rec, key, compile_launch(launch), progress) for key, launch in items]
+
+
+def _is_strict(rec: Recorder, key) -> bool:
+    return any(lbl.startswith("strict:") for lbl in rec.labels[key])
+
+
+def _finish(rec: Recorder, key, r: dict, progress) -> dict:
+    labels = sorted(rec.labels[key])
+    r["cases"] = labels[:6] + ([f"... {len(labels) - 6} more"] if len(labels) > 6 else [])
+    r["strict"] = _is_strict(rec, key)
+    r["problems"] = check(r)
+    if progress:
+        progress(r)
+    return r
 
 
 def flag_coverage(rec: Recorder) -> list[str]:
@@ -473,6 +494,7 @@ def main(argv=None) -> int:
     ap.add_argument("--only", nargs="*", choices=sorted(CASES), help="kernel families to compile (default: all)")
     ap.add_argument("--report", type=Path, help="write the JSON report here")
     ap.add_argument("--list", action="store_true", help="only list the variants, compile nothing")
+    ap.add_argument("--jobs", type=int, default=1, help="compile this many variants at a time")
     args = ap.parse_args(argv)
 
     rec = record(full=not args.subset, families=args.only)
@@ -489,20 +511,34 @@ def main(argv=None) -> int:
             print(name, launch.constexpr_values(), sorted(rec.labels[(name, key)])[:2])
         return 0
     t0 = time.perf_counter()
-    reports = compile_all(rec, progress=lambda r: print(_line(r), flush=True))
-    failures = [f"{r['kernel']} {r['constexprs']}: {p}" for r in reports for p in r["problems"]] + coverage
-    summary = {
-        "target": "cuda sm_90 (H200), Triton's bundled ptxas, no GPU",
-        "set": "subset" if args.subset else "full",
-        "triton": triton.__version__, "torch": torch.__version__, "python": platform.python_version(),
-        "ptxas": triton.knobs.nvidia.ptxas.path.rsplit("/", 1)[-1] + " " + str(triton.knobs.nvidia.ptxas.version),
-        "smem_limit_bytes": H200_SMEM_PER_BLOCK, "variants": len(reports), "per_kernel": per_kernel,
-        "compile_seconds": round(time.perf_counter() - t0, 1), "failures": failures, "reports": reports,
-    }
-    if args.report:
-        args.report.parent.mkdir(parents=True, exist_ok=True)
-        args.report.write_text(json.dumps(summary, indent=1) + "\n")
-    print(f"compiled {len(reports)} variants in {summary['compile_seconds']} s; {len(failures)} failures")
+    done: list[dict] = []
+
+    def progress(r: dict) -> None:
+        print(_line(r), flush=True)
+        done.append(r)
+        if args.report and len(done) % 20 == 0:  # a long run that is stopped keeps what it compiled
+            write(done, partial=True)
+
+    def write(reports: list[dict], partial: bool = False) -> list[str]:
+        failures = [f"{r['kernel']} {r['constexprs']}: {p}" for r in reports for p in r["problems"]] + coverage
+        summary = {
+            "target": "cuda sm_90 (H200), Triton's bundled ptxas, no GPU",
+            "set": "subset" if args.subset else "full",
+            "command": "python benchmarks/gpu/sm90_compile.py " + " ".join(sys.argv[1:] if argv is None else argv),
+            "triton": triton.__version__, "torch": torch.__version__, "python": platform.python_version(),
+            "ptxas": triton.knobs.nvidia.ptxas.path.rsplit("/", 1)[-1] + " " + str(triton.knobs.nvidia.ptxas.version),
+            "smem_limit_bytes": H200_SMEM_PER_BLOCK, "variants": len(reports), "per_kernel": per_kernel,
+            "compile_seconds": round(time.perf_counter() - t0, 1), "partial": partial, "failures": failures,
+            "reports": reports,
+        }
+        if args.report:
+            args.report.parent.mkdir(parents=True, exist_ok=True)
+            args.report.write_text(json.dumps(summary, indent=1) + "\n")
+        return failures
+
+    reports = compile_all(rec, jobs=args.jobs, progress=progress)
+    failures = write(reports)
+    print(f"compiled {len(reports)} variants in {round(time.perf_counter() - t0, 1)} s; {len(failures)} failures")
     for f in failures:
         print("FAILURE", f)
     return 1 if failures else 0
