@@ -16,6 +16,12 @@ Two kernels:
   sample's own suffix, then the merge with the prefix partial via the two log-sum-exps:
   ``out = (e^{lse_p} o_p + e^{lse_s} o_s) / (e^{lse_p} + e^{lse_s})``.
 
+Precision: when q, k and v share bf16 or fp16, both dots of the prefix kernel run on tensor
+cores with fp32 accumulation (the probabilities are rounded to the value dtype before the
+second dot, as in flash attention; running max and sum stay fp32). fp32, fp64 or mixed
+inputs are computed with exact fp32 dots. Tiles and warps follow the head dim and dtype
+(``prefix_tiles``; spill-free on sm_90, see benchmarks/gpu/README.md).
+
 Launchers take tensors and write outputs; validation lives in
 ``fastrl.ops.decode_attention``.
 """
@@ -80,11 +86,10 @@ def _prefix_attn_kernel(
             mask=k_ok[:, None] & d_ok[None, :],
             other=0.0,
         )
+        # UPCAST: exact fp32 dots ("ieee", no TF32); else bf16/fp16 tensor-core dots with fp32 accumulation
         if UPCAST:
             k = k.to(tl.float32)
             v = v.to(tl.float32)
-        # bf16/fp16: tensor-core dots with fp32 accumulation; fp32: exact ("ieee", no TF32)
-        if q.dtype == tl.float32:
             s = tl.dot(q, tl.trans(k), input_precision="ieee")
         else:
             s = tl.dot(q, tl.trans(k))
@@ -93,7 +98,7 @@ def _prefix_attn_kernel(
         alpha = tl.where(m_new == float("-inf"), 0.0, tl.exp(m_i - m_new))
         p = tl.where(k_ok[None, :], tl.exp(s - m_new[:, None]), 0.0)
         l_i = l_i * alpha + tl.sum(p, axis=1)
-        if v.dtype == tl.float32:
+        if UPCAST:
             acc = tl.dot(p, v, acc * alpha[:, None], input_precision="ieee")
         else:  # p rounded to the value dtype, as in flash attention; the sum l_i stays fp32
             acc = tl.dot(p.to(v.dtype), v, acc * alpha[:, None])
@@ -211,8 +216,12 @@ def shared_prefix_decode_attention_triton(
     num_groups = prefix_start.shape[0]
     G = group_size
     BLOCK_D = max(16, triton.next_power_of_2(D))
-    interpreted = q.device.type == "cpu"  # CPU tensors only run in the Triton interpreter
-    cfg = prefix_tiles(BLOCK_D, G * R, q.dtype)
+    # Tensor-core dots when q, k and v share a 16-bit dtype; anything else (fp32, fp64, mixed)
+    # is computed in exact fp32. The interpreter computes bf16 tl.dot wrongly
+    # (csrc_triton/README.md): there bf16 takes the fp32 path too (CPU tensors only run there).
+    half = q.dtype in (torch.bfloat16, torch.float16) and prefix_k.dtype == prefix_v.dtype == q.dtype
+    upcast = not half or (q.device.type == "cpu" and q.dtype == torch.bfloat16)
+    cfg = prefix_tiles(BLOCK_D, G * R, torch.float32 if upcast else q.dtype)
     o_p = torch.empty(B, Hq, D, device=q.device, dtype=torch.float32)
     lse_p = torch.empty(B, Hq, device=q.device, dtype=torch.float32)
     grid = (num_groups, Hkv, triton.cdiv(G * R, cfg["BLOCK_M"]))
@@ -224,9 +233,7 @@ def shared_prefix_decode_attention_triton(
         o_p.stride(0), o_p.stride(1),
         lse_p.stride(0),
         scale,
-        G=G, R=R, D=D, BLOCK_D=BLOCK_D,
-        # the interpreter computes bf16 tl.dot wrongly (csrc_triton/README.md): fp32 there
-        UPCAST=interpreted and q.dtype == torch.bfloat16, **cfg,
+        G=G, R=R, D=D, BLOCK_D=BLOCK_D, UPCAST=upcast, **cfg,
     )
     out = torch.empty(B, Hq, D, device=q.device, dtype=q.dtype)
     BLOCK_NS = 32 if BLOCK_D > 64 else 64

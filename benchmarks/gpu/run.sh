@@ -40,7 +40,7 @@ else
   # Kernel tests on CUDA: every test module that exercises ops and kernels, including
   # tests/ops/test_no_host_sync.py (CUDA's sync debug mode on every op). The sm_90
   # compile checks (test_compile_*.py, test_advantages_compile.py) are CPU-side CI checks.
-  test_args=(-q tests/ops tests/reference tests/rollout/test_decode_attention.py
+  test_args=(-q tests/ops tests/reference tests/rollout/test_decode_attention.py tests/rollout/test_decode_attention_precision.py
              --ignore=tests/ops/test_compile_sm90.py --ignore=tests/ops/test_compile_keys.py
              --ignore=tests/ops/test_advantages_compile.py)
   kernel_args=()

@@ -30,7 +30,7 @@ def test_every_kernel_compiles_for_sm90_without_spills(tmp_path):
     env["TRITON_CACHE_DIR"] = str(tmp_path / "cache")  # compile for real, not from a cache
     report_path = tmp_path / "sm90_compile_report.json"
     proc = subprocess.run(
-        [sys.executable, "benchmarks/gpu/sm90_compile.py", "--subset", "--report", str(report_path)],
+        [sys.executable, "benchmarks/gpu/sm90_compile.py", "--subset", "--jobs", "2", "--report", str(report_path)],
         cwd=ROOT, env=env, capture_output=True, text=True, timeout=900,
     )
     assert proc.returncode == 0, proc.stdout[-6000:] + proc.stderr[-6000:]
