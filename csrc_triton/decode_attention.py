@@ -16,6 +16,12 @@ Two kernels:
   sample's own suffix, then the merge with the prefix partial via the two log-sum-exps:
   ``out = (e^{lse_p} o_p + e^{lse_s} o_s) / (e^{lse_p} + e^{lse_s})``.
 
+Precision: when q, k and v share bf16 or fp16, both dots of the prefix kernel run on tensor
+cores with fp32 accumulation (the probabilities are rounded to the value dtype before the
+second dot, as in flash attention; running max and sum stay fp32). fp32, fp64 or mixed
+inputs are computed with exact fp32 dots. Tiles and warps follow the head dim and dtype
+(``prefix_tiles``; spill-free on sm_90, see benchmarks/gpu/README.md).
+
 Launchers take tensors and write outputs; validation lives in
 ``fastrl.ops.decode_attention``.
 """
@@ -37,7 +43,7 @@ def _prefix_attn_kernel(
     stride_lb,
     scale,
     G: tl.constexpr, R: tl.constexpr, D: tl.constexpr,
-    BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_D: tl.constexpr,
+    BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_D: tl.constexpr, UPCAST: tl.constexpr,
 ):
     n = tl.program_id(0)  # group (prompt)
     h = tl.program_id(1)  # kv head
@@ -54,7 +60,9 @@ def _prefix_attn_kernel(
         Q + b[:, None] * stride_qb + hq[:, None] * stride_qh + offs_d[None, :],
         mask=row_ok[:, None] & d_ok[None, :],
         other=0.0,
-    ).to(tl.float32)
+    )
+    if UPCAST:
+        q = q.to(tl.float32)
 
     start = tl.load(START + n)
     length = tl.load(LEN + n)
@@ -72,19 +80,28 @@ def _prefix_attn_kernel(
             K + h * stride_kh + tok[:, None] * stride_kn + offs_d[None, :],
             mask=k_ok[:, None] & d_ok[None, :],
             other=0.0,
-        ).to(tl.float32)
+        )
         v = tl.load(
             V + h * stride_vh + tok[:, None] * stride_vn + offs_d[None, :],
             mask=k_ok[:, None] & d_ok[None, :],
             other=0.0,
-        ).to(tl.float32)
-        s = tl.dot(q, tl.trans(k), input_precision="ieee") * scale  # ieee: no TF32 rounding of fp32 inputs
-        s = tl.where(k_ok[None, :], s, float("-inf"))
+        )
+        # UPCAST: exact fp32 dots ("ieee", no TF32); else bf16/fp16 tensor-core dots with fp32 accumulation
+        if UPCAST:
+            k = k.to(tl.float32)
+            v = v.to(tl.float32)
+            s = tl.dot(q, tl.trans(k), input_precision="ieee")
+        else:
+            s = tl.dot(q, tl.trans(k))
+        s = tl.where(k_ok[None, :], s * scale, float("-inf"))
         m_new = tl.maximum(m_i, tl.max(s, axis=1))
         alpha = tl.where(m_new == float("-inf"), 0.0, tl.exp(m_i - m_new))
         p = tl.where(k_ok[None, :], tl.exp(s - m_new[:, None]), 0.0)
         l_i = l_i * alpha + tl.sum(p, axis=1)
-        acc = acc * alpha[:, None] + tl.dot(p, v, input_precision="ieee")
+        if UPCAST:
+            acc = tl.dot(p, v, acc * alpha[:, None], input_precision="ieee")
+        else:  # p rounded to the value dtype, as in flash attention; the sum l_i stays fp32
+            acc = tl.dot(p.to(v.dtype), v, acc * alpha[:, None])
         m_i = m_new
         s0 += BLOCK_N
 
@@ -161,6 +178,20 @@ def _suffix_merge_kernel(
     tl.store(OUT + b * stride_ob + hq * stride_oh + offs_d, out.to(OUT.dtype.element_ty), mask=d_ok)
 
 
+def prefix_tiles(block_d: int, rows: int, dtype: torch.dtype) -> dict[str, int]:
+    """Tiles and warps of ``_prefix_attn_kernel`` for a head dim (padded to ``block_d``), the
+    ``rows = G * R`` query rows of a group and the input dtype.
+
+    Chosen from sm_90 compile reports (benchmarks/gpu/sm90_compile.py): no spills at D in
+    {64, 128} for bf16/fp16 (tensor-core dots) and fp32 (exact fp32 dots, more registers per
+    product, hence narrower key tiles).
+    """
+    if dtype == torch.float32:  # exact fp32 dots run on the FMA units and hold whole tiles in registers
+        return dict(BLOCK_M=16, BLOCK_N=32 if block_d <= 64 else 16, num_warps=8)
+    block_m = max(16, min(64, triton.next_power_of_2(rows)))
+    return dict(BLOCK_M=block_m, BLOCK_N=64 if block_d <= 128 else 32, num_warps=4 if block_d <= 64 else 8)
+
+
 def shared_prefix_decode_attention_triton(
     q: torch.Tensor,
     prefix_k: torch.Tensor,
@@ -185,11 +216,15 @@ def shared_prefix_decode_attention_triton(
     num_groups = prefix_start.shape[0]
     G = group_size
     BLOCK_D = max(16, triton.next_power_of_2(D))
-    BLOCK_M = max(16, min(64, triton.next_power_of_2(G * R)))
-    BLOCK_N = 32 if BLOCK_D > 64 else 64
+    # Tensor-core dots when q, k and v share a 16-bit dtype; anything else (fp32, fp64, mixed)
+    # is computed in exact fp32. The interpreter computes bf16 tl.dot wrongly
+    # (csrc_triton/README.md): there bf16 takes the fp32 path too (CPU tensors only run there).
+    half = q.dtype in (torch.bfloat16, torch.float16) and prefix_k.dtype == prefix_v.dtype == q.dtype
+    upcast = not half or (q.device.type == "cpu" and q.dtype == torch.bfloat16)
+    cfg = prefix_tiles(BLOCK_D, G * R, torch.float32 if upcast else q.dtype)
     o_p = torch.empty(B, Hq, D, device=q.device, dtype=torch.float32)
     lse_p = torch.empty(B, Hq, device=q.device, dtype=torch.float32)
-    grid = (num_groups, Hkv, triton.cdiv(G * R, BLOCK_M))
+    grid = (num_groups, Hkv, triton.cdiv(G * R, cfg["BLOCK_M"]))
     _prefix_attn_kernel[grid](
         q, prefix_k, prefix_v, prefix_start, prefix_len, o_p, lse_p,
         q.stride(0), q.stride(1),
@@ -198,7 +233,7 @@ def shared_prefix_decode_attention_triton(
         o_p.stride(0), o_p.stride(1),
         lse_p.stride(0),
         scale,
-        G=G, R=R, D=D, BLOCK_M=BLOCK_M, BLOCK_N=BLOCK_N, BLOCK_D=BLOCK_D,
+        G=G, R=R, D=D, BLOCK_D=BLOCK_D, UPCAST=upcast, **cfg,
     )
     out = torch.empty(B, Hq, D, device=q.device, dtype=q.dtype)
     BLOCK_NS = 32 if BLOCK_D > 64 else 64

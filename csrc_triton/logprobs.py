@@ -45,6 +45,14 @@ HOPPER_TILES = {
     "bwd_hidden": dict(BLOCK_N=64, BLOCK_V=128, BLOCK_K=64, num_warps=8, num_stages=2),
     "bwd_weight": dict(BLOCK_N=64, BLOCK_V=128, BLOCK_K=64, num_warps=8, num_stages=2),
 }
+# fp32 inputs with exact ("ieee") dots run on the FMA units, which hold whole operand slices in
+# registers (and "tf32x3" splits each operand in three): narrower K steps, and token tiles in
+# the weight gradient, keep them from spilling.
+HOPPER_TILES_FP32 = {
+    "fwd": dict(BLOCK_N=64, BLOCK_V=128, BLOCK_K=32, num_warps=8, num_stages=3),
+    "bwd_hidden": dict(BLOCK_N=64, BLOCK_V=128, BLOCK_K=32, num_warps=8, num_stages=2),
+    "bwd_weight": dict(BLOCK_N=32, BLOCK_V=128, BLOCK_K=32, num_warps=8, num_stages=2),
+}
 # Small tiles for the CPU interpreter, so small test shapes still span several tiles.
 INTERPRETER_TILES = {
     "fwd": dict(BLOCK_N=16, BLOCK_V=32, BLOCK_K=16, num_warps=1, num_stages=1),
@@ -56,8 +64,31 @@ INTERPRETER_TILES = {
 # set to "tf32" / "tf32x3" to trade accuracy for tensor-core speed.
 FP32_DOT_PRECISION = "ieee"
 
-def default_tiles(device: torch.device) -> dict[str, dict[str, int]]:
-    return HOPPER_TILES if device.type == "cuda" else INTERPRETER_TILES
+# SM count assumed when the launcher plans for a device it cannot query (``meta`` tensors:
+# ahead-of-time compiles in benchmarks/gpu/sm90_compile.py): an H200.
+ASSUMED_SM_COUNT = 132
+
+
+def _interpreted(device: torch.device) -> bool:
+    """CPU tensors only ever run in the Triton interpreter; any other device (``cuda``, or
+    ``meta`` when planning compiles) gets the GPU choices."""
+    return device.type == "cpu"
+
+
+def default_tiles(device: torch.device, dtype: torch.dtype = torch.bfloat16) -> dict[str, dict[str, int]]:
+    """Tile sizes for inputs of ``dtype`` on ``device`` (all spill-free on sm_90 at real model
+    shapes: see benchmarks/results/sm90_compile_report.json)."""
+    if _interpreted(device):
+        return INTERPRETER_TILES
+    if dtype == torch.float32:  # "ieee" and "tf32x3" spill with the bf16 tiles
+        return HOPPER_TILES_FP32
+    return HOPPER_TILES
+
+
+def _sm_count(device: torch.device) -> int:
+    if device.type == "cuda":
+        return torch.cuda.get_device_properties(device).multi_processor_count
+    return ASSUMED_SM_COUNT
 
 
 @triton.jit
@@ -90,15 +121,17 @@ def _logits_tile(
 @triton.jit
 def _fwd_kernel(
     h_ptr, w_ptr, b_ptr, y_ptr, nvalid_ptr, m_ptr, s_ptr, ent_ptr, t_ptr,
-    stride_h, stride_w, inv_temp, V: tl.constexpr, H: tl.constexpr, V_PER_SPLIT: tl.constexpr,
+    stride_h_q, stride_w_q, inv_temp, V, v_per_split, H: tl.constexpr, ROW_ALIGN: tl.constexpr,
     HAS_BIAS: tl.constexpr, WITH_ENTROPY: tl.constexpr,
     BLOCK_N: tl.constexpr, BLOCK_V: tl.constexpr, BLOCK_K: tl.constexpr, PRECISION: tl.constexpr,
     UPCAST: tl.constexpr,
 ):
-    # program (i, j): token tile i, vocabulary columns [j * V_PER_SPLIT, (j + 1) * V_PER_SPLIT)
+    # program (i, j): token tile i, vocabulary columns [j * v_per_split, (j + 1) * v_per_split)
+    stride_h, stride_w = stride_h_q * ROW_ALIGN, stride_w_q * ROW_ALIGN  # see _row_align
     pid = tl.program_id(0)
     split = tl.program_id(1)
-    v_lo = split * V_PER_SPLIT
+    v_lo = split * v_per_split
+    v_end = tl.minimum(v_lo + v_per_split, V)
     out_off = split * tl.num_programs(0) * BLOCK_N
     n_valid = tl.load(nvalid_ptr)
     row_start = pid * BLOCK_N
@@ -112,8 +145,12 @@ def _fwd_kernel(
     s = tl.zeros((BLOCK_N,), tl.float32)
     w_sum = tl.zeros((BLOCK_N,), tl.float32)
     t = tl.zeros((BLOCK_N,), tl.float32)
-    for v0 in range(0, V_PER_SPLIT, BLOCK_V):
-        cols = v_lo + v0 + tl.arange(0, BLOCK_V)
+    # a while loop: the split width is a runtime argument (it follows the token count, and a
+    # constexpr would recompile the kernel whenever that changes)
+    v0 = v_lo
+    while v0 < v_end:
+        cols = v0 + tl.arange(0, BLOCK_V)
+        v0 += BLOCK_V
         col_mask = cols < V
         u = _logits_tile(h_ptr, w_ptr, b_ptr, rows, row_mask, cols, col_mask, stride_h, stride_w, inv_temp, H,
                          HAS_BIAS, BLOCK_N, BLOCK_V, BLOCK_K, PRECISION, UPCAST)
@@ -168,15 +205,17 @@ def _load_row_stats(y_ptr, lse_ptr, gl_ptr, ent_ptr, ge_ptr, rows, row_mask, WIT
 @triton.jit
 def _bwd_hidden_kernel(
     h_ptr, w_ptr, b_ptr, y_ptr, nvalid_ptr, lse_ptr, ent_ptr, gl_ptr, ge_ptr, gh_ptr,
-    stride_h, stride_w, stride_gh, inv_temp, V: tl.constexpr, H: tl.constexpr, V_PER_SPLIT: tl.constexpr,
+    stride_h_q, stride_w_q, stride_gh_q, inv_temp, V, v_per_split, H: tl.constexpr, ROW_ALIGN: tl.constexpr,
     HAS_BIAS: tl.constexpr, WITH_ENTROPY: tl.constexpr,
     BLOCK_N: tl.constexpr, BLOCK_V: tl.constexpr, BLOCK_K: tl.constexpr, PRECISION: tl.constexpr,
     UPCAST: tl.constexpr, ATOMIC: tl.constexpr,
 ):
-    # program (i, j): token tile i, vocabulary columns [j * V_PER_SPLIT, (j + 1) * V_PER_SPLIT);
+    # program (i, j): token tile i, vocabulary columns [j * v_per_split, (j + 1) * v_per_split);
     # with several splits the programs of one token tile add into grad_hidden atomically
+    stride_h, stride_w, stride_gh = stride_h_q * ROW_ALIGN, stride_w_q * ROW_ALIGN, stride_gh_q * ROW_ALIGN
     pid = tl.program_id(0)
-    v_lo = tl.program_id(1) * V_PER_SPLIT
+    v_lo = tl.program_id(1) * v_per_split
+    v_end = tl.minimum(v_lo + v_per_split, V)
     n_valid = tl.load(nvalid_ptr)
     row_start = pid * BLOCK_N
     if row_start >= n_valid:
@@ -185,8 +224,10 @@ def _bwd_hidden_kernel(
     row_mask = rows < n_valid
     y, lse, gl, ent, ge = _load_row_stats(y_ptr, lse_ptr, gl_ptr, ent_ptr, ge_ptr, rows, row_mask, WITH_ENTROPY)
     ks = tl.arange(0, BLOCK_K)
-    for v0 in range(0, V_PER_SPLIT, BLOCK_V):
-        cols = v_lo + v0 + tl.arange(0, BLOCK_V)
+    v0 = v_lo
+    while v0 < v_end:  # runtime bound, as in the forward
+        cols = v0 + tl.arange(0, BLOCK_V)
+        v0 += BLOCK_V
         col_mask = cols < V
         u = _logits_tile(h_ptr, w_ptr, b_ptr, rows, row_mask, cols, col_mask, stride_h, stride_w, inv_temp, H,
                          HAS_BIAS, BLOCK_N, BLOCK_V, BLOCK_K, PRECISION, UPCAST)
@@ -213,11 +254,12 @@ def _bwd_hidden_kernel(
 @triton.jit
 def _bwd_weight_kernel(
     h_ptr, w_ptr, b_ptr, y_ptr, nvalid_ptr, lse_ptr, ent_ptr, gl_ptr, ge_ptr, gw_ptr, gb_ptr,
-    stride_h, stride_w, stride_gw, inv_temp, V: tl.constexpr, H: tl.constexpr,
+    stride_h_q, stride_w_q, stride_gw_q, inv_temp, V, H: tl.constexpr, ROW_ALIGN: tl.constexpr,
     HAS_BIAS: tl.constexpr, WITH_ENTROPY: tl.constexpr,
     BLOCK_N: tl.constexpr, BLOCK_V: tl.constexpr, BLOCK_K: tl.constexpr, PRECISION: tl.constexpr,
     UPCAST: tl.constexpr,
 ):
+    stride_h, stride_w, stride_gw = stride_h_q * ROW_ALIGN, stride_w_q * ROW_ALIGN, stride_gw_q * ROW_ALIGN
     pid = tl.program_id(0)
     n_valid = tl.load(nvalid_ptr)
     cols = pid * BLOCK_V + tl.arange(0, BLOCK_V)
@@ -268,7 +310,22 @@ def _upcast(t: torch.Tensor) -> bool:
     tl.dot. bf16 x bf16 products are exact in fp32, so this matches a bf16 tensor-core dot
     with fp32 accumulation up to summation order. (The rounding of the logits gradient to
     bf16 before the grad GEMMs is skipped too, so the interpreter is slightly more exact.)"""
-    return t.dtype == torch.bfloat16 and t.device.type != "cuda"
+    return t.dtype == torch.bfloat16 and _interpreted(t.device)
+
+
+def _row_align(*strides: int) -> int:
+    """The largest power of two up to 16 dividing every row stride (in elements).
+
+    Triton's JIT marks an integer argument "divisible by 16" or nothing. A hidden size such
+    as 1000 is a multiple of 8: bf16 rows still start on 16-byte boundaries, but the kernel
+    would not know it and would load element by element (more registers, spills). The
+    strides are passed divided by this number and multiplied back by it as a constexpr, so
+    the compiler sees the true alignment. Real model sizes give 16: no extra variant.
+    """
+    align = 16
+    while any(s % align for s in strides):
+        align //= 2
+    return align
 
 
 def _split(cfg: dict[str, int]) -> tuple[dict[str, int], dict[str, int]]:
@@ -282,16 +339,16 @@ def _vocab_splits(cfg: dict[str, int], n_rows: int, vocab: int, device: torch.de
 
     One program per token tile leaves most of a GPU idle for a few thousand tokens, so the
     vocabulary is split until there are about two programs per SM. ``cfg["SPLITS"]``
-    overrides the choice.
+    overrides the choice. The split width reaches the kernels as a runtime argument, so a
+    new token count never means a new compile.
     """
     v_tiles = triton.cdiv(vocab, cfg["BLOCK_V"])
     splits = cfg.get("SPLITS")
     if splits is None:
-        if device.type == "cuda":
-            n_sm = torch.cuda.get_device_properties(device).multi_processor_count
-            splits = triton.cdiv(2 * n_sm, triton.cdiv(n_rows, cfg["BLOCK_N"]))
-        else:
+        if _interpreted(device):
             splits = 1
+        else:
+            splits = triton.cdiv(2 * _sm_count(device), triton.cdiv(n_rows, cfg["BLOCK_N"]))
     splits = max(1, min(int(splits), v_tiles))
     per = triton.cdiv(v_tiles, splits) * cfg["BLOCK_V"]
     return triton.cdiv(vocab, per), per
@@ -327,10 +384,11 @@ def logprobs_fwd(
     """
     N, H = hidden.shape
     V = weight.shape[0]
-    cfg = (tiles or default_tiles(hidden.device))["fwd"]
+    cfg = (tiles or default_tiles(hidden.device, hidden.dtype))["fwd"]
     blocks, launch = _split(cfg)
     dev = hidden.device
     splits, per = _vocab_splits(cfg, N, V, dev)
+    align = _row_align(hidden.stride(0), weight.stride(0))
     n_tiles = triton.cdiv(N, blocks["BLOCK_N"])
     # rows past n_valid are never written: give them the statistics of "logp = 0"
     shape = (splits, n_tiles * blocks["BLOCK_N"])
@@ -341,7 +399,7 @@ def logprobs_fwd(
     w = torch.zeros(shape, device=dev, dtype=torch.float32) if with_entropy else None
     _fwd_kernel[(n_tiles, splits)](
         hidden, weight, bias if bias is not None else hidden, targets, n_valid, m, s, w if w is not None else m, t,
-        hidden.stride(0), weight.stride(0), inv_temp, V=V, H=H, V_PER_SPLIT=per,
+        hidden.stride(0) // align, weight.stride(0) // align, inv_temp, V, per, H=H, ROW_ALIGN=align,
         HAS_BIAS=bias is not None, WITH_ENTROPY=with_entropy, PRECISION=_precision(hidden.dtype),
         UPCAST=_upcast(hidden), **blocks, **launch,
     )
@@ -372,13 +430,14 @@ def logprobs_bwd(
     """
     N, H = hidden.shape
     V = weight.shape[0]
-    tiles = tiles or default_tiles(hidden.device)
+    tiles = tiles or default_tiles(hidden.device, hidden.dtype)
     with_ent = grad_entropy is not None
     prec = _precision(hidden.dtype)
     dev = hidden.device
     ent_arg = entropy if with_ent else lse
     ge_arg = grad_entropy if with_ent else grad_logp
     b_arg = bias if bias is not None else hidden
+    align = _row_align(hidden.stride(0), weight.stride(0), H)  # H: the row stride of grad_hidden/grad_weight
     gh = gw = gb = None
     if need_hidden:
         cfg = tiles["bwd_hidden"]
@@ -387,7 +446,8 @@ def logprobs_bwd(
         gh = torch.zeros(N, H, device=dev, dtype=torch.float32)
         _bwd_hidden_kernel[(triton.cdiv(N, blocks["BLOCK_N"]), splits)](
             hidden, weight, b_arg, targets, n_valid, lse, ent_arg, grad_logp, ge_arg, gh,
-            hidden.stride(0), weight.stride(0), gh.stride(0), inv_temp, V=V, H=H, V_PER_SPLIT=per,
+            hidden.stride(0) // align, weight.stride(0) // align, gh.stride(0) // align, inv_temp, V, per, H=H,
+            ROW_ALIGN=align,
             HAS_BIAS=bias is not None, WITH_ENTROPY=with_ent, PRECISION=prec, UPCAST=_upcast(hidden),
             ATOMIC=splits > 1, **blocks, **launch,
         )
@@ -397,7 +457,8 @@ def logprobs_bwd(
         gb = torch.zeros(V, device=dev, dtype=torch.float32) if bias is not None else None
         _bwd_weight_kernel[(triton.cdiv(V, blocks["BLOCK_V"]),)](
             hidden, weight, b_arg, targets, n_valid, lse, ent_arg, grad_logp, ge_arg, gw, gb if gb is not None else gw,
-            hidden.stride(0), weight.stride(0), gw.stride(0), inv_temp, V=V, H=H,
+            hidden.stride(0) // align, weight.stride(0) // align, gw.stride(0) // align, inv_temp, V, H=H,
+            ROW_ALIGN=align,
             HAS_BIAS=bias is not None, WITH_ENTROPY=with_ent, PRECISION=prec, UPCAST=_upcast(hidden), **blocks, **launch,
         )
     return gh, gw, gb

@@ -1,8 +1,11 @@
 #!/usr/bin/env bash
-# The GPU session's one call: kernel tests on CUDA, then the benchmark suite.
+# The GPU session's one call: kernel tests on CUDA, then the benchmarks (each timed only
+# after its correctness check passed).
 # Usage (device machine, repo root): bash benchmarks/gpu/run.sh   (results under $OUT)
 # Dry run on a CPU machine: OUT=/tmp/out FASTRL_GPU_DRY_RUN=1 bash benchmarks/gpu/run.sh
-# Budget: under 8 minutes in all; each stage has its own timeout so a hang cannot eat the lease.
+# Budget: under 8 minutes in all; each stage has its own timeout so a hang cannot eat the lease:
+#   tests 170 s + kernels (check, then time decode attention and the log-prob loss) 130 s
+#   + 4 bench modules x 40 s = 460 s, plus start-up.
 set -uo pipefail
 OUT=${OUT:-/tmp/fastrl-gpu-out}
 mkdir -p "$OUT"
@@ -28,25 +31,43 @@ PY
 cat "$OUT/env.json"
 
 if [ -n "${FASTRL_GPU_DRY_RUN:-}" ]; then
-  test_args=(-x -q tests/test_config.py)
+  test_args=(-x -q tests/test_config.py tests/ops/test_no_host_sync.py)
+  kernel_args=(--dry-run)
   bench_args=(--quick --device cpu)
+  bench_timeout=120  # a shared CPU is slow; the 8-minute budget is the device's
   export TRITON_INTERPRET=1
 else
   unset TRITON_INTERPRET
-  # Kernel tests on CUDA: every test module that exercises ops and kernels.
-  test_args=(-q tests/ops tests/reference tests/rollout/test_decode_attention.py)
+  # Kernel tests on CUDA: every test module that exercises ops and kernels, including
+  # tests/ops/test_no_host_sync.py (CUDA's sync debug mode on every op). The sm_90
+  # compile checks (test_compile_*.py, test_advantages_compile.py) are CPU-side CI checks.
+  test_args=(-q tests/ops tests/reference tests/rollout/test_decode_attention.py tests/rollout/test_decode_attention_precision.py
+             --ignore=tests/ops/test_compile_sm90.py --ignore=tests/ops/test_compile_keys.py
+             --ignore=tests/ops/test_advantages_compile.py)
+  kernel_args=()
   bench_args=(--device cuda)
+  bench_timeout=40
 fi
 
 echo "== kernel tests"
-timeout 200 python3 -m pytest "${test_args[@]}" -p no:cacheprovider 2>&1 | tee "$OUT/tests.log" | tail -40
+timeout 170 python3 -m pytest "${test_args[@]}" -p no:cacheprovider --junitxml="$OUT/tests.xml" 2>&1 | tee "$OUT/tests.log" | tail -40
 echo "tests exit: ${PIPESTATUS[0]}"
+
+echo "== kernels: check against the reference, then time against the baselines"
+timeout 130 python3 benchmarks/gpu/kernels.py "${kernel_args[@]}" --out "$OUT/kernels.json" 2>&1 | tee "$OUT/kernels.log"
+echo "kernels exit: ${PIPESTATUS[0]}"
 
 echo "== benchmarks"
 # One module at a time with its own timeout, so one slow module cannot cost the others' results.
+# A module is timed only if the tests of its kernels passed on this device (the log-prob loss
+# is timed by kernels.py above, after its own check).
 : > "$OUT/bench.log"
-for module in policy_loss advantages scans logprobs rollout; do
-  timeout 50 python3 -m fastrl.cli bench "${bench_args[@]}" --only "$module" --out "$OUT/bench-$module.json" 2>&1 | tee -a "$OUT/bench.log"
+for module in policy_loss advantages scans rollout; do
+  if ! python3 benchmarks/gpu/tests_passed.py "$OUT/tests.xml" "$module" 2>&1 | tee -a "$OUT/bench.log"; then
+    echo "bench $module skipped: its correctness tests failed" | tee -a "$OUT/bench.log"
+    continue
+  fi
+  timeout "$bench_timeout" python3 -m fastrl.cli bench "${bench_args[@]}" --only "$module" --out "$OUT/bench-$module.json" 2>&1 | tee -a "$OUT/bench.log"
   echo "bench $module exit: ${PIPESTATUS[0]}" | tee -a "$OUT/bench.log"
 done
 ls -la "$OUT"

@@ -1,0 +1,81 @@
+"""The scripts of benchmarks/gpu/ that run.sh calls on the device, exercised on CPU.
+
+``kernels.py`` must check a kernel against the reference before timing it and must not time
+a kernel that fails; ``tests_passed.py`` gates the benchmark modules on their tests' JUnit
+results. (The Triton kernels run in the interpreter here: tiny shapes.)
+"""
+
+from __future__ import annotations
+
+import importlib.util
+import subprocess
+import sys
+from pathlib import Path
+
+import torch
+
+ROOT = Path(__file__).resolve().parents[1]
+
+
+def _load(name: str):
+    spec = importlib.util.spec_from_file_location(f"gpu_{name}", ROOT / "benchmarks" / "gpu" / f"{name}.py")
+    mod = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(mod)
+    return mod
+
+
+SHAPE = dict(groups=2, G=2, Hq=4, Hkv=2, D=16, prefix=9, suffix=3)
+
+
+def test_decode_attention_is_checked_then_timed():
+    kernels = _load("kernels")
+    case, check = kernels.attention_case(SHAPE, torch.device("cpu"), torch.float32, flex=False, repeats=1)
+    assert check["passed"] and check["max_abs_err_vs_reference"] < 1e-5, check
+    assert set(case.impls) == {"fastrl", "sdpa_expanded"}
+    # the baseline really is the same attention (expanded prefix)
+    torch.testing.assert_close(case.impls["fastrl"]().float(), case.impls["sdpa_expanded"]().float(), atol=1e-5, rtol=0)
+
+
+def test_a_wrong_kernel_is_not_timed(monkeypatch):
+    kernels = _load("kernels")
+    import fastrl.ops as ops
+
+    real = ops.shared_prefix_decode_attention
+    monkeypatch.setattr(ops, "shared_prefix_decode_attention", lambda **kw: real(**kw) * 1.01)
+    case, check = kernels.attention_case(SHAPE, torch.device("cpu"), torch.float32, flex=False, repeats=1)
+    assert case is None and not check["passed"]
+
+    real_loss = ops.fused_linear_policy_loss
+    monkeypatch.setattr(ops, "fused_linear_policy_loss", lambda *a, **kw: (real_loss(*a, **kw)[0] * 1.01, {}))
+    check = kernels.check_grpo_loss(16, 8, 40, torch.device("cpu"), torch.float32)
+    assert not check["passed"] and check["rel_err_vs_fp32_formula"]["loss"] > 5e-3
+
+
+def test_grpo_loss_check_passes_and_compares_liger():
+    kernels = _load("kernels")
+    check = kernels.check_grpo_loss(16, 8, 40, torch.device("cpu"), torch.float32)
+    assert check["passed"], check
+    if "liger_error" not in check:  # Liger computes the same loss
+        assert max(check["rel_err_liger_vs_fastrl"].values()) < 1e-4, check
+
+
+JUNIT = """<?xml version="1.0" encoding="utf-8"?><testsuites><testsuite name="pytest">
+<testcase classname="tests.ops.test_policy_loss" name="test_a" />
+<testcase classname="tests.ops.test_scans.TestBig" name="test_b"><failure message="x">boom</failure></testcase>
+<testcase classname="tests.ops.test_advantages" name="test_c"><skipped message="no" /></testcase>
+</testsuite></testsuites>"""
+
+
+def test_bench_modules_are_gated_on_their_tests(tmp_path):
+    xml = tmp_path / "tests.xml"
+    xml.write_text(JUNIT)
+    script = ROOT / "benchmarks" / "gpu" / "tests_passed.py"
+
+    def gate(module: str, path: Path = xml) -> int:
+        return subprocess.run([sys.executable, str(script), str(path), module], capture_output=True).returncode
+
+    assert gate("policy_loss") == 0
+    assert gate("advantages") == 0  # skipped is not failed
+    assert gate("scans") == 1
+    assert gate("rollout") == 0  # its tests did not run (a dry run): not held against it
+    assert gate("policy_loss", tmp_path / "missing.xml") == 1
