@@ -71,6 +71,10 @@ def build_parser() -> argparse.ArgumentParser:
     bench.add_argument("--out", help="JSON output path (default: benchmarks/results/bench-<device>-<mode>-<time>.json)")
     bench.set_defaults(func=cmd_bench)
 
+    from fastrl.train.plan import add_plan_arguments, run_plan
+
+    add_plan_arguments(sub.add_parser("plan", help="peak memory of a GRPO/PPO step per component; longest trajectory that fits")).set_defaults(func=run_plan)
+
     env = sub.add_parser("env", help="print the device, versions and threads fastrl sees")
     env.set_defaults(func=cmd_env)
     return parser
