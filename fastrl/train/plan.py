@@ -60,7 +60,6 @@ from __future__ import annotations
 import argparse
 import dataclasses
 import json
-import math
 import os
 from dataclasses import dataclass, field
 from typing import Any, Mapping

@@ -1,38 +1,34 @@
 """``fastrl.train.plan``: the planned peak against the measured peak of real training steps.
 
-Each configuration runs in a fresh Python process (``fastrl.bench.memory``): the process
-imports torch and transformers, runs a tiny warm-up step of the same architecture (so the
-lazily imported modeling code, the autograd engine and the thread pools exist before the
-baseline), then the measured callable builds the models (policy, reference, critic), the
-optimizer with its states, and runs one real step: reference forward without gradients,
-policy forward + backward + AdamW step, and for PPO the critic's.
+Each configuration runs in a fresh Python process (``fastrl.bench.memory`` with the builder
+``fastrl.train.plan.build_measured_step``): the process imports torch and transformers and
+runs a tiny warm-up step of the same architecture (lazily imported modeling code, the
+autograd engine and thread pools exist before the baseline); the baseline is taken; then the
+measured call builds the models (policy, reference, critic), the AdamW optimizers and their
+states, and runs one real step: reference log-probs without gradients, policy forward +
+backward + AdamW step, and for PPO the critic's. So the measured peak includes the weights
+and optimizer states, like the plan's total, and excludes the Python/torch runtime.
 
-On CPU the peak is the process's resident memory above that baseline. glibc normally
-serves freed blocks below a moving threshold from its heap and keeps them resident, so the
-child runs with ``MALLOC_MMAP_THRESHOLD_`` fixed at 64 KiB: every tensor larger than that is
-its own mapping, returned to the kernel when freed, and RSS follows the live tensors. The
-measured delta therefore counts the modelled tensors plus whatever small runtime growth the
-step causes (a few MiB; the shapes keep the tensors at hundreds of MiB so that stays small).
+On CPU the peak is the process's resident memory above that baseline (the kernel's
+``ru_maxrss`` high-water mark). glibc normally serves freed blocks below a moving threshold
+from its heap and keeps them resident, so the children run with ``MALLOC_MMAP_THRESHOLD_``
+fixed at 64 KiB: every tensor larger than that is its own mapping, returned to the kernel
+when freed, and RSS follows the live tensors. What the plan does not model (GEMM packing
+buffers, autograd graph nodes, Python objects) is a few MiB; the shapes keep the totals at
+40-150 MiB, mostly activations, log-prob head and optimizer states. The shared-prefix
+forward, bf16-mixed precision, the rollout KV cache and the scoring phase are not measured
+here (no such path on CPU in this branch, or not the peak phase of these steps).
 """
 
 from __future__ import annotations
 
 import json
-import os
 from concurrent.futures import ThreadPoolExecutor
 
 import pytest
 
 from fastrl.bench.memory import measure_in_subprocess
-from fastrl.train.plan import (
-    BUILTIN_MODELS,
-    MemoryPlan,
-    add_plan_arguments,
-    load_model_shape,
-    longest_trajectory,
-    plan_memory,
-    run_plan,
-)
+from fastrl.train.plan import MemoryPlan, load_model_shape, longest_trajectory, plan_memory
 
 MiB = 2**20
 CHUNK_MB = 8  # the fused head's work buffer in the children (FASTRL_LOGPROBS_CHUNK_MB)
@@ -54,7 +50,7 @@ CONFIGS = [
     ("grpo-fused", _cfg("llama", LLAMA, "grpo")),
     ("grpo-naive", _cfg("llama", LLAMA, "grpo", fused=False, P=32, L=96)),
     ("grpo_noref-naive-eager", _cfg("qwen2", dict(QWEN, attention="eager"), "grpo_noref", fused=False, P=64, L=448, G=2)),
-    ("ppo-fused", _cfg("qwen2", QWEN, "ppo")),
+    ("ppo-fused-tied", _cfg("qwen2", dict(QWEN, tied=True), "ppo")),
     ("grpo-fused-checkpointing", _cfg("llama", dict(LLAMA, layers=4), "grpo", checkpointing=True, P=128, L=384, G=2)),
     ("grpo_noref-fused-bf16-foreach", _cfg("llama", LLAMA, "grpo_noref", "bf16", L=448, G=2, foreach=True)),
 ]
@@ -65,7 +61,7 @@ def _plan_for(kw: dict) -> MemoryPlan:
     shape = load_model_shape(dict(
         model_type=kw["arch"], hidden_size=md["hidden"], num_hidden_layers=md["layers"], num_attention_heads=md["heads"],
         num_key_value_heads=md["kv_heads"], intermediate_size=md["inter"], vocab_size=md["vocab"],
-        tie_word_embeddings=False,
+        tie_word_embeddings=md.get("tied", False),
     ))
     return plan_memory(
         shape, prompt_len=kw["prompt_len"], response_len=kw["response_len"], group_size=kw["group_size"],
