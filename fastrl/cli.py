@@ -248,6 +248,7 @@ def _version() -> str:
 EXAMPLES = (
     ("fastrl train", "the embedded default: GRPO on a built-in task, offline, minutes on a CPU"),
     ("fastrl train --help", "every training option with its doc (also settable from --config run.yaml)"),
+    ("fastrl plan --model qwen2.5-7b --compare", "peak memory per component, PPO vs GRPO, longest trajectory that fits"),
     ("fastrl bench --quick", "the benchmark table on this machine (minutes on a CPU)"),
     ("fastrl bench --only scans", "one group of cases (fastrl bench --help lists them)"),
     ("fastrl env", "versions, device, the backend `auto` picks, threads"),
@@ -289,6 +290,11 @@ def build_parser() -> argparse.ArgumentParser:
     bench.add_argument("--out", metavar="PATH",
                        help=f"JSON output path (default: bench-<device>-<mode>-<time>.json in {RESULTS_LOCATION_HELP})")
     bench.set_defaults(func=cmd_bench)
+
+    from fastrl.train.plan import add_plan_arguments, run_plan
+
+    plan = sub.add_parser("plan", help="peak memory of a GRPO/PPO step per component; longest trajectory that fits")
+    add_plan_arguments(plan).set_defaults(func=run_plan)
 
     env = sub.add_parser("env", help="print versions, the device, the backend `auto` picks and threads",
                          description="What a report of a slow or failing run needs: versions, device, backend, threads.")
