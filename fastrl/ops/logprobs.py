@@ -197,7 +197,9 @@ class _LinearLogprobs(torch.autograd.Function):
                 h_w, y_w = hidden.index_select(0, idx), y_local.index_select(0, idx)
                 row_ok = None
             else:
-                idx, h_w, y_w = None, hidden, y_local
+                # no compaction (it would sync): zero the ignored rows instead, so NaN/inf
+                # padding in them cannot reach the weight gradient (0 * NaN is NaN)
+                idx, h_w, y_w = None, torch.where(valid[:, None], hidden, 0.0), y_local
                 row_ok = valid
             n_work = None
             m, s, w, t = _torch_stats(h_w, weight, bias, y_w, inv_temp, with_entropy)

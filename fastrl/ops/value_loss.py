@@ -66,17 +66,18 @@ def _value_loss_torch(
     write_grad: bool,
 ) -> tuple[torch.Tensor, torch.Tensor | None, dict[str, torch.Tensor]]:
     """Vectorised PyTorch twin of ``csrc_triton.value_loss.value_loss_fused``."""
-    v = values.to(torch.float32)
-    R = returns.to(torch.float32)
     m = mask != 0
     mf = m.to(torch.float32)
+    # selects, not 0/1 products: NaN/inf padding must not reach any sum or gradient
+    v = torch.where(m, values.to(torch.float32), 0.0)
+    R = torch.where(m, returns.to(torch.float32), 0.0)
     d1 = v - R
     l1 = d1 * d1
     if clip is None:
         loss_t, dl = 0.5 * l1, d1
         clipped = torch.zeros((), dtype=torch.float32, device=v.device)
     else:
-        vold = old_values.to(torch.float32)
+        vold = torch.where(m, old_values.to(torch.float32), 0.0)
         delta = v - vold
         d2 = vold + delta.clamp(-clip, clip) - R
         l2 = d2 * d2

@@ -28,7 +28,7 @@ def aggregate_reference(
     contribute 0.
     """
     m = (mask != 0).to(loss_t.dtype)
-    lm = loss_t * m
+    lm = torch.where(mask != 0, loss_t, 0.0)  # a select, so NaN/inf padding cannot leak
     n_b = m.sum(dim=1)
     if loss_agg == "token-mean":
         denom = n_b.sum().clamp(min=1) if global_token_count is None else global_token_count
@@ -66,7 +66,8 @@ def value_loss_reference(
         l_t    = 0.5 * max((v - R)^2, (v_clip - R)^2)      (clip given)
         l_t    = 0.5 * (v - R)^2                           (clip=None)
 
-    aggregated with ``aggregate_reference``. Differentiable wrt ``values`` only.
+    aggregated with ``aggregate_reference``. Differentiable wrt ``values`` only. Inputs are
+    read only at masked-in tokens (padding may hold NaN/inf and gets zero gradient).
 
     Metrics (0-dim float32, over masked-in tokens; 0 when there are none):
 
@@ -77,9 +78,10 @@ def value_loss_reference(
     - ``value_mean``, ``return_mean``: masked means of v and R.
     """
     dt = torch.float64 if values.dtype == torch.float64 else torch.float32
-    v = values.to(dt)
-    v_old = old_values.to(dt).detach()
-    R = returns.to(dt).detach()
+    keep = mask != 0
+    v = torch.where(keep, values.to(dt), 0.0)
+    v_old = torch.where(keep, old_values.to(dt), 0.0).detach()
+    R = torch.where(keep, returns.to(dt), 0.0).detach()
     l1 = (v - R) ** 2
     if clip is None:
         loss_t = 0.5 * l1
