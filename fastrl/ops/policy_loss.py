@@ -77,7 +77,9 @@ def _torch_fwd(
         lr = lr.clamp(-log_ratio_clamp, log_ratio_clamp)
     if seq_ratio:
         ratio_row = torch.exp(lr.sum(1) / n1)
-        ratio = ratio_row[:, None]
+        # 1 at masked-out tokens (as in token mode), so an overflowed row ratio times A = 0
+        # there cannot make a NaN
+        ratio = torch.where(m, ratio_row[:, None], 1.0)
     else:
         ratio = torch.exp(lr)
     A = _f32(advantages)
@@ -114,10 +116,13 @@ def _torch_fwd(
     g = None
     c_row = None
     if write_grad:
+        # where dpg == 0 (clipped, dual-clipped, A = 0) the gradient is exactly 0, even when
+        # the ratio overflowed to inf (0 * inf would be NaN and poison the update)
         if seq_ratio:
-            c_row = dpg.sum(1) * ratio_row / n1
+            dpg_row = dpg.sum(1)
+            c_row = torch.where(dpg_row != 0, dpg_row * ratio_row, 0.0) / n1
         else:
-            g = dpg.mul_(ratio)
+            g = torch.where(dpg != 0, dpg.mul_(ratio), 0.0)
             if log_ratio_clamp is not None:
                 g.mul_(inside)
     kl = None

@@ -41,7 +41,10 @@ entropy_loss``.
 
 Sub-gradient conventions (they matter only at exact ties): ``max(a, b)`` passes the
 gradient to ``a`` when ``a >= b``; the dual clip takes over only when the clipped loss is
-strictly above ``-A dual_clip``; clamps pass the gradient on the closed interval.
+strictly above ``-A dual_clip``; clamps pass the gradient on the closed interval. A token
+whose loss is the clipped or dual-clipped term has gradient exactly 0 through the ratio,
+also when its ratio overflowed to inf (never 0 * inf = NaN); in sequence mode such tokens
+add nothing to the gradient of their row's mean log-ratio.
 
 Metrics (0-dim, detached; means over masked-in tokens, all 0 when there are none):
 ``pg_loss = agg(pg)``, ``kl_loss = agg(KL)`` and ``entropy_loss = agg(H)`` (unscaled by their
@@ -107,21 +110,26 @@ def policy_loss_reference(
     if cfg.log_ratio_clamp is not None:
         lr = torch.clamp(lr, -cfg.log_ratio_clamp, cfg.log_ratio_clamp)
     if cfg.ratio_level == "token":
-        ratio = torch.exp(lr)
+        tok_lr = lr
     else:
-        seq_lr = (lr * mf).sum(-1) / n.clamp(min=1)
-        ratio = torch.exp(seq_lr)[:, None].expand(B, T)
+        tok_lr = ((lr * mf).sum(-1) / n.clamp(min=1))[:, None].expand(B, T)
 
     # --- clipped surrogate ---
-    pg1 = -A * ratio
-    pg2 = -A * torch.clamp(ratio, 1 - cfg.clip_low, 1 + cfg.clip_high)
-    pg = torch.where(pg1 >= pg2, pg1, pg2)
-    if cfg.dual_clip is not None:
-        pg3 = -A * cfg.dual_clip
-        dual_on = (A < 0) & (pg > pg3)
-        pg = torch.where(dual_on, pg3, pg)
-    else:
-        dual_on = None
+    # Which term each token takes is decided on the values first. The gradient then flows
+    # only through the tokens whose loss is the unclipped -A * ratio: a clipped or
+    # dual-clipped token gets exactly 0, even where exp overflowed (0 * inf would be NaN).
+    lo, hi = 1 - cfg.clip_low, 1 + cfg.clip_high
+    with torch.no_grad():
+        r = torch.exp(tok_lr)
+        take1 = -A * r >= -A * torch.clamp(r, lo, hi)
+        pg_val = torch.where(take1, -A * r, -A * torch.clamp(r, lo, hi))
+        dual_on = (A < 0) & (pg_val > -A * cfg.dual_clip) if cfg.dual_clip is not None else None
+        live = take1 if dual_on is None else take1 & ~dual_on
+    ratio = torch.exp(torch.where(live, tok_lr, tok_lr.detach()))
+    # the clipped term never carries gradient: it wins only strictly outside [lo, hi]
+    pg = torch.where(take1, -A * ratio, -A * torch.clamp(ratio.detach(), lo, hi))
+    if dual_on is not None:
+        pg = torch.where(dual_on, -A * cfg.dual_clip, pg)
 
     # --- truncated importance weights (no gradient) ---
     if rollout_logp is not None:

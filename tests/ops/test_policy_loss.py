@@ -206,6 +206,37 @@ def test_extreme_log_ratios(backend, cfg):
         assert out[1]["ratio_max"].item() <= math.exp(20.0) * (1 + 1e-6)
 
 
+@pytest.mark.parametrize("backend", BACKENDS + ["ref"])
+@pytest.mark.parametrize("ratio_level", ["token", "sequence"])
+def test_overflowed_ratio_on_clipped_token_has_zero_gradient(backend, ratio_level):
+    """A log-ratio of 1000 overflows exp (fp32 and the float64 reference). On a clipped (A > 0) or dual-clipped (A < 0)
+    token the loss is finite and the exact gradient is 0 -- not 0 * inf = NaN. Everything
+    else equals the same batch with a moderate (still clipped) log-ratio of 5 there."""
+    cfg = PolicyLossConfig(ratio_level=ratio_level, dual_clip=3.0, kl_coef=0.1, entropy_coef=0.01)
+    batch = make_batch(B=4, T=20, per_row_adv=ratio_level == "sequence")
+
+    def with_log_ratio(lr_big):
+        b = {k: v.clone() for k, v in batch.items()}
+        if ratio_level == "token":  # one clipped-high token (A > 0) and one dual-clipped token (A < 0)
+            b["advantages"][0, 3], b["advantages"][3, 7] = 1.5, -0.7
+            for r, t in ((0, 3), (3, 7)):
+                b["old_logp"][r, t] = b["logp"][r, t] - lr_big
+        else:  # whole rows: row 0 (A > 0) is clipped, row 3 (A < 0) dual-clipped
+            b["advantages"][0], b["advantages"][3] = 1.5, -0.7
+            for r in (0, 3):
+                b["old_logp"][r] = torch.where(b["mask"][r] != 0, b["logp"][r] - lr_big, b["old_logp"][r])
+        return b
+
+    use = ("ref_logp", "entropy")  # (importance weights read old_logp: they would differ)
+    extreme = run(backend, with_log_ratio(1000.0), cfg, use=use)
+    moderate = run(backend, with_log_ratio(5.0), cfg, use=use)
+    assert extreme[0].isfinite() and extreme[1]["pg_loss"].isfinite()
+    assert all(g.isfinite().all() for g in extreme[2]), "overflowed clipped tokens must not poison the gradient"
+    torch.testing.assert_close(extreme[0], moderate[0], rtol=1e-6, atol=1e-7)
+    for g, g_mod in zip(extreme[2], moderate[2]):
+        torch.testing.assert_close(g, g_mod, rtol=1e-6, atol=1e-9)
+
+
 @pytest.mark.parametrize("backend", BACKENDS)
 @pytest.mark.parametrize("agg,count_kw", [("token-mean", "global_token_count"), ("seq-mean-token-mean", "global_seq_count"),
                                           ("seq-mean-token-sum-norm", "global_seq_count")])
