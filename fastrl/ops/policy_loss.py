@@ -17,7 +17,8 @@ from fastrl._checks import (
     check_mask,
     check_nonempty,
     check_same_device,
-    check_scalar,
+    check_global_count,
+    effective_count,
     resolve_backend,
     select_global_count,
 )
@@ -149,12 +150,12 @@ def _torch_fwd(
     # aggregation
     f = 1.0 / n1 if loss_agg == "seq-mean-token-mean" else torch.ones_like(n)
     if global_count is not None:
-        D = torch.as_tensor(global_count, device=dev).to(f32).reshape(())
+        D = global_count
     elif loss_agg == "token-mean":
         D = N
     else:
         D = (n > 0).to(f32).sum()
-    D = torch.where(D > 0, D, 1.0)
+    D = effective_count(D, device=dev)
     if loss_agg == "seq-mean-token-sum-norm":
         D = D * norm_length
     inv_d = 1.0 / D
@@ -264,20 +265,6 @@ class _PolicyLossFn(torch.autograd.Function):
         return glogp, gent, None, None, None, None, None, None, None, None
 
 
-def _check_count(name: str, value: object, device: torch.device) -> torch.Tensor | float | None:
-    if value is None:
-        return None
-    if isinstance(value, torch.Tensor):
-        if value.numel() != 1:
-            raise ValueError(f"{name} must be a number or a 1-element tensor, got shape {tuple(value.shape)}")
-        if value.is_complex() or value.dtype == torch.bool:
-            raise TypeError(f"{name} must be a real number tensor, got dtype {value.dtype}")
-        if value.device != device:
-            raise ValueError(f"{name} is on {value.device} but logp is on {device}; all inputs must share one device")
-        return value.detach().reshape(())
-    return check_scalar(name, value, low=0.0)
-
-
 def _unit_col(x: torch.Tensor | None) -> torch.Tensor | None:
     if x is None or x.shape[-1] <= 1 or x.stride(-1) == 1:
         return x
@@ -318,8 +305,9 @@ def policy_loss(
         global_token_count: replaces the local token count of ``loss_agg="token-mean"``
             (gradient accumulation / data parallel: pass the count of the whole batch).
         global_seq_count: replaces the local count of non-empty rows of the ``seq-*`` modes.
-            A number >= 0 or a 1-element tensor on the inputs' device (read on the device,
-            no host sync). A count that is 0 is treated as 1.
+            Either count: a number >= 0 or a 1-element tensor on the inputs' device (read on
+            the device, no host sync); 0 is taken as 1, so a fully masked batch has loss 0.
+            The rule is ``fastrl._checks.check_global_count``, shared by every loss op.
         backend: ``"auto"`` (Triton on CUDA, PyTorch otherwise), ``"triton"`` or ``"torch"``.
 
     Returns:
@@ -349,7 +337,7 @@ def policy_loss(
     device = check_same_device(logp=logp, old_logp=old_logp, advantages=advantages, mask=mask,
                                ref_logp=ref_logp, entropy=entropy, rollout_logp=rollout_logp)
     count_name, count = select_global_count(config.loss_agg, global_token_count, global_seq_count)
-    global_count = _check_count(count_name, count, device)
+    global_count = check_global_count(count_name, count, device)
     impl = resolve_backend(backend, device)
 
     kw = dict(

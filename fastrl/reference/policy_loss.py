@@ -64,7 +64,8 @@ from fastrl.reference.kl import kl_penalty_reference
 
 
 def _denominator(count: torch.Tensor | float, like: torch.Tensor) -> torch.Tensor:
-    count = torch.as_tensor(count, dtype=like.dtype, device=like.device)
+    """A count as a 0-dim tensor, 0 taken as 1 (``fastrl._checks.check_global_count``'s rule)."""
+    count = torch.as_tensor(count, dtype=like.dtype, device=like.device).reshape(())
     return torch.where(count > 0, count, torch.ones_like(count))
 
 

@@ -23,17 +23,20 @@ def aggregate_reference(
     - ``seq-mean-token-sum``:      sum_b (sum_t m l) / D_seq
     - ``seq-mean-token-sum-norm``: sum_b (sum_t m l / norm_length) / D_seq   (norm_length None: T)
 
-    D_seq = global_seq_count or the number of rows with n_b > 0. Local denominators are
-    clamped to at least 1, so an all-masked batch gives 0 (not NaN); rows with n_b = 0
+    D_seq = global_seq_count or the number of rows with n_b > 0. A denominator (local or
+    global) of 0 is taken as 1, so an all-masked batch gives 0 (not NaN); rows with n_b = 0
     contribute 0.
     """
     m = (mask != 0).to(loss_t.dtype)
     lm = torch.where(mask != 0, loss_t, 0.0)  # a select, so NaN/inf padding cannot leak
     n_b = m.sum(dim=1)
+    def denominator(count):  # 0 is taken as 1 (fastrl._checks.check_global_count's rule)
+        count = torch.as_tensor(count, dtype=loss_t.dtype, device=loss_t.device).reshape(())
+        return torch.where(count > 0, count, torch.ones_like(count))
+
     if loss_agg == "token-mean":
-        denom = n_b.sum().clamp(min=1) if global_token_count is None else global_token_count
-        return lm.sum() / denom
-    n_seq = (n_b > 0).to(loss_t.dtype).sum().clamp(min=1) if global_seq_count is None else global_seq_count
+        return lm.sum() / denominator(n_b.sum() if global_token_count is None else global_token_count)
+    n_seq = denominator((n_b > 0).to(loss_t.dtype).sum() if global_seq_count is None else global_seq_count)
     row_sum = lm.sum(dim=1)
     if loss_agg == "seq-mean-token-mean":
         per_row = row_sum / n_b.clamp(min=1)

@@ -149,6 +149,6 @@ def test_bad_inputs():
     with pytest.raises(ValueError, match="global_token_count"):
         value_loss(v, v_old, R, mask, global_token_count=torch.ones(2))
     with pytest.raises(ValueError, match="global_token_count"):
-        value_loss(v, v_old, R, mask, global_token_count=0)
+        value_loss(v, v_old, R, mask, global_token_count=-1)  # (0 is allowed: taken as 1)
     with pytest.raises(ValueError, match="norm_length"):
         value_loss(v, v_old, R, mask, norm_length=10.0)
