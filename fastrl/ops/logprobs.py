@@ -442,13 +442,23 @@ def fused_linear_policy_loss(
     if tuple(targets.shape) != tuple(hidden.shape[:2]):
         raise ValueError(f"targets must have shape {tuple(hidden.shape[:2])} (hidden.shape[:2]), got {tuple(targets.shape)}")
     check_mask("mask", mask, tuple(targets.shape))
+    # every per-token input is validated before any work (the one-pass path indexes them)
+    B, T = targets.shape
+    check_float("old_logp", old_logp, shape=(B, T))
+    check_float("advantages", advantages)
+    if tuple(advantages.shape) not in ((B, T), (B,)):
+        raise ValueError(f"advantages must have shape (B, T) = {(B, T)} or (B,) = {(B,)}, got {tuple(advantages.shape)}")
+    for name, t in (("ref_logp", ref_logp), ("rollout_logp", rollout_logp)):
+        if t is not None:
+            check_float(name, t, shape=(B, T))
+    check_same_device(hidden=hidden, targets=targets, old_logp=old_logp, advantages=advantages, mask=mask,
+                      ref_logp=ref_logp, rollout_logp=rollout_logp)
     ignore_index = -100
     keep = mask if mask.dtype == torch.bool else mask != 0
     targets_eff = torch.where(keep, targets.to(torch.int64), torch.full_like(targets, ignore_index, dtype=torch.int64))
     with_entropy = bool(entropy) or config.entropy_coef != 0
     if _eager_applies(hidden, weight, bias, rollout_logp, config, process_group, backend):
-        device = _validate(hidden, weight, targets_eff, bias, temperature, ignore_index)
-        check_same_device(hidden=hidden, old_logp=old_logp, advantages=advantages, mask=mask)
+        _validate(hidden, weight, targets_eff, bias, temperature, ignore_index)
         _check_target_range(targets_eff.reshape(-1), ignore_index, weight.shape[0])
         return _fused_eager_torch(
             hidden, weight, bias, targets_eff, keep, old_logp, advantages, mask, ref_logp=ref_logp,
@@ -488,26 +498,28 @@ def _eager_applies(hidden, weight, bias, rollout_logp, config, process_group, ba
 
 
 class _PrecomputedGrads(torch.autograd.Function):
-    """Returns ``loss``; its backward hands out gradients computed in the forward pass."""
+    """Returns ``loss``; its backward hands out gradients computed in the forward pass.
+
+    They are saved tensors (freed by autograd after a backward without ``retain_graph``)
+    and never modified, so a retained graph can be differentiated again."""
 
     @staticmethod
-    def forward(ctx, loss, hidden, weight, bias, grads):
-        ctx.grads = grads
+    def forward(ctx, loss, hidden, weight, bias, gh, gw, gb):
+        ctx.save_for_backward(gh, gw, gb)
         ctx.dtypes = (hidden.dtype, weight.dtype, bias.dtype if bias is not None else None)
         return loss.clone()
 
     @staticmethod
     def backward(ctx, grad_out):
-        gh, gw, gb = ctx.grads
-        ctx.grads = None
+        gh, gw, gb = ctx.saved_tensors
         dh, dw, db = ctx.dtypes
-        out = [None, None, None, None, None]
+        out = [None] * 7
         if gh is not None and ctx.needs_input_grad[1]:
-            out[1] = gh.mul_(grad_out).to(dh)
+            out[1] = (gh * grad_out).to(dh)
         if gw is not None and ctx.needs_input_grad[2]:
-            out[2] = gw.mul_(grad_out).to(dw)
+            out[2] = (gw * grad_out).to(dw)
         if gb is not None and ctx.needs_input_grad[3]:
-            out[3] = gb.mul_(grad_out).to(db)
+            out[3] = (gb * grad_out).to(db)
         return tuple(out)
 
 
@@ -644,5 +656,5 @@ def _fused_eager_torch(
     gh_full = None
     if gh is not None:
         gh_full = torch.zeros(B * T, hd, dtype=dtype, device=hidden.device).index_copy_(0, idx, gh).reshape(B, T, hd)
-    loss = _PrecomputedGrads.apply(loss, hidden, weight, bias, (gh_full, gw, gb))
+    loss = _PrecomputedGrads.apply(loss, hidden, weight, bias, gh_full, gw, gb)
     return loss, metrics
