@@ -23,6 +23,7 @@ from fastrl._checks import (
     select_global_count,
 )
 from fastrl.config import PolicyLossConfig
+from fastrl.ops.kl import k3_expm1
 
 OUT_KEYS = (
     "loss", "pg_loss", "kl_loss", "entropy_loss", "clip_frac_low", "clip_frac_high", "clip_frac",
@@ -137,8 +138,7 @@ def _torch_fwd(
             kl = 0.5 * d * d
             dk = -d if kl_grad else None
         else:
-            em1 = torch.exp(d).sub_(1.0)  # (expm1 is several times slower on CPU)
-            kl = em1 - d
+            kl, em1 = k3_expm1(d)  # in float64: full relative precision near d = 0
             dk = em1.neg_() if kl_grad else None
         if kl_clamp is not None:
             if kl_grad:
@@ -184,13 +184,12 @@ def _torch_fwd(
     high = torch.dot(_step(r_bt - hi).reshape(-1), sA.clamp_(min=0.0).reshape(-1)) * inv_n
     if dual_ind is not None:
         dual_frac = dual_ind.sum() * inv_n
+    approx_kl = k3_expm1(lr)[0].sum() * inv_n  # (rho - 1) - log rho of the token ratio rho = exp(lr)
     if seq_ratio:
-        approx_kl = (torch.exp(lr) - 1.0 - lr).sum() * inv_n
         r_mean = torch.dot(ratio_row, n) * inv_n
         r_min = torch.where(n > 0, ratio_row, torch.inf).min()
         r_max = torch.where(n > 0, ratio_row, -torch.inf).max()
     else:
-        approx_kl = (ratio - 1.0 - lr).sum() * inv_n
         r_mean = torch.dot(ratio.reshape(-1), mf.reshape(-1)) * inv_n
         big = (1.0 - mf) * torch.finfo(f32).max  # +-max at masked-out tokens (where the ratio is 1)
         r_min = (ratio + big).min()

@@ -197,7 +197,7 @@ def policy_loss_reference(
             "clip_frac_low": tok_mean(low),
             "clip_frac_high": tok_mean(high),
             "clip_frac": tok_mean(low) + tok_mean(high),
-            "approx_kl": tok_mean(torch.expm1(tok_lr) - tok_lr),
+            "approx_kl": tok_mean(kl_penalty_reference(torch.zeros_like(tok_lr), tok_lr, estimator="k3")),
             "ratio_mean": tok_mean(r),
             "ratio_min": torch.where(m, r, torch.inf).min() if B * T > 0 else zero,
             "ratio_max": torch.where(m, r, -torch.inf).max() if B * T > 0 else zero,

@@ -238,6 +238,24 @@ def test_overflowed_ratio_on_clipped_token_has_zero_gradient(backend, ratio_leve
 
 
 @pytest.mark.parametrize("backend", BACKENDS)
+@pytest.mark.parametrize("ratio_level", ["token", "sequence"])
+def test_k3_terms_near_zero_keep_relative_precision(backend, ratio_level):
+    """The k3 KL (kl_loss, kl_ref_mean, its gradient) and approx_kl (k3 of the log-ratio)
+    for differences ~1e-4: non-negative, and equal to the float64 reference at 1e-5 relative."""
+    cfg = PolicyLossConfig(ratio_level=ratio_level, kl_coef=0.5, kl_estimator="k3")
+    batch = make_batch(B=4, T=20, spread=1e-4)
+    g = torch.Generator().manual_seed(7)
+    batch["ref_logp"] = batch["logp"] + 1e-4 * torch.randn(4, 20, generator=g).to(DEVICE)
+    use = ("ref_logp",)
+    loss, metrics, (glogp,) = run(backend, batch, cfg, use=use)
+    rloss, rmetrics, (rglogp,) = run("ref", batch, cfg, use=use)
+    for k in ("kl_loss", "kl_ref_mean", "approx_kl"):
+        assert metrics[k] > 0, k
+        torch.testing.assert_close(metrics[k].double(), rmetrics[k], rtol=1e-5, atol=0, msg=lambda m, k=k: f"{k}: {m}")
+    torch.testing.assert_close(glogp.double(), rglogp, rtol=1e-5, atol=1e-9)
+
+
+@pytest.mark.parametrize("backend", BACKENDS)
 @pytest.mark.parametrize("agg,count_kw", [("token-mean", "global_token_count"), ("seq-mean-token-mean", "global_seq_count"),
                                           ("seq-mean-token-sum-norm", "global_seq_count")])
 def test_global_counts_make_micro_batches_add_up(backend, agg, count_kw):
