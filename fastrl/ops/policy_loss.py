@@ -352,7 +352,7 @@ def policy_loss(
         entropy_coef=config.entropy_coef,
         is_cap=config.is_cap,
         loss_agg=config.loss_agg,
-        norm_length=float(config.norm_length if config.norm_length is not None else T),
+        norm_length=float(config.norm_length or 1.0),  # (required by the config for the mode that uses it)
     )
     if impl == "triton":
         logp, old_logp, mask, ref_logp, entropy, rollout_logp = (

@@ -21,7 +21,7 @@ from fastrl._checks import (
     resolve_backend,
     select_global_count,
 )
-from fastrl.config import LOSS_AGGS
+from fastrl.config import LOSS_AGGS, NORM_LENGTH_REQUIRED
 from fastrl.ops._segments import kernel_mask
 
 __all__ = ["value_loss"]
@@ -40,9 +40,7 @@ def _row_scale(mask: torch.Tensor, loss_agg: str, norm_length: float | None, glo
     d_seq = effective_count((n_b > 0).sum() if global_count is None else global_count, device=mask.device)
     if loss_agg == "seq-mean-token-mean":
         return 1.0 / (n_b.clamp(min=1.0) * d_seq)
-    length = float(T) if norm_length is None else norm_length
-    if loss_agg == "seq-mean-token-sum":
-        length = 1.0
+    length = 1.0 if loss_agg == "seq-mean-token-sum" else norm_length
     return (1.0 / (length * d_seq)) * torch.ones(B, dtype=torch.float32, device=mask.device)
 
 
@@ -158,7 +156,8 @@ def value_loss(
         clip: value clip range (> 0) or None.
         loss_agg: ``token-mean`` | ``seq-mean-token-mean`` | ``seq-mean-token-sum`` |
             ``seq-mean-token-sum-norm``, as in ``PolicyLossConfig.loss_agg``.
-        norm_length: constant of ``seq-mean-token-sum-norm`` (None: T). Only for that mode.
+        norm_length: constant of ``seq-mean-token-sum-norm``, required by (and only for) that
+            mode (see ``PolicyLossConfig.norm_length``).
         global_token_count: replaces the local masked-token count (``token-mean`` only),
             for gradient accumulation / data parallelism.
         global_seq_count: replaces the local count of non-empty rows (``seq-*`` modes only).
@@ -192,6 +191,8 @@ def value_loss(
     norm_length = check_scalar("norm_length", norm_length, low=0.0, low_inclusive=False, allow_none=True)
     if norm_length is not None and loss_agg != "seq-mean-token-sum-norm":
         raise ValueError(f"norm_length is only used by loss_agg='seq-mean-token-sum-norm', got loss_agg={loss_agg!r}")
+    if norm_length is None and loss_agg == "seq-mean-token-sum-norm":
+        raise ValueError(NORM_LENGTH_REQUIRED)
     count_name, count = select_global_count(loss_agg, global_token_count, global_seq_count)
     global_count = check_global_count(count_name, count, device)
     impl = resolve_backend(backend, device)

@@ -33,7 +33,7 @@ Aggregation (``config.loss_agg``), for any per-token quantity x:
     token-mean               agg(x) = sum_bt m x / D,              D = N  or global_token_count
     seq-mean-token-mean      agg(x) = sum_b (sum_t m x / max(n_b,1)) / D,   D = S or global_seq_count
     seq-mean-token-sum       agg(x) = sum_b  sum_t m x / D,         D = S or global_seq_count
-    seq-mean-token-sum-norm  agg(x) = sum_b  sum_t m x / (L D),     L = norm_length or T
+    seq-mean-token-sum-norm  agg(x) = sum_b  sum_t m x / (L D),     L = norm_length (required)
 
 A denominator that is 0 is replaced by 1, so a batch without any masked-in token has a
 loss of 0 (not NaN). ``loss = agg(loss_t) = pg_loss + kl_coef kl_loss - entropy_coef
@@ -164,7 +164,7 @@ def policy_loss_reference(
         elif cfg.loss_agg == "seq-mean-token-sum":
             row_w = torch.ones_like(n)
         else:
-            L = float(cfg.norm_length if cfg.norm_length is not None else T)
+            L = float(cfg.norm_length)  # required by the config for this mode
             row_w = torch.full_like(n, 1.0 / L)
 
     def agg(x: torch.Tensor) -> torch.Tensor:

@@ -21,7 +21,7 @@ def aggregate_reference(
     - ``token-mean``:              sum(m * l) / D_tok,         D_tok = global_token_count or sum(n_b)
     - ``seq-mean-token-mean``:     sum_b (sum_t m l / n_b) / D_seq
     - ``seq-mean-token-sum``:      sum_b (sum_t m l) / D_seq
-    - ``seq-mean-token-sum-norm``: sum_b (sum_t m l / norm_length) / D_seq   (norm_length None: T)
+    - ``seq-mean-token-sum-norm``: sum_b (sum_t m l / norm_length) / D_seq   (norm_length required)
 
     D_seq = global_seq_count or the number of rows with n_b > 0. A denominator (local or
     global) of 0 is taken as 1, so an all-masked batch gives 0 (not NaN); rows with n_b = 0
@@ -43,7 +43,9 @@ def aggregate_reference(
     elif loss_agg == "seq-mean-token-sum":
         per_row = row_sum
     elif loss_agg == "seq-mean-token-sum-norm":
-        per_row = row_sum / (float(loss_t.shape[1]) if norm_length is None else norm_length)
+        if norm_length is None:
+            raise ValueError("norm_length is required with loss_agg='seq-mean-token-sum-norm'")
+        per_row = row_sum / norm_length
     else:
         raise ValueError(f"unknown loss_agg {loss_agg!r}")
     return per_row.sum() / n_seq

@@ -45,7 +45,7 @@ CONFIGS = {
     "ppo": (PolicyLossConfig.preset("ppo"), {}),
     "grpo_kl": (PolicyLossConfig.preset("grpo"), {"ref": True}),
     "dapo_global_tokens": (PolicyLossConfig.preset("dapo"), {"global_token_count": 20.0}),
-    "dr_grpo": (PolicyLossConfig.preset("dr_grpo"), {}),
+    "dr_grpo": (PolicyLossConfig.preset("dr_grpo", norm_length=10.0), {}),
     "gspo_sequence_ratio": (PolicyLossConfig.preset("gspo", clip_low=0.1, clip_high=0.1), {}),
     "dual_clip_is_cap_entropy": (
         PolicyLossConfig(dual_clip=3.0, is_cap=2.0, entropy_coef=0.01, kl_coef=0.02, kl_estimator="k2"),
