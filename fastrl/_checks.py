@@ -192,6 +192,9 @@ def check_global_count(name: str, value: object, device: torch.device) -> torch.
 
 def effective_count(count: torch.Tensor | float, *, dtype: torch.dtype = torch.float32,
                     device: torch.device | None = None) -> torch.Tensor:
-    """``count`` as a 0-dim tensor of ``dtype``, with 0 taken as 1 (see ``check_global_count``)."""
-    c = torch.as_tensor(count, device=device).to(dtype).reshape(())
+    """``count`` as a 0-dim tensor of ``dtype``, with 0 taken as 1 (see ``check_global_count``).
+    A Python number becomes a device tensor through a fill (no host-to-device copy)."""
+    if not isinstance(count, torch.Tensor):
+        return torch.full((), float(count) if count > 0 else 1.0, dtype=dtype, device=device)
+    c = count.to(device=device, dtype=dtype).reshape(())
     return torch.where(c > 0, c, torch.ones_like(c))
