@@ -133,11 +133,14 @@ def _policy_fwd_kernel(
         pg = pg * w
         dpg = dpg * w
 
+    # where dpg == 0 (clipped, dual-clipped, A = 0) the gradient is exactly 0, even when the
+    # ratio overflowed to inf (0 * inf would be NaN)
     if SEQ_RATIO:
         g = tl.zeros([BLOCK], tl.float32)
-        c_part = tl.sum(tl.where(m, dpg, 0.0), axis=0) * ratio_row / tl.maximum(n_row, 1.0)
+        dpg_sum = tl.sum(tl.where(m, dpg, 0.0), axis=0)
+        c_part = tl.where(dpg_sum != 0.0, dpg_sum * ratio_row, 0.0) / tl.maximum(n_row, 1.0)
     else:
-        g = dpg * ratio
+        g = tl.where(dpg != 0.0, dpg * ratio, 0.0)
         if HAS_LR_CLAMP:
             g = tl.where(inside_lr, g, 0.0)
         c_part = tl.sum(mf, axis=0) * 0.0

@@ -38,14 +38,15 @@ def _value_loss_kernel(
     i = pid * BLOCK + tl.arange(0, BLOCK)
     inb = i < N
     m = (tl.load(mask_ptr + i, mask=inb, other=0) != 0) & inb
-    v = tl.load(v_ptr + i, mask=inb, other=0.0).to(tl.float32)
-    R = tl.load(ret_ptr + i, mask=inb, other=0.0).to(tl.float32)
+    # masked-out inputs are never loaded (they read as 0): NaN/inf padding cannot leak
+    v = tl.load(v_ptr + i, mask=m, other=0.0).to(tl.float32)
+    R = tl.load(ret_ptr + i, mask=m, other=0.0).to(tl.float32)
     w = tl.load(row_scale_ptr + i // T, mask=inb, other=0.0)
     w = tl.where(m, w, 0.0)
     d1 = v - R
     l1 = d1 * d1
     if HAS_CLIP:
-        vold = tl.load(vold_ptr + i, mask=inb, other=0.0).to(tl.float32)
+        vold = tl.load(vold_ptr + i, mask=m, other=0.0).to(tl.float32)
         delta = v - vold
         vc = vold + tl.minimum(tl.maximum(delta, -clip), clip)
         d2 = vc - R

@@ -153,3 +153,48 @@ def select_global_count(loss_agg: str, global_token_count: object, global_seq_co
     if other_value is not None:
         raise ValueError(f"{other} does not apply to loss_agg={loss_agg!r}: pass {name}")
     return name, value
+
+
+def check_global_count(name: str, value: object, device: torch.device) -> torch.Tensor | float | None:
+    """A global token/sequence count (the loss denominator of a whole batch split into
+    micro-batches or ranks), validated one way for every loss op.
+
+    The rule, shared by ``policy_loss``, ``value_loss`` and ``fused_linear_policy_loss``
+    and their references:
+
+    - ``None``: the local count is used.
+    - a Python ``int``/``float`` (not ``bool``): finite and >= 0, else ``ValueError``.
+    - a tensor with exactly one element (0-dim, ``[1]``, ...), integer or floating dtype,
+      on the inputs' ``device`` (else ``ValueError``; it is never moved silently). It is read
+      on the device, so a CUDA count costs no host sync; on CPU a negative or non-finite
+      value is a ``ValueError`` (on CUDA it cannot be checked without a sync).
+    - a count of 0 is taken as 1 (``effective_count``): a fully masked batch has loss 0.
+
+    Returns a float or a detached 0-dim tensor.
+    """
+    if value is None:
+        return None
+    if isinstance(value, torch.Tensor):
+        if value.numel() != 1:
+            raise ValueError(f"{name} must be a number or a 1-element tensor, got shape {tuple(value.shape)}")
+        if value.is_complex() or value.dtype == torch.bool:
+            raise TypeError(f"{name} must be a real number tensor, got dtype {value.dtype}")
+        if value.device != device:
+            raise ValueError(f"{name} is on {value.device} but the inputs are on {device}; pass it on {device}")
+        value = value.detach().reshape(())
+        if value.device.type == "cpu":
+            v = float(value)
+            if not math.isfinite(v) or v < 0:
+                raise ValueError(f"{name} must be finite and >= 0, got {v}")
+        return value
+    return check_scalar(name, value, low=0.0)
+
+
+def effective_count(count: torch.Tensor | float, *, dtype: torch.dtype = torch.float32,
+                    device: torch.device | None = None) -> torch.Tensor:
+    """``count`` as a 0-dim tensor of ``dtype``, with 0 taken as 1 (see ``check_global_count``).
+    A Python number becomes a device tensor through a fill (no host-to-device copy)."""
+    if not isinstance(count, torch.Tensor):
+        return torch.full((), float(count) if count > 0 else 1.0, dtype=dtype, device=device)
+    c = count.to(device=device, dtype=dtype).reshape(())
+    return torch.where(c > 0, c, torch.ones_like(c))

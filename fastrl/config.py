@@ -16,6 +16,12 @@ RatioLevel = Literal["token", "sequence"]
 KLEstimator = Literal["k1", "k2", "k3"]
 LossAgg = Literal["token-mean", "seq-mean-token-mean", "seq-mean-token-sum", "seq-mean-token-sum-norm"]
 
+NORM_LENGTH_REQUIRED = (
+    "norm_length is required with loss_agg='seq-mean-token-sum-norm' (Dr. GRPO's constant, e.g. the maximum "
+    "completion length: PolicyLossConfig.preset('dr_grpo', norm_length=...)); normalising each micro-batch by "
+    "its own padded length would make gradient accumulation differ from the full-batch update"
+)
+
 RATIO_LEVELS = ("token", "sequence")
 KL_ESTIMATORS = ("k1", "k2", "k3")
 LOSS_AGGS = ("token-mean", "seq-mean-token-mean", "seq-mean-token-sum", "seq-mean-token-sum-norm")
@@ -109,8 +115,10 @@ class PolicyLossConfig:
     """
 
     norm_length: float | None = None
-    """The constant of ``seq-mean-token-sum-norm`` (Dr. GRPO uses the maximum
-    completion length). ``None`` means the padded length T of the batch."""
+    """The constant of ``seq-mean-token-sum-norm`` (Dr. GRPO uses the maximum completion
+    length), required with that mode: a default of "the padded length T of the batch" would
+    normalise each micro-batch by its own length, so gradient accumulation would silently
+    stop adding up to the full-batch update. Unused by the other modes."""
 
     def __post_init__(self) -> None:
         check_choice("ratio_level", self.ratio_level, RATIO_LEVELS)
@@ -126,6 +134,8 @@ class PolicyLossConfig:
         check_choice("is_level", self.is_level, IS_LEVELS)
         check_choice("loss_agg", self.loss_agg, LOSS_AGGS)
         check_scalar("norm_length", self.norm_length, low=0.0, low_inclusive=False, allow_none=True)
+        if self.loss_agg == "seq-mean-token-sum-norm" and self.norm_length is None:
+            raise ValueError(NORM_LENGTH_REQUIRED)
 
     def replace(self, **changes: object) -> "PolicyLossConfig":
         return dataclasses.replace(self, **changes)
@@ -139,7 +149,8 @@ class PolicyLossConfig:
           token mean (Shao et al. 2024, DeepSeekMath, arXiv:2402.03300).
         - ``dapo``: clip-higher (0.2, 0.28), token-mean, no KL (Yu et al. 2025, arXiv:2503.14476).
         - ``dr_grpo``: epsilon 0.2, no KL, token sum / constant (Liu et al. 2025, arXiv:2503.20783);
-          pair it with ``group_advantages(mode="dr_grpo")`` (no std division).
+          pair it with ``group_advantages(mode="dr_grpo")`` (no std division). The constant
+          is required: ``preset("dr_grpo", norm_length=max_completion_length)``.
         - ``gspo``: sequence-level ratio, clip (3e-4, 4e-4), per-sequence token mean
           (Zheng et al. 2025, arXiv:2507.18071).
         """

@@ -11,7 +11,7 @@ def test_presets_match_published_settings():
     assert PolicyLossConfig.preset("dapo").clip_high == 0.28
     assert PolicyLossConfig.preset("grpo").kl_coef == 0.04
     assert PolicyLossConfig.preset("gspo").ratio_level == "sequence"
-    assert PolicyLossConfig.preset("dr_grpo").loss_agg == "seq-mean-token-sum-norm"
+    assert PolicyLossConfig.preset("dr_grpo", norm_length=1024).loss_agg == "seq-mean-token-sum-norm"
     assert PolicyLossConfig.preset("dapo", kl_coef=0.01).kl_coef == 0.01
 
 
@@ -46,3 +46,15 @@ def test_checks_name_the_argument():
 def test_auto_backend_is_torch_on_cpu():
     assert resolve_backend("auto", torch.device("cpu")) == "torch"
     assert resolve_backend("triton", torch.device("cpu")) == "triton"  # interpreter is on in tests
+
+
+def test_dr_grpo_without_its_constant_is_refused():
+    """norm_length=None used to mean "this batch's padded length": micro-batches padded to
+    their own lengths then silently gave another update than the full batch."""
+    with pytest.raises(ValueError, match="norm_length is required"):
+        PolicyLossConfig.preset("dr_grpo")
+    with pytest.raises(ValueError, match="norm_length is required"):
+        PolicyLossConfig(loss_agg="seq-mean-token-sum-norm")
+    cfg = PolicyLossConfig.preset("dr_grpo", norm_length=512)
+    with pytest.raises(ValueError, match="norm_length is required"):
+        cfg.replace(norm_length=None)

@@ -113,6 +113,15 @@ def _global_counts(loss_agg_mode: str, dp_size: int, batch_num_tokens, global_ba
     raise ValueError(f"Invalid loss_agg_mode: {loss_agg_mode}")
 
 
+def _norm_length(agg: str, loss_scale_factor: float | None, response_mask: torch.Tensor) -> float | None:
+    """fastrl's (required) ``norm_length`` for verl's ``seq-mean-token-sum-norm``: verl's
+    ``loss_scale_factor``, or -- as verl does without one -- the padded response length of
+    this micro-batch (verl's own semantics, which fastrl no longer applies implicitly)."""
+    if not agg.endswith("-norm"):
+        return None
+    return float(response_mask.shape[-1] if loss_scale_factor is None else loss_scale_factor)
+
+
 def _weights_as_rollout_logp(old_log_prob: torch.Tensor, weights: torch.Tensor) -> torch.Tensor:
     """``rollout_logp`` with ``exp(old - rollout) == weights``: verl passes ready-made IS weights."""
     logw = torch.log(weights.detach().to(torch.float32)).clamp(min=_LOG_ZERO)
@@ -243,7 +252,7 @@ def _policy_loss(old_log_prob, log_prob, advantages, response_mask, loss_agg_mod
     agg, gtc, gsc = _global_counts(
         loss_agg_mode, info.get("dp_size", 1), info.get("batch_num_tokens"), info.get("global_batch_size")
     )
-    cfg = cfg.replace(loss_agg=agg, norm_length=info.get("loss_scale_factor") if agg.endswith("-norm") else None)
+    cfg = cfg.replace(loss_agg=agg, norm_length=_norm_length(agg, info.get("loss_scale_factor"), response_mask))
     rollout = None if weights is None else _weights_as_rollout_logp(old_log_prob, weights)
     return _ops.policy_loss(
         log_prob, old_log_prob, advantages, response_mask, rollout_logp=rollout, config=cfg,
@@ -372,7 +381,7 @@ def compute_value_loss(
     agg, gtc, gsc = _global_counts(loss_agg_mode, dp_size, batch_num_tokens, global_batch_size)
     loss, metrics = _ops.value_loss(
         vpreds, values, returns, response_mask, clip=cliprange_value, loss_agg=agg,
-        norm_length=loss_scale_factor if agg.endswith("-norm") else None,
+        norm_length=_norm_length(agg, loss_scale_factor, response_mask),
         global_token_count=gtc, global_seq_count=gsc,
     )
     return loss, metrics["vf_clip_frac"]

@@ -1,8 +1,10 @@
 """Group-relative advantages: outcome rewards (``group_advantages``) and process rewards
 (``step_advantages``).
 
-Both are computed without a host synchronisation: groups are found by sorting the ids
-(``fastrl.ops._segments.dense_groups``), never with ``torch.unique``. The formulas are
+On CUDA both are computed without a host synchronisation: groups are found by sorting
+the ids (``fastrl.ops._segments.dense_groups``), never with ``torch.unique``. On CPU,
+where there is no device to wait for, ``group_advantages`` reads the id range on the host
+and indexes groups by ``id - min`` directly (faster than any sort). The formulas are
 those of ``fastrl.reference.advantages`` (the oracle the tests compare against). The
 results carry no gradient (rewards are data).
 """
@@ -27,8 +29,13 @@ from fastrl.reference.advantages import BATCH_STD_FLOOR, GROUP_MODES
 __all__ = ["group_advantages", "step_advantages", "GROUP_MODES"]
 
 
+CPU_HOST_PATH = True
+"""On CPU the torch path ranks the ids with host reads (free there, and faster than the
+sync-free sort). Tests set it False to run the sync-free path, the one CUDA uses, on CPU."""
+
+
 def _batch_mean_std(r: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-    """Mean and unbiased std (0 for one element) of a flat float32 tensor."""
+    """Mean and unbiased std (0 for one element) of a flat tensor, in its dtype."""
     mean = r.mean()
     d = r - mean
     return mean, torch.sqrt((d * d).sum() / max(r.numel() - 1, 1))
@@ -51,16 +58,74 @@ def _centred_advantages(
     return torch.where(n > 1.0, a, 0.0)
 
 
-def _group_adv_torch(r: torch.Tensor, g: DenseGroups, batch_std: torch.Tensor, mode: str, eps: float) -> tuple[torch.Tensor, torch.Tensor]:
-    """Sync-free vectorised PyTorch path (any device), computed in the sorted order and
-    scattered back.
+def _group_scale(std: torch.Tensor, n: torch.Tensor, batch_std: torch.Tensor, mode: str, eps: float) -> torch.Tensor:
+    """Per-group factor s_g with advantage = (r - mean_g) * s_g (0 for a single-member group)."""
+    if mode == "grpo":
+        s = 1.0 / (std + eps)
+    elif mode in ("dr_grpo", "reinforce_pp"):
+        s = torch.ones_like(std)
+    elif mode == "batch_std":
+        s = (1.0 / (batch_std + eps)).expand_as(std)
+    elif mode == "group_mean_batch_std_floor":
+        s = 1.0 / (torch.maximum(std, BATCH_STD_FLOOR * batch_std) + eps)
+    else:
+        s = n / (n - 1.0).clamp(min=1.0)
+    return torch.where(n > 1.0, s, 0.0)
 
-    Returns (advantages [N] in the original order, number of groups with >= 2 distinct
-    rewards as a 0-dim float32 tensor)."""
+
+def _group_index_host(ids: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """(group slot of each sample [N], members per slot [G]) of CPU int64 ids; some slots
+    may be empty (count 0). Reads the id range (free on CPU): ids spanning at most about
+    2N values use ``id - min`` as the slot directly (no sort); others ``torch.unique``."""
+    n = ids.numel()
+    lo, hi = (int(v) for v in torch.aminmax(ids))
+    if hi - lo < 2 * n + 1024:
+        slot = ids - lo
+        return slot, torch.bincount(slot, minlength=hi - lo + 1)
+    _, inv, counts = torch.unique(ids, return_inverse=True, return_counts=True)
+    return inv, counts
+
+
+def _group_adv_host(
+    r: torch.Tensor, ids: torch.Tensor, batch_std: torch.Tensor, mode: str, eps: float, *, exact_sums: bool
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """CPU path: dense ids from the id range (no device to sync with), float64 statistics
+    (``r`` is float64; ``exact_sums`` when it was widened from fp32 or narrower).
+    ``index_select``, not ``x[idx]``: several times faster on CPU.
+
+    Returns (advantages [N] in r's dtype, number of groups with >= 2 distinct rewards and
+    number of groups, both 0-dim float32)."""
+    inv, counts = _group_index_host(ids.to(torch.int64))
+    G = counts.numel()
+    n = counts.to(r.dtype).clamp_(min=1.0)  # (empty slots are never read back)
+    if exact_sums:
+        # rewards that came from fp32 or narrower: float64 sums of up to 2^29 of them are
+        # exact, so a group whose rewards are all equal has mean == r and d = 0 exactly
+        d = r - torch.zeros(G, dtype=r.dtype).index_add_(0, inv, r).div_(n).index_select(0, inv)
+    else:
+        # float64 rewards: sums shifted by a pivot (any one member's value) give the same
+        # guarantee (all equal -> d = 0 exactly)
+        pivot = torch.empty(G, dtype=r.dtype).index_copy_(0, inv, r)
+        d = r - pivot.index_select(0, inv)
+        d -= torch.zeros(G, dtype=r.dtype).index_add_(0, inv, d).div_(n).index_select(0, inv)
+    m2 = torch.zeros(G, dtype=r.dtype).index_add_(0, inv, d * d)
+    std = (m2 / (n - 1.0).clamp(min=1.0)).sqrt_()
+    a = d.mul_(_group_scale(std, n, batch_std, mode, eps).index_select(0, inv))
+    # some d != 0 <=> the group has two distinct rewards (d * d cannot underflow to 0 for
+    # differences of fp32 values; for float64 ones below 1e-154 it would)
+    return a, (m2 > 0).sum().to(torch.float32), (counts > 0).sum().to(torch.float32)
+
+
+def _group_adv_sync_free(r: torch.Tensor, g: DenseGroups, batch_std: torch.Tensor, mode: str, eps: float) -> tuple[torch.Tensor, torch.Tensor]:
+    """Sync-free vectorised PyTorch path (any device; used on CUDA without Triton), computed
+    in the sorted order and scattered back.
+
+    Returns (advantages [N] in the original order and r's dtype, number of groups with >= 2
+    distinct rewards as a 0-dim float32 tensor)."""
     N = r.numel()
     rk = g.rank_sorted
     rs = r[g.perm]
-    zeros = torch.zeros(N, dtype=torch.float32, device=r.device)
+    zeros = torch.zeros(N, dtype=r.dtype, device=r.device)
     count = zeros.index_add(0, rk, torch.ones_like(rs))
     mean = zeros.index_add(0, rk, rs) / count.clamp(min=1.0)
     d = rs - mean[rk]
@@ -68,8 +133,26 @@ def _group_adv_torch(r: torch.Tensor, g: DenseGroups, batch_std: torch.Tensor, m
     a = _centred_advantages(d, std[rk], count[rk], batch_std, mode, eps)
     # a group has signal when some member differs from its sorted neighbour
     neq = (rs[1:] != rs[:-1]) & ~g.is_first[1:]
-    n_distinct = (zeros.index_add(0, rk[1:], neq.to(torch.float32)) > 0).sum(dtype=torch.float32)
+    n_distinct = (zeros.index_add(0, rk[1:], neq.to(r.dtype)) > 0).sum(dtype=torch.float32)
     return torch.empty_like(a).scatter_(0, g.perm, a), n_distinct
+
+
+def _check_finite_rewards(rewards: torch.Tensor, mean: torch.Tensor | None = None) -> None:
+    """NaN/inf rewards raise: on CPU a ValueError; on CUDA a device-side assert (no host
+    sync). On CPU a finite batch ``mean`` (when given) proves every reward finite at the
+    cost of one scalar read."""
+    if rewards.device.type != "cpu":
+        torch._assert_async(torch.isfinite(rewards).all(), "fastrl.group_advantages: rewards must be finite (found NaN/inf)")
+        return
+    if mean is not None and bool(torch.isfinite(mean)):
+        return
+    finite = torch.isfinite(rewards)
+    if not bool(finite.all()):
+        bad = rewards[~finite][0].item()
+        raise ValueError(
+            f"rewards must be finite, found {bad}: give failed or missing rewards a value (e.g. 0) "
+            "before computing advantages"
+        )
 
 
 def group_advantages(
@@ -83,7 +166,11 @@ def group_advantages(
     """Advantages of N outcome rewards relative to their group (e.g. the G samples of a prompt).
 
     Args:
-        rewards: [N] float, one scalar reward per sample (any float dtype).
+        rewards: [N] float, one scalar reward per sample (any float dtype), all finite.
+            A NaN or inf reward (a failed reward function) is an error -- a ``ValueError``
+            on CPU, a device-side assert on CUDA (checking there would need a host sync):
+            it would turn every advantage of ``batch_std``/``reinforce_pp`` into NaN.
+            Replace failed rewards by a value (e.g. 0) before calling.
         group_ids: [N] integer. Samples with equal ids form a group; ids are arbitrary
             (negative, huge, unsorted) and groups may differ in size.
         mode: ``grpo`` (r - mean_g) / (std_g + eps); ``dr_grpo`` r - mean_g;
@@ -94,6 +181,15 @@ def group_advantages(
             A group of one member gets 0 (it has no baseline).
         eps: added to the standard deviation (> 0).
         backend: ``auto`` | ``triton`` | ``torch``.
+
+    Precision: group and batch statistics are computed in float64 (PyTorch paths) or in
+    fp32 with a shifted sum / fp64 for fp64 rewards (Triton), never below the input
+    precision, so a group of millions of rewards with a large common offset keeps a mean
+    advantage of 0, and float64 rewards 1 and 1 + 1e-9 form a group with signal. The
+    advantages are returned in float32 (the contract of every op).
+
+    On CPU the torch path reads the id range on the host (free there); on CUDA no op here
+    synchronises with the host (groups come from a sort, never ``torch.unique``).
 
     Returns:
         ``(advantages [N] float32, stats)`` where stats are 0-dim float32 tensors:
@@ -112,32 +208,49 @@ def group_advantages(
     impl = resolve_backend(backend, device)
 
     with torch.no_grad():
-        r = rewards.detach().to(torch.float32).contiguous()
-        g = dense_groups(group_ids)
-        reward_mean, batch_std = _batch_mean_std(r)
         if impl == "triton":
+            _check_finite_rewards(rewards)
             from csrc_triton.advantages import MODE_CODES, group_advantages_elementwise, segment_stats
 
+            # the kernels accumulate in fp32 (shifted sums), or fp64 for fp64 rewards
+            r = rewards.detach().contiguous()
+            if r.dtype != torch.float64:
+                r = r.to(torch.float32)
+            reward_mean, batch_std = _batch_mean_std(r.to(torch.float64))
+            g = dense_groups(group_ids)
             counts, starts = g.counts_starts()
-            mean, std, count, distinct = segment_stats(r, g.perm, starts, counts)
+            mean, std, count, distinct, mean_lo = segment_stats(r, g.perm, starts, counts)
             adv = group_advantages_elementwise(
-                r, g.rank(), mean, std, count, batch_std, mode=MODE_CODES[mode], eps=eps, floor=BATCH_STD_FLOOR
+                r, g.rank(), mean, mean_lo, std, count, batch_std.to(mean.dtype), mode=MODE_CODES[mode], eps=eps,
+                floor=BATCH_STD_FLOOR,
             )
             n_distinct = distinct.sum()
+            num_groups = g.num_groups.to(torch.float32)
         else:
-            adv, n_distinct = _group_adv_torch(r, g, batch_std, mode, eps)
+            # float64 statistics: exact enough for millions of rewards with a large common
+            # offset, and never below the input precision
+            r = rewards.detach().to(torch.float64).contiguous()
+            reward_mean, batch_std = _batch_mean_std(r)
+            _check_finite_rewards(rewards, reward_mean)
+            if device.type == "cpu" and CPU_HOST_PATH:
+                adv, n_distinct, num_groups = _group_adv_host(
+                    r, group_ids, batch_std, mode, eps, exact_sums=rewards.dtype != torch.float64
+                )
+            else:
+                g = dense_groups(group_ids)
+                adv, n_distinct = _group_adv_sync_free(r, g, batch_std, mode, eps)
+                num_groups = g.num_groups.to(torch.float32)
         if mode == "reinforce_pp":
             a_mean, a_std = _batch_mean_std(adv)
             adv = (adv - a_mean) / (a_std + eps)
-        num_groups = g.num_groups.to(torch.float32)
         frac_equal = (num_groups - n_distinct) / num_groups
         stats = {
             "frac_all_equal_groups": frac_equal,
             "effective_group_ratio": 1.0 - frac_equal,
-            "reward_mean": reward_mean,
-            "reward_std": batch_std,
+            "reward_mean": reward_mean.to(torch.float32),
+            "reward_std": batch_std.to(torch.float32),
         }
-    return adv, stats
+    return adv.to(torch.float32), stats
 
 
 def _check_step_layout(step_end_index: torch.Tensor, T: int) -> None:
@@ -215,8 +328,8 @@ def step_advantages(
             present = (end >= 0).view(torch.uint8).reshape(-1)
             order = (g.perm[:, None] * S + torch.arange(S, device=device)).reshape(-1)
             counts, starts = g.counts_starts()
-            mean, std, _, _ = segment_stats(r.reshape(-1), order, starts * S, counts * S, valid=present)
-            return step_advantages_tokens(r, end, g.rank(), mean, std, kernel_mask(mask), eps=eps)
+            mean, std, _, _, mean_lo = segment_stats(r.reshape(-1), order, starts * S, counts * S, valid=present)
+            return step_advantages_tokens(r, end, g.rank(), mean, mean_lo, std, kernel_mask(mask), eps=eps)
         rank = g.rank()
         present = end >= 0
         rf = torch.where(present, r.to(torch.float32), 0.0)

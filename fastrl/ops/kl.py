@@ -1,7 +1,8 @@
 """Per-token KL penalty to a reference policy: ``kl_penalty``.
 
 Formula (see ``fastrl.reference.kl``): with ``d = ref_logp - logp``, ``k1 = -d``,
-``k2 = d^2 / 2``, ``k3 = exp(d) - d - 1``, optionally clamped to ``[-clamp, clamp]``.
+``k2 = d^2 / 2``, ``k3 = exp(d) - d - 1`` (>= 0, with full relative precision near d = 0 on
+every backend), optionally clamped to ``[-clamp, clamp]``.
 """
 
 from __future__ import annotations
@@ -13,14 +14,22 @@ from fastrl._checks import check_choice, check_float, check_nonempty, check_same
 from fastrl.config import KL_ESTIMATORS
 
 
+def k3_expm1(d: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """(k3 = expm1(d) - d, expm1(d)), both fp32, for any float ``d``.
+
+    Evaluated in float64: k3 ~ d^2 / 2 is the difference of two nearly equal numbers for
+    small |d|, and in fp32 it has no correct digit below |d| ~ 1e-3 (and can come out
+    negative). In float64 it keeps fp32 relative precision down to |d| ~ 1e-9 and is never
+    negative. (The Triton kernel uses a Taylor series instead.)"""
+    d64 = d.to(torch.float64)
+    em1 = torch.expm1(d64)
+    return (em1 - d64).to(torch.float32), em1.to(torch.float32)
+
+
 def _torch_value_grad(logp: torch.Tensor, ref_logp: torch.Tensor, estimator: str, clamp: float | None,
                       *, want_grad: bool) -> tuple[torch.Tensor, torch.Tensor | None]:
-    """The estimate and its derivative wrt ``logp`` (fp32), vectorised PyTorch.
-
-    k3 is evaluated as (exp(d) - 1) - d: expm1 is several times slower than exp on CPU, and
-    the absolute error stays at the fp32 rounding of exp(d) (the Triton kernel uses a series
-    for |d| < 0.5 and keeps full relative precision).
-    """
+    """The estimate and its derivative wrt ``logp`` (fp32), vectorised PyTorch (k3 via
+    ``k3_expm1``, in float64)."""
     d = _f32(ref_logp) - _f32(logp)
     g = None
     if estimator == "k1":
@@ -32,8 +41,9 @@ def _torch_value_grad(logp: torch.Tensor, ref_logp: torch.Tensor, estimator: str
         if want_grad:
             g = -d
     else:
-        em1 = torch.exp(d).sub_(1.0)
-        k = em1 - d
+        if ref_logp.dtype == torch.float64 or logp.dtype == torch.float64:
+            d = ref_logp.to(torch.float64) - logp.to(torch.float64)  # exact d for float64 inputs
+        k, em1 = k3_expm1(d)
         if want_grad:
             g = em1.neg_()
     if clamp is not None:

@@ -82,12 +82,31 @@ def _combine(m, s, w, t, group):
     return lse, logp, ent
 
 
+_LOW_PRECISION = (torch.bfloat16, torch.float16)
+
+
+def _logits_weight(weight: torch.Tensor) -> torch.Tensor:
+    """The LM head as the logits GEMM reads it: on CPU a bf16/fp16 head is widened to fp32
+    once per call (CPU has no low-precision GEMM with an fp32 output); elsewhere as is."""
+    if weight.dtype in _LOW_PRECISION and weight.device.type != "cuda":
+        return weight.float()
+    return weight
+
+
 def _torch_logits(h, weight, bias, inv_temp):
-    z = h @ weight.T
-    if bias is not None:
-        z += bias
+    """fp32 logits of a row chunk, accumulated and returned in fp32 like the Triton kernel
+    (a bf16 GEMM output would round every logit to bf16 before the softmax: log-prob
+    errors of ~1e-2 instead of ~1e-6). ``weight`` comes from ``_logits_weight``."""
+    if h.dtype != weight.dtype:
+        h = h.to(weight.dtype)
+    if h.dtype in _LOW_PRECISION:  # CUDA: the low-precision GEMM writes fp32 directly
+        z = torch.mm(h, weight.T, out_dtype=torch.float32)
+    else:
+        z = h @ weight.T
     if z.dtype != torch.float32:
         z = z.float()
+    if bias is not None:
+        z += bias
     if inv_temp != 1.0:
         z *= inv_temp
     return z
@@ -100,9 +119,10 @@ def _torch_stats(h, weight, bias, y, inv_temp, with_entropy):
     m, s, t = torch.empty(n, **f32), torch.empty(n, **f32), torch.empty(n, **f32)
     w = torch.empty(n, **f32) if with_entropy else None
     step = _chunk_rows(weight.shape[0])
+    w_logits = _logits_weight(weight)
     for i in range(0, n, step):
         sl = slice(i, min(i + step, n))
-        z = _torch_logits(h[sl], weight, bias, inv_temp)
+        z = _torch_logits(h[sl], w_logits, bias, inv_temp)
         mc = z.amax(1)
         z -= mc[:, None]
         yc = y[sl]
@@ -128,9 +148,10 @@ def _torch_grads(h, weight, bias, y, lse, ent, gl, ge, inv_temp, need_h, need_w,
     gw = torch.zeros(v, hd, dtype=torch.float32, device=h.device) if need_w else None
     gb = torch.zeros(v, dtype=torch.float32, device=h.device) if need_b else None
     step = _chunk_rows(v)
+    w_logits = _logits_weight(weight)
     for i in range(0, n, step):
         sl = slice(i, min(i + step, n))
-        z = _torch_logits(h[sl], weight, bias, inv_temp)
+        z = _torch_logits(h[sl], w_logits, bias, inv_temp)
         z -= lse[sl, None]  # log p
         glc = gl[sl]
         if ge is not None:
@@ -197,7 +218,9 @@ class _LinearLogprobs(torch.autograd.Function):
                 h_w, y_w = hidden.index_select(0, idx), y_local.index_select(0, idx)
                 row_ok = None
             else:
-                idx, h_w, y_w = None, hidden, y_local
+                # no compaction (it would sync): zero the ignored rows instead, so NaN/inf
+                # padding in them cannot reach the weight gradient (0 * NaN is NaN)
+                idx, h_w, y_w = None, torch.where(valid[:, None], hidden, 0.0), y_local
                 row_ok = valid
             n_work = None
             m, s, w, t = _torch_stats(h_w, weight, bias, y_w, inv_temp, with_entropy)
@@ -352,6 +375,10 @@ def linear_logprobs(
     The [tokens, V] logits are never stored: the forward keeps O(tokens) statistics and
     the backward recomputes the logits tile by tile. Targets out of range raise a
     ValueError on CPU and trip a device-side assert on CUDA.
+
+    Precision: the logits are accumulated and kept in fp32 for every input dtype on both
+    backends (bf16 inputs: log-prob error ~1e-6, not the ~1e-2 of bf16-rounded logits). On
+    CPU a bf16/fp16 LM head is widened to an fp32 copy for the duration of the call.
     """
     device = _validate(hidden, weight, targets, bias, temperature, ignore_index)
     impl = resolve_backend(backend, device)
@@ -440,13 +467,23 @@ def fused_linear_policy_loss(
     if tuple(targets.shape) != tuple(hidden.shape[:2]):
         raise ValueError(f"targets must have shape {tuple(hidden.shape[:2])} (hidden.shape[:2]), got {tuple(targets.shape)}")
     check_mask("mask", mask, tuple(targets.shape))
+    # every per-token input is validated before any work (the one-pass path indexes them)
+    B, T = targets.shape
+    check_float("old_logp", old_logp, shape=(B, T))
+    check_float("advantages", advantages)
+    if tuple(advantages.shape) not in ((B, T), (B,)):
+        raise ValueError(f"advantages must have shape (B, T) = {(B, T)} or (B,) = {(B,)}, got {tuple(advantages.shape)}")
+    for name, t in (("ref_logp", ref_logp), ("rollout_logp", rollout_logp)):
+        if t is not None:
+            check_float(name, t, shape=(B, T))
+    check_same_device(hidden=hidden, targets=targets, old_logp=old_logp, advantages=advantages, mask=mask,
+                      ref_logp=ref_logp, rollout_logp=rollout_logp)
     ignore_index = -100
     keep = mask if mask.dtype == torch.bool else mask != 0
     targets_eff = torch.where(keep, targets.to(torch.int64), torch.full_like(targets, ignore_index, dtype=torch.int64))
     with_entropy = bool(entropy) or config.entropy_coef != 0
     if _eager_applies(hidden, weight, bias, rollout_logp, config, process_group, backend):
-        device = _validate(hidden, weight, targets_eff, bias, temperature, ignore_index)
-        check_same_device(hidden=hidden, old_logp=old_logp, advantages=advantages, mask=mask)
+        _validate(hidden, weight, targets_eff, bias, temperature, ignore_index)
         _check_target_range(targets_eff.reshape(-1), ignore_index, weight.shape[0])
         return _fused_eager_torch(
             hidden, weight, bias, targets_eff, keep, old_logp, advantages, mask, ref_logp=ref_logp,
@@ -486,26 +523,28 @@ def _eager_applies(hidden, weight, bias, rollout_logp, config, process_group, ba
 
 
 class _PrecomputedGrads(torch.autograd.Function):
-    """Returns ``loss``; its backward hands out gradients computed in the forward pass."""
+    """Returns ``loss``; its backward hands out gradients computed in the forward pass.
+
+    They are saved tensors (freed by autograd after a backward without ``retain_graph``)
+    and never modified, so a retained graph can be differentiated again."""
 
     @staticmethod
-    def forward(ctx, loss, hidden, weight, bias, grads):
-        ctx.grads = grads
+    def forward(ctx, loss, hidden, weight, bias, gh, gw, gb):
+        ctx.save_for_backward(gh, gw, gb)
         ctx.dtypes = (hidden.dtype, weight.dtype, bias.dtype if bias is not None else None)
         return loss.clone()
 
     @staticmethod
     def backward(ctx, grad_out):
-        gh, gw, gb = ctx.grads
-        ctx.grads = None
+        gh, gw, gb = ctx.saved_tensors
         dh, dw, db = ctx.dtypes
-        out = [None, None, None, None, None]
+        out = [None] * 7
         if gh is not None and ctx.needs_input_grad[1]:
-            out[1] = gh.mul_(grad_out).to(dh)
+            out[1] = (gh * grad_out).to(dh)
         if gw is not None and ctx.needs_input_grad[2]:
-            out[2] = gw.mul_(grad_out).to(dw)
+            out[2] = (gw * grad_out).to(dw)
         if gb is not None and ctx.needs_input_grad[3]:
-            out[3] = gb.mul_(grad_out).to(db)
+            out[3] = (gb * grad_out).to(db)
         return tuple(out)
 
 
@@ -580,9 +619,10 @@ def _fused_eager_torch(
     gw = torch.zeros(V, hd, **f32) if need_w else None
     gb = torch.zeros(V, **f32) if need_b else None
     step = _chunk_rows(V)
+    w_logits = _logits_weight(w2)
     for i in range(0, n, step):
         sl = slice(i, min(i + step, n))
-        z = _torch_logits(hw[sl], w2, b2, inv_temp)
+        z = _torch_logits(hw[sl], w_logits, b2, inv_temp)
         z -= z.amax(1, keepdim=True)  # u - m
         yc = yw[sl]
         t = z.gather(1, yc[:, None]).squeeze(1)
@@ -642,5 +682,5 @@ def _fused_eager_torch(
     gh_full = None
     if gh is not None:
         gh_full = torch.zeros(B * T, hd, dtype=dtype, device=hidden.device).index_copy_(0, idx, gh).reshape(B, T, hd)
-    loss = _PrecomputedGrads.apply(loss, hidden, weight, bias, (gh_full, gw, gb))
+    loss = _PrecomputedGrads.apply(loss, hidden, weight, bias, gh_full, gw, gb)
     return loss, metrics

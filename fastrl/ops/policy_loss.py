@@ -17,11 +17,13 @@ from fastrl._checks import (
     check_mask,
     check_nonempty,
     check_same_device,
-    check_scalar,
+    check_global_count,
+    effective_count,
     resolve_backend,
     select_global_count,
 )
 from fastrl.config import PolicyLossConfig
+from fastrl.ops.kl import k3_expm1
 
 OUT_KEYS = (
     "loss", "pg_loss", "kl_loss", "entropy_loss", "clip_frac_low", "clip_frac_high", "clip_frac",
@@ -77,7 +79,9 @@ def _torch_fwd(
         lr = lr.clamp(-log_ratio_clamp, log_ratio_clamp)
     if seq_ratio:
         ratio_row = torch.exp(lr.sum(1) / n1)
-        ratio = ratio_row[:, None]
+        # 1 at masked-out tokens (as in token mode), so an overflowed row ratio times A = 0
+        # there cannot make a NaN
+        ratio = torch.where(m, ratio_row[:, None], 1.0)
     else:
         ratio = torch.exp(lr)
     A = _f32(advantages)
@@ -114,10 +118,13 @@ def _torch_fwd(
     g = None
     c_row = None
     if write_grad:
+        # where dpg == 0 (clipped, dual-clipped, A = 0) the gradient is exactly 0, even when
+        # the ratio overflowed to inf (0 * inf would be NaN and poison the update)
         if seq_ratio:
-            c_row = dpg.sum(1) * ratio_row / n1
+            dpg_row = dpg.sum(1)
+            c_row = torch.where(dpg_row != 0, dpg_row * ratio_row, 0.0) / n1
         else:
-            g = dpg.mul_(ratio)
+            g = torch.where(dpg != 0, dpg.mul_(ratio), 0.0)
             if log_ratio_clamp is not None:
                 g.mul_(inside)
     kl = None
@@ -131,8 +138,7 @@ def _torch_fwd(
             kl = 0.5 * d * d
             dk = -d if kl_grad else None
         else:
-            em1 = torch.exp(d).sub_(1.0)  # (expm1 is several times slower on CPU)
-            kl = em1 - d
+            kl, em1 = k3_expm1(d)  # in float64: full relative precision near d = 0
             dk = em1.neg_() if kl_grad else None
         if kl_clamp is not None:
             if kl_grad:
@@ -144,12 +150,12 @@ def _torch_fwd(
     # aggregation
     f = 1.0 / n1 if loss_agg == "seq-mean-token-mean" else torch.ones_like(n)
     if global_count is not None:
-        D = torch.as_tensor(global_count, device=dev).to(f32).reshape(())
+        D = global_count
     elif loss_agg == "token-mean":
         D = N
     else:
         D = (n > 0).to(f32).sum()
-    D = torch.where(D > 0, D, 1.0)
+    D = effective_count(D, device=dev)
     if loss_agg == "seq-mean-token-sum-norm":
         D = D * norm_length
     inv_d = 1.0 / D
@@ -178,13 +184,12 @@ def _torch_fwd(
     high = torch.dot(_step(r_bt - hi).reshape(-1), sA.clamp_(min=0.0).reshape(-1)) * inv_n
     if dual_ind is not None:
         dual_frac = dual_ind.sum() * inv_n
+    approx_kl = k3_expm1(lr)[0].sum() * inv_n  # (rho - 1) - log rho of the token ratio rho = exp(lr)
     if seq_ratio:
-        approx_kl = (torch.exp(lr) - 1.0 - lr).sum() * inv_n
         r_mean = torch.dot(ratio_row, n) * inv_n
         r_min = torch.where(n > 0, ratio_row, torch.inf).min()
         r_max = torch.where(n > 0, ratio_row, -torch.inf).max()
     else:
-        approx_kl = (ratio - 1.0 - lr).sum() * inv_n
         r_mean = torch.dot(ratio.reshape(-1), mf.reshape(-1)) * inv_n
         big = (1.0 - mf) * torch.finfo(f32).max  # +-max at masked-out tokens (where the ratio is 1)
         r_min = (ratio + big).min()
@@ -259,20 +264,6 @@ class _PolicyLossFn(torch.autograd.Function):
         return glogp, gent, None, None, None, None, None, None, None, None
 
 
-def _check_count(name: str, value: object, device: torch.device) -> torch.Tensor | float | None:
-    if value is None:
-        return None
-    if isinstance(value, torch.Tensor):
-        if value.numel() != 1:
-            raise ValueError(f"{name} must be a number or a 1-element tensor, got shape {tuple(value.shape)}")
-        if value.is_complex() or value.dtype == torch.bool:
-            raise TypeError(f"{name} must be a real number tensor, got dtype {value.dtype}")
-        if value.device != device:
-            raise ValueError(f"{name} is on {value.device} but logp is on {device}; all inputs must share one device")
-        return value.detach().reshape(())
-    return check_scalar(name, value, low=0.0)
-
-
 def _unit_col(x: torch.Tensor | None) -> torch.Tensor | None:
     if x is None or x.shape[-1] <= 1 or x.stride(-1) == 1:
         return x
@@ -313,8 +304,9 @@ def policy_loss(
         global_token_count: replaces the local token count of ``loss_agg="token-mean"``
             (gradient accumulation / data parallel: pass the count of the whole batch).
         global_seq_count: replaces the local count of non-empty rows of the ``seq-*`` modes.
-            A number >= 0 or a 1-element tensor on the inputs' device (read on the device,
-            no host sync). A count that is 0 is treated as 1.
+            Either count: a number >= 0 or a 1-element tensor on the inputs' device (read on
+            the device, no host sync); 0 is taken as 1, so a fully masked batch has loss 0.
+            The rule is ``fastrl._checks.check_global_count``, shared by every loss op.
         backend: ``"auto"`` (Triton on CUDA, PyTorch otherwise), ``"triton"`` or ``"torch"``.
 
     Returns:
@@ -344,7 +336,7 @@ def policy_loss(
     device = check_same_device(logp=logp, old_logp=old_logp, advantages=advantages, mask=mask,
                                ref_logp=ref_logp, entropy=entropy, rollout_logp=rollout_logp)
     count_name, count = select_global_count(config.loss_agg, global_token_count, global_seq_count)
-    global_count = _check_count(count_name, count, device)
+    global_count = check_global_count(count_name, count, device)
     impl = resolve_backend(backend, device)
 
     kw = dict(
@@ -360,7 +352,7 @@ def policy_loss(
         entropy_coef=config.entropy_coef,
         is_cap=config.is_cap,
         loss_agg=config.loss_agg,
-        norm_length=float(config.norm_length if config.norm_length is not None else T),
+        norm_length=float(config.norm_length or 1.0),  # (required by the config for the mode that uses it)
     )
     if impl == "triton":
         logp, old_logp, mask, ref_logp, entropy, rollout_logp = (

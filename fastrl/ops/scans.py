@@ -106,10 +106,13 @@ class _Packed:
         # several times faster than an int64 cumsum.
         count = m.to(torch.float32 if T < 2**24 else torch.float64).cumsum_(1)
         self.slot = count.masked_fill_(~m, 0).long()
+        self.keep = m
 
     def pack(self, x: torch.Tensor, dtype: torch.dtype, extra: int = 0) -> torch.Tensor:
         out = torch.zeros(x.shape[0], self.width + extra, dtype=dtype, device=x.device)
-        return out.scatter_(1, self.slot, x.to(dtype))
+        # masked-out values land in the scratch column, which the scan reads (0 * NaN is NaN
+        # in the block products): select 0 there so padding garbage cannot leak
+        return out.scatter_(1, self.slot, torch.where(self.keep, x.to(dtype), 0.0))
 
     def unpack(self, packed: torch.Tensor) -> torch.Tensor:
         packed[:, 0] = 0

@@ -15,26 +15,16 @@ from fastrl._checks import (
     check_mask,
     check_nonempty,
     check_same_device,
+    check_global_count,
     check_scalar,
+    effective_count,
     resolve_backend,
     select_global_count,
 )
-from fastrl.config import LOSS_AGGS
+from fastrl.config import LOSS_AGGS, NORM_LENGTH_REQUIRED
 from fastrl.ops._segments import kernel_mask
 
 __all__ = ["value_loss"]
-
-
-def _check_count(name: str, value: object, device: torch.device) -> torch.Tensor | float | None:
-    if value is None:
-        return None
-    if isinstance(value, torch.Tensor):
-        if value.dim() != 0:
-            raise ValueError(f"{name} must be a number or a 0-dim tensor, got shape {tuple(value.shape)}")
-        if value.is_complex() or value.dtype == torch.bool:
-            raise TypeError(f"{name} must be a real number tensor, got dtype {value.dtype}")
-        return value.to(device=device, dtype=torch.float32)
-    return check_scalar(name, value, low=0.0, low_inclusive=False)
 
 
 def _row_scale(mask: torch.Tensor, loss_agg: str, norm_length: float | None, global_count) -> torch.Tensor:
@@ -45,14 +35,12 @@ def _row_scale(mask: torch.Tensor, loss_agg: str, norm_length: float | None, glo
     B, T = mask.shape
     n_b = (mask != 0).sum(dim=1, dtype=torch.float32)
     if loss_agg == "token-mean":
-        denom = n_b.sum().clamp(min=1.0) if global_count is None else global_count
+        denom = effective_count(n_b.sum() if global_count is None else global_count, device=mask.device)
         return (1.0 / denom) * torch.ones(B, dtype=torch.float32, device=mask.device)
-    d_seq = (n_b > 0).sum().to(torch.float32).clamp(min=1.0) if global_count is None else global_count
+    d_seq = effective_count((n_b > 0).sum() if global_count is None else global_count, device=mask.device)
     if loss_agg == "seq-mean-token-mean":
         return 1.0 / (n_b.clamp(min=1.0) * d_seq)
-    length = float(T) if norm_length is None else norm_length
-    if loss_agg == "seq-mean-token-sum":
-        length = 1.0
+    length = 1.0 if loss_agg == "seq-mean-token-sum" else norm_length
     return (1.0 / (length * d_seq)) * torch.ones(B, dtype=torch.float32, device=mask.device)
 
 
@@ -66,17 +54,18 @@ def _value_loss_torch(
     write_grad: bool,
 ) -> tuple[torch.Tensor, torch.Tensor | None, dict[str, torch.Tensor]]:
     """Vectorised PyTorch twin of ``csrc_triton.value_loss.value_loss_fused``."""
-    v = values.to(torch.float32)
-    R = returns.to(torch.float32)
     m = mask != 0
     mf = m.to(torch.float32)
+    # selects, not 0/1 products: NaN/inf padding must not reach any sum or gradient
+    v = torch.where(m, values.to(torch.float32), 0.0)
+    R = torch.where(m, returns.to(torch.float32), 0.0)
     d1 = v - R
     l1 = d1 * d1
     if clip is None:
         loss_t, dl = 0.5 * l1, d1
         clipped = torch.zeros((), dtype=torch.float32, device=v.device)
     else:
-        vold = old_values.to(torch.float32)
+        vold = torch.where(m, old_values.to(torch.float32), 0.0)
         delta = v - vold
         d2 = vold + delta.clamp(-clip, clip) - R
         l2 = d2 * d2
@@ -167,13 +156,17 @@ def value_loss(
         clip: value clip range (> 0) or None.
         loss_agg: ``token-mean`` | ``seq-mean-token-mean`` | ``seq-mean-token-sum`` |
             ``seq-mean-token-sum-norm``, as in ``PolicyLossConfig.loss_agg``.
-        norm_length: constant of ``seq-mean-token-sum-norm`` (None: T). Only for that mode.
+        norm_length: constant of ``seq-mean-token-sum-norm``, required by (and only for) that
+            mode (see ``PolicyLossConfig.norm_length``).
         global_token_count: replaces the local masked-token count (``token-mean`` only),
-            for gradient accumulation / data parallelism. Number or 0-dim tensor.
+            for gradient accumulation / data parallelism.
         global_seq_count: replaces the local count of non-empty rows (``seq-*`` modes only).
+            Either count: a number >= 0 or a 1-element tensor on the inputs' device (no host
+            sync); 0 is taken as 1. The rule is ``fastrl._checks.check_global_count``, the
+            same as ``policy_loss``'s.
         backend: ``auto`` | ``triton`` | ``torch``.
 
-    Local denominators are clamped to at least 1: an all-masked batch gives loss 0.
+    Denominators (local or global) of 0 are taken as 1: an all-masked batch gives loss 0.
 
     Returns:
         ``(loss, metrics)``: loss a 0-dim float32 tensor differentiable wrt ``values``;
@@ -198,8 +191,10 @@ def value_loss(
     norm_length = check_scalar("norm_length", norm_length, low=0.0, low_inclusive=False, allow_none=True)
     if norm_length is not None and loss_agg != "seq-mean-token-sum-norm":
         raise ValueError(f"norm_length is only used by loss_agg='seq-mean-token-sum-norm', got loss_agg={loss_agg!r}")
+    if norm_length is None and loss_agg == "seq-mean-token-sum-norm":
+        raise ValueError(NORM_LENGTH_REQUIRED)
     count_name, count = select_global_count(loss_agg, global_token_count, global_seq_count)
-    global_count = _check_count(count_name, count, device)
+    global_count = check_global_count(count_name, count, device)
     impl = resolve_backend(backend, device)
 
     with torch.no_grad():

@@ -33,8 +33,9 @@ class _MaskedWhitenTriton(torch.autograd.Function):
 
 
 def _masked_whiten_torch(x: torch.Tensor, mask: torch.Tensor, shift_mean: bool, eps: float) -> torch.Tensor:
-    xf = x.to(torch.float32).reshape(-1)
-    mf = (mask if mask.dtype == torch.bool else mask != 0).to(torch.float32).reshape(-1)
+    keep = (mask if mask.dtype == torch.bool else mask != 0).reshape(-1)
+    xf = torch.where(keep, x.to(torch.float32).reshape(-1), 0.0)  # a select: NaN/inf padding cannot leak
+    mf = keep.to(torch.float32)
     n = mf.sum()
     mu = (xf * mf).sum() / n.clamp(min=1.0)  # not torch.dot: BLAS threading stalls on busy CPUs
     d = (xf - mu) * mf  # zero on masked-out entries

@@ -28,7 +28,8 @@ def kl_penalty_reference(
 ) -> torch.Tensor:
     """Per-element KL estimate (see the module docstring), differentiable wrt both inputs.
 
-    Computed in float64 when an input is float64, else in float32.
+    Computed in float64 when an input is float64, else in float32 (k3's final difference
+    always in float64).
     """
     if estimator not in KL_ESTIMATORS:
         raise ValueError(f"estimator must be one of {KL_ESTIMATORS}, got {estimator!r}")
@@ -39,8 +40,10 @@ def kl_penalty_reference(
     elif estimator == "k2":
         kl = 0.5 * d * d
     else:
-        # exp(d) - d - 1, written with expm1 so small d keeps its precision
-        kl = torch.expm1(d) - d
+        # exp(d) - d - 1 = expm1(d) - d, a difference of nearly equal numbers for small d:
+        # evaluated in float64 so fp32 results keep their relative precision (and stay >= 0)
+        d64 = d.to(torch.float64)
+        kl = (torch.expm1(d64) - d64).to(dtype)
     if clamp is not None:
         kl = torch.clamp(kl, -clamp, clamp)
     return kl

@@ -35,14 +35,15 @@ def linear_logprobs_reference(
     float64 tensors to get a float64 oracle). Differentiable through autograd.
     """
     dtype = torch.promote_types(torch.promote_types(hidden.dtype, weight.dtype), torch.float32)
-    h = hidden.reshape(-1, hidden.shape[-1]).to(dtype)
+    y = targets.reshape(-1)
+    valid = y != ignore_index
+    # rows of ignored targets are never read (a select, so NaN/inf there cannot leak)
+    h = torch.where(valid[:, None], hidden.reshape(-1, hidden.shape[-1]).to(dtype), 0.0)
     logits = h @ weight.to(dtype).T
     if bias is not None:
         logits = logits + bias.to(dtype)
     u = logits / temperature
     log_p = torch.log_softmax(u, dim=-1)
-    y = targets.reshape(-1)
-    valid = y != ignore_index
     safe_y = torch.where(valid, y, torch.zeros_like(y))
     logp = log_p.gather(1, safe_y[:, None]).squeeze(1)
     entropy = -(log_p.exp() * log_p).sum(-1)

@@ -33,7 +33,7 @@ Aggregation (``config.loss_agg``), for any per-token quantity x:
     token-mean               agg(x) = sum_bt m x / D,              D = N  or global_token_count
     seq-mean-token-mean      agg(x) = sum_b (sum_t m x / max(n_b,1)) / D,   D = S or global_seq_count
     seq-mean-token-sum       agg(x) = sum_b  sum_t m x / D,         D = S or global_seq_count
-    seq-mean-token-sum-norm  agg(x) = sum_b  sum_t m x / (L D),     L = norm_length or T
+    seq-mean-token-sum-norm  agg(x) = sum_b  sum_t m x / (L D),     L = norm_length (required)
 
 A denominator that is 0 is replaced by 1, so a batch without any masked-in token has a
 loss of 0 (not NaN). ``loss = agg(loss_t) = pg_loss + kl_coef kl_loss - entropy_coef
@@ -41,7 +41,10 @@ entropy_loss``.
 
 Sub-gradient conventions (they matter only at exact ties): ``max(a, b)`` passes the
 gradient to ``a`` when ``a >= b``; the dual clip takes over only when the clipped loss is
-strictly above ``-A dual_clip``; clamps pass the gradient on the closed interval.
+strictly above ``-A dual_clip``; clamps pass the gradient on the closed interval. A token
+whose loss is the clipped or dual-clipped term has gradient exactly 0 through the ratio,
+also when its ratio overflowed to inf (never 0 * inf = NaN); in sequence mode such tokens
+add nothing to the gradient of their row's mean log-ratio.
 
 Metrics (0-dim, detached; means over masked-in tokens, all 0 when there are none):
 ``pg_loss = agg(pg)``, ``kl_loss = agg(KL)`` and ``entropy_loss = agg(H)`` (unscaled by their
@@ -61,7 +64,8 @@ from fastrl.reference.kl import kl_penalty_reference
 
 
 def _denominator(count: torch.Tensor | float, like: torch.Tensor) -> torch.Tensor:
-    count = torch.as_tensor(count, dtype=like.dtype, device=like.device)
+    """A count as a 0-dim tensor, 0 taken as 1 (``fastrl._checks.check_global_count``'s rule)."""
+    count = torch.as_tensor(count, dtype=like.dtype, device=like.device).reshape(())
     return torch.where(count > 0, count, torch.ones_like(count))
 
 
@@ -107,21 +111,26 @@ def policy_loss_reference(
     if cfg.log_ratio_clamp is not None:
         lr = torch.clamp(lr, -cfg.log_ratio_clamp, cfg.log_ratio_clamp)
     if cfg.ratio_level == "token":
-        ratio = torch.exp(lr)
+        tok_lr = lr
     else:
-        seq_lr = (lr * mf).sum(-1) / n.clamp(min=1)
-        ratio = torch.exp(seq_lr)[:, None].expand(B, T)
+        tok_lr = ((lr * mf).sum(-1) / n.clamp(min=1))[:, None].expand(B, T)
 
     # --- clipped surrogate ---
-    pg1 = -A * ratio
-    pg2 = -A * torch.clamp(ratio, 1 - cfg.clip_low, 1 + cfg.clip_high)
-    pg = torch.where(pg1 >= pg2, pg1, pg2)
-    if cfg.dual_clip is not None:
-        pg3 = -A * cfg.dual_clip
-        dual_on = (A < 0) & (pg > pg3)
-        pg = torch.where(dual_on, pg3, pg)
-    else:
-        dual_on = None
+    # Which term each token takes is decided on the values first. The gradient then flows
+    # only through the tokens whose loss is the unclipped -A * ratio: a clipped or
+    # dual-clipped token gets exactly 0, even where exp overflowed (0 * inf would be NaN).
+    lo, hi = 1 - cfg.clip_low, 1 + cfg.clip_high
+    with torch.no_grad():
+        r = torch.exp(tok_lr)
+        take1 = -A * r >= -A * torch.clamp(r, lo, hi)
+        pg_val = torch.where(take1, -A * r, -A * torch.clamp(r, lo, hi))
+        dual_on = (A < 0) & (pg_val > -A * cfg.dual_clip) if cfg.dual_clip is not None else None
+        live = take1 if dual_on is None else take1 & ~dual_on
+    ratio = torch.exp(torch.where(live, tok_lr, tok_lr.detach()))
+    # the clipped term never carries gradient: it wins only strictly outside [lo, hi]
+    pg = torch.where(take1, -A * ratio, -A * torch.clamp(ratio.detach(), lo, hi))
+    if dual_on is not None:
+        pg = torch.where(dual_on, -A * cfg.dual_clip, pg)
 
     # --- truncated importance weights (no gradient) ---
     if rollout_logp is not None:
@@ -155,7 +164,7 @@ def policy_loss_reference(
         elif cfg.loss_agg == "seq-mean-token-sum":
             row_w = torch.ones_like(n)
         else:
-            L = float(cfg.norm_length if cfg.norm_length is not None else T)
+            L = float(cfg.norm_length)  # required by the config for this mode
             row_w = torch.full_like(n, 1.0 / L)
 
     def agg(x: torch.Tensor) -> torch.Tensor:
@@ -188,7 +197,7 @@ def policy_loss_reference(
             "clip_frac_low": tok_mean(low),
             "clip_frac_high": tok_mean(high),
             "clip_frac": tok_mean(low) + tok_mean(high),
-            "approx_kl": tok_mean(torch.expm1(tok_lr) - tok_lr),
+            "approx_kl": tok_mean(kl_penalty_reference(torch.zeros_like(tok_lr), tok_lr, estimator="k3")),
             "ratio_mean": tok_mean(r),
             "ratio_min": torch.where(m, r, torch.inf).min() if B * T > 0 else zero,
             "ratio_max": torch.where(m, r, -torch.inf).max() if B * T > 0 else zero,

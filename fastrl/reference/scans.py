@@ -67,6 +67,7 @@ def masked_whiten_unbiased(x: torch.Tensor, mask: torch.Tensor, eps: float = WHI
     ``var = sum(mask * (x - mean)^2) / max(n - 1, 1)``. Masked-out entries are 0.
     """
     m = (mask != 0).to(x.dtype)
+    x = torch.where(mask != 0, x, 0.0)
     n = m.sum()
     mean = (x * m).sum() / n.clamp(min=1)
     var = (((x - mean) ** 2) * m).sum() / (n - 1).clamp(min=1)

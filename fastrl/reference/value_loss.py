@@ -21,26 +21,31 @@ def aggregate_reference(
     - ``token-mean``:              sum(m * l) / D_tok,         D_tok = global_token_count or sum(n_b)
     - ``seq-mean-token-mean``:     sum_b (sum_t m l / n_b) / D_seq
     - ``seq-mean-token-sum``:      sum_b (sum_t m l) / D_seq
-    - ``seq-mean-token-sum-norm``: sum_b (sum_t m l / norm_length) / D_seq   (norm_length None: T)
+    - ``seq-mean-token-sum-norm``: sum_b (sum_t m l / norm_length) / D_seq   (norm_length required)
 
-    D_seq = global_seq_count or the number of rows with n_b > 0. Local denominators are
-    clamped to at least 1, so an all-masked batch gives 0 (not NaN); rows with n_b = 0
+    D_seq = global_seq_count or the number of rows with n_b > 0. A denominator (local or
+    global) of 0 is taken as 1, so an all-masked batch gives 0 (not NaN); rows with n_b = 0
     contribute 0.
     """
     m = (mask != 0).to(loss_t.dtype)
-    lm = loss_t * m
+    lm = torch.where(mask != 0, loss_t, 0.0)  # a select, so NaN/inf padding cannot leak
     n_b = m.sum(dim=1)
+    def denominator(count):  # 0 is taken as 1 (fastrl._checks.check_global_count's rule)
+        count = torch.as_tensor(count, dtype=loss_t.dtype, device=loss_t.device).reshape(())
+        return torch.where(count > 0, count, torch.ones_like(count))
+
     if loss_agg == "token-mean":
-        denom = n_b.sum().clamp(min=1) if global_token_count is None else global_token_count
-        return lm.sum() / denom
-    n_seq = (n_b > 0).to(loss_t.dtype).sum().clamp(min=1) if global_seq_count is None else global_seq_count
+        return lm.sum() / denominator(n_b.sum() if global_token_count is None else global_token_count)
+    n_seq = denominator((n_b > 0).to(loss_t.dtype).sum() if global_seq_count is None else global_seq_count)
     row_sum = lm.sum(dim=1)
     if loss_agg == "seq-mean-token-mean":
         per_row = row_sum / n_b.clamp(min=1)
     elif loss_agg == "seq-mean-token-sum":
         per_row = row_sum
     elif loss_agg == "seq-mean-token-sum-norm":
-        per_row = row_sum / (float(loss_t.shape[1]) if norm_length is None else norm_length)
+        if norm_length is None:
+            raise ValueError("norm_length is required with loss_agg='seq-mean-token-sum-norm'")
+        per_row = row_sum / norm_length
     else:
         raise ValueError(f"unknown loss_agg {loss_agg!r}")
     return per_row.sum() / n_seq
@@ -66,7 +71,8 @@ def value_loss_reference(
         l_t    = 0.5 * max((v - R)^2, (v_clip - R)^2)      (clip given)
         l_t    = 0.5 * (v - R)^2                           (clip=None)
 
-    aggregated with ``aggregate_reference``. Differentiable wrt ``values`` only.
+    aggregated with ``aggregate_reference``. Differentiable wrt ``values`` only. Inputs are
+    read only at masked-in tokens (padding may hold NaN/inf and gets zero gradient).
 
     Metrics (0-dim float32, over masked-in tokens; 0 when there are none):
 
@@ -77,9 +83,10 @@ def value_loss_reference(
     - ``value_mean``, ``return_mean``: masked means of v and R.
     """
     dt = torch.float64 if values.dtype == torch.float64 else torch.float32
-    v = values.to(dt)
-    v_old = old_values.to(dt).detach()
-    R = returns.to(dt).detach()
+    keep = mask != 0
+    v = torch.where(keep, values.to(dt), 0.0)
+    v_old = torch.where(keep, old_values.to(dt), 0.0).detach()
+    R = torch.where(keep, returns.to(dt), 0.0).detach()
     l1 = (v - R) ** 2
     if clip is None:
         loss_t = 0.5 * l1

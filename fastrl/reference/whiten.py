@@ -18,13 +18,14 @@ def masked_whiten_reference(
         y   = (x - mu) / sqrt(var + eps)              (shift_mean=True)
         y   = (x - mu) / sqrt(var + eps) + mu         (shift_mean=False: scale only)
 
-    and y = 0 on masked-out entries (unlike TRL, which whitens the padding too). When no
+    and y = 0 on masked-out entries (whose values are never read: they may be NaN/inf) (unlike TRL, which whitens the padding too). When no
     entry is masked in, everything is 0. Differentiable wrt ``x``. Computed in float32,
     or float64 when ``x`` is float64.
     """
     dt = torch.float64 if x.dtype == torch.float64 else torch.float32
-    xf = x.to(dt)
-    m = (mask != 0).to(dt)
+    keep = mask != 0
+    xf = torch.where(keep, x.to(dt), 0.0)  # a select: NaN/inf padding cannot leak
+    m = keep.to(dt)
     n = m.sum()
     mu = (m * xf).sum() / n.clamp(min=1)
     var = (m * (xf - mu) ** 2).sum() / (n - 1).clamp(min=1)

@@ -16,4 +16,6 @@ def test_baselines_agree_with_fastrl(case):
     for name, fn in case.impls.items():
         bl, bg = fn()
         torch.testing.assert_close(bl.float(), loss.float(), rtol=1e-4, atol=1e-6, msg=lambda m: f"{name}: {m}")
-        torch.testing.assert_close(bg.float(), grad.float(), rtol=1e-4, atol=1e-7, msg=lambda m: f"{name}: {m}")
+        # atol 1e-6: an eager k3 gradient -(exp(d) - 1) carries fp32's rounding of exp(d) near 1
+        # (~1e-7, times grad_out); fastrl's k3 is exact to fp32 relative precision
+        torch.testing.assert_close(bg.float(), grad.float(), rtol=1e-4, atol=1e-6, msg=lambda m: f"{name}: {m}")

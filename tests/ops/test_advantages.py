@@ -11,6 +11,7 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from csrc_triton.advantages import MODE_CODES, group_advantages_elementwise, segment_stats, step_advantages_tokens
+import fastrl.ops.advantages as adv_ops
 from fastrl.ops import group_advantages, step_advantages
 from fastrl.ops._segments import dense_groups
 from fastrl.reference.advantages import GROUP_MODES, group_advantages_reference, step_advantages_reference
@@ -106,7 +107,7 @@ def test_segment_kernel_small_blocks(block, device):
     r = torch.randn(len(ids), dtype=torch.float64).to(device)
     g = dense_groups(ids)
     counts, starts = g.counts_starts()
-    mean, std, count, distinct = segment_stats(r.float(), g.perm, starts, counts, block=block)
+    mean, std, count, distinct, mean_lo = segment_stats(r.float(), g.perm, starts, counts, block=block)
     for k, gid in enumerate(sorted(set(ids.tolist()))):
         vals = r[ids == gid].tolist()
         assert count[k].item() == len(vals)
@@ -115,7 +116,7 @@ def test_segment_kernel_small_blocks(block, device):
         assert distinct[k].item() == float(len(vals) > 1)
     assert torch.equal(count[len(sizes):].cpu(), torch.zeros(len(ids) - len(sizes)))  # slots past the last group
     adv = group_advantages_elementwise(
-        r.float(), g.rank(), mean, std, count, torch.ones((), device=device), mode=MODE_CODES["grpo"], eps=1e-6, floor=0.1, block=block
+        r.float(), g.rank(), mean, mean_lo, std, count, torch.ones((), device=device), mode=MODE_CODES["grpo"], eps=1e-6, floor=0.1, block=block
     )
     ref, _ = group_advantages_reference(r.cpu(), ids.cpu())
     torch.testing.assert_close(adv.double().cpu(), ref, rtol=1e-5, atol=1e-5)
@@ -253,8 +254,8 @@ def test_step_kernel_small_blocks(device):
     present = (end >= 0).view(torch.uint8).reshape(-1)
     order = (g.perm[:, None] * S + torch.arange(S, device=device)).reshape(-1)
     counts, starts = g.counts_starts()
-    mean, std, _, _ = segment_stats(sr.reshape(-1), order, starts * S, counts * S, valid=present, block=4)
-    out = step_advantages_tokens(sr, end, g.rank(), mean, std, mask, eps=1e-6, block_t=16, block_s=2)
+    mean, std, _, _, mean_lo = segment_stats(sr.reshape(-1), order, starts * S, counts * S, valid=present, block=4)
+    out = step_advantages_tokens(sr, end, g.rank(), mean, mean_lo, std, mask, eps=1e-6, block_t=16, block_s=2)
     _check_step(out, sr, end, ids, mask)
 
 
@@ -321,7 +322,11 @@ def test_no_host_sync(backend, device, monkeypatch):
             torch.cuda.set_sync_debug_mode(0)
         return
     # (step_advantages is left out on CPU: there it deliberately reads the step indices
-    # to validate the layout, which costs no device sync.)
+    # to validate the layout, which costs no device sync. Likewise group_advantages reads
+    # the id range and checks the rewards on the host on CPU: here it runs the path CUDA
+    # runs, whose reward check is a device-side assert.)
+    monkeypatch.setattr(adv_ops, "CPU_HOST_PATH", False)
+    monkeypatch.setattr(adv_ops, "_check_finite_rewards", lambda *args: None)
 
     def forbidden(*args, **kwargs):
         raise AssertionError("host read of a tensor value inside an op")
@@ -335,3 +340,99 @@ def test_no_host_sync(backend, device, monkeypatch):
         with monkeypatch.context() as m:
             m.setattr(torch.Tensor, "item", forbidden)
             torch.ones(1).item()
+
+
+# ---------------------------------------------------------------- precision, NaN rewards, CPU paths
+
+
+def test_group_of_a_million_rewards_with_an_offset_torch():
+    """2^20 rewards near 100 in one group: the mean advantage is 0 and (grpo) the std 1, as in
+    float64 -- an fp32 running sum into one slot loses the mean (gave -1.0 and 0.27)."""
+    g = torch.Generator().manual_seed(0)
+    n = 1 << 20
+    rewards = 100.0 + torch.randn(n, generator=g)
+    ids = torch.full((n,), 5)
+    ref, _ = group_advantages_reference(rewards.double(), ids, mode="grpo")
+    for mode in ("grpo", "dr_grpo"):
+        adv, stats = group_advantages(rewards, ids, mode=mode, backend="torch")
+        assert abs(adv.double().mean().item()) < 1e-5
+        if mode == "grpo":
+            assert abs(adv.double().std().item() - 1.0) < 1e-5
+            torch.testing.assert_close(adv.double(), ref, rtol=0, atol=1e-5)
+        assert stats["reward_mean"].item() == pytest.approx(rewards.double().mean().item(), abs=1e-5)
+
+
+@pytest.mark.parametrize("backend", BACKENDS + ["torch-sync-free"])
+def test_group_with_a_large_offset_small_spread(backend, device, monkeypatch):
+    """The large-offset case at a size the interpreter runs (the kernel launches one program
+    per possible group, N of them): 96 rewards at 1000 + 0.001 z, 16 fp32 ulps of spread.
+    A group mean rounded to fp32 is off by up to 1/32 of a std; the result must match the
+    float64 reference on the same (fp32-rounded) rewards. (The 2^20-member case above runs
+    on the torch path only.)"""
+    g = torch.Generator().manual_seed(1)
+    n = 96
+    rewards = (1000.0 + 0.001 * torch.randn(n, generator=g)).to(device)
+    ids = torch.randint(0, 2, (n,), generator=g).to(device)
+    if backend == "torch-sync-free":
+        monkeypatch.setattr(adv_ops, "CPU_HOST_PATH", False)
+        backend = "torch"
+    adv, _ = group_advantages(rewards, ids, mode="grpo", backend=backend)
+    ref, _ = group_advantages_reference(rewards.double().cpu(), ids.cpu(), mode="grpo")
+    torch.testing.assert_close(adv.double().cpu(), ref, rtol=0, atol=2e-4)
+    assert abs(adv.double().mean().item()) < 1e-4
+
+
+@pytest.mark.parametrize("backend", BACKENDS + ["torch-sync-free"])
+def test_group_float64_rewards_keep_their_precision(backend, device, monkeypatch):
+    """Rewards 1 and 1 + 1e-9 in float64 are a group with signal (fp32 would round both to 1)."""
+    if backend == "torch-sync-free":
+        monkeypatch.setattr(adv_ops, "CPU_HOST_PATH", False)
+        backend = "torch"
+    rewards = torch.tensor([1.0, 1.0 + 1e-9, 2.0, 2.0, 5.0], dtype=torch.float64, device=device)
+    ids = torch.tensor([0, 0, 1, 1, 2], device=device)
+    adv, stats = group_advantages(rewards, ids, mode="grpo", eps=1e-12, backend=backend)
+    ref, ref_stats = group_advantages_reference(rewards.cpu(), ids.cpu(), mode="grpo", eps=1e-12)
+    assert adv.dtype == torch.float32
+    assert adv[0] < 0 < adv[1]
+    torch.testing.assert_close(adv.double().cpu(), ref, rtol=1e-6, atol=1e-6)
+    assert stats["frac_all_equal_groups"].item() == pytest.approx(2 / 3)
+    torch.testing.assert_close(stats["frac_all_equal_groups"].cpu(), ref_stats["frac_all_equal_groups"])
+
+
+@pytest.mark.parametrize("backend", BACKENDS)
+@pytest.mark.parametrize("bad", [float("nan"), float("inf"), float("-inf")])
+def test_group_non_finite_reward_is_an_error(backend, bad):
+    rewards = torch.tensor([1.0, 0.0, bad, 1.0])
+    ids = torch.tensor([0, 0, 1, 1])
+    with pytest.raises(ValueError, match="rewards must be finite"):
+        group_advantages(rewards, ids, mode="batch_std", backend=backend)
+
+
+@pytest.mark.parametrize("mode", GROUP_MODES)
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float64, torch.bfloat16])
+@pytest.mark.parametrize("ids_kind", ["dense", "sparse"])
+def test_group_cpu_paths_match_reference(mode, dtype, ids_kind, monkeypatch):
+    """The CPU host path (id range -> bincount, or torch.unique for sparse ids) and the
+    sync-free sort path (what CUDA runs without Triton) both match the reference."""
+    rewards, ids = _rewards_and_ids(57, torch.device("cpu"), dtype=dtype, seed=3)
+    if ids_kind == "dense":
+        ids = torch.remainder(ids, 11) - 4
+    for host in (True, False):
+        monkeypatch.setattr(adv_ops, "CPU_HOST_PATH", host)
+        adv, stats = group_advantages(rewards, ids, mode=mode, backend="torch")
+        _check_group(adv, stats, rewards, ids, mode)
+
+
+def test_sync_free_torch_path_reads_no_tensor_value(monkeypatch):
+    """The torch path CUDA uses never reads a tensor value on the host (checked on CPU)."""
+    rewards, ids = _rewards_and_ids(40, torch.device("cpu"), seed=4)
+    monkeypatch.setattr(adv_ops, "CPU_HOST_PATH", False)
+    monkeypatch.setattr(adv_ops, "_check_finite_rewards", lambda *args: None)  # the CUDA check is a device assert
+
+    def forbidden(*args, **kwargs):
+        raise AssertionError("host read of a tensor value inside an op")
+
+    for name in ("item", "tolist", "numpy", "__bool__", "__int__", "__float__", "__index__"):
+        monkeypatch.setattr(torch.Tensor, name, forbidden)
+    for mode in GROUP_MODES:
+        group_advantages(rewards, ids, mode=mode, backend="torch")

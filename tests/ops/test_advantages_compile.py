@@ -20,15 +20,19 @@ def test_kernels_compile_for_sm90(tmp_path):
     env["TRITON_CACHE_DIR"] = str(tmp_path)  # compile for real, not from a cache
     proc = subprocess.run([sys.executable, __file__], cwd=ROOT, env=env, capture_output=True, text=True, timeout=300)
     assert proc.returncode == 0, proc.stdout + proc.stderr
-    assert proc.stdout.count("ok ") == 8, proc.stdout
+    assert proc.stdout.count("ok ") == 10, proc.stdout
 
 
 def _jobs(A, V, W):
     seg = dict(vals_ptr="*fp32", order_ptr="*i64", valid_ptr="*u8", seg_start_ptr="*i64", seg_len_ptr="*i64",
-               mean_ptr="*fp32", std_ptr="*fp32", count_ptr="*fp32", distinct_ptr="*fp32")
-    grp = dict(r_ptr="*fp32", rank_ptr="*i64", mean_ptr="*fp32", std_ptr="*fp32", count_ptr="*fp32",
+               mean_ptr="*fp32", mean_lo_ptr="*fp32", std_ptr="*fp32", count_ptr="*fp32", distinct_ptr="*fp32")
+    seg64 = {**seg, "vals_ptr": "*fp64", "mean_ptr": "*fp64", "mean_lo_ptr": "*fp64", "std_ptr": "*fp64"}
+    grp = dict(r_ptr="*fp32", rank_ptr="*i64", mean_ptr="*fp32", mean_lo_ptr="*fp32", std_ptr="*fp32", count_ptr="*fp32",
                batch_std_ptr="*fp32", out_ptr="*fp32", N="i32", eps="fp32", floor="fp32")
-    step = dict(r_ptr="*fp16", end_ptr="*i64", rank_ptr="*i64", mean_ptr="*fp32", std_ptr="*fp32", mask_ptr="*u8",
+    grp64 = {**grp, "r_ptr": "*fp64", "mean_ptr": "*fp64", "mean_lo_ptr": "*fp64", "std_ptr": "*fp64",
+             "batch_std_ptr": "*fp64"}
+    step = dict(r_ptr="*fp16", end_ptr="*i64", rank_ptr="*i64", mean_ptr="*fp64", mean_lo_ptr="*fp64", std_ptr="*fp64",
+                mask_ptr="*u8",
                 out_ptr="*fp32", S="i32", T="i32", eps="fp32")
     mom = dict(x_ptr="*bf16", mask_ptr="*u8", cnt_ptr="*fp32", mean_ptr="*fp32", m2_ptr="*fp32", N="i32")
     app = dict(x_ptr="*fp32", mask_ptr="*fp32", mu_ptr="*fp32", rstd_ptr="*fp32", y_ptr="*fp32", N="i32")
@@ -38,8 +42,10 @@ def _jobs(A, V, W):
     vl = dict(v_ptr="*bf16", vold_ptr="*bf16", ret_ptr="*fp32", mask_ptr="*u8", row_scale_ptr="*fp32", grad_ptr="*fp32",
               part_ptr="*fp32", N="i32", T="i32", NB="i32", clip="fp32")
     jobs = [
-        (A._segment_stats_kernel, seg, dict(HAS_VALID=True, BLOCK=256)),
-        (A._group_adv_kernel, grp, dict(MODE=3, BLOCK=1024)),
+        (A._segment_stats_kernel, seg, dict(HAS_VALID=True, F64=False, BLOCK=256)),
+        (A._segment_stats_kernel, seg64, dict(HAS_VALID=False, F64=True, BLOCK=256)),
+        (A._group_adv_kernel, grp, dict(MODE=3, F64=False, BLOCK=1024)),
+        (A._group_adv_kernel, grp64, dict(MODE=0, F64=True, BLOCK=1024)),
         (A._step_adv_kernel, step, dict(BLOCK_T=128, BLOCK_S=32)),
         (W._moments_kernel, mom, dict(BLOCK=1024)),
         (W._whiten_apply_kernel, app, dict(SHIFT=False, BLOCK=1024)),

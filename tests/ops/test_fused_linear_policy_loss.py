@@ -45,7 +45,7 @@ CONFIGS = {
     "ppo": (PolicyLossConfig.preset("ppo"), {}),
     "grpo_kl": (PolicyLossConfig.preset("grpo"), {"ref": True}),
     "dapo_global_tokens": (PolicyLossConfig.preset("dapo"), {"global_token_count": 20.0}),
-    "dr_grpo": (PolicyLossConfig.preset("dr_grpo"), {}),
+    "dr_grpo": (PolicyLossConfig.preset("dr_grpo", norm_length=10.0), {}),
     "gspo_sequence_ratio": (PolicyLossConfig.preset("gspo", clip_low=0.1, clip_high=0.1), {}),
     "dual_clip_is_cap_entropy": (
         PolicyLossConfig(dual_clip=3.0, is_cap=2.0, entropy_coef=0.01, kl_coef=0.02, kl_estimator="k2"),
@@ -161,3 +161,49 @@ def test_no_grad_and_bf16_inputs():
     lb.backward()
     assert hh.grad.dtype == torch.bfloat16 and ww.grad.dtype == torch.bfloat16
     torch.testing.assert_close(lb, loss, atol=5e-2, rtol=5e-2)
+
+
+@pytest.mark.parametrize("backend", ["torch", "triton"])
+@pytest.mark.parametrize("name", ["old_logp", "advantages", "ref_logp", "rollout_logp"])
+@pytest.mark.parametrize("change", ["shorter", "longer", "extra_row"])
+def test_wrong_shapes_are_value_errors_before_any_work(backend, name, change, monkeypatch):
+    """Every per-token input is checked before the log-probs are computed (the one-pass CPU
+    path used to index them after its work: IndexError, or silent mis-indexing if larger)."""
+    import fastrl.ops.logprobs as lp_mod
+
+    def no_work(*args, **kwargs):
+        raise AssertionError("log-prob work started before the inputs were validated")
+
+    monkeypatch.setattr(lp_mod, "_torch_logits", no_work)
+    monkeypatch.setattr(lp_mod._LinearLogprobs, "apply", no_work)
+    h, w, b, y, mask, old, ref, roll, adv = _data()
+    args = dict(old_logp=old, advantages=adv[:, None].expand(B, T).contiguous(), ref_logp=ref, rollout_logp=roll)
+    x = args[name]
+    if change == "shorter":
+        x = x[:, :-1]
+    elif change == "longer":
+        x = torch.cat([x, x[:, :1]], dim=1)
+    else:
+        x = torch.cat([x, x[:1]], dim=0)
+    args[name] = x
+    hh = h.clone().requires_grad_()
+    cfg = PolicyLossConfig(kl_coef=0.1, is_cap=2.0)
+    with pytest.raises(ValueError, match=name):
+        fused_linear_policy_loss(hh, w, y, args.pop("old_logp"), args.pop("advantages"), mask, config=cfg,
+                                 backend=backend, **args)
+
+
+@pytest.mark.parametrize("backend", ["torch", "triton"])
+def test_double_backward_with_retain_graph(backend):
+    """autograd.grad(..., retain_graph=True) then a second backward gives the same gradients
+    (the one-pass CPU path used to clear and scale its saved gradients in place)."""
+    h, w, b, y, mask, old, ref, roll, adv = _data(5)
+    hh, ww = h.clone().requires_grad_(), w.clone().requires_grad_()
+    loss, _ = fused_linear_policy_loss(hh, ww, y, old, adv, mask, ref_logp=ref,
+                                       config=PolicyLossConfig(kl_coef=0.1), backend=backend)
+    g1 = torch.autograd.grad(2.0 * loss, [hh, ww], retain_graph=True)
+    g2 = torch.autograd.grad(loss, [hh, ww], retain_graph=True)
+    (3.0 * loss).backward()
+    for a, b_, c in zip(g1, g2, (hh.grad, ww.grad)):
+        torch.testing.assert_close(a, 2.0 * b_)
+        torch.testing.assert_close(c, 3.0 * b_)

@@ -108,7 +108,7 @@ def test_matches_reference(backend, cfg):
 @pytest.mark.parametrize("backend", BACKENDS)
 @pytest.mark.parametrize("preset", ["ppo", "grpo", "dapo", "dr_grpo", "gspo"])
 def test_presets_with_per_sequence_advantages(backend, preset):
-    cfg = PolicyLossConfig.preset(preset)
+    cfg = PolicyLossConfig.preset(preset, **({"norm_length": 48.0} if preset == "dr_grpo" else {}))
     batch = make_batch(per_row_adv=True, spread=0.01 if preset == "gspo" else 0.3)
     use = ("ref_logp",) if cfg.kl_coef else ()
     out = run(backend, batch, cfg, use=use)
@@ -162,7 +162,8 @@ def test_length_one_rows_and_single_row(backend, cfg):
 @pytest.mark.parametrize("agg", ["token-mean", "seq-mean-token-mean", "seq-mean-token-sum", "seq-mean-token-sum-norm"])
 def test_no_token_at_all(backend, agg):
     cfg = PolicyLossConfig(loss_agg=agg, kl_coef=0.1, entropy_coef=0.01, dual_clip=3.0,
-                           ratio_level="sequence" if agg == "seq-mean-token-mean" else "token")
+                           ratio_level="sequence" if agg == "seq-mean-token-mean" else "token",
+                           norm_length=32.0 if agg == "seq-mean-token-sum-norm" else None)
     batch = make_batch(B=3, T=20, lengths=[0, 0, 0])
     loss, metrics, grads = run(backend, batch, cfg)
     assert loss.item() == 0.0
@@ -204,6 +205,76 @@ def test_extreme_log_ratios(backend, cfg):
     assert_matches(out, run("ref", batch, cfg, use=()))
     if cfg.log_ratio_clamp is not None:
         assert out[1]["ratio_max"].item() <= math.exp(20.0) * (1 + 1e-6)
+
+
+@pytest.mark.parametrize("backend", BACKENDS + ["ref"])
+@pytest.mark.parametrize("ratio_level", ["token", "sequence"])
+def test_overflowed_ratio_on_clipped_token_has_zero_gradient(backend, ratio_level):
+    """A log-ratio of 1000 overflows exp (fp32 and the float64 reference). On a clipped (A > 0) or dual-clipped (A < 0)
+    token the loss is finite and the exact gradient is 0 -- not 0 * inf = NaN. Everything
+    else equals the same batch with a moderate (still clipped) log-ratio of 5 there."""
+    cfg = PolicyLossConfig(ratio_level=ratio_level, dual_clip=3.0, kl_coef=0.1, entropy_coef=0.01)
+    batch = make_batch(B=4, T=20, per_row_adv=ratio_level == "sequence")
+
+    def with_log_ratio(lr_big):
+        b = {k: v.clone() for k, v in batch.items()}
+        if ratio_level == "token":  # one clipped-high token (A > 0) and one dual-clipped token (A < 0)
+            b["advantages"][0, 3], b["advantages"][3, 7] = 1.5, -0.7
+            for r, t in ((0, 3), (3, 7)):
+                b["old_logp"][r, t] = b["logp"][r, t] - lr_big
+        else:  # whole rows: row 0 (A > 0) is clipped, row 3 (A < 0) dual-clipped
+            b["advantages"][0], b["advantages"][3] = 1.5, -0.7
+            for r in (0, 3):
+                b["old_logp"][r] = torch.where(b["mask"][r] != 0, b["logp"][r] - lr_big, b["old_logp"][r])
+        return b
+
+    use = ("ref_logp", "entropy")  # (importance weights read old_logp: they would differ)
+    extreme = run(backend, with_log_ratio(1000.0), cfg, use=use)
+    moderate = run(backend, with_log_ratio(5.0), cfg, use=use)
+    assert extreme[0].isfinite() and extreme[1]["pg_loss"].isfinite()
+    assert all(g.isfinite().all() for g in extreme[2]), "overflowed clipped tokens must not poison the gradient"
+    torch.testing.assert_close(extreme[0], moderate[0], rtol=1e-6, atol=1e-7)
+    for g, g_mod in zip(extreme[2], moderate[2]):
+        torch.testing.assert_close(g, g_mod, rtol=1e-6, atol=1e-9)
+
+
+@pytest.mark.parametrize("backend", BACKENDS)
+@pytest.mark.parametrize("ratio_level", ["token", "sequence"])
+def test_k3_terms_near_zero_keep_relative_precision(backend, ratio_level):
+    """The k3 KL (kl_loss, kl_ref_mean, its gradient) and approx_kl (k3 of the log-ratio)
+    for differences ~1e-4: non-negative, and equal to the float64 reference at 1e-5 relative."""
+    cfg = PolicyLossConfig(ratio_level=ratio_level, kl_coef=0.5, kl_estimator="k3")
+    batch = make_batch(B=4, T=20, spread=1e-4)
+    g = torch.Generator().manual_seed(7)
+    batch["ref_logp"] = batch["logp"] + 1e-4 * torch.randn(4, 20, generator=g).to(DEVICE)
+    use = ("ref_logp",)
+    loss, metrics, (glogp,) = run(backend, batch, cfg, use=use)
+    rloss, rmetrics, (rglogp,) = run("ref", batch, cfg, use=use)
+    for k in ("kl_loss", "kl_ref_mean", "approx_kl"):
+        assert metrics[k] > 0, k
+        torch.testing.assert_close(metrics[k].double(), rmetrics[k], rtol=1e-5, atol=0, msg=lambda m, k=k: f"{k}: {m}")
+    torch.testing.assert_close(glogp.double(), rglogp, rtol=1e-5, atol=1e-9)
+
+
+@pytest.mark.parametrize("backend", BACKENDS)
+def test_dr_grpo_micro_batches_padded_to_their_own_length_add_up(backend):
+    """Dr. GRPO with gradient accumulation: two micro-batches, each right-padded only to its
+    own longest row, give the loss and gradients of the full batch (the constant is the
+    config's norm_length, never the micro-batch's padded length)."""
+    cfg = PolicyLossConfig.preset("dr_grpo", norm_length=64, kl_coef=0.05)
+    lengths = [21, 4, 0, 10, 16, 3]
+    batch = make_batch(B=6, T=21, lengths=lengths)
+    big = run(backend, batch, cfg)
+    n_seq = sum(n > 0 for n in lengths)
+    total, grads = 0.0, []
+    for rows in (slice(0, 2), slice(2, 6)):
+        width = max(lengths[rows])
+        part = {k: (v[rows] if v.dim() == 1 else v[rows, :width]) for k, v in batch.items()}
+        loss, _, (g_logp, _) = run(backend, part, cfg, global_seq_count=n_seq)
+        total += loss
+        grads.append(torch.nn.functional.pad(g_logp, (0, 21 - width)))
+    torch.testing.assert_close(total, big[0], rtol=1e-6, atol=1e-7)
+    torch.testing.assert_close(torch.cat(grads), big[2][0], rtol=1e-6, atol=1e-9)
 
 
 @pytest.mark.parametrize("backend", BACKENDS)
@@ -323,6 +394,8 @@ def cases(draw):
         is_level=draw(st.sampled_from(["token", "sequence"])),
         loss_agg=draw(st.sampled_from(["token-mean", "seq-mean-token-mean", "seq-mean-token-sum", "seq-mean-token-sum-norm"])),
     )
+    if cfg["loss_agg"] == "seq-mean-token-sum-norm":
+        cfg["norm_length"] = draw(st.sampled_from([1.0, 50.0]))
     use = tuple(k for k in ("ref_logp", "entropy", "rollout_logp") if draw(st.booleans()))
     if cfg["kl_coef"] and "ref_logp" not in use:
         use += ("ref_logp",)

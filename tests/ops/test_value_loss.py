@@ -47,7 +47,8 @@ def _check(backend, v, v_old, R, mask, *, rtol=1e-5, atol=1e-6, **kw):
 @pytest.mark.parametrize("clip", [None, 0.2])
 def test_matches_reference(backend, loss_agg, clip, device):
     v, v_old, R, mask = _case(5, 37, device)
-    _, metrics = _check(backend, v, v_old, R, mask, clip=clip, loss_agg=loss_agg)
+    norm = dict(norm_length=50.0) if loss_agg == "seq-mean-token-sum-norm" else {}
+    _, metrics = _check(backend, v, v_old, R, mask, clip=clip, loss_agg=loss_agg, **norm)
     if clip is not None:
         assert 0.05 < metrics["vf_clip_frac"].item() < 0.95  # both branches exercised
 
@@ -149,6 +150,8 @@ def test_bad_inputs():
     with pytest.raises(ValueError, match="global_token_count"):
         value_loss(v, v_old, R, mask, global_token_count=torch.ones(2))
     with pytest.raises(ValueError, match="global_token_count"):
-        value_loss(v, v_old, R, mask, global_token_count=0)
+        value_loss(v, v_old, R, mask, global_token_count=-1)  # (0 is allowed: taken as 1)
     with pytest.raises(ValueError, match="norm_length"):
         value_loss(v, v_old, R, mask, norm_length=10.0)
+    with pytest.raises(ValueError, match="norm_length is required"):
+        value_loss(v, v_old, R, mask, loss_agg="seq-mean-token-sum-norm")

@@ -60,7 +60,7 @@ def loop_policy_loss(logp, old, adv, mask, ref=None, ent=None, roll=None, cfg=Po
         elif cfg.loss_agg == "seq-mean-token-sum":
             row_f = 1.0
         else:
-            row_f = 1.0 / (cfg.norm_length if cfg.norm_length is not None else T)
+            row_f = 1.0 / cfg.norm_length
         for t in toks:
             A = adv[b] if per_row_adv else adv[b][t]
             r = math.exp(lrs[t]) if cfg.ratio_level == "token" else seq_r
@@ -206,7 +206,8 @@ def test_hand_aggregations_and_global_counts():
         "seq-mean-token-sum-norm": -(1 + 6) / 2 / 3,
     }
     for agg, value in expected.items():
-        loss, _ = policy_loss_reference(z, z, adv, mask, config=PolicyLossConfig(loss_agg=agg))
+        norm = dict(norm_length=3) if agg == "seq-mean-token-sum-norm" else {}
+        loss, _ = policy_loss_reference(z, z, adv, mask, config=PolicyLossConfig(loss_agg=agg, **norm))
         assert loss.item() == pytest.approx(value, rel=1e-12), agg
     loss, _ = policy_loss_reference(z, z, adv, mask, config=PolicyLossConfig(loss_agg="seq-mean-token-sum-norm", norm_length=10))
     assert loss.item() == pytest.approx(-(1 + 6) / 2 / 10)
@@ -237,7 +238,8 @@ def test_hand_no_token_at_all_is_zero_not_nan():
     logp = torch.full((2, 3), float("nan"), dtype=D64, requires_grad=True)
     for agg in ("token-mean", "seq-mean-token-mean", "seq-mean-token-sum", "seq-mean-token-sum-norm"):
         loss, m = policy_loss_reference(logp, logp.detach(), torch.ones(2, dtype=D64), torch.zeros(2, 3),
-                                        ref_logp=logp.detach(), config=PolicyLossConfig(loss_agg=agg, kl_coef=0.1))
+                                        ref_logp=logp.detach(),
+                                        config=PolicyLossConfig(loss_agg=agg, kl_coef=0.1, norm_length=4.0 if "norm" in agg else None))
         assert loss.item() == 0.0
         assert all(v.item() == 0.0 for v in m.values()), m
         (g,) = torch.autograd.grad(loss, logp)
@@ -291,7 +293,7 @@ CONFIGS = [
     dict(ratio_level="sequence", log_ratio_clamp=0.2, dual_clip=1.5),
     dict(loss_agg="seq-mean-token-mean", dual_clip=2.0, kl_coef=0.1),
     dict(loss_agg="seq-mean-token-sum", entropy_coef=0.02),
-    dict(loss_agg="seq-mean-token-sum-norm"),
+    dict(loss_agg="seq-mean-token-sum-norm", norm_length=9),
     dict(loss_agg="seq-mean-token-sum-norm", norm_length=64),
 ]
 PRESETS = ["ppo", "grpo", "dapo", "dr_grpo", "gspo"]
@@ -348,7 +350,8 @@ def test_reference_matches_loop(cfg):
 @pytest.mark.parametrize("preset", PRESETS)
 @pytest.mark.parametrize("per_row_adv", [False, True])
 def test_reference_matches_loop_presets(preset, per_row_adv):
-    _compare_with_loop(PolicyLossConfig.preset(preset), per_row_adv=per_row_adv, with_all=preset == "grpo")
+    norm = dict(norm_length=12.0) if preset == "dr_grpo" else {}
+    _compare_with_loop(PolicyLossConfig.preset(preset, **norm), per_row_adv=per_row_adv, with_all=preset == "grpo")
 
 
 @pytest.mark.parametrize("agg", ["token-mean", "seq-mean-token-mean"])

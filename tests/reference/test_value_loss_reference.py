@@ -80,18 +80,20 @@ def test_matches_python_loop(loss_agg, clip):
     R = [[rng.gauss(0, 1) for _ in range(T)] for _ in range(B)]
     mask = [[int(rng.random() > 0.3) for _ in range(T)] for _ in range(B)]
     mask[2] = [0] * T  # a fully masked row
+    norm_length = 11.0 if loss_agg == "seq-mean-token-sum-norm" else None
     loss, _ = value_loss_reference(
         torch.tensor(v, dtype=torch.float64), torch.tensor(v_old, dtype=torch.float64), torch.tensor(R, dtype=torch.float64),
-        torch.tensor(mask), clip=clip, loss_agg=loss_agg,
+        torch.tensor(mask), clip=clip, loss_agg=loss_agg, norm_length=norm_length,
     )
-    assert loss.item() == pytest.approx(loop_value_loss(v, v_old, R, mask, clip, loss_agg), rel=1e-12)
+    assert loss.item() == pytest.approx(loop_value_loss(v, v_old, R, mask, clip, loss_agg, norm_length), rel=1e-12)
 
 
 def test_norm_length_and_global_counts():
     lt = torch.tensor([[1.0, 2.0, 3.0], [4.0, 0.0, 0.0]], dtype=torch.float64)
     mask = torch.tensor([[1, 1, 1], [1, 0, 0]])
     assert aggregate_reference(lt, mask, loss_agg="seq-mean-token-sum-norm", norm_length=2.0).item() == pytest.approx((6 / 2 + 4 / 2) / 2)
-    assert aggregate_reference(lt, mask, loss_agg="seq-mean-token-sum-norm").item() == pytest.approx((6 / 3 + 4 / 3) / 2)
+    with pytest.raises(ValueError, match="norm_length is required"):
+        aggregate_reference(lt, mask, loss_agg="seq-mean-token-sum-norm")
     assert aggregate_reference(lt, mask, loss_agg="token-mean", global_token_count=10).item() == pytest.approx(10 / 10)
     assert aggregate_reference(lt, mask, loss_agg="seq-mean-token-mean", global_seq_count=4).item() == pytest.approx((2 + 4) / 4)
 

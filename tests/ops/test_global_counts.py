@@ -1,0 +1,115 @@
+"""One rule for global token/sequence counts, on every loss op and backend
+(``fastrl._checks.check_global_count``): numbers >= 0 or 1-element tensors of any real
+dtype on the inputs' device; 0 is taken as 1 (a fully masked batch has loss 0, not NaN);
+wrong device, negative, non-finite, several elements or bool are errors."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from fastrl.config import PolicyLossConfig
+from fastrl.ops import fused_linear_policy_loss, policy_loss, value_loss
+from fastrl.reference.policy_loss import policy_loss_reference
+from fastrl.reference.value_loss import value_loss_reference
+
+B, T = 3, 7
+COUNT_FORMS = {
+    "int": lambda c: int(c),
+    "float": lambda c: float(c),
+    "tensor0d_int": lambda c: torch.tensor(int(c)),
+    "tensor0d_float": lambda c: torch.tensor(float(c)),
+    "tensor1_int": lambda c: torch.tensor([int(c)]),
+    "tensor11_float": lambda c: torch.tensor([[float(c)]]),
+}
+
+
+def _batch(masked_out: bool):
+    g = torch.Generator().manual_seed(0)
+    x = {k: torch.randn(B, T, generator=g) for k in ("a", "b", "c")}
+    mask = torch.zeros(B, T) if masked_out else (torch.rand(B, T, generator=g) > 0.3).float()
+    return x, mask
+
+
+def _policy(backend, mask, x, agg, **count):
+    lp = (-x["a"].abs()).requires_grad_()
+    cfg = PolicyLossConfig(loss_agg=agg, kl_coef=0.1)
+    kw = dict(ref_logp=-x["c"].abs(), config=cfg, **count)
+    if backend == "reference":
+        loss, _ = policy_loss_reference(lp, lp.detach() + 0.1 * x["b"], x["b"], mask, **kw)
+    else:
+        loss, _ = policy_loss(lp, lp.detach() + 0.1 * x["b"], x["b"], mask, backend=backend, **kw)
+    (g,) = torch.autograd.grad(loss, lp)
+    return loss, g
+
+
+def _value(backend, mask, x, agg, **count):
+    v = x["a"].clone().requires_grad_()
+    kw = dict(clip=0.2, loss_agg=agg, **count)
+    if backend == "reference":
+        loss, _ = value_loss_reference(v, x["b"], x["c"], mask, **kw)
+    else:
+        loss, _ = value_loss(v, x["b"], x["c"], mask, backend=backend, **kw)
+    (g,) = torch.autograd.grad(loss, v)
+    return loss, g
+
+
+def _fused(backend, mask, x, agg, **count):
+    g = torch.Generator().manual_seed(1)
+    h = torch.randn(B, T, 8, generator=g).requires_grad_()
+    w = torch.randn(11, 8, generator=g)
+    y = torch.randint(0, 11, (B, T), generator=g)
+    cfg = PolicyLossConfig(loss_agg=agg)
+    loss, _ = fused_linear_policy_loss(h, w, y, -x["a"].abs(), x["b"], mask, config=cfg, backend=backend, **count)
+    (gh,) = torch.autograd.grad(loss, h)
+    return loss, gh
+
+
+OPS = {"policy_loss": _policy, "value_loss": _value, "fused_linear_policy_loss": _fused}
+RUNS = [(op, b) for op in OPS for b in ("reference", "torch", "triton") if not (op == "fused_linear_policy_loss" and b == "reference")]
+
+
+@pytest.mark.parametrize(("op", "backend"), RUNS)
+@pytest.mark.parametrize("agg", ["token-mean", "seq-mean-token-mean"])
+def test_every_count_form_gives_the_same_loss(op, backend, agg):
+    x, mask = _batch(masked_out=False)
+    key = "global_token_count" if agg == "token-mean" else "global_seq_count"
+    want = OPS[op](backend, mask, x, agg, **{key: 11.0})
+    for form, make in COUNT_FORMS.items():
+        got = OPS[op](backend, mask, x, agg, **{key: make(11)})
+        torch.testing.assert_close(got[0], want[0], msg=lambda m, f=form: f"{form}: {m}")
+        torch.testing.assert_close(got[1], want[1], msg=lambda m, f=form: f"{form}: {m}")
+
+
+@pytest.mark.parametrize(("op", "backend"), RUNS)
+@pytest.mark.parametrize("agg", ["token-mean", "seq-mean-token-sum"])
+def test_count_of_zero_on_a_fully_masked_batch_gives_zero(op, backend, agg):
+    x, mask = _batch(masked_out=True)
+    key = "global_token_count" if agg == "token-mean" else "global_seq_count"
+    for form, make in COUNT_FORMS.items():
+        loss, grad = OPS[op](backend, mask, x, agg, **{key: make(0)})
+        assert loss.item() == 0.0, form
+        assert torch.count_nonzero(grad) == 0, form
+
+
+@pytest.mark.parametrize("op", list(OPS))
+@pytest.mark.parametrize(
+    ("count", "exc", "match"),
+    [
+        (-1, ValueError, ">= 0"),
+        (-2.5, ValueError, ">= 0"),
+        (float("nan"), ValueError, "finite"),
+        (float("inf"), ValueError, "finite"),
+        (torch.tensor(-3.0), ValueError, ">= 0"),
+        (torch.tensor(float("inf")), ValueError, "finite"),
+        (torch.tensor([1.0, 2.0]), ValueError, "1-element"),
+        (torch.tensor(True), TypeError, "real number"),
+        (True, TypeError, "number"),
+        (torch.tensor(4.0, device="meta"), ValueError, "meta"),
+    ],
+)
+def test_bad_counts_are_errors_naming_the_argument(op, count, exc, match):
+    x, mask = _batch(masked_out=False)
+    with pytest.raises(exc, match=match) as info:
+        OPS[op]("torch", mask, x, "token-mean", global_token_count=count)
+    assert "global_token_count" in str(info.value)
