@@ -1,0 +1,155 @@
+"""Supervised warm-up: teacher-forced cross-entropy on the completion tokens only.
+
+Each example is ``encode_prompt(prompt) + answer tokens + eos``; the loss is minus the mean
+log-prob of the answer and eos tokens over the batch (prompt and padding tokens carry no
+loss). Log-probs come from ``fastrl.ops.hf.causal_lm_logprobs``: the LM head is applied
+tile by tile from the hidden states, so the ``[tokens, vocab]`` logits are never built.
+"""
+
+from __future__ import annotations
+
+import math
+import time
+from typing import Any, Callable, Sequence
+
+import numpy as np
+import torch
+
+from fastrl.ops.hf import causal_lm_logprobs
+from fastrl.train.data import check_rows, encode_prompt
+
+__all__ = ["encode_sft_example", "collate_sft", "sft_loss", "sft_warmup"]
+
+
+def encode_sft_example(
+    tokenizer: Any, prompt: Any, answer: str, *, chat_template: bool | None = None
+) -> tuple[list[int], int]:
+    """``(prompt ids + answer ids + [eos], prompt length)`` for one example."""
+    if tokenizer.eos_token_id is None:
+        raise ValueError("the tokenizer has no eos token: SFT teaches the model to stop with it")
+    prompt_ids = encode_prompt(tokenizer, prompt, chat_template=chat_template)
+    answer_ids = [int(t) for t in tokenizer(str(answer), add_special_tokens=False)["input_ids"]]
+    return prompt_ids + answer_ids + [int(tokenizer.eos_token_id)], len(prompt_ids)
+
+
+def collate_sft(examples: Sequence[tuple[list[int], int]], *, pad_token_id: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """Right-padded ``input_ids``, ``attention_mask`` ``[B, T]`` and the loss mask ``[B, T-1]``
+    (aligned with the log-prob of token ``t + 1``: 1 on answer and eos tokens)."""
+    T = max(len(ids) for ids, _ in examples)
+    B = len(examples)
+    input_ids = torch.full((B, T), pad_token_id, dtype=torch.long)
+    attention_mask = torch.zeros(B, T, dtype=torch.long)
+    loss_mask = torch.zeros(B, T - 1, dtype=torch.float32)
+    for b, (ids, prompt_len) in enumerate(examples):
+        input_ids[b, : len(ids)] = torch.tensor(ids, dtype=torch.long)
+        attention_mask[b, : len(ids)] = 1
+        loss_mask[b, prompt_len - 1 : len(ids) - 1] = 1.0  # log-prob index t scores token t + 1
+    return input_ids, attention_mask, loss_mask
+
+
+def sft_loss(model: torch.nn.Module, input_ids: torch.Tensor, attention_mask: torch.Tensor, loss_mask: torch.Tensor) -> torch.Tensor:
+    """Minus the mean log-prob of the tokens ``loss_mask`` marks (0-dim fp32)."""
+    logp = causal_lm_logprobs(model, input_ids, attention_mask)
+    return -(logp * loss_mask).sum() / loss_mask.sum().clamp(min=1.0)
+
+
+def _learning_rate(step: int, *, steps: int, lr: float, warmup_steps: int, schedule: str) -> float:
+    """The rate of step ``step`` (0-based): linear warm-up, then constant or half-cosine decay."""
+    if step < warmup_steps:
+        return lr * (step + 1) / warmup_steps
+    if schedule == "constant":
+        return lr
+    progress = (step - warmup_steps) / max(1, steps - warmup_steps)
+    return lr * 0.5 * (1.0 + math.cos(math.pi * progress))
+
+
+def sft_warmup(
+    model: torch.nn.Module,
+    tokenizer: Any,
+    rows: Sequence[dict],
+    *,
+    steps: int,
+    lr: float,
+    batch_size: int,
+    seed: int = 0,
+    prompt_column: str = "prompt",
+    answer_column: str = "answer",
+    chat_template: bool | None = None,
+    weight_decay: float = 0.0,
+    warmup_steps: int = 0,
+    schedule: str = "constant",
+    max_grad_norm: float | None = 1.0,
+    callback: Callable[[int, float], None] | None = None,
+) -> dict[str, Any]:
+    """Teacher-forced SFT of ``model`` on ``rows`` (in place), for ``steps`` AdamW steps.
+
+    Batches of ``batch_size`` examples walk through seeded shuffled epochs of the rows; the
+    learning rate warms up linearly over ``warmup_steps`` then stays at ``lr``. Given the
+    same model, rows and ``seed`` the run is deterministic on CPU. After the warm-up the rate
+    stays at ``lr`` (``schedule="constant"``) or decays to 0 along a half cosine
+    (``schedule="cosine"``, which ends the stage at a settled point rather than wherever
+    the last high-rate step left it). ``callback(step, loss)``
+    is called after each step. The model is left in eval mode.
+
+    Returns ``{"losses": [per-step loss], "first_loss", "final_loss", "seconds",
+    "tokens" (answer + eos tokens trained on), "steps"}``.
+    """
+    for name, value, low in (("steps", steps, 0), ("batch_size", batch_size, 1), ("warmup_steps", warmup_steps, 0)):
+        if not isinstance(value, int) or isinstance(value, bool) or value < low:
+            raise ValueError(f"{name} must be an int >= {low}, got {value!r}")
+    if not (isinstance(lr, (int, float)) and math.isfinite(lr) and lr > 0):
+        raise ValueError(f"lr must be a finite float > 0, got {lr!r}")
+    if schedule not in ("constant", "cosine"):
+        raise ValueError(f"schedule must be 'constant' or 'cosine', got {schedule!r}")
+    check_rows(rows, prompt_column=prompt_column)
+    for i, row in enumerate(rows):
+        if answer_column not in row:
+            raise ValueError(f"row {i} has no answer column {answer_column!r}; its columns are {sorted(row)}")
+    pad_id = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else tokenizer.eos_token_id
+    examples = [
+        encode_sft_example(tokenizer, row[prompt_column], row[answer_column], chat_template=chat_template) for row in rows
+    ]
+    params = [p for p in model.parameters() if p.requires_grad]
+    optimizer = torch.optim.AdamW(params, lr=lr, weight_decay=weight_decay)
+    device = model.get_input_embeddings().weight.device
+    rng = np.random.default_rng(seed)
+    order = rng.permutation(len(examples))
+    position = 0
+    losses: list[float] = []
+    tokens = 0
+    model.train()
+    t0 = time.perf_counter()
+    for step in range(steps):
+        picked = []
+        while len(picked) < batch_size:
+            if position == len(order):
+                order, position = rng.permutation(len(examples)), 0
+            take = min(batch_size - len(picked), len(order) - position)
+            picked.extend(order[position : position + take].tolist())
+            position += take
+        input_ids, attention_mask, loss_mask = collate_sft([examples[i] for i in picked], pad_token_id=pad_id)
+        input_ids, attention_mask, loss_mask = input_ids.to(device), attention_mask.to(device), loss_mask.to(device)
+        for group in optimizer.param_groups:
+            group["lr"] = _learning_rate(step, steps=steps, lr=lr, warmup_steps=warmup_steps, schedule=schedule)
+        loss = sft_loss(model, input_ids, attention_mask, loss_mask)
+        if not torch.isfinite(loss):
+            raise FloatingPointError(f"SFT loss is {loss.item()} at step {step}")
+        optimizer.zero_grad(set_to_none=True)
+        loss.backward()
+        if max_grad_norm is not None:
+            torch.nn.utils.clip_grad_norm_(params, max_grad_norm)
+        optimizer.step()
+        value = float(loss.detach())
+        losses.append(value)
+        tokens += int(loss_mask.sum())
+        if callback is not None:
+            callback(step, value)
+    model.eval()
+    return {
+        "losses": losses,
+        "first_loss": losses[0] if losses else None,
+        "final_loss": losses[-1] if losses else None,
+        "seconds": time.perf_counter() - t0,
+        "tokens": tokens,
+        "steps": steps,
+    }

@@ -1,0 +1,117 @@
+"""SFT warm-up: the completion-only loss against a logits reference, determinism, learning."""
+
+import copy
+
+import pytest
+import torch
+
+from fastrl.train.data import encode_prompt
+from fastrl.train.sft import collate_sft, encode_sft_example, sft_loss, sft_warmup
+from fastrl.train.task import ArithmeticTask, char_tokenizer, tiny_model
+
+
+@pytest.fixture(autouse=True, scope="module")
+def _one_thread():
+    before = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(before)
+
+
+@pytest.fixture(scope="module")
+def tok():
+    return char_tokenizer()
+
+
+def _reference_loss(model, examples, pad_id):
+    """Plain PyTorch: full logits, log_softmax, mean NLL of the answer+eos tokens of each example."""
+    total, count = 0.0, 0
+    for ids, prompt_len in examples:
+        x = torch.tensor([ids])
+        logp = torch.log_softmax(model(x).logits[0, :-1].double(), -1)
+        targets = x[0, 1:]
+        token_logp = logp.gather(-1, targets[:, None])[:, 0]
+        total = total - token_logp[prompt_len - 1 :].sum()
+        count += len(ids) - prompt_len
+    return total / count
+
+
+def test_example_encoding_and_mask(tok):
+    ids, plen = encode_sft_example(tok, "12+3=", "15")
+    assert ids[:plen] == encode_prompt(tok, "12+3=")
+    assert tok.decode(ids[plen:]) == "15<eos>"
+    examples = [(ids, plen), encode_sft_example(tok, "1+1=", "2")]
+    input_ids, attention_mask, loss_mask = collate_sft(examples, pad_token_id=tok.pad_token_id)
+    assert input_ids.shape == (2, len(ids)) and loss_mask.shape == (2, len(ids) - 1)
+    for b, (row_ids, p) in enumerate(examples):
+        scored = input_ids[b, 1:][loss_mask[b].bool()].tolist()  # the tokens the mask scores
+        assert scored == row_ids[p:]
+        assert attention_mask[b].sum() == len(row_ids)
+
+
+@pytest.mark.parametrize("arch", ["llama", "qwen2"])
+def test_loss_and_gradient_match_the_logits_reference(tok, arch):
+    model = tiny_model(tok, hidden_size=32, layers=2, heads=4, arch=arch, max_position_embeddings=32, seed=3)
+    with torch.no_grad():  # sharper than the default init so the loss is not flat
+        for p in model.parameters():
+            if p.dim() == 2:
+                p.normal_(0, 0.1)
+    rows = ArithmeticTask(digits=2, num_train=5, num_heldout=0, seed=1).train_rows()
+    examples = [encode_sft_example(tok, r["prompt"], r["answer"]) for r in rows]
+    input_ids, attention_mask, loss_mask = collate_sft(examples, pad_token_id=tok.pad_token_id)
+    loss = sft_loss(model, input_ids, attention_mask, loss_mask)
+    grads = torch.autograd.grad(loss, list(model.parameters()))
+    ref = copy.deepcopy(model).double()
+    want = _reference_loss(ref, examples, tok.pad_token_id)
+    want_grads = torch.autograd.grad(want, list(ref.parameters()))
+    torch.testing.assert_close(loss.double(), want, rtol=1e-5, atol=1e-5)
+    for g, w in zip(grads, want_grads):
+        torch.testing.assert_close(g.double(), w, rtol=1e-3, atol=1e-5)
+    # whatever sits in the padding changes nothing
+    garbage = input_ids.masked_fill(attention_mask == 0, 77)
+    torch.testing.assert_close(sft_loss(model, garbage, attention_mask, loss_mask), loss)
+
+
+def test_short_sft_lowers_the_loss_and_is_deterministic(tok):
+    rows = ArithmeticTask(digits=1, num_train=60, num_heldout=0, seed=0).train_rows()
+    a = tiny_model(tok, hidden_size=32, layers=1, heads=4, max_position_embeddings=24, seed=0)
+    b = copy.deepcopy(a)
+    seen = []
+    out_a = sft_warmup(a, tok, rows, steps=30, lr=3e-3, batch_size=8, seed=5, callback=lambda s, l: seen.append(s))
+    out_b = sft_warmup(b, tok, rows, steps=30, lr=3e-3, batch_size=8, seed=5)
+    assert seen == list(range(30)) and len(out_a["losses"]) == 30 and out_a["steps"] == 30
+    assert out_a["losses"] == out_b["losses"]
+    assert all(torch.equal(x, y) for x, y in zip(a.state_dict().values(), b.state_dict().values()))
+    first = sum(out_a["losses"][:5]) / 5
+    last = sum(out_a["losses"][-5:]) / 5
+    assert last < 0.6 * first, (first, last)
+    assert out_a["tokens"] > 0 and not a.training
+    c = tiny_model(tok, hidden_size=32, layers=1, heads=4, max_position_embeddings=24, seed=0)
+    out_c = sft_warmup(c, tok, rows, steps=5, lr=3e-3, batch_size=8, seed=6)
+    assert out_c["losses"] != out_a["losses"][:5]  # another data order
+
+
+def test_sft_bad_input(tok):
+    model = tiny_model(tok, hidden_size=16, layers=1, heads=2)
+    with pytest.raises(ValueError, match="answer column 'answer'"):
+        sft_warmup(model, tok, [{"prompt": "1+1=", "solution": "2"}], steps=1, lr=1e-3, batch_size=1)
+    with pytest.raises(ValueError, match="no prompt column"):
+        sft_warmup(model, tok, [{"question": "1+1=", "answer": "2"}], steps=1, lr=1e-3, batch_size=1)
+    with pytest.raises(ValueError, match="lr"):
+        sft_warmup(model, tok, [{"prompt": "1+1=", "answer": "2"}], steps=1, lr=float("nan"), batch_size=1)
+    with pytest.raises(ValueError, match="batch_size"):
+        sft_warmup(model, tok, [{"prompt": "1+1=", "answer": "2"}], steps=1, lr=1e-3, batch_size=0)
+
+
+def test_learning_rate_schedules():
+    from fastrl.train.sft import _learning_rate
+
+    const = [_learning_rate(s, steps=10, lr=1.0, warmup_steps=4, schedule="constant") for s in range(10)]
+    assert const == [0.25, 0.5, 0.75, 1.0] + [1.0] * 6
+    cos = [_learning_rate(s, steps=10, lr=2.0, warmup_steps=2, schedule="cosine") for s in range(10)]
+    assert cos[:3] == [1.0, 2.0, 2.0]  # warm-up, then the decay starts from the full rate
+    assert all(a > b for a, b in zip(cos[2:], cos[3:])) and 0 < cos[-1] < 0.2
+    assert _learning_rate(5, steps=10, lr=1.0, warmup_steps=0, schedule="cosine") == pytest.approx(0.5)
+    with pytest.raises(ValueError, match="schedule"):
+        sft_warmup(tiny_model(char_tokenizer(), hidden_size=16, layers=1, heads=2), char_tokenizer(),
+                   [{"prompt": "1+1=", "answer": "2"}], steps=1, lr=1e-3, batch_size=1, schedule="linear")
