@@ -309,13 +309,32 @@ def run_fastrl(s: BenchSettings, start_dir: str, rows_path: str, *, algorithm: s
         "train_reward_mean_all": statistics.fmean(rewards),
         "heldout_accuracy": evaluation["accuracy"], "eval": evaluation,
         "loss_config": dataclasses.asdict(trainer.loss_config) if dataclasses.is_dataclass(trainer.loss_config) else str(trainer.loss_config),
-        "threads": torch.get_num_threads(),
+        "threads": torch.get_num_threads(), "modules_loaded": _heavy_modules(),
     }
 
 
 # ---------------------------------------------------------------------------- child: TRL
-def run_trl(s: BenchSettings, start_dir: str, rows_path: str, *, budget: float | None) -> dict[str, Any]:
+def _hide_vllm_from_trl() -> None:
+    """Make TRL believe vLLM is not installed (as on a CPU machine without it).
+
+    TRL imports vLLM (and with it Ray) whenever vLLM is installed, even with
+    ``use_vllm=False``; that adds ~200 MiB of resident memory and a minute of import time
+    that have nothing to do with training. Must run before TRL's trainer modules are imported.
+    """
+    import importlib
+
+    # trl is a lazy module: reach the submodule through importlib, not as an attribute of trl
+    importlib.import_module("trl.import_utils").is_vllm_available = lambda *args, **kwargs: False
+
+
+def _heavy_modules() -> list[str]:
+    return [m for m in ("vllm", "ray", "deepspeed", "trl", "liger_kernel") if m in sys.modules]
+
+
+def run_trl(s: BenchSettings, start_dir: str, rows_path: str, *, budget: float | None, hide_vllm: bool = True) -> dict[str, Any]:
     _threads_one()
+    if hide_vllm and "trl.trainer.grpo_trainer" not in sys.modules:
+        _hide_vllm_from_trl()
     import trl.extras.profiling as trl_profiling
 
     # TRL times its stages with ProfilingContext but only reports them to wandb/mlflow/trackio:
@@ -422,7 +441,7 @@ def _run_trl(s: BenchSettings, start_dir: str, rows_path: str, *, budget: float 
         "trl_config": {k: getattr(args, k) for k in ("loss_type", "scale_rewards", "beta", "epsilon", "num_iterations",
                                                      "generation_batch_size", "steps_per_generation", "gradient_checkpointing",
                                                      "per_device_train_batch_size", "num_generations", "max_completion_length")},
-        "threads": torch.get_num_threads(),
+        "threads": torch.get_num_threads(), "modules_loaded": _heavy_modules(),
     }
 
 
@@ -485,30 +504,33 @@ def _in_process(kind: str, s: BenchSettings, start_dir: str, rows_path: str, *, 
         if kind == "fastrl":
             result = run_fastrl(s, start_dir, rows_path, algorithm=algorithm, budget=budget)
         else:
-            result = run_trl(s, start_dir, rows_path, budget=budget)
+            result = run_trl(s, start_dir, rows_path, budget=budget, hide_vllm=False)  # never patch a shared TRL
     finally:
         torch.set_num_threads(threads)
     return json.loads(json.dumps(result))  # what a child would have printed
 
 
 def _spawn(kind: str, s: BenchSettings, start_dir: str, rows_path: str, *, algorithm: str = "grpo",
-           budget: float | None = None, in_process: bool = False, log=print) -> dict[str, Any]:
+           budget: float | None = None, in_process: bool = False, trl_with_vllm: bool = False, log=print) -> dict[str, Any]:
     t0 = time.perf_counter()
     if in_process:
         result = _in_process(kind, s, start_dir, rows_path, algorithm=algorithm, budget=budget)
     else:
-        result = _child_process(kind, s, start_dir, rows_path, algorithm=algorithm, budget=budget)
+        result = _child_process(kind, s, start_dir, rows_path, algorithm=algorithm, budget=budget, trl_with_vllm=trl_with_vllm)
     result["process_wall_s"] = time.perf_counter() - t0
     log(f"  {result['impl']:12s} budget={budget}  steps={result['steps']}  median step {result['step_s_median']:.3f}s  "
         f"peak RSS {result['peak_rss_mib']:.0f} MiB  held-out acc {result['heldout_accuracy']:.3f}")
     return result
 
 
-def _child_process(kind: str, s: BenchSettings, start_dir: str, rows_path: str, *, algorithm: str, budget: float | None) -> dict[str, Any]:
+def _child_process(kind: str, s: BenchSettings, start_dir: str, rows_path: str, *, algorithm: str, budget: float | None,
+                   trl_with_vllm: bool = False) -> dict[str, Any]:
     cmd = [sys.executable, os.path.abspath(__file__), "--child", kind, "--algorithm", algorithm,
            "--start-dir", start_dir, "--rows", rows_path, "--settings", json.dumps(dataclasses.asdict(s))]
     if budget is not None:
         cmd += ["--child-budget", str(budget)]
+    if trl_with_vllm:
+        cmd += ["--trl-with-vllm"]
     env = dict(os.environ, OMP_NUM_THREADS="1", MKL_NUM_THREADS="1", TOKENIZERS_PARALLELISM="false",
                PYTHONPATH=os.pathsep.join(p for p in [ROOT, os.environ.get("PYTHONPATH", "")] if p))
     env.pop("TRITON_INTERPRET", None)  # no Triton kernel runs on CPU in the trainer; keep the child as a user runs it
@@ -568,6 +590,9 @@ def main(argv: list[str] | None = None) -> dict[str, Any] | None:
     p.add_argument("--in-process", action="store_true",
                    help="run every side in this process instead of fresh ones (smoke tests only: figures are not meaningful)")
     p.add_argument("--out", default=os.path.join(HERE, "results", "trainer_vs_trl_cpu.json"))
+    p.add_argument("--trl-with-vllm", action="store_true",
+                   help="let TRL import vLLM when it is installed (default: hidden from TRL, as on a CPU machine without it; "
+                        "TRL imports vLLM and Ray even with use_vllm=False)")
     p.add_argument("--child", choices=("fastrl", "trl"), help=argparse.SUPPRESS)
     p.add_argument("--algorithm", default="grpo", help=argparse.SUPPRESS)
     p.add_argument("--start-dir", help=argparse.SUPPRESS)
@@ -581,7 +606,7 @@ def main(argv: list[str] | None = None) -> dict[str, Any] | None:
         if opts.child == "fastrl":
             result = run_fastrl(s, opts.start_dir, opts.rows, algorithm=opts.algorithm, budget=opts.child_budget)
         else:
-            result = run_trl(s, opts.start_dir, opts.rows, budget=opts.child_budget)
+            result = run_trl(s, opts.start_dir, opts.rows, budget=opts.child_budget, hide_vllm=not opts.trl_with_vllm)
         print(RESULT_PREFIX + json.dumps(result), flush=True)
         return None
 
@@ -601,10 +626,11 @@ def main(argv: list[str] | None = None) -> dict[str, Any] | None:
     print(f"  start model held-out greedy accuracy {setup['start_heldout_accuracy']:.3f}")
 
     print(f"fixed steps: {s.steps} steps x {s.repeats} repeat(s), interleaved, fresh processes")
+    how = dict(in_process=opts.in_process, trl_with_vllm=opts.trl_with_vllm)
     fixed: dict[str, list[dict[str, Any]]] = {"trl-grpo": [], "fastrl-grpo": []}
     for _ in range(s.repeats):
-        fixed["trl-grpo"].append(_spawn("trl", s, setup["start_dir"], setup["rows_path"], in_process=opts.in_process))
-        fixed["fastrl-grpo"].append(_spawn("fastrl", s, setup["start_dir"], setup["rows_path"], algorithm="grpo", in_process=opts.in_process))
+        fixed["trl-grpo"].append(_spawn("trl", s, setup["start_dir"], setup["rows_path"], **how))
+        fixed["fastrl-grpo"].append(_spawn("fastrl", s, setup["start_dir"], setup["rows_path"], algorithm="grpo", **how))
     best = {k: _best(v) for k, v in fixed.items()}
     f_best, t_best = best["fastrl-grpo"], best["trl-grpo"]
     fixed_summary = {
@@ -620,10 +646,10 @@ def main(argv: list[str] | None = None) -> dict[str, Any] | None:
     budget_runs: dict[str, dict[str, Any]] = {}
     if s.budget_seconds > 0:
         print(f"equal wall-clock budget: {s.budget_seconds:g} s of training each")
-        budget_runs["fastrl-grpo"] = _spawn("fastrl", s, setup["start_dir"], setup["rows_path"], algorithm="grpo", budget=s.budget_seconds, in_process=opts.in_process)
-        budget_runs["trl-grpo"] = _spawn("trl", s, setup["start_dir"], setup["rows_path"], budget=s.budget_seconds, in_process=opts.in_process)
+        budget_runs["fastrl-grpo"] = _spawn("fastrl", s, setup["start_dir"], setup["rows_path"], algorithm="grpo", budget=s.budget_seconds, **how)
+        budget_runs["trl-grpo"] = _spawn("trl", s, setup["start_dir"], setup["rows_path"], budget=s.budget_seconds, **how)
         if not opts.no_ppo:
-            budget_runs["fastrl-ppo"] = _spawn("fastrl", s, setup["start_dir"], setup["rows_path"], algorithm="ppo", budget=s.budget_seconds, in_process=opts.in_process)
+            budget_runs["fastrl-ppo"] = _spawn("fastrl", s, setup["start_dir"], setup["rows_path"], algorithm="ppo", budget=s.budget_seconds, **how)
     budget_summary: dict[str, Any] = {}
     if budget_runs:
         budget_summary = {k: {"steps": r["steps"], "heldout_accuracy": r["heldout_accuracy"], "train_wall_s": r["train_wall_s"]}
@@ -637,6 +663,7 @@ def main(argv: list[str] | None = None) -> dict[str, Any] | None:
         "command": "python " + " ".join([os.path.relpath(os.path.abspath(__file__), ROOT)] + (argv if argv is not None else sys.argv[1:])),
         "environment": _environment(),
         "in_process": opts.in_process,
+        "trl_vllm_hidden": not opts.trl_with_vllm,
         "note": "shared, loaded 2-core CPU; every run is a fresh process on 1 thread (OMP_NUM_THREADS=1, "
                 "torch.set_num_threads(1)); fixed-step figures are best-of-n by median step time",
         "settings": dataclasses.asdict(s),

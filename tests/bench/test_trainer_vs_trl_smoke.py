@@ -9,6 +9,7 @@ fields the report is built from.
 import importlib.util
 import json
 import math
+import sys
 from pathlib import Path
 
 import pytest
@@ -22,6 +23,7 @@ SCRIPT = Path(__file__).resolve().parents[2] / "benchmarks" / "bench_trainer_vs_
 def _load_bench():
     spec = importlib.util.spec_from_file_location("bench_trainer_vs_trl", SCRIPT)
     module = importlib.util.module_from_spec(spec)
+    sys.modules[spec.name] = module  # dataclasses look their module up there
     spec.loader.exec_module(module)
     return module
 
