@@ -140,6 +140,12 @@ class PolicyLossConfig:
     def replace(self, **changes: object) -> "PolicyLossConfig":
         return dataclasses.replace(self, **changes)
 
+    @staticmethod
+    def preset_settings(name: str) -> dict[str, object]:
+        """The fields a preset sets (a copy), e.g. to see its ``loss_agg`` before building it."""
+        check_choice("preset", name, tuple(_PRESETS))
+        return dict(_PRESETS[name])
+
     @classmethod
     def preset(cls, name: str, **overrides: object) -> "PolicyLossConfig":
         """The published settings of a known algorithm, with optional overrides.

@@ -317,11 +317,11 @@ class TrainConfig:
         if self.rollout_correction == "is":
             overrides["is_cap"] = self.is_cap
             overrides["is_level"] = self.is_level
-        cfg = PolicyLossConfig.preset(preset.loss_preset, **overrides)
-        if cfg.loss_agg == "seq-mean-token-sum-norm" and cfg.norm_length is None:
-            # Dr. GRPO's constant: the longest completion, so micro-batches agree with the batch.
-            cfg = cfg.replace(norm_length=float(self.max_new_tokens))
-        return cfg
+        agg = overrides.get("loss_agg") or PolicyLossConfig.preset_settings(preset.loss_preset).get("loss_agg")
+        if agg == "seq-mean-token-sum-norm":
+            # Dr. GRPO's constant: the longest completion, the same for every micro-batch.
+            overrides["norm_length"] = float(self.max_new_tokens)
+        return PolicyLossConfig.preset(preset.loss_preset, **overrides)
 
     @property
     def uses_critic(self) -> bool:

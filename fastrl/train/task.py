@@ -272,7 +272,7 @@ class DefaultTask:
     """Model family built from a config (``llama`` or ``qwen2``)."""
     max_position_embeddings: int = 32
     """Context length of the tiny model: enough for the chat-formatted prompt and answer."""
-    sft_max_steps: int = 1500
+    sft_max_steps: int = 2000
     """Most SFT warm-up steps (teacher-forced cross-entropy on answer + eos)."""
     sft_target_accuracy: float = 0.3
     """The warm-up stops once greedy accuracy on the probe rows reaches this (GRPO does
@@ -285,8 +285,9 @@ class DefaultTask:
     """SFT AdamW learning rate (constant after ``sft_warmup_steps``)."""
     sft_warmup_steps: int = 20
     """Linear learning-rate warm-up of the SFT stage."""
-    sft_batch_size: int = 32
-    """Problems per SFT step."""
+    sft_batch_size: int = 64
+    """Problems per SFT step (64 rather than 32: seed 0 reached the 30% probe target at step
+    1350 with 64, and had not by step 1000 with 32)."""
     max_new_tokens: int = 6
     """Completion budget: the longest answer (3 digits) plus ``<eos>`` and 2 tokens of slack."""
     grpo_lr: float = 5e-4

@@ -15,7 +15,7 @@ def test_presets_map_onto_op_presets(algorithm):
     cfg = TrainConfig(algorithm=algorithm).resolved()
     preset = ALGORITHM_PRESETS[algorithm]
     loss = cfg.policy_loss_config()
-    expected = PolicyLossConfig.preset(preset.loss_preset)
+    expected = PolicyLossConfig.preset(preset.loss_preset, norm_length=cfg.max_new_tokens) if algorithm == "dr_grpo" else PolicyLossConfig.preset(preset.loss_preset)
     for name in ("ratio_level", "clip_low", "clip_high", "loss_agg"):
         assert getattr(loss, name) == getattr(expected, name), name
     assert cfg.advantage_mode == preset.advantage
