@@ -261,6 +261,10 @@ class TrainConfig:
     """Resume from a checkpoint directory, or ``latest`` in ``output_dir``."""
     seed: int = 0
     """Seeds model init, data order, sampling and the warm-up."""
+    sync_probe_every: Optional[int] = None
+    """Steps between weight-sync probes (None: every step when the sampler holds its own copy of
+    the weights, e.g. vLLM; every 10 steps when it runs the policy's own weights, where the
+    probe only watches the decode path's numerics)."""
     sync_probe_tolerance: float = 1e-3
     """Largest |sampler logp - trainer logp| on the weight-sync probe before the run stops."""
     tensorboard: bool = True
@@ -271,8 +275,11 @@ class TrainConfig:
     """torch intra-op threads (None: torch's default)."""
 
     # ------------------------------------------------------------------ resolution
-    def resolved(self) -> "TrainConfig":
-        """A copy with every preset-dependent field filled in and the whole config checked."""
+    def resolved(self, *, model_given: bool = False) -> "TrainConfig":
+        """A copy with every preset-dependent field filled in and the whole config checked.
+
+        ``model_given``: a model object is passed to the Trainer from Python (not the built-in
+        model even though ``model`` is None), so the built-in model's defaults do not apply."""
         if self.algorithm not in ALGORITHM_PRESETS:
             raise ValueError(f"algorithm must be one of {ALGORITHMS}, got {self.algorithm!r}")
         preset = ALGORITHM_PRESETS[self.algorithm]
@@ -283,7 +290,8 @@ class TrainConfig:
             c.kl_coef = preset.kl_coef
         if c.dynamic_sampling is None:
             c.dynamic_sampling = preset.dynamic_sampling
-        builtin_task = c.dataset is None and c.model is None
+        builtin_model = c.model is None and not model_given
+        builtin_task = c.dataset is None and builtin_model
         default = _default_task()
         if c.max_new_tokens is None:
             c.max_new_tokens = default.max_new_tokens if builtin_task else 256
@@ -295,11 +303,11 @@ class TrainConfig:
             if getattr(c, name) is None:
                 setattr(c, name, value)
         if c.sft_steps is None:
-            c.sft_steps = default.sft_max_steps if c.model is None else 0
-        if c.sft_target_accuracy is None and c.model is None and c.dataset is None:
+            c.sft_steps = default.sft_max_steps if builtin_model else 0
+        if c.sft_target_accuracy is None and builtin_task:
             c.sft_target_accuracy = default.sft_target_accuracy
         if c.lr is None:
-            c.lr = default.grpo_lr if c.model is None else 1e-6
+            c.lr = default.grpo_lr if builtin_model else 1e-6
         c.validate()
         return c
 
@@ -349,6 +357,8 @@ class TrainConfig:
         for name in ("eval_every", "save_every", "warmup_steps", "max_resample_rounds", "reward_workers", "kl_horizon"):
             positive_int(name, allow_zero=True)
         positive_int("sft_steps", allow_zero=True)
+        if self.sync_probe_every is not None:
+            positive_int("sync_probe_every")
         if self.advantage_mode not in (*GROUP_MODES, "gae"):
             raise ValueError(f"advantage_mode must be one of {(*GROUP_MODES, 'gae')}, got {self.advantage_mode!r}")
         if self.advantage_mode != "gae" and self.group_size < 2:

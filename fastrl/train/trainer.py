@@ -155,7 +155,7 @@ class Trainer:
         from fastrl.train import data as data_mod
         from fastrl.train.rewards import RewardPool
 
-        self.cfg = cfg = config.resolved()
+        self.cfg = cfg = config.resolved(model_given=model is not None)
         if cfg.threads:
             torch.set_num_threads(cfg.threads)
         self.device = _device(cfg.device)
@@ -629,7 +629,9 @@ class Trainer:
 
         # ---- weight sync + probe
         with self.timer("sync"):
-            metrics["sync/probe_gap"] = self._sync_weights()
+            gap = self._sync_weights()
+        if gap is not None:
+            metrics["sync/probe_gap"] = gap
 
         self.step += 1
         # ---- metrics
@@ -811,10 +813,14 @@ class Trainer:
         )
 
     @torch.no_grad()
-    def _sync_weights(self) -> float:
-        """Push the policy's weights to the sampler, then compare log-probs on a probe sequence."""
+    def _sync_weights(self) -> float | None:
+        """Push the policy's weights to the sampler, then (every ``sync_probe_every`` steps)
+        compare the sampler's log-probs of a fixed greedy sequence with the trainer's."""
         if not self.sampler_shares_weights:
             self.sampler.update_weights(self.policy.state_dict().items())
+        every = self.cfg.sync_probe_every or (10 if self.sampler_shares_weights else 1)
+        if self.step % every:
+            return None
         probe = self.sampler.generate(
             [self.probe_prompt], group_size=1,
             sampling=SamplingConfig(greedy=True, temperature=1.0, max_new_tokens=min(8, self.cfg.max_new_tokens)),
