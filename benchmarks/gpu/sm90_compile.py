@@ -316,17 +316,21 @@ def cases_advantages(rec: Recorder, full: bool) -> None:
 
     N, G = 1024, 128
     for valid in (False, True):
-        rec.label = f"advantages segment_stats valid={valid}"
-        segment_stats(meta(N), meta(N, dtype=torch.int64), meta(G, dtype=torch.int64), meta(G, dtype=torch.int64),
-                      meta(N, dtype=torch.uint8) if valid else None)
+        for vdtype in (torch.float32, torch.float64):  # float64 rewards accumulate in float64
+            rec.label = f"advantages segment_stats valid={valid} {str(vdtype)[6:]}"
+            segment_stats(meta(N, dtype=vdtype), meta(N, dtype=torch.int64), meta(G, dtype=torch.int64),
+                          meta(G, dtype=torch.int64), meta(N, dtype=torch.uint8) if valid else None)
     for mode in sorted(set(MODE_CODES.values())):
-        rec.label = f"advantages group mode={mode}"
-        group_advantages_elementwise(meta(N), meta(N, dtype=torch.int64), meta(G), meta(G), meta(G), meta(()),
-                                     mode=mode, eps=1e-6, floor=1e-6)
+        for stats in (torch.float32, torch.float64):  # float64 group statistics for float64 rewards
+            rec.label = f"advantages group mode={mode} stats={str(stats)[6:]}"
+            group_advantages_elementwise(meta(N), meta(N, dtype=torch.int64), meta(G, dtype=stats), meta(G, dtype=stats),
+                                         meta(G, dtype=stats), meta(G), meta((), dtype=stats), mode=mode, eps=1e-6, floor=1e-6)
     for dtype in (torch.float32, torch.bfloat16) if full else (torch.bfloat16,):
-        rec.label = f"advantages step {str(dtype)[6:]}"
-        step_advantages_tokens(meta(16, 8, dtype=dtype), meta(16, 8, dtype=torch.int64), meta(16, dtype=torch.int64),
-                               meta(4), meta(4), meta(16, 1000, dtype=torch.uint8), eps=1e-6)
+        for stats in (torch.float32, torch.float64):
+            rec.label = f"advantages step {str(dtype)[6:]} stats={str(stats)[6:]}"
+            step_advantages_tokens(meta(16, 8, dtype=dtype), meta(16, 8, dtype=torch.int64), meta(16, dtype=torch.int64),
+                                   meta(4, dtype=stats), meta(4, dtype=stats), meta(4, dtype=stats),
+                                   meta(16, 1000, dtype=torch.uint8), eps=1e-6)
 
 
 CASES = {

@@ -122,11 +122,11 @@ def walk(rec) -> None:
         # n samples in n // 8 + 1 groups; process rewards: up to 64 steps per row
         G = n // 8 + 1
         segment_stats(meta(n), meta(n, dtype=torch.int64), meta(G, dtype=torch.int64), meta(G, dtype=torch.int64))
-        group_advantages_elementwise(meta(n), meta(n, dtype=torch.int64), meta(G), meta(G), meta(G), meta(()),
+        group_advantages_elementwise(meta(n), meta(n, dtype=torch.int64), meta(G), meta(G), meta(G), meta(G), meta(()),
                                      mode=0, eps=1e-6, floor=1e-6)
         S = 1 + n % 64
         step_advantages_tokens(meta(B, S), meta(B, S, dtype=torch.int64), meta(B, dtype=torch.int64), meta(B),
-                               meta(B), meta(B, T, dtype=torch.uint8), eps=1e-6)
+                               meta(B), meta(B), meta(B, T, dtype=torch.uint8), eps=1e-6)
     # decode attention (Qwen2.5-1.5B heads, groups of 8): prompts per step, prompt and suffix lengths
     rec.label = "decode attention"
     for n in ns[::7]:

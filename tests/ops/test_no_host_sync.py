@@ -12,8 +12,8 @@ patched to raise), data-dependent output sizes (``nonzero``,
 ``masked_select``, ``unique``, ``repeat_interleave`` without ``output_size``, boolean-mask
 indexing), ``is_nonzero``/``equal``, and copies to the CPU. Inside a Triton launch the guard
 is paused: there the CPU interpreter itself copies tensors around, which a GPU launch does
-not. Two validations read values only on CPU and say so in their docstrings; they are
-paused too (``CPU_ONLY_READS``). Paths an op takes only for CPU tensors with
+not. Four validations read values only on CPU and say so in their docstrings (the global
+count check among them); they are paused too (``CPU_ONLY_READS``). Paths an op takes only for CPU tensors with
 ``backend="torch"`` (the compacting log-prob path, the CPU eager fused loss) are not the GPU
 path and are not checked here; the ``triton`` backend runs the GPU code path on CPU.
 """
@@ -22,6 +22,7 @@ from __future__ import annotations
 
 import contextlib
 import functools
+import importlib
 
 import pytest
 import torch
@@ -60,7 +61,13 @@ SYNCING_OPS = {
     aten.allclose.default,
 }
 # (module, function): validations documented to read values only for CPU tensors.
-CPU_ONLY_READS = [(lp_mod, "_check_target_range"), (adv_mod, "_check_step_layout")]
+CPU_ONLY_READS = [(lp_mod, "_check_target_range"), (adv_mod, "_check_step_layout"),
+                  (adv_mod, "_check_finite_rewards")] + [
+    # a global count given as a CPU tensor is range-checked on the host (fastrl._checks.check_global_count)
+    (importlib.import_module(f"fastrl.ops.{name}"), "check_global_count")
+    for name in ("policy_loss", "value_loss", "logprobs")
+    if hasattr(importlib.import_module(f"fastrl.ops.{name}"), "check_global_count")
+]
 
 
 class HostSyncGuard(TorchDispatchMode):
@@ -133,6 +140,9 @@ def no_host_sync(monkeypatch, device: torch.device):
         monkeypatch.setattr(torch.Tensor, name, _python_read(guard, name, getattr(torch.Tensor, name)))
     for module, name in CPU_ONLY_READS:
         monkeypatch.setattr(module, name, _paused(guard, getattr(module, name)))
+    # group_advantages' CPU fast path reads the id range on the host by design; the
+    # sync-free path (the one CUDA runs) is what must not sync
+    monkeypatch.setattr(adv_mod, "CPU_HOST_PATH", False)
     if device.type == "cpu":
         from triton.runtime.interpreter import InterpretedFunction
 
