@@ -70,4 +70,15 @@ for module in policy_loss advantages scans rollout; do
   timeout "$bench_timeout" python3 -m fastrl.cli bench "${bench_args[@]}" --only "$module" --out "$OUT/bench-$module.json" 2>&1 | tee -a "$OUT/bench.log"
   echo "bench $module exit: ${PIPESTATUS[0]}" | tee -a "$OUT/bench.log"
 done
+echo "== long-trajectory GRPO step (1.5B shape): shared prefix on/off, attention backends"
+# Last and only with time left in the 8-minute budget (the script writes after every case).
+left=$(( 470 - SECONDS ))
+if [ "$left" -gt 30 ]; then
+  if [ -n "${FASTRL_GPU_DRY_RUN:-}" ]; then long_args=(--dry-run); else
+    long_args=(--tokens 8192,32768 --modes repeated,shared:triton,shared:flex --repeats 2); fi
+  timeout "$left" python3 benchmarks/gpu/bench_long_grpo.py "${long_args[@]}" --out "$OUT/long_grpo_gpu.json" 2>&1 | tee "$OUT/long_grpo.log" | tail -20
+  echo "long grpo exit: ${PIPESTATUS[0]}"
+else
+  echo "long grpo skipped: ${left}s left of the budget"
+fi
 ls -la "$OUT"
