@@ -85,6 +85,28 @@ def test_every_group_algorithm_runs_a_step(tmp_path, algorithm):
     assert step["step"] == 1 and step["loss/total"] == step["loss/total"]
 
 
+@pytest.mark.parametrize("changes", [
+    dict(rollout_correction="is", is_cap=2.0, ppo_epochs=2),
+    dict(rollout_correction="is", is_level="sequence"),
+    dict(rollout_correction="bypass"),
+    dict(prompt_token_budget=200, prompts_per_step=1),
+    dict(kl_coef=0.1, kl_target=0.01, kl_horizon=100),
+])
+def test_mismatch_correction_token_budget_and_adaptive_kl_run(tmp_path, changes):
+    trainer, result = run(tiny(tmp_path, steps=2, **changes), reward_functions=[digit_share])
+    steps = [m for m in read_metrics(result.output_dir) if "event" not in m]
+    assert len(steps) == 2 and all(m["loss/total"] == m["loss/total"] for m in steps)
+    if changes.get("rollout_correction") == "is":
+        assert "rollout/is_weight_mean" in steps[-1]
+    if "prompt_token_budget" in changes:
+        # each prompt costs (prompt + max_new_tokens) x group_size tokens of the 200-token budget
+        cost = (len(trainer.encoded[0]) + 3) * 4
+        assert all(len(ids) == len(trainer.encoded[0]) for ids in trainer.encoded)
+        assert all(m["rollout/samples"] == 4 * (200 // cost) for m in steps)
+    if "kl_target" in changes:
+        assert steps[0]["kl/coef"] == 0.1 and steps[1]["kl/coef"] != 0.1  # the controller moved beta
+
+
 def test_output_dir_of_an_earlier_run_is_not_mixed(tmp_path):
     run(tiny(tmp_path, steps=1))
     with pytest.raises(ValueError, match="already holds a run"):
