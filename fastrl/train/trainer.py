@@ -24,7 +24,6 @@ import copy
 import dataclasses
 import json
 import math
-import os
 import time
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -32,13 +31,12 @@ from typing import Any, Callable, Sequence
 
 import torch
 
-from fastrl.ops import gae, group_advantages, kl_penalty, masked_whiten, policy_loss, value_loss
+from fastrl.ops import gae, group_advantages, kl_penalty, policy_loss, value_loss
 from fastrl.ops.hf import causal_lm_logprobs
 from fastrl.rollout import HFGroupSampler, SamplingConfig
 from fastrl.rollout.base import RolloutBatch, RolloutStats
 from fastrl.train.checkpoint import (
     checkpoint_dir,
-    list_checkpoints,
     load_checkpoint_state,
     resolve_resume,
     save_checkpoint,
@@ -697,7 +695,6 @@ class Trainer:
 
     def _update(self, batch, mask, advantages, old_logp, ref_logp, sampler_logp, old_values, returns) -> dict[str, float]:
         cfg = self.cfg
-        B = mask.shape[0]
         agg: dict[str, list[tuple[float, float]]] = {}
         grad_norms, critic_grad_norms = [], []
         g = torch.Generator().manual_seed(cfg.seed * 7919 + self.step)
