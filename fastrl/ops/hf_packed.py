@@ -42,6 +42,7 @@ from fastrl.ops.shared_prefix_attention import BACKENDS, PackedGroups, shared_pr
 
 __all__ = [
     "ATTN_NAME",
+    "check_shared_prefix_support",
     "shared_prefix_attention_enabled",
     "packed_causal_lm_hidden_states",
     "packed_causal_lm_logprobs",
@@ -85,19 +86,37 @@ def _register() -> None:
     AttentionInterface.register(ATTN_NAME, _attention)
 
 
+def check_shared_prefix_support(model: torch.nn.Module) -> None:
+    """ValueError unless the model's attention can run the shared-prefix forward: a
+    decoder-only LM with full causal attention layers that take RoPE positions from
+    ``position_ids`` (Llama, Qwen2/3, Mistral without a window, ...), no attention-logit
+    soft-capping and no attention dropout."""
+    config = model.config
+    layer_types = getattr(config, "layer_types", None) or []
+    problems = []
+    # Qwen2-style configs carry a sliding_window that only applies with use_sliding_window;
+    # Mistral-style configs apply it whenever it is set.
+    window_on = getattr(config, "use_sliding_window", getattr(config, "sliding_window", None) is not None)
+    if any(t != "full_attention" for t in layer_types) or (window_on and getattr(config, "sliding_window", None)):
+        problems.append(f"sliding-window attention (layer_types={sorted(set(layer_types))}, "
+                        f"sliding_window={getattr(config, 'sliding_window', None)})")
+    if getattr(config, "attn_logit_softcapping", None):
+        problems.append("attention-logit soft-capping")
+    if getattr(config, "attention_dropout", 0.0):
+        problems.append(f"attention dropout {config.attention_dropout}")
+    if getattr(config, "is_encoder_decoder", False):
+        problems.append("an encoder-decoder architecture")
+    if problems:
+        raise ValueError(f"{type(model).__name__} has {', '.join(problems)}, which the shared-prefix training forward does not support")
+
+
 @contextlib.contextmanager
 def shared_prefix_attention_enabled(model: torch.nn.Module) -> Iterator[None]:
     """Within the block the model's attention layers use the shared-prefix attention (they
     need the layout in the forward's keyword arguments, which the functions here pass)."""
     _register()
+    check_shared_prefix_support(model)
     config = model.config
-    if getattr(config, "is_encoder_decoder", False):
-        raise ValueError("the shared-prefix forward needs a decoder-only causal LM")
-    layer_types = getattr(config, "layer_types", None) or []
-    if any(t != "full_attention" for t in layer_types) or getattr(config, "use_sliding_window", False):
-        raise ValueError(f"only full-attention layers are supported, got layer_types={layer_types}")
-    if getattr(config, "attn_logit_softcapping", None):
-        raise ValueError("attention-logit soft-capping is not supported")
     previous = config._attn_implementation
     config._attn_implementation = ATTN_NAME
     try:

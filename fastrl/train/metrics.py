@@ -46,6 +46,7 @@ class MetricsLogger:
     def __init__(self, output_dir: str | os.PathLike, *, total_steps: int, tensorboard: bool = True, progress: bool = True, start_step: int = 0):
         self.dir = Path(output_dir)
         self.dir.mkdir(parents=True, exist_ok=True)
+        _drop_torn_last_line(self.dir / "metrics.jsonl")  # a run killed mid-write, resumed here
         self.jsonl = open(self.dir / "metrics.jsonl", "a", buffering=1)
         self.samples = open(self.dir / "samples.txt", "a", buffering=1)
         self.tb = None
@@ -104,6 +105,15 @@ class MetricsLogger:
             self.tb.close()
         self.jsonl.close()
         self.samples.close()
+
+
+def _drop_torn_last_line(path: Path) -> None:
+    """Cut a trailing line without its newline (the process was killed while writing it)."""
+    if not path.exists():
+        return
+    data = path.read_bytes()
+    if data and not data.endswith(b"\n"):
+        path.write_bytes(data[: data.rfind(b"\n") + 1])
 
 
 def _jsonable(v: Any) -> Any:

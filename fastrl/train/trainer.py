@@ -558,28 +558,27 @@ class Trainer:
         return list(range(len(batch.prompt_ids)))
 
     @torch.no_grad()
-    def _token_logprobs(self, model: torch.nn.Module, batch: RolloutBatch) -> torch.Tensor:
-        """``[B, T-1]`` fp32 log-probs of ``input_ids[:, 1:]`` (0 outside completions), by micro-batch."""
+    def _per_token(self, module: torch.nn.Module, batch: RolloutBatch, compute) -> torch.Tensor:
+        """``[B, T-1]`` fp32 values of ``compute(micro_batch)`` for every completion token (0
+        elsewhere), with ``module`` in eval mode: the no-grad passes over a whole rollout."""
         B, T = batch.input_ids.shape
         out = torch.zeros(B, T - 1, dtype=torch.float32, device=self.device)
-        was_training = model.training
-        model.eval()
+        was_training = module.training
+        module.eval()
         try:
             for mb in self._micro_batches(batch, self._all_groups(batch)):
-                out[mb.rows.to(self.device), mb.cols] = self._logprobs(model, mb, entropy=False)[0]
+                out[mb.rows.to(self.device), mb.cols] = compute(mb)
         finally:
-            model.train(was_training)
+            module.train(was_training)
         return out * batch.response_mask[:, 1:].to(self.device)
 
-    @torch.no_grad()
+    def _token_logprobs(self, model: torch.nn.Module, batch: RolloutBatch) -> torch.Tensor:
+        """Log-probs of ``input_ids[:, 1:]`` under ``model`` (old or reference policy)."""
+        return self._per_token(model, batch, lambda mb: self._logprobs(model, mb, entropy=False)[0])
+
     def _critic_values(self, batch: RolloutBatch) -> torch.Tensor:
-        B, T = batch.input_ids.shape
-        out = torch.zeros(B, T - 1, dtype=torch.float32, device=self.device)
-        self.critic.eval()
-        for mb in self._micro_batches(batch, self._all_groups(batch)):
-            out[mb.rows.to(self.device), mb.cols] = self._values(mb)
-        self.critic.train()
-        return out * batch.response_mask[:, 1:].to(self.device)
+        """The critic's values of the states before each completion token."""
+        return self._per_token(self.critic, batch, self._values)
 
     def _autocast(self):
         if self.autocast_dtype is None:
@@ -1003,27 +1002,12 @@ class Trainer:
 
 
 def _check_shared_prefix_support(model: torch.nn.Module) -> None:
-    """The packed shared-prefix forward needs full causal attention layers that take RoPE
-    positions from ``position_ids`` (Llama, Qwen2/3, Mistral, ...)."""
-    config = model.config
-    layer_types = getattr(config, "layer_types", None) or []
-    problems = []
-    # Qwen2-style configs carry a sliding_window that only applies with use_sliding_window;
-    # Mistral-style configs apply it whenever it is set.
-    window_on = getattr(config, "use_sliding_window", getattr(config, "sliding_window", None) is not None)
-    if any(t != "full_attention" for t in layer_types) or (window_on and getattr(config, "sliding_window", None)):
-        problems.append(f"sliding-window attention (layer_types={sorted(set(layer_types))}, sliding_window={config.sliding_window})")
-    if getattr(config, "attn_logit_softcapping", None):
-        problems.append("attention-logit soft-capping")
-    if getattr(config, "attention_dropout", 0.0):
-        problems.append(f"attention dropout {config.attention_dropout}")
-    if getattr(config, "is_encoder_decoder", False):
-        problems.append("an encoder-decoder architecture")
-    if problems:
-        raise ValueError(
-            f"{type(model).__name__} has {', '.join(problems)}, which the shared-prefix training forward does not "
-            "support; set shared_prefix=false to train on padded rows"
-        )
+    from fastrl.ops.hf_packed import check_shared_prefix_support
+
+    try:
+        check_shared_prefix_support(model)
+    except ValueError as e:
+        raise ValueError(f"{e}; set shared_prefix=false to train on padded rows") from None
 
 
 _METRIC_NAMES = {
