@@ -58,10 +58,12 @@ def test_long_trajectory_fit_slope():
 def test_shared_prefix_quick(tmp_path):
     bench = _load("benchmarks/bench_shared_prefix.py", "bench_shared_prefix_smoke")
     out = tmp_path / "sp.json"
-    bench.main(["--quick", "--shapes", "24x6", "--repeats", "1", "--threads", "1", "--mem-cap-gb", "8", "--out", str(out)])
+    bench.main(["--quick", "--shapes", "24x6", "--repeats", "1", "--threads", "1", "--mem-cap-gb", "8",
+                "--interleaved-rounds", "1", "--out", str(out)])
     record = json.loads(out.read_text())
     _check_environment(record)
     (row,) = record["results"]
+    assert set(row["interleaved"]["min_time_s"]) == {"shared", "repeated"}
     assert (row["prompt_len"], row["completion_len"], row["group_size"]) == (24, 6, 8)
     assert row["tokens"] == {"shared": 24 + 8 * 6, "repeated": 8 * 30}
     for mode in ("shared", "repeated"):
