@@ -189,9 +189,9 @@ def packed_to_rows(
 
     Every tensor (``None`` passes through) must have the shape of the first one, ``[N]`` or
     ``[1, N]`` with ``N = cu_seqlens[-1]``; the names in ``per_sequence`` may instead be
-    ``[S]`` (one value per sequence; passed through unchanged). A per-sequence tensor of
-    the per-token shape counts as per token (``[N]`` and ``[S]`` coincide only when
-    ``N == S``; pass ``[1, N]`` inputs to make a per-sequence ``[S]`` unambiguous).
+    ``[S]`` (one value per sequence; passed through unchanged). With ``[N]`` inputs and
+    ``N == S`` the two readings coincide only if every sequence has one token; otherwise
+    (empty sequences) a 1-D ``[N]`` per-sequence name raises: pass ``[1, N]`` inputs.
     """
     layout = as_packed_layout(cu_seqlens)
     N, S = layout.num_tokens, layout.num_seqs
@@ -208,6 +208,10 @@ def packed_to_rows(
             if shape not in ((N,), (1, N)):
                 raise ValueError(
                     f"{name} must be packed as [N] or [1, N] with N = cu_seqlens[-1] = {N} tokens, got shape {shape}")
+        if name in per_sequence and shape == (N,) == (S,) and layout.max_len != 1:
+            raise ValueError(
+                f"{name} of shape ({N},) is ambiguous: N = S = {N} but not every sequence has one token; "
+                "pass the per-token inputs as [1, N] (then a per-sequence tensor is [S])")
         if tuple(x.shape) == shape:
             out.append(layout.to_padded(x))
         elif name in per_sequence and tuple(x.shape) == (S,):

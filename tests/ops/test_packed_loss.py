@@ -315,6 +315,12 @@ def test_bad_packed_shapes():
         value_loss(b["values"], None, b["returns"], b["mask"][:, :4], cu_seqlens=cu)
     with pytest.raises(TypeError, match="returns must be a torch.Tensor"):
         value_loss(b["values"], None, [0.0] * 5, b["mask"], cu_seqlens=cu)
+    # [N] inputs with N == S and an empty sequence: per-token and per-sequence [N] cannot be told apart
+    amb = packed_batch([2, 0], torch.float64)
+    flat = {k: v[0] for k, v in amb.items() if k != "seq_advantages"}
+    with pytest.raises(ValueError, match="ambiguous"):
+        policy_loss(flat["logp"], flat["old_logp"], flat["advantages"], flat["mask"], cu_seqlens=[0, 2, 2])
+    policy_loss(amb["logp"], amb["old_logp"], amb["seq_advantages"], amb["mask"], cu_seqlens=[0, 2, 2])  # [1, N]: fine
     # an all-empty packing has no token: the ops' usual empty-batch error
     with pytest.raises(ValueError):
         policy_loss(b["logp"][:, :0], b["old_logp"][:, :0], b["advantages"][:, :0], b["mask"][:, :0], cu_seqlens=[0, 0])
