@@ -25,12 +25,23 @@ whose ``PackedLayout`` is ``PackedLayout.from_lengths(packed.completion_lens)``.
 
 from __future__ import annotations
 
+import operator
 from dataclasses import dataclass, field
 from typing import Sequence
 
 import torch
 
 __all__ = ["PackedLayout", "as_packed_layout", "packed_to_rows"]
+
+
+def _as_int(name: str, value: object) -> int:
+    """An int from an integer-like host value (int, numpy integer); bools and floats raise."""
+    if isinstance(value, (bool, float)):
+        raise TypeError(f"{name} must be an int, got {value!r}")
+    try:
+        return operator.index(value)  # type: ignore[arg-type]
+    except TypeError:
+        raise TypeError(f"{name} must be an int, got {value!r}") from None
 
 
 @dataclass(frozen=True, eq=False)
@@ -82,9 +93,8 @@ class PackedLayout:
             raise TypeError(f"seq_lens must be a sequence of ints, got {type(seq_lens).__name__}") from e
         if not lens:
             raise ValueError("seq_lens must hold at least one sequence")
+        lens = tuple(_as_int(f"seq_lens[{s}]", n) for s, n in enumerate(lens))
         for s, n in enumerate(lens):
-            if isinstance(n, bool) or not isinstance(n, int):
-                raise TypeError(f"seq_lens[{s}] must be an int, got {n!r}")
             if n < 0:
                 raise ValueError(f"seq_lens[{s}] must be >= 0, got {n}")
         device = torch.device("cpu") if device is None else torch.device(device)
@@ -124,9 +134,7 @@ class PackedLayout:
                 cu = list(cu_seqlens)
             except TypeError as e:
                 raise TypeError(f"cu_seqlens must be an integer tensor or a sequence of ints, got {type(cu_seqlens).__name__}") from e
-            for i, c in enumerate(cu):
-                if isinstance(c, bool) or not isinstance(c, int):
-                    raise TypeError(f"cu_seqlens[{i}] must be an int, got {c!r}")
+            cu = [_as_int(f"cu_seqlens[{i}]", c) for i, c in enumerate(cu)]
         if len(cu) < 2:
             raise ValueError(f"cu_seqlens must have S + 1 >= 2 entries (at least one sequence), got {len(cu)}")
         if cu[0] != 0:
