@@ -8,6 +8,7 @@ from fastrl.ops.advantages import group_advantages, step_advantages
 from fastrl.ops.decode_attention import shared_prefix_decode_attention
 from fastrl.ops.kl import kl_penalty
 from fastrl.ops.logprobs import fused_linear_policy_loss, linear_logprobs
+from fastrl.ops.packing import PackedLayout
 from fastrl.ops.policy_loss import policy_loss
 from fastrl.ops.scans import discounted_returns, gae
 from fastrl.ops.shared_prefix_attention import PackedGroups, SharedPrefixLayout, shared_prefix_attention
@@ -27,4 +28,4 @@ __all__ = [
     "step_advantages",
     "value_loss",
 ]
-__all__ += ["PackedGroups", "SharedPrefixLayout", "shared_prefix_attention"]
+__all__ += ["PackedLayout", "PackedGroups", "SharedPrefixLayout", "shared_prefix_attention"]

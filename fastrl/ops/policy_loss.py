@@ -9,6 +9,8 @@ kept on the device, so global counts never synchronise with the host).
 
 from __future__ import annotations
 
+from typing import Sequence
+
 import torch
 from torch.autograd.function import once_differentiable
 
@@ -24,6 +26,7 @@ from fastrl._checks import (
 )
 from fastrl.config import PolicyLossConfig
 from fastrl.ops.kl import k3_expm1
+from fastrl.ops.packing import PackedLayout, packed_to_rows
 
 OUT_KEYS = (
     "loss", "pg_loss", "kl_loss", "entropy_loss", "clip_frac_low", "clip_frac_high", "clip_frac",
@@ -283,6 +286,7 @@ def policy_loss(
     global_token_count: torch.Tensor | float | None = None,
     global_seq_count: torch.Tensor | float | None = None,
     backend: str = "auto",
+    cu_seqlens: PackedLayout | torch.Tensor | Sequence[int] | None = None,
 ) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
     """Clipped policy-gradient loss with KL and entropy terms, and its metrics.
 
@@ -308,6 +312,11 @@ def policy_loss(
             the device, no host sync); 0 is taken as 1, so a fully masked batch has loss 0.
             The rule is ``fastrl._checks.check_global_count``, shared by every loss op.
         backend: ``"auto"`` (Triton on CUDA, PyTorch otherwise), ``"triton"`` or ``"torch"``.
+        cu_seqlens: packed inputs: the per-token tensors are ``[N]`` or ``[1, N]`` (``S``
+            sequences back to back) and this is their ``fastrl.ops.PackedLayout`` or host
+            ``cu_seqlens`` (``[S + 1]``); ``advantages`` may be per sequence ``[S]``. Loss,
+            metrics and gradients equal those of the padded ``[S, T]`` rows
+            (``fastrl.ops.packing``).
 
     Returns:
         ``(loss, metrics)``: the 0-dim fp32 loss and a dict of 0-dim fp32 tensors: pg_loss,
@@ -318,6 +327,10 @@ def policy_loss(
     """
     if not isinstance(config, PolicyLossConfig):
         raise TypeError(f"config must be a PolicyLossConfig, got {type(config).__name__}")
+    if cu_seqlens is not None:  # packed rows: this op on their padded [S, T] view
+        _, (logp, old_logp, advantages, mask, ref_logp, entropy, rollout_logp) = packed_to_rows(
+            cu_seqlens, logp=logp, old_logp=old_logp, advantages=advantages, mask=mask, ref_logp=ref_logp,
+            entropy=entropy, rollout_logp=rollout_logp, per_sequence=("advantages",))
     check_float("logp", logp, ndim=2)
     check_nonempty("logp", logp)
     B, T = logp.shape

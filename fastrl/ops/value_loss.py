@@ -7,6 +7,8 @@ only scales it by the incoming gradient: no graph of intermediate tensors is kep
 
 from __future__ import annotations
 
+from typing import Sequence
+
 import torch
 
 from fastrl._checks import (
@@ -23,6 +25,7 @@ from fastrl._checks import (
 )
 from fastrl.config import LOSS_AGGS, NORM_LENGTH_REQUIRED
 from fastrl.ops._segments import kernel_mask
+from fastrl.ops.packing import PackedLayout, packed_to_rows
 
 __all__ = ["value_loss"]
 
@@ -142,6 +145,7 @@ def value_loss(
     global_token_count: float | torch.Tensor | None = None,
     global_seq_count: float | torch.Tensor | None = None,
     backend: str = "auto",
+    cu_seqlens: PackedLayout | torch.Tensor | Sequence[int] | None = None,
 ) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
     """PPO value loss, 0.5 * max((v - R)^2, (v_clip - R)^2), aggregated over masked tokens.
 
@@ -165,6 +169,10 @@ def value_loss(
             sync); 0 is taken as 1. The rule is ``fastrl._checks.check_global_count``, the
             same as ``policy_loss``'s.
         backend: ``auto`` | ``triton`` | ``torch``.
+        cu_seqlens: packed inputs: every tensor is ``[N]`` or ``[1, N]`` (``S`` sequences
+            back to back) and this is their ``fastrl.ops.PackedLayout`` or host
+            ``cu_seqlens`` (``[S + 1]``); the result equals that of the padded ``[S, T]``
+            rows (``fastrl.ops.packing``).
 
     Denominators (local or global) of 0 are taken as 1: an all-masked batch gives loss 0.
 
@@ -175,6 +183,9 @@ def value_loss(
         0 without clip), ``explained_variance`` (1 - Var(R - v) / Var(R), 0 when
         Var(R) = 0), ``value_mean``, ``return_mean``.
     """
+    if cu_seqlens is not None:  # packed rows: this op on their padded [S, T] view
+        _, (values, old_values, returns, mask) = packed_to_rows(
+            cu_seqlens, values=values, old_values=old_values, returns=returns, mask=mask)
     check_float("values", values, ndim=2)
     check_nonempty("values", values)
     shape = tuple(values.shape)

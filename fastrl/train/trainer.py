@@ -31,7 +31,7 @@ from typing import Any, Callable, Sequence
 
 import torch
 
-from fastrl.ops import gae, group_advantages, kl_penalty, policy_loss, value_loss
+from fastrl.ops import PackedLayout, gae, group_advantages, kl_penalty, policy_loss, value_loss
 from fastrl.ops.hf import causal_lm_logprobs
 from fastrl.rollout import HFGroupSampler, SamplingConfig
 from fastrl.rollout.base import RolloutBatch, RolloutStats
@@ -524,14 +524,17 @@ class Trainer:
             return contextlib.nullcontext()
         return torch.autograd.graph.save_on_cpu(pin_memory=self.device.type == "cuda")
 
-    def _logprobs(self, model: torch.nn.Module, mb: "_MicroBatch", *, entropy: bool):
-        """Log-probs (and entropies) of the micro-batch's rows at columns ``mb.cols``."""
+    def _logprobs(self, model: torch.nn.Module, mb: "_MicroBatch", *, entropy: bool, packed_out: bool = False):
+        """Log-probs (and entropies) of the micro-batch's rows at columns ``mb.cols``; with
+        ``packed_out`` and shared prefixes, the ``[1, M]`` packed completion tokens as they come."""
         temperature = self.cfg.temperature
         with self._autocast(), self._offload():
             if mb.packed is not None:
                 from fastrl.ops.hf_packed import packed_causal_lm_logprobs
 
                 out = packed_causal_lm_logprobs(model, mb.packed, temperature=temperature, return_entropy=entropy)
+                if packed_out:
+                    return (out[0].float()[None], out[1].float()[None]) if entropy else (out.float()[None], None)
                 width = mb.cols.stop
                 if entropy:
                     lp, ent = out
@@ -544,13 +547,15 @@ class Trainer:
             return out[0].float(), out[1].float()
         return out.float(), None
 
-    def _values(self, mb: "_MicroBatch") -> torch.Tensor:
+    def _values(self, mb: "_MicroBatch", *, packed_out: bool = False) -> torch.Tensor:
         with self._autocast(), self._offload():
             if mb.packed is not None:
                 from fastrl.ops.hf_packed import packed_causal_lm_hidden_states
 
                 hidden = packed_causal_lm_hidden_states(self.critic.body, mb.packed)
                 values = self.critic.head(hidden)
+                if packed_out:  # [1, M] packed completion tokens
+                    return values[None]
                 return mb.packed.to_batch_layout(values, seq_len=mb.cols.stop, shift=1)
             return self.critic.values(mb.input_ids, mb.attention_mask, mb.k)
 
@@ -755,26 +760,40 @@ class Trainer:
         """Forward + backward of one micro-batch; returns its (detached) share of the policy loss and its metrics."""
         cfg = self.cfg
         r = mb.rows.to(self.device)
-        cols = mb.cols
-        m = mask[r, cols]
-        logp, entropy = self._logprobs(self.policy, mb, entropy=True)
-        old = old_logp[r, cols] if old_logp is not None else logp.detach()
-        adv = advantages[r, cols] if advantages.dim() == 2 else advantages[r]
+        packed = mb.packed
+        if packed is None:  # padded rows: every per-token input at the rows' columns
+            def take(x: torch.Tensor) -> torch.Tensor:
+                return x[r, mb.cols]
+            cu_seqlens = None
+        else:
+            # packed: the loss takes the model's [M] completion tokens as they come, as one
+            # [1, M] row with a sequence per sample (no padded round trip); the other inputs
+            # are gathered from the [B, T-1] batch layout at those tokens' columns
+            tok_rows, tok_cols = r[packed.sample_index], packed.batch_pos - 1
+
+            def take(x: torch.Tensor) -> torch.Tensor:
+                return x[tok_rows, tok_cols][None]
+            cu_seqlens = PackedLayout.from_lengths(packed.completion_lens, device=self.device)
+        m = take(mask)
+        logp, entropy = self._logprobs(self.policy, mb, entropy=True, packed_out=packed is not None)
+        old = take(old_logp) if old_logp is not None else logp.detach()
+        adv = take(advantages) if advantages.dim() == 2 else advantages[r]
         loss_config = self.loss_config if not self.loss_config.kl_coef else self.loss_config.replace(kl_coef=self.kl_ctl.value)
         loss, metrics = policy_loss(
             logp, old, adv, m,
-            ref_logp=ref_logp[r, cols] if (ref_logp is not None and self.loss_config.kl_coef) else None,
+            ref_logp=take(ref_logp) if (ref_logp is not None and self.loss_config.kl_coef) else None,
             entropy=entropy,
-            rollout_logp=sampler_logp[r, cols] if cfg.rollout_correction == "is" else None,
+            rollout_logp=take(sampler_logp) if cfg.rollout_correction == "is" else None,
             config=loss_config,
             **self._global_count(tokens, seqs),
+            cu_seqlens=cu_seqlens,
         )
         total = loss
         if self.critic is not None:
-            values = self._values(mb)
+            values = self._values(mb, packed_out=packed is not None)
             vloss, vm = value_loss(
-                values.float(), old_values[r, cols], returns[r, cols], m,
-                clip=cfg.value_clip, loss_agg="token-mean", global_token_count=tokens,
+                values.float(), take(old_values), take(returns), m,
+                clip=cfg.value_clip, loss_agg="token-mean", global_token_count=tokens, cu_seqlens=cu_seqlens,
             )
             total = loss + vloss
             metrics = {**metrics, **{f"critic_{k}": v for k, v in vm.items()}, "critic_loss": vloss.detach()}
