@@ -28,9 +28,11 @@ CONTRACT_KEYS = {"pg_loss", "clip_frac_low", "clip_frac_high", "clip_frac", "app
 
 @pytest.fixture(autouse=True)
 def small_blocks(monkeypatch):
-    """32-token chunks: rows of T=37 span two programs, the second one partial."""
+    """32-token chunks: rows of T=37 span two programs, the second one partial; the loops over
+    a row's chunk partials (forward pre-pass sums, finalize) take one chunk per step."""
     monkeypatch.setattr(kernels, "MAX_BLOCK_T", 32)
     monkeypatch.setattr(kernels, "BLOCK_B", 4)
+    monkeypatch.setattr(kernels, "BLOCK_C", 1)
 
 
 def make_batch(B=5, T=37, *, dtype=torch.float32, per_row_adv=False, spread=0.3, seed=0, lengths=None):
