@@ -322,6 +322,20 @@ def test_auto_backend_is_triton_on_cuda_and_torch_on_cpu():
     assert torch.equal(a, b)
 
 
+@pytest.mark.parametrize("cfg", [
+    dict(ratio_level="sequence", is_level="sequence", log_ratio_clamp=0.2, kl_coef=0.1, entropy_coef=0.01),
+    dict(loss_agg="seq-mean-token-mean", dual_clip=2.0, is_cap=1.5, kl_coef=0.1),
+], ids=["sequence", "token"])
+def test_chunk_partials_summed_over_several_partial_steps(cfg):
+    """Rows of 37 tokens in 8-token programs (5 chunks), chunk partials read 2 at a time: the
+    loops over a row's partials (forward's sequence sums, finalize) take 3 steps, the last one
+    half masked, and 9 rows take 3 steps of 4 rows."""
+    kernels.MAX_BLOCK_T, kernels.BLOCK_C = 8, 2
+    cfg = PolicyLossConfig(**cfg)
+    batch = make_batch(B=9, spread=0.05, lengths=[37, 1, 0, 18, 32, 9, 37, 36, 17])
+    assert_matches(run("triton", batch, cfg, grad_out=1.3), run("ref", batch, cfg, grad_out=1.3))
+
+
 def test_default_block_single_chunk():
     """Without the small-block fixture's effect: T=37 fits in one program."""
     kernels.MAX_BLOCK_T = 1024
