@@ -157,7 +157,9 @@ def _group_adv_kernel(
     tl.store(out_ptr + i, a.to(tl.float32), mask=ok)
 
 
-@triton.jit
+# S (steps per row) only bounds the loop and addresses the step arrays: exempt from the JIT's
+# integer specialisation (== 1, % 16), which would otherwise compile per batch.
+@triton.jit(do_not_specialize=["S"])
 def _step_adv_kernel(
     r_ptr,
     end_ptr,
@@ -280,11 +282,15 @@ def step_advantages_tokens(
     block_t: int = 128,
     block_s: int = 32,
 ) -> torch.Tensor:
-    """[B, T] float32 process-reward advantages (contiguous inputs, ``rank`` per row)."""
+    """[B, T] float32 process-reward advantages (contiguous inputs, ``rank`` per row).
+
+    ``block_t``/``block_s`` are fixed tile sizes (tokens x steps per loop step), not derived
+    from T or S, so the compile key does not follow the batch shape; the kernel loops over
+    the steps with a runtime bound.
+    """
     B, S = step_rewards.shape
     T = mask.shape[1]
     out = torch.empty(B, T, dtype=torch.float32, device=step_rewards.device)
-    block_s = max(1, min(block_s, triton.next_power_of_2(S)))
     _step_adv_kernel[(B, triton.cdiv(T, block_t))](
         step_rewards, step_end_index, rank, mean, mean_lo, std, mask, out, S, T, eps, BLOCK_T=block_t, BLOCK_S=block_s
     )

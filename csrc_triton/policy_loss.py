@@ -37,11 +37,20 @@ OUT_KEYS = (
 )
 NOUT = len(OUT_KEYS)
 NPART = 13  # n, pg, kl, ent, low, high, dual, approx_kl, ratio_sum, ratio_min, ratio_max, is_w_sum, C
-MAX_BLOCK_T = 1024  # tokens per program (tests lower it to exercise several chunks per row)
+# Tokens per program, whatever the row length T: a block that followed T (next_pow2(T)) made
+# every kernel here compile again as the padded length changed from step to step. 1024 fp32
+# per input per program keeps enough bytes in flight for these memory-bound passes; rows
+# shorter than a block only mask lanes (masked lanes issue no memory traffic, and the ALU
+# work they waste is idle in a memory-bound kernel anyway). Tests lower it to exercise
+# several chunks per row.
+MAX_BLOCK_T = 1024
 BLOCK_B = 32  # rows per step of the finalize loop
+BLOCK_C = 8  # chunks per step of the loops over a row's chunk partials (a runtime count)
 
 
-@triton.jit
+# NC (and B) are runtime counts, exempt from the JIT's integer specialisation (== 1, % 16):
+# they only address partials, so specialising them would buy nothing but compiles.
+@triton.jit(do_not_specialize=["NC"])
 def _row_pre_kernel(
     logp_ptr, old_ptr, mask_ptr, roll_ptr, pre_ptr,
     T, NC, s_logp, s_old, s_mask, s_roll, lr_clamp,
@@ -72,6 +81,26 @@ def _row_pre_kernel(
 
 
 @triton.jit
+def _row_pre_sums(pre_ptr, b, NC, BLOCK_C: tl.constexpr):
+    """A row's totals of the pre-pass partials (tokens, log-ratio sum, IS log-weight sum),
+    ``BLOCK_C`` chunks at a time up to the runtime chunk count ``NC``."""
+    cols = tl.arange(0, BLOCK_C)
+    acc_n = tl.zeros([BLOCK_C], tl.float32)
+    acc_lr = tl.zeros([BLOCK_C], tl.float32)
+    acc_is = tl.zeros([BLOCK_C], tl.float32)
+    # a while loop: ``range`` over a runtime bound breaks the interpreter under NumPy >= 2.4
+    c0 = NC * 0
+    while c0 < NC:
+        cm = c0 + cols < NC
+        pre = pre_ptr + (b * NC + c0 + cols) * 3
+        acc_n += tl.load(pre + 0, mask=cm, other=0.0)
+        acc_lr += tl.load(pre + 1, mask=cm, other=0.0)
+        acc_is += tl.load(pre + 2, mask=cm, other=0.0)
+        c0 += BLOCK_C
+    return tl.sum(acc_n, axis=0), tl.sum(acc_lr, axis=0), tl.sum(acc_is, axis=0)
+
+
+@triton.jit(do_not_specialize=["NC"])
 def _policy_fwd_kernel(
     logp_ptr, old_ptr, adv_ptr, mask_ptr, ref_ptr, ent_ptr, roll_ptr, pre_ptr, grad_ptr, part_ptr,
     T, NC,
@@ -80,7 +109,7 @@ def _policy_fwd_kernel(
     SEQ_RATIO: tl.constexpr, SEQ_IS: tl.constexpr, HAS_DUAL: tl.constexpr, HAS_LR_CLAMP: tl.constexpr,
     HAS_REF: tl.constexpr, KL_EST: tl.constexpr, HAS_KL_CLAMP: tl.constexpr, HAS_ENT: tl.constexpr,
     HAS_IS: tl.constexpr, HAS_IS_CAP: tl.constexpr, KL_GRAD: tl.constexpr, WRITE_GRAD: tl.constexpr,
-    NC_P2: tl.constexpr, BLOCK: tl.constexpr,
+    BLOCK_C: tl.constexpr, BLOCK: tl.constexpr,
 ):
     b = tl.program_id(0).to(tl.int64)
     c = tl.program_id(1)
@@ -99,12 +128,9 @@ def _policy_fwd_kernel(
 
     # per-row quantities of the sequence modes, from the pre-pass partials
     if SEQ_RATIO or SEQ_IS:
-        co = tl.arange(0, NC_P2)
-        cm = co < NC
-        pre_row = pre_ptr + (b * NC + co) * 3
-        n_row = tl.sum(tl.load(pre_row + 0, mask=cm, other=0.0), axis=0)
+        n_row, lr_row, is_row = _row_pre_sums(pre_ptr, b, NC, BLOCK_C)
     if SEQ_RATIO:
-        s_row = tl.sum(tl.load(pre_row + 1, mask=cm, other=0.0), axis=0) / tl.maximum(n_row, 1.0)
+        s_row = lr_row / tl.maximum(n_row, 1.0)
         ratio_row = tl.exp(s_row)
         ratio = tl.zeros([BLOCK], tl.float32) + ratio_row
     else:
@@ -124,7 +150,7 @@ def _policy_fwd_kernel(
         dpg = tl.where(dual_on, 0.0, dpg)
     if HAS_IS:
         if SEQ_IS:
-            w = tl.zeros([BLOCK], tl.float32) + tl.exp(tl.sum(tl.load(pre_row + 2, mask=cm, other=0.0), axis=0))
+            w = tl.zeros([BLOCK], tl.float32) + tl.exp(is_row)
         else:
             ro = tl.load(roll_ptr + b * s_roll + offs, mask=inb, other=0.0).to(tl.float32)
             w = tl.exp(tl.where(m, old - ro, 0.0))
@@ -188,15 +214,15 @@ def _policy_fwd_kernel(
     tl.store(base + 12, c_part)
 
 
-@triton.jit
+@triton.jit(do_not_specialize=["B", "NC"])
 def _policy_finalize_kernel(
     part_ptr, out_ptr, rowcoef_ptr, gcount_ptr,
     B, NC, gcount_val, norm_length, kl_coef, entropy_coef,
     AGG: tl.constexpr, HAS_GPTR: tl.constexpr, HAS_GVAL: tl.constexpr,
-    USE_KL: tl.constexpr, USE_ENT: tl.constexpr, BLOCK_B: tl.constexpr, NC_P2: tl.constexpr,
+    USE_KL: tl.constexpr, USE_ENT: tl.constexpr, BLOCK_B: tl.constexpr, BLOCK_C: tl.constexpr,
 ):
     rows = tl.arange(0, BLOCK_B)
-    cols = tl.arange(0, NC_P2)
+    cols = tl.arange(0, BLOCK_C)
     zero = tl.sum(tl.zeros([BLOCK_B], tl.float32), axis=0)
     N = zero
     S = zero
@@ -213,23 +239,51 @@ def _policy_finalize_kernel(
     r_min = zero + float("inf")
     r_max = zero + float("-inf")
     w_sum = zero
-    # a while loop: ``range`` over a runtime bound breaks the interpreter under NumPy >= 2.4
-    b0 = 0
+    # while loops: ``range`` over a runtime bound breaks the interpreter under NumPy >= 2.4.
+    # Rows BLOCK_B at a time; within them the chunk partials BLOCK_C columns at a time (the
+    # per-row sums must be complete before the row factor f_b = 1/n_b is known).
+    b0 = B * 0
     while b0 < B:
         rb = b0 + rows
         rmask = rb < B
-        tmask = rmask[:, None] & (cols[None, :] < NC)
-        base = part_ptr + (rb[:, None].to(tl.int64) * NC + cols[None, :]) * 13
-        n_b = tl.sum(tl.load(base + 0, mask=tmask, other=0.0), axis=1)
+        row_base = part_ptr + rb[:, None].to(tl.int64) * NC * 13
+        n_b = tl.zeros([BLOCK_B], tl.float32)
+        pg_b = tl.zeros([BLOCK_B], tl.float32)
+        kl_b = tl.zeros([BLOCK_B], tl.float32)
+        ent_b = tl.zeros([BLOCK_B], tl.float32)
+        c_b = tl.zeros([BLOCK_B], tl.float32)
+        low_b = tl.zeros([BLOCK_B], tl.float32)
+        high_b = tl.zeros([BLOCK_B], tl.float32)
+        dual_b = tl.zeros([BLOCK_B], tl.float32)
+        akl_b = tl.zeros([BLOCK_B], tl.float32)
+        r_b = tl.zeros([BLOCK_B], tl.float32)
+        rmin_b = tl.full([BLOCK_B], float("inf"), tl.float32)
+        rmax_b = tl.full([BLOCK_B], float("-inf"), tl.float32)
+        w_b = tl.zeros([BLOCK_B], tl.float32)
+        c0 = NC * 0
+        while c0 < NC:
+            cc = c0 + cols
+            tmask = rmask[:, None] & (cc[None, :] < NC)
+            base = row_base + cc[None, :] * 13
+            n_b += tl.sum(tl.load(base + 0, mask=tmask, other=0.0), axis=1)
+            pg_b += tl.sum(tl.load(base + 1, mask=tmask, other=0.0), axis=1)
+            kl_b += tl.sum(tl.load(base + 2, mask=tmask, other=0.0), axis=1)
+            ent_b += tl.sum(tl.load(base + 3, mask=tmask, other=0.0), axis=1)
+            low_b += tl.sum(tl.load(base + 4, mask=tmask, other=0.0), axis=1)
+            high_b += tl.sum(tl.load(base + 5, mask=tmask, other=0.0), axis=1)
+            dual_b += tl.sum(tl.load(base + 6, mask=tmask, other=0.0), axis=1)
+            akl_b += tl.sum(tl.load(base + 7, mask=tmask, other=0.0), axis=1)
+            r_b += tl.sum(tl.load(base + 8, mask=tmask, other=0.0), axis=1)
+            rmin_b = tl.minimum(rmin_b, tl.min(tl.load(base + 9, mask=tmask, other=float("inf")), axis=1))
+            rmax_b = tl.maximum(rmax_b, tl.max(tl.load(base + 10, mask=tmask, other=float("-inf")), axis=1))
+            w_b += tl.sum(tl.load(base + 11, mask=tmask, other=0.0), axis=1)
+            c_b += tl.sum(tl.load(base + 12, mask=tmask, other=0.0), axis=1)
+            c0 += BLOCK_C
         if AGG == 1:
             f_b = 1.0 / tl.maximum(n_b, 1.0)
         else:
             f_b = n_b * 0.0 + 1.0
         f_b = tl.where(rmask, f_b, 0.0)
-        pg_b = tl.sum(tl.load(base + 1, mask=tmask, other=0.0), axis=1)
-        kl_b = tl.sum(tl.load(base + 2, mask=tmask, other=0.0), axis=1)
-        ent_b = tl.sum(tl.load(base + 3, mask=tmask, other=0.0), axis=1)
-        c_b = tl.sum(tl.load(base + 12, mask=tmask, other=0.0), axis=1)
         N += tl.sum(n_b, axis=0)
         S += tl.sum((n_b > 0).to(tl.float32), axis=0)
         pg_t += tl.sum(f_b * pg_b, axis=0)
@@ -237,14 +291,14 @@ def _policy_finalize_kernel(
         ent_t += tl.sum(f_b * ent_b, axis=0)
         kl_sum += tl.sum(kl_b, axis=0)
         ent_sum += tl.sum(ent_b, axis=0)
-        low_t += tl.sum(tl.sum(tl.load(base + 4, mask=tmask, other=0.0), axis=1), axis=0)
-        high_t += tl.sum(tl.sum(tl.load(base + 5, mask=tmask, other=0.0), axis=1), axis=0)
-        dual_t += tl.sum(tl.sum(tl.load(base + 6, mask=tmask, other=0.0), axis=1), axis=0)
-        akl_t += tl.sum(tl.sum(tl.load(base + 7, mask=tmask, other=0.0), axis=1), axis=0)
-        r_sum += tl.sum(tl.sum(tl.load(base + 8, mask=tmask, other=0.0), axis=1), axis=0)
-        r_min = tl.minimum(r_min, tl.min(tl.min(tl.load(base + 9, mask=tmask, other=float("inf")), axis=1), axis=0))
-        r_max = tl.maximum(r_max, tl.max(tl.max(tl.load(base + 10, mask=tmask, other=float("-inf")), axis=1), axis=0))
-        w_sum += tl.sum(tl.sum(tl.load(base + 11, mask=tmask, other=0.0), axis=1), axis=0)
+        low_t += tl.sum(low_b, axis=0)
+        high_t += tl.sum(high_b, axis=0)
+        dual_t += tl.sum(dual_b, axis=0)
+        akl_t += tl.sum(akl_b, axis=0)
+        r_sum += tl.sum(r_b, axis=0)
+        r_min = tl.minimum(r_min, tl.min(rmin_b, axis=0))
+        r_max = tl.maximum(r_max, tl.max(rmax_b, axis=0))
+        w_sum += tl.sum(w_b, axis=0)
         tl.store(rowcoef_ptr + rb * 2, f_b, mask=rmask)
         tl.store(rowcoef_ptr + rb * 2 + 1, f_b * c_b, mask=rmask)
         b0 += BLOCK_B
@@ -328,8 +382,8 @@ def _mask_arg(mask: torch.Tensor) -> torch.Tensor:
 
 
 def _blocks(T: int) -> tuple[int, int]:
-    block = min(MAX_BLOCK_T, triton.next_power_of_2(T))
-    return block, triton.cdiv(T, block)
+    """(tokens per program, programs per row): a fixed block, so no compile key follows T."""
+    return MAX_BLOCK_T, triton.cdiv(T, MAX_BLOCK_T)
 
 
 def policy_loss_fwd(
@@ -366,7 +420,6 @@ def policy_loss_fwd(
     B, T = logp.shape
     dev = logp.device
     block, nc = _blocks(T)
-    nc_p2 = triton.next_power_of_2(nc)
     mask = _mask_arg(mask)
     has_is = rollout_logp is not None
     seq_is = seq_is and has_is
@@ -400,7 +453,7 @@ def policy_loss_fwd(
         SEQ_RATIO=seq_ratio, SEQ_IS=seq_is, HAS_DUAL=dual_clip is not None,
         HAS_LR_CLAMP=log_ratio_clamp is not None, HAS_REF=has_ref, KL_EST=KL_ESTIMATOR_IDS[kl_estimator],
         HAS_KL_CLAMP=kl_clamp is not None, HAS_ENT=has_ent, HAS_IS=has_is, HAS_IS_CAP=is_cap is not None,
-        KL_GRAD=has_ref and kl_coef != 0, WRITE_GRAD=write_g, NC_P2=nc_p2, BLOCK=block,
+        KL_GRAD=has_ref and kl_coef != 0, WRITE_GRAD=write_g, BLOCK_C=BLOCK_C, BLOCK=block,
     )
     out = torch.empty(NOUT, dtype=torch.float32, device=dev)
     rowcoef = torch.empty((B, 2), dtype=torch.float32, device=dev)
@@ -411,7 +464,7 @@ def policy_loss_fwd(
         float(norm_length), float(kl_coef), float(entropy_coef),
         AGG=AGG_IDS[loss_agg], HAS_GPTR=g_is_ptr, HAS_GVAL=global_count is not None and not g_is_ptr,
         USE_KL=has_ref and kl_coef != 0, USE_ENT=has_ent and entropy_coef != 0,
-        BLOCK_B=BLOCK_B, NC_P2=nc_p2,
+        BLOCK_B=BLOCK_B, BLOCK_C=BLOCK_C,
     )
     return out, rowcoef, g
 

@@ -44,6 +44,11 @@ import torch
 import triton
 import triton.language as tl
 
+# Tokens per chunk on a GPU, whatever the row length: a chunk that followed T compiled the
+# kernel again as the padded length changed. 1024 lanes at 4 warps keep 8 tokens per thread
+# for the in-register scan. Shorter rows only mask lanes: ALU work on idle lanes, no memory
+# traffic, and a short row is one chunk that needs no look-back (not timed: no GPU was at
+# hand; a compile that a T-dependent chunk triggers costs 0.5-1 s).
 DEFAULT_BLOCK = 1024
 
 
@@ -64,7 +69,9 @@ def _compose2(pa, ca, pb, cb):
     return pb * pa, pb * ca + cb
 
 
-@triton.jit
+# The chunk and tile counts only index the status/scratch words: exempt from the JIT's
+# integer specialisation (== 1, % 16), which would otherwise compile per batch shape.
+@triton.jit(do_not_specialize=["n_chunks", "n_tiles"])
 def _reverse_affine_scan_kernel(
     r_ptr, v_ptr, m_ptr,
     adv_ptr, ret_ptr,
@@ -188,7 +195,10 @@ def _launch(rewards, values, mask, gamma, gamma_lam, block, publish_every=1):
     block = int(block)
     if block < 2 or block & (block - 1):
         raise ValueError(f"block must be a power of two >= 2, got {block}")
-    block = min(block, max(16, triton.next_power_of_2(T)))  # short rows: no all-padding lanes
+    if rewards.device.type == "cpu":
+        # The interpreter (CPU) scans element by element in Python and compiles nothing: there
+        # a chunk shrinks to the row. On a GPU it stays fixed, so no compile key follows T.
+        block = min(block, max(16, triton.next_power_of_2(T)))
     n_chunks = triton.cdiv(T, block)
     n_tiles = B * n_chunks
     dev = rewards.device
@@ -220,8 +230,9 @@ def gae_fwd(
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """Un-whitened GAE ``(advantages, returns)``, float32 ``[B, T]``; inputs ``[B, T]``, any strides.
 
-    ``block`` is the chunk length (a power of two; rows shorter than it use the next power of
-    two >= T, at least 16); ``publish_every`` is a test hook (see the kernel).
+    ``block`` is the chunk length (a power of two; fixed on a GPU, so the compile key does not
+    follow T; under the CPU interpreter rows shorter than it use the next power of two >= T,
+    at least 16); ``publish_every`` is a test hook (see the kernel).
     """
     return _launch(rewards, values, mask, gamma, gamma * lam, block, publish_every)
 

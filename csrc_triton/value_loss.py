@@ -17,7 +17,9 @@ import triton.language as tl
 _NPART = 8  # loss, clipped, count, sum_v, mean_R, M2_R, mean_e, M2_e
 
 
-@triton.jit
+# T (row length, for the row index) and NB (the partials' row stride) are runtime values the
+# JIT need not specialise (== 1, % 16): only N's specialisation helps (vectorised masked loads).
+@triton.jit(do_not_specialize=["T", "NB"])
 def _value_loss_kernel(
     v_ptr,
     vold_ptr,

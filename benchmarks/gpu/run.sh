@@ -40,10 +40,9 @@ else
   unset TRITON_INTERPRET
   # Kernel tests on CUDA: every test module that exercises ops and kernels, including
   # tests/ops/test_no_host_sync.py (CUDA's sync debug mode on every op). The sm_90
-  # compile checks (test_compile_*.py, test_advantages_compile.py) are CPU-side CI checks.
+  # compile checks (test_compile_*.py) are CPU-side CI checks.
   test_args=(-q tests/ops tests/reference tests/rollout/test_decode_attention.py tests/rollout/test_decode_attention_precision.py
-             --ignore=tests/ops/test_compile_sm90.py --ignore=tests/ops/test_compile_keys.py
-             --ignore=tests/ops/test_advantages_compile.py)
+             --ignore=tests/ops/test_compile_sm90.py --ignore=tests/ops/test_compile_keys.py)
   kernel_args=()
   bench_args=(--device cuda)
   bench_timeout=40

@@ -242,7 +242,7 @@ def cases_policy_loss(rec: Recorder, full: bool) -> None:
 
     lengths = (1000, 4096, 16384) if full else (1000,)
     for T, dtype in itertools.product(lengths, (torch.float32, torch.bfloat16) if full else (torch.bfloat16,)):
-        # every flag both ways, in a few combinations (like compile_policy_kernels.py)
+        # every flag both ways, in a few combinations
         for i, (sr, si, dual, clamp, ref, est, kcl, ent, is_, cap, agg) in enumerate([
             (False, False, None, None, False, "k3", None, False, False, None, "token-mean"),
             (False, False, 3.0, 20.0, True, "k1", 10.0, True, True, 2.0, "seq-mean-token-mean"),

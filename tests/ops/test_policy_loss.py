@@ -28,9 +28,11 @@ CONTRACT_KEYS = {"pg_loss", "clip_frac_low", "clip_frac_high", "clip_frac", "app
 
 @pytest.fixture(autouse=True)
 def small_blocks(monkeypatch):
-    """32-token chunks: rows of T=37 span two programs, the second one partial."""
+    """32-token chunks: rows of T=37 span two programs, the second one partial; the loops over
+    a row's chunk partials (forward pre-pass sums, finalize) take one chunk per step."""
     monkeypatch.setattr(kernels, "MAX_BLOCK_T", 32)
     monkeypatch.setattr(kernels, "BLOCK_B", 4)
+    monkeypatch.setattr(kernels, "BLOCK_C", 1)
 
 
 def make_batch(B=5, T=37, *, dtype=torch.float32, per_row_adv=False, spread=0.3, seed=0, lengths=None):
@@ -318,6 +320,20 @@ def test_auto_backend_is_triton_on_cuda_and_torch_on_cpu():
     a, _ = policy_loss(**batch, backend="auto", config=PolicyLossConfig(kl_coef=0.1))
     b, _ = policy_loss(**batch, backend="triton" if DEVICE.type == "cuda" else "torch", config=PolicyLossConfig(kl_coef=0.1))
     assert torch.equal(a, b)
+
+
+@pytest.mark.parametrize("cfg", [
+    dict(ratio_level="sequence", is_level="sequence", log_ratio_clamp=0.2, kl_coef=0.1, entropy_coef=0.01),
+    dict(loss_agg="seq-mean-token-mean", dual_clip=2.0, is_cap=1.5, kl_coef=0.1),
+], ids=["sequence", "token"])
+def test_chunk_partials_summed_over_several_partial_steps(cfg):
+    """Rows of 37 tokens in 8-token programs (5 chunks), chunk partials read 2 at a time: the
+    loops over a row's partials (forward's sequence sums, finalize) take 3 steps, the last one
+    half masked, and 9 rows take 3 steps of 4 rows."""
+    kernels.MAX_BLOCK_T, kernels.BLOCK_C = 8, 2
+    cfg = PolicyLossConfig(**cfg)
+    batch = make_batch(B=9, spread=0.05, lengths=[37, 1, 0, 18, 32, 9, 37, 36, 17])
+    assert_matches(run("triton", batch, cfg, grad_out=1.3), run("ref", batch, cfg, grad_out=1.3))
 
 
 def test_default_block_single_chunk():
