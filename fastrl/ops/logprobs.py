@@ -31,14 +31,24 @@ from fastrl._checks import (
 
 __all__ = ["chunk_rows", "linear_logprobs"]
 
-# PyTorch path: size in bytes of one fp32 [chunk_tokens, V] work buffer (two are live at
-# a time). Override with FASTRL_LOGPROBS_CHUNK_MB.
-TORCH_CHUNK_BYTES = int(float(os.environ.get("FASTRL_LOGPROBS_CHUNK_MB", "128")) * 2**20)
+# PyTorch path: the byte budget of one fp32 [chunk_tokens, V] logits buffer (at most two
+# are live at a time, with the entropy). A fixed number of bytes, so the token chunk
+# shrinks as V grows and the logits memory does not follow V or the token count. 64 MiB:
+# small enough that the peak stays below Liger-Kernel's fused GRPO loss at every shape
+# benchmarks/bench_logprobs_memory.py covers (its chunk is one 512-token sequence, ~62 MiB
+# at V = 32000), and above glibc's largest dynamic mmap threshold (32 MiB), so each buffer
+# is its own mapping and goes back to the OS when freed (heap-sized buffers fragment the
+# heap: a 32 MiB budget peaked higher than 64 MiB on CPU). Override with
+# FASTRL_LOGPROBS_CHUNK_MB.
+DEFAULT_CHUNK_MB = 64
+TORCH_CHUNK_BYTES = int(float(os.environ.get("FASTRL_LOGPROBS_CHUNK_MB", str(DEFAULT_CHUNK_MB))) * 2**20)
 
 
 def chunk_rows(vocab: int) -> int:
     """Tokens per chunk of the PyTorch path (``linear_logprobs`` and
-    ``fused_linear_policy_loss``): one fp32 [rows, vocab] buffer fits ``TORCH_CHUNK_BYTES``."""
+    ``fused_linear_policy_loss``): as many as fit one fp32 [rows, vocab] buffer in
+    ``TORCH_CHUNK_BYTES`` (one at least). A function of the vocabulary only, never of the
+    token count (the Triton path has no such buffer: fixed tiles, see csrc_triton/logprobs.py)."""
     return max(1, TORCH_CHUNK_BYTES // (4 * max(vocab, 1)))
 
 
