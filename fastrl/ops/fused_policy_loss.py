@@ -268,7 +268,8 @@ def _fused_eager_torch(
     need_b = bias is not None and bias.requires_grad
     logp_w = torch.empty(n, **f32)
     ent_w = torch.empty(n, **f32) if with_entropy else None
-    gh = torch.empty(n, hd, dtype=dtype, device=hidden.device) if need_h else None
+    # grad_hidden goes straight to its [B*T, H] rows (no compacted copy held beside it)
+    gh_full = torch.zeros(B * T, hd, dtype=dtype, device=hidden.device) if need_h else None
     gw = torch.zeros(V, hd, **f32) if need_w else None
     gb = torch.zeros(V, **f32) if need_b else None
     step = _lp.chunk_rows(V)
@@ -317,8 +318,8 @@ def _fused_eager_torch(
             gb += g.sum(0)
         gq = g if dtype == torch.float32 else g.to(dtype)
         del g
-        if gh is not None:
-            torch.mm(gq, w2, out=gh[sl])
+        if gh_full is not None:
+            gh_full.index_copy_(0, idx[sl], torch.mm(gq, w2))
         if gw is not None:
             if gq.dtype == torch.float32:
                 gw.addmm_(gq.T, hw[sl])
@@ -333,8 +334,7 @@ def _fused_eager_torch(
         loss, metrics = policy_loss(logp, old_logp, advantages, mask, ref_logp=ref_logp, entropy=ent,
                                     rollout_logp=rollout_logp, config=config, backend="torch",
                                     global_token_count=global_token_count, global_seq_count=global_seq_count)
-    gh_full = None
-    if gh is not None:
-        gh_full = torch.zeros(B * T, hd, dtype=dtype, device=hidden.device).index_copy_(0, idx, gh).reshape(B, T, hd)
+    if gh_full is not None:
+        gh_full = gh_full.reshape(B, T, hd)
     loss = _PrecomputedGrads.apply(loss, hidden, weight, bias, gh_full, gw, gb)
     return loss, metrics

@@ -33,14 +33,14 @@ __all__ = ["chunk_rows", "linear_logprobs"]
 
 # PyTorch path: the byte budget of one fp32 [chunk_tokens, V] logits buffer (at most two
 # are live at a time, with the entropy). A fixed number of bytes, so the token chunk
-# shrinks as V grows and the logits memory does not follow V or the token count. 64 MiB:
-# small enough that the peak stays below Liger-Kernel's fused GRPO loss at every shape
+# shrinks as V grows and the logits memory does not follow V or the token count. 48 MiB:
+# the peak stays below Liger-Kernel's fused GRPO loss at every shape
 # benchmarks/bench_logprobs_memory.py covers (its chunk is one 512-token sequence, ~62 MiB
-# at V = 32000), and above glibc's largest dynamic mmap threshold (32 MiB), so each buffer
-# is its own mapping and goes back to the OS when freed (heap-sized buffers fragment the
-# heap: a 32 MiB budget peaked higher than 64 MiB on CPU). Override with
-# FASTRL_LOGPROBS_CHUNK_MB.
-DEFAULT_CHUNK_MB = 64
+# at V = 32000; 64 MiB tied it there on a second call), and it is above glibc's largest
+# dynamic mmap threshold (32 MiB), so each buffer is its own mapping and goes back to the
+# OS when freed (heap-sized buffers fragment the heap: a 32 MiB budget peaked higher than
+# 64 MiB on CPU). Override with FASTRL_LOGPROBS_CHUNK_MB.
+DEFAULT_CHUNK_MB = 48
 TORCH_CHUNK_BYTES = int(float(os.environ.get("FASTRL_LOGPROBS_CHUNK_MB", str(DEFAULT_CHUNK_MB))) * 2**20)
 
 
