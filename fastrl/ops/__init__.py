@@ -6,8 +6,9 @@ CUDA tensors and the PyTorch path otherwise.
 
 from fastrl.ops.advantages import group_advantages, step_advantages
 from fastrl.ops.decode_attention import shared_prefix_decode_attention
+from fastrl.ops.fused_policy_loss import fused_linear_policy_loss
 from fastrl.ops.kl import kl_penalty
-from fastrl.ops.logprobs import fused_linear_policy_loss, linear_logprobs
+from fastrl.ops.logprobs import linear_logprobs
 from fastrl.ops.packing import PackedLayout
 from fastrl.ops.policy_loss import policy_loss
 from fastrl.ops.scans import discounted_returns, gae

@@ -159,7 +159,7 @@ def causal_lm_policy_loss(
     ``completion_mask``/``old_logp``/``ref_logp``/``rollout_logp`` are [B, k] aligned with
     ``input_ids[:, -k:]`` (TRL's ``logits_to_keep`` layout); ``advantages`` [B, k] or [B].
     """
-    from fastrl.ops.logprobs import fused_linear_policy_loss
+    from fastrl.ops.fused_policy_loss import fused_linear_policy_loss
 
     check_int("input_ids", input_ids, ndim=2)
     if not isinstance(completion_mask, torch.Tensor) or completion_mask.dim() != 2 or completion_mask.shape[0] != input_ids.shape[0]:

@@ -208,7 +208,7 @@ def packed_causal_lm_policy_loss(
     ``[B, L_max]`` or ``[B]``. ``completion_mask`` defaults to the real tokens; a given one
     is combined with them (positions past a completion's end never count).
     """
-    from fastrl.ops.logprobs import fused_linear_policy_loss
+    from fastrl.ops.fused_policy_loss import fused_linear_policy_loss
 
     if not isinstance(packed, PackedGroups):
         raise TypeError(f"packed must be a PackedGroups, got {type(packed).__name__}")

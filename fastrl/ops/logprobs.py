@@ -5,11 +5,11 @@
 ``fastrl.reference.logprobs`` for the formula), but never holds the logits: the forward
 keeps four fp32 numbers per token (running max, sum of exponentials, entropy term and
 target logit) and the backward recomputes the logits tile by tile (Triton) or chunk by
-chunk (PyTorch) to form the gradients of ``hidden``, ``weight`` and ``bias``.
+chunk (PyTorch, ``chunk_rows(V)`` tokens at a time) to form the gradients of ``hidden``,
+``weight`` and ``bias``.
 
-``fused_linear_policy_loss`` feeds those log-probs straight into
-``fastrl.ops.policy_loss`` (on CPU it forms the gradients in the same pass as the logits
-when each token's loss gradient depends only on that token).
+The policy loss from hidden states, ``fused_linear_policy_loss``, lives in
+``fastrl.ops.fused_policy_loss`` (it is also importable from here, as before).
 """
 
 from __future__ import annotations
@@ -23,22 +23,32 @@ import torch.distributed as dist
 from fastrl._checks import (
     check_float,
     check_int,
-    check_mask,
     check_nonempty,
     check_same_device,
     check_scalar,
     resolve_backend,
 )
-from fastrl.config import PolicyLossConfig
 
-__all__ = ["linear_logprobs", "fused_linear_policy_loss"]
+__all__ = ["chunk_rows", "linear_logprobs"]
 
-# PyTorch path: size in bytes of one fp32 [chunk_tokens, V] work buffer (two are live at
-# a time). Override with FASTRL_LOGPROBS_CHUNK_MB.
-TORCH_CHUNK_BYTES = int(float(os.environ.get("FASTRL_LOGPROBS_CHUNK_MB", "128")) * 2**20)
+# PyTorch path: the byte budget of one fp32 [chunk_tokens, V] logits buffer (at most two
+# are live at a time, with the entropy). A fixed number of bytes, so the token chunk
+# shrinks as V grows and the logits memory does not follow V or the token count. 48 MiB:
+# the peak stays below Liger-Kernel's fused GRPO loss at every shape
+# benchmarks/bench_logprobs_memory.py covers (its chunk is one 512-token sequence, ~62 MiB
+# at V = 32000; 64 MiB tied it there on a second call), and it is above glibc's largest
+# dynamic mmap threshold (32 MiB), so each buffer is its own mapping and goes back to the
+# OS when freed (heap-sized buffers fragment the heap: a 32 MiB budget peaked higher than
+# 64 MiB on CPU). Override with FASTRL_LOGPROBS_CHUNK_MB.
+DEFAULT_CHUNK_MB = 48
+TORCH_CHUNK_BYTES = int(float(os.environ.get("FASTRL_LOGPROBS_CHUNK_MB", str(DEFAULT_CHUNK_MB))) * 2**20)
 
 
-def _chunk_rows(vocab: int) -> int:
+def chunk_rows(vocab: int) -> int:
+    """Tokens per chunk of the PyTorch path (``linear_logprobs`` and
+    ``fused_linear_policy_loss``): as many as fit one fp32 [rows, vocab] buffer in
+    ``TORCH_CHUNK_BYTES`` (one at least). A function of the vocabulary only, never of the
+    token count (the Triton path has no such buffer: fixed tiles, see csrc_triton/logprobs.py)."""
     return max(1, TORCH_CHUNK_BYTES // (4 * max(vocab, 1)))
 
 
@@ -118,7 +128,7 @@ def _torch_stats(h, weight, bias, y, inv_temp, with_entropy):
     f32 = dict(dtype=torch.float32, device=h.device)
     m, s, t = torch.empty(n, **f32), torch.empty(n, **f32), torch.empty(n, **f32)
     w = torch.empty(n, **f32) if with_entropy else None
-    step = _chunk_rows(weight.shape[0])
+    step = chunk_rows(weight.shape[0])
     w_logits = _logits_weight(weight)
     for i in range(0, n, step):
         sl = slice(i, min(i + step, n))
@@ -147,7 +157,7 @@ def _torch_grads(h, weight, bias, y, lse, ent, gl, ge, inv_temp, need_h, need_w,
     gh = torch.empty(n, hd, dtype=h.dtype, device=h.device) if need_h else None
     gw = torch.zeros(v, hd, dtype=torch.float32, device=h.device) if need_w else None
     gb = torch.zeros(v, dtype=torch.float32, device=h.device) if need_b else None
-    step = _chunk_rows(v)
+    step = chunk_rows(v)
     w_logits = _logits_weight(weight)
     for i in range(0, n, step):
         sl = slice(i, min(i + step, n))
@@ -405,282 +415,11 @@ def linear_logprobs(
     return logp
 
 
-# --------------------------------------------------------------------------- fused policy loss
+def __getattr__(name: str) -> Any:
+    # ``from fastrl.ops.logprobs import fused_linear_policy_loss`` keeps working; the op
+    # lives in fastrl.ops.fused_policy_loss (imported lazily: that module imports this one)
+    if name == "fused_linear_policy_loss":
+        from fastrl.ops.fused_policy_loss import fused_linear_policy_loss
 
-
-def fused_linear_policy_loss(
-    hidden: torch.Tensor,
-    weight: torch.Tensor,
-    targets: torch.Tensor,
-    old_logp: torch.Tensor,
-    advantages: torch.Tensor,
-    mask: torch.Tensor,
-    *,
-    bias: torch.Tensor | None = None,
-    ref_logp: torch.Tensor | None = None,
-    rollout_logp: torch.Tensor | None = None,
-    config: PolicyLossConfig = PolicyLossConfig(),
-    temperature: float = 1.0,
-    entropy: bool = False,
-    global_token_count: torch.Tensor | float | None = None,
-    global_seq_count: torch.Tensor | float | None = None,
-    process_group: Any = None,
-    backend: str = "auto",
-    tiles: dict[str, dict[str, int]] | None = None,
-) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
-    """The policy loss of ``fastrl.ops.policy_loss`` computed from hidden states.
-
-    Exactly ``policy_loss(linear_logprobs(hidden, weight, targets', ...), old_logp,
-    advantages, mask, ...)`` where ``targets'`` ignores the tokens outside ``mask`` (so
-    padding costs nothing and may hold any id), with the per-token entropy passed to
-    ``policy_loss`` when ``config.entropy_coef != 0`` or ``entropy=True`` (then the
-    ``entropy_mean``/``entropy_loss`` metrics are reported).
-
-    Args:
-        hidden: [B, T, H] last hidden states (the ones that predict ``targets``).
-        weight, bias: LM head [V, H] and optional [V] (a vocab shard with ``process_group``).
-        targets: [B, T] sampled token ids.
-        old_logp, advantages, mask, ref_logp, rollout_logp, config, global_token_count,
-            global_seq_count: as in ``fastrl.ops.policy_loss`` (every ``PolicyLossConfig``
-            option, including sequence-level ratios and global-token normalisation).
-        temperature: sampling temperature the logits are divided by.
-        entropy: compute the entropy (metrics) even when ``config.entropy_coef == 0``.
-        process_group: tensor-parallel vocabulary, see ``linear_logprobs``.
-        backend: for both the log-probs and the loss.
-
-    Returns:
-        ``(loss, metrics)`` as ``policy_loss``; ``loss`` is differentiable wrt ``hidden``,
-        ``weight`` and ``bias``.
-
-    Memory: the [B*T, V] logits are never held. Triton (and PyTorch on CUDA, with
-    tensor parallelism, or for sequence-level ratios / importance weights): the forward
-    keeps O(B*T) statistics and the backward recomputes the logits in tiles / token chunks
-    once the loss has given d loss / d logp and d loss / d entropy per token (4 GEMM passes).
-    PyTorch on CPU with token-level ratios: each token chunk's logits are computed once and
-    turned into grad_hidden / grad_weight in the same pass (3 GEMM passes, like the logits
-    path); those gradients are held until backward (``EAGER_TORCH_LOSS`` switches it off).
-    """
-    from fastrl.ops.policy_loss import policy_loss
-
-    check_float("hidden", hidden, ndim=3)
-    check_int("targets", targets, ndim=2)
-    if tuple(targets.shape) != tuple(hidden.shape[:2]):
-        raise ValueError(f"targets must have shape {tuple(hidden.shape[:2])} (hidden.shape[:2]), got {tuple(targets.shape)}")
-    check_mask("mask", mask, tuple(targets.shape))
-    # every per-token input is validated before any work (the one-pass path indexes them)
-    B, T = targets.shape
-    check_float("old_logp", old_logp, shape=(B, T))
-    check_float("advantages", advantages)
-    if tuple(advantages.shape) not in ((B, T), (B,)):
-        raise ValueError(f"advantages must have shape (B, T) = {(B, T)} or (B,) = {(B,)}, got {tuple(advantages.shape)}")
-    for name, t in (("ref_logp", ref_logp), ("rollout_logp", rollout_logp)):
-        if t is not None:
-            check_float(name, t, shape=(B, T))
-    check_same_device(hidden=hidden, targets=targets, old_logp=old_logp, advantages=advantages, mask=mask,
-                      ref_logp=ref_logp, rollout_logp=rollout_logp)
-    ignore_index = -100
-    keep = mask if mask.dtype == torch.bool else mask != 0
-    targets_eff = torch.where(keep, targets.to(torch.int64), torch.full_like(targets, ignore_index, dtype=torch.int64))
-    with_entropy = bool(entropy) or config.entropy_coef != 0
-    if _eager_applies(hidden, weight, bias, rollout_logp, config, process_group, backend):
-        _validate(hidden, weight, targets_eff, bias, temperature, ignore_index)
-        _check_target_range(targets_eff.reshape(-1), ignore_index, weight.shape[0])
-        return _fused_eager_torch(
-            hidden, weight, bias, targets_eff, keep, old_logp, advantages, mask, ref_logp=ref_logp,
-            rollout_logp=rollout_logp, config=config, temperature=float(temperature), with_entropy=with_entropy,
-            global_token_count=global_token_count, global_seq_count=global_seq_count,
-        )
-    out = linear_logprobs(
-        hidden, weight, targets_eff, bias=bias, temperature=temperature, return_entropy=with_entropy,
-        ignore_index=ignore_index, process_group=process_group, backend=backend, tiles=tiles,
-    )
-    logp, ent = out if with_entropy else (out, None)
-    return policy_loss(
-        logp, old_logp, advantages, mask, ref_logp=ref_logp, entropy=ent, rollout_logp=rollout_logp, config=config,
-        global_token_count=global_token_count, global_seq_count=global_seq_count, backend=backend,
-    )
-
-
-# --------------------------------------------------------------------------- fused policy loss, one pass (CPU)
-
-# The PyTorch path of fused_linear_policy_loss computes the gradients in the forward pass
-# (3 GEMMs per token chunk: logits, grad_hidden, grad_weight) instead of recomputing the
-# logits in backward (4 GEMMs), when the loss gradient of a token depends only on that
-# token (token-level ratio and importance weights). Set False to always compose
-# policy_loss(linear_logprobs(...)).
-EAGER_TORCH_LOSS = True
-
-
-def _eager_applies(hidden, weight, bias, rollout_logp, config, process_group, backend) -> bool:
-    if not EAGER_TORCH_LOSS or process_group is not None or hidden.device.type != "cpu":
-        return False
-    if resolve_backend(backend, hidden.device) != "torch":
-        return False
-    if config.ratio_level != "token" or (rollout_logp is not None and config.is_level != "token"):
-        return False
-    needs = [t.requires_grad for t in (hidden, weight, bias) if t is not None]
-    return torch.is_grad_enabled() and any(needs)
-
-
-class _PrecomputedGrads(torch.autograd.Function):
-    """Returns ``loss``; its backward hands out gradients computed in the forward pass.
-
-    They are saved tensors (freed by autograd after a backward without ``retain_graph``)
-    and never modified, so a retained graph can be differentiated again."""
-
-    @staticmethod
-    def forward(ctx, loss, hidden, weight, bias, gh, gw, gb):
-        ctx.save_for_backward(gh, gw, gb)
-        ctx.dtypes = (hidden.dtype, weight.dtype, bias.dtype if bias is not None else None)
-        return loss.clone()
-
-    @staticmethod
-    def backward(ctx, grad_out):
-        gh, gw, gb = ctx.saved_tensors
-        dh, dw, db = ctx.dtypes
-        out = [None] * 7
-        if gh is not None and ctx.needs_input_grad[1]:
-            out[1] = (gh * grad_out).to(dh)
-        if gw is not None and ctx.needs_input_grad[2]:
-            out[2] = (gw * grad_out).to(dw)
-        if gb is not None and ctx.needs_input_grad[3]:
-            out[3] = (gb * grad_out).to(db)
-        return tuple(out)
-
-
-def _fused_eager_torch(
-    hidden, weight, bias, targets_eff, keep, old_logp, advantages, mask, *, ref_logp, rollout_logp, config,
-    temperature, with_entropy, global_token_count, global_seq_count,
-):
-    """fused_linear_policy_loss on CPU with the gradients formed in the same pass as the logits.
-
-    d loss / d logp_t = c_t * dl_t/dlogp_t, where c_t is the aggregation weight of token t
-    and l_t its per-token loss. Both come from ``policy_loss`` itself: c_t as the gradient
-    of the loss with a k1 KL of coefficient 1 (d KL_t / d logp_t = 1) and no other term,
-    dl_t/dlogp_t from ``policy_loss`` on each token chunk with a plain token sum.
-    The loss value and metrics come from one ``policy_loss`` call on the detached log-probs.
-    """
-    from fastrl.ops.policy_loss import policy_loss
-
-    B, T, hd = hidden.shape
-    inv_temp = 1.0 / temperature
-    dtype = torch.promote_types(hidden.dtype, weight.dtype)
-    h2 = hidden.detach().reshape(-1, hd).to(dtype)
-    w2 = weight.detach().to(dtype)
-    b2 = bias.detach() if bias is not None else None
-    idx = keep.reshape(-1).nonzero().squeeze(1)
-    hw = h2.index_select(0, idx)
-    yw = targets_eff.reshape(-1).index_select(0, idx)
-    n, V = idx.numel(), w2.shape[0]
-    f32 = dict(dtype=torch.float32, device=hidden.device)
-    counts = dict(global_token_count=global_token_count, global_seq_count=global_seq_count)
-
-    # aggregation weight of every token, as policy_loss aggregates
-    probe = torch.zeros(B, T, requires_grad=True, **f32)
-    zeros = torch.zeros(B, T, **f32)
-    agg_cfg = PolicyLossConfig(kl_coef=1.0, kl_estimator="k1", loss_agg=config.loss_agg, norm_length=config.norm_length)
-    with torch.enable_grad():
-        agg_loss, _ = policy_loss(probe, zeros, torch.zeros(B, **f32), mask, ref_logp=zeros, config=agg_cfg,
-                                  backend="torch", **counts)
-        (c_all,) = torch.autograd.grad(agg_loss, probe)
-    c_tok = c_all.reshape(-1).index_select(0, idx)
-
-    def pick(x):
-        return None if x is None else x.reshape(-1).index_select(0, idx)
-
-    adv_full = advantages[:, None].expand(B, T) if advantages.dim() == 1 else advantages
-    old_w, adv_w, ref_w, roll_w = pick(old_logp), pick(adv_full), pick(ref_logp), pick(rollout_logp)
-    tok_cfg = config.replace(loss_agg="seq-mean-token-sum", norm_length=None)
-
-    def token_grads(sl, lp_c, ent_c):
-        lp = lp_c.detach().requires_grad_()
-        en = ent_c.detach().requires_grad_() if ent_c is not None else None
-        c = lp.shape[0]
-        with torch.enable_grad():
-            loss_c, _ = policy_loss(
-                lp[None], old_w[sl][None], adv_w[sl][None], torch.ones(1, c, **f32),
-                ref_logp=ref_w[sl][None] if ref_w is not None else None,
-                entropy=en[None] if en is not None else None,
-                rollout_logp=roll_w[sl][None] if roll_w is not None else None,
-                config=tok_cfg, global_seq_count=1.0, backend="torch",
-            )
-            inputs = [lp] + ([en] if en is not None else [])
-            grads = torch.autograd.grad(loss_c, inputs, allow_unused=True)
-        gl = grads[0] if grads[0] is not None else torch.zeros_like(lp)
-        ge = grads[1] if en is not None and grads[1] is not None else None
-        w = c_tok[sl]
-        return gl * w, (ge * w if ge is not None else None)
-
-    need_h, need_w = hidden.requires_grad, weight.requires_grad
-    need_b = bias is not None and bias.requires_grad
-    logp_w = torch.empty(n, **f32)
-    ent_w = torch.empty(n, **f32) if with_entropy else None
-    gh = torch.empty(n, hd, dtype=dtype, device=hidden.device) if need_h else None
-    gw = torch.zeros(V, hd, **f32) if need_w else None
-    gb = torch.zeros(V, **f32) if need_b else None
-    step = _chunk_rows(V)
-    w_logits = _logits_weight(w2)
-    for i in range(0, n, step):
-        sl = slice(i, min(i + step, n))
-        z = _torch_logits(hw[sl], w_logits, b2, inv_temp)
-        z -= z.amax(1, keepdim=True)  # u - m
-        yc = yw[sl]
-        t = z.gather(1, yc[:, None]).squeeze(1)
-        if with_entropy:
-            e = torch.exp(z)
-            ssum = e.sum(1)
-            log_s = ssum.log()
-            ent_c = log_s - torch.linalg.vecdot(e, z) / ssum
-        else:
-            ssum = z.exp_().sum(1)  # z now holds exp(u - m) = p * s
-            log_s = ssum.log()
-            ent_c = None
-        lp_c = t - log_s
-        logp_w[sl] = lp_c
-        if ent_w is not None:
-            ent_w[sl] = ent_c
-        gl, ge = token_grads(sl, lp_c, ent_c)
-        gl_t = gl * inv_temp
-        # g = (gl * (onehot - p) - ge * p * (log p + H)) / T, built in the chunk buffers
-        if with_entropy:
-            if ge is not None:
-                z -= log_s[:, None]  # log p
-                z += ent_c[:, None]
-                z *= e
-                z *= (-(ge * inv_temp) / ssum)[:, None]
-                e *= (gl_t / ssum)[:, None]
-                z -= e
-                g = z
-                del e
-            else:
-                e *= (-gl_t / ssum)[:, None]
-                g = e
-                del z
-        else:
-            z *= (-gl_t / ssum)[:, None]
-            g = z
-        g.scatter_add_(1, yc[:, None], gl_t[:, None])
-        if gb is not None:
-            gb += g.sum(0)
-        gq = g if dtype == torch.float32 else g.to(dtype)
-        del g
-        if gh is not None:
-            torch.mm(gq, w2, out=gh[sl])
-        if gw is not None:
-            if gq.dtype == torch.float32:
-                gw.addmm_(gq.T, hw[sl])
-            else:
-                gw += gq.T @ hw[sl]
-        # drop every reference to this chunk's buffer before the next chunk allocates one
-        z = g = gq = None  # noqa: F841
-
-    logp = torch.zeros(B * T, **f32).index_copy_(0, idx, logp_w).reshape(B, T)
-    ent = torch.zeros(B * T, **f32).index_copy_(0, idx, ent_w).reshape(B, T) if with_entropy else None
-    with torch.no_grad():
-        loss, metrics = policy_loss(logp, old_logp, advantages, mask, ref_logp=ref_logp, entropy=ent,
-                                    rollout_logp=rollout_logp, config=config, backend="torch", **counts)
-    gh_full = None
-    if gh is not None:
-        gh_full = torch.zeros(B * T, hd, dtype=dtype, device=hidden.device).index_copy_(0, idx, gh).reshape(B, T, hd)
-    loss = _PrecomputedGrads.apply(loss, hidden, weight, bias, gh_full, gw, gb)
-    return loss, metrics
+        return fused_linear_policy_loss
+    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")

@@ -377,7 +377,7 @@ def plan_memory(
         device: "cuda" (the fused head runs the Triton kernel: tiles, no chunk buffer) or
             "cpu" (the PyTorch chunked head): decides the head's work buffer.
         logprob_chunk_mb: fused head work buffer; default 0 on CUDA, on CPU the PyTorch
-            path's chunk (``FASTRL_LOGPROBS_CHUNK_MB``, 128).
+            path's chunk (``FASTRL_LOGPROBS_CHUNK_MB``, 48: ``fastrl.ops.logprobs.DEFAULT_CHUNK_MB``).
         foreach: AdamW's multi-tensor step (torch's default on CUDA) allocates one
             state-size temporary (and an fp32 copy of bf16 gradients); False: a fused
             (``fused=True``, DeepSpeed's fused Adam) or per-tensor step, whose temporaries
@@ -408,7 +408,7 @@ def plan_memory(
     has_ref = (algorithm != "grpo_noref") if reference is None else bool(reference)
     has_critic = algorithm == "ppo"
     if logprob_chunk_mb is None:
-        logprob_chunk_mb = 0.0 if device == "cuda" else float(os.environ.get("FASTRL_LOGPROBS_CHUNK_MB", "128"))
+        logprob_chunk_mb = 0.0 if device == "cuda" else float(os.environ.get("FASTRL_LOGPROBS_CHUNK_MB", "48"))
     chunk_bytes = int(logprob_chunk_mb * 2**20)
 
     n_params = m.params

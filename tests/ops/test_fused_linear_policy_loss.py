@@ -127,7 +127,7 @@ def test_bad_input():
 @pytest.mark.parametrize("entropy_coef", [0.0, 0.05])
 def test_one_pass_cpu_path_equals_composition(monkeypatch, entropy_coef):
     # the CPU path forms the gradients during the forward pass; it must match the composed path
-    import fastrl.ops.logprobs as lp_mod
+    import fastrl.ops.fused_policy_loss as fused_mod
 
     cfg = PolicyLossConfig(clip_high=0.28, dual_clip=2.5, kl_coef=0.1, log_ratio_clamp=1.0,
                            entropy_coef=entropy_coef, loss_agg="seq-mean-token-mean")
@@ -135,7 +135,7 @@ def test_one_pass_cpu_path_equals_composition(monkeypatch, entropy_coef):
     adv_tok = adv[:, None] + 0.1 * torch.randn(B, T)
     results = []
     for eager in (True, False):
-        monkeypatch.setattr(lp_mod, "EAGER_TORCH_LOSS", eager)
+        monkeypatch.setattr(fused_mod, "EAGER_TORCH_LOSS", eager)
         hh, ww = h.clone().requires_grad_(), w.clone().requires_grad_()
         bb = b.clone()  # bias without gradient
         loss, metrics = fused_linear_policy_loss(hh, ww, y, old, adv_tok, mask, bias=bb, ref_logp=ref,
@@ -207,3 +207,52 @@ def test_double_backward_with_retain_graph(backend):
     for a, b_, c in zip(g1, g2, (hh.grad, ww.grad)):
         torch.testing.assert_close(a, 2.0 * b_)
         torch.testing.assert_close(c, 3.0 * b_)
+
+
+@pytest.mark.parametrize("loss_agg", ["token-mean", "seq-mean-token-mean", "seq-mean-token-sum", "seq-mean-token-sum-norm"])
+@pytest.mark.parametrize("count", [None, 0.0, 7.0, "tensor"])
+def test_token_aggregation_weights_are_the_gradient_of_the_aggregation(loss_agg, count):
+    """The one-pass path's explicit aggregation weight c_t equals d loss / d l_t of
+    policy_loss itself (oracle: autograd through a k1 KL term, whose d l_t / d logp_t is 1),
+    with an empty row, a one-token row and every global-count form."""
+    from fastrl.ops.fused_policy_loss import _token_agg_weights
+
+    g = torch.Generator().manual_seed(7)
+    mask = (torch.rand(4, 5, generator=g) > 0.4).float()
+    mask[1] = 0.0  # an empty row: no weight, not counted as a sequence
+    mask[2] = torch.tensor([0.0, 0.0, 1.0, 0.0, 0.0])
+    norm = 3.0 if loss_agg == "seq-mean-token-sum-norm" else None
+    global_count = torch.tensor(5.0) if count == "tensor" else count
+    key = "global_token_count" if loss_agg == "token-mean" else "global_seq_count"
+    cfg = PolicyLossConfig(kl_coef=1.0, kl_estimator="k1", loss_agg=loss_agg, norm_length=norm)
+    lp = torch.zeros(4, 5, requires_grad=True)
+    zeros = torch.zeros(4, 5)
+    loss, _ = policy_loss(lp, zeros, torch.zeros(4), mask, ref_logp=zeros, config=cfg, backend="torch",
+                          **{key: global_count})
+    (want,) = torch.autograd.grad(loss, lp)
+    got = _token_agg_weights(mask, loss_agg=loss_agg, norm_length=norm, global_count=global_count)
+    assert got.dtype == torch.float32 and got.shape == mask.shape
+    assert (got[mask == 0] == 0).all() and (got[mask != 0] > 0).all()
+    torch.testing.assert_close(got, want, atol=0, rtol=1e-7)
+    # and the bool mask gives the same weights
+    got_bool = _token_agg_weights(mask != 0, loss_agg=loss_agg, norm_length=norm, global_count=global_count)
+    torch.testing.assert_close(got_bool, got, atol=0, rtol=0)
+
+
+def test_misplaced_global_count_is_an_error_before_any_work(monkeypatch):
+    """The one-pass CPU path checks the global count before its chunk loop (the count that
+    does not apply to loss_agg, a negative count)."""
+    import fastrl.ops.logprobs as lp_mod
+
+    def no_work(*args, **kwargs):
+        raise AssertionError("log-prob work started before the inputs were validated")
+
+    monkeypatch.setattr(lp_mod, "_torch_logits", no_work)
+    h, w, b, y, mask, old, ref, roll, adv = _data()
+    hh = h.clone().requires_grad_()
+    with pytest.raises(ValueError, match="global_token_count"):
+        fused_linear_policy_loss(hh, w, y, old, adv, mask, config=PolicyLossConfig.preset("grpo"), ref_logp=ref,
+                                 global_token_count=10.0, backend="torch")
+    with pytest.raises(ValueError, match="global_seq_count"):
+        fused_linear_policy_loss(hh, w, y, old, adv, mask, config=PolicyLossConfig.preset("grpo"), ref_logp=ref,
+                                 global_seq_count=torch.tensor([-1.0]), backend="torch")

@@ -167,6 +167,63 @@ def test_torch_path_large_prime_vocab_many_chunks(monkeypatch):
     _compare(got, ref)
 
 
+@pytest.mark.parametrize("vocab", [1, 7, 4096, 32000, 32003, 151936, 262144, 2**20])
+def test_chunk_rows_fill_a_fixed_byte_budget(vocab):
+    """The PyTorch path's token chunk is as many rows as fit one fp32 [rows, V] buffer in
+    TORCH_CHUNK_BYTES, whatever the token count: the logits memory bound is the budget,
+    for every vocabulary (one row at least)."""
+    rows = lp_mod.chunk_rows(vocab)
+    budget = lp_mod.TORCH_CHUNK_BYTES
+    assert rows >= 1
+    assert rows * vocab * 4 <= budget or rows == 1
+    assert (rows + 1) * vocab * 4 > budget  # no smaller chunk than the budget allows
+
+
+
+class _LargestVocabRows(torch.utils._python_dispatch.TorchDispatchMode):
+    """Records the most rows any op output with ``vocab`` columns has (the logits chunks)."""
+
+    def __init__(self, vocab):
+        super().__init__()
+        self.vocab, self.most_rows = vocab, 0
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        out = func(*args, **(kwargs or {}))
+        for t in out if isinstance(out, (tuple, list)) else (out,):
+            if isinstance(t, torch.Tensor) and t.dim() == 2 and t.shape[1] == self.vocab:
+                self.most_rows = max(self.most_rows, t.shape[0])
+        return out
+
+
+@pytest.mark.parametrize("op", ["linear_logprobs", "fused_linear_policy_loss"])
+def test_torch_path_never_holds_more_logits_rows_than_the_chunk(monkeypatch, op):
+    """Memory bound of the PyTorch path, by construction: every [rows, V] tensor it makes
+    (forward and backward) has at most chunk_rows(V) rows, so the logits work buffers
+    are bounded by the byte budget and not by the token count."""
+    from fastrl.config import PolicyLossConfig
+    from fastrl.ops import fused_linear_policy_loss
+
+    B, T, H, V = 4, 50, 16, 257
+    monkeypatch.setattr(lp_mod, "TORCH_CHUNK_BYTES", 4 * V * 37)  # 37-row chunks for 200 tokens
+    rows = lp_mod.chunk_rows(V)
+    assert rows == 37
+    h, w, b, y = _inputs((B, T), H, V, bias=True)
+    hh, ww, bb = (t.clone().requires_grad_() for t in (h, w, b))
+    mask = torch.ones(B, T)
+    cfg = PolicyLossConfig(entropy_coef=0.01)  # with the entropy: two [rows, V] buffers per chunk
+    with _LargestVocabRows(V) as seen:
+        if op == "linear_logprobs":
+            logp, ent = linear_logprobs(hh, ww, y, bias=bb, return_entropy=True, backend="torch")
+            (logp.sum() + ent.sum()).backward()
+        else:
+            old = torch.full((B, T), -5.0)
+            loss, _ = fused_linear_policy_loss(hh, ww, y, old, torch.randn(B), mask, bias=bb, config=cfg,
+                                               backend="torch")
+            loss.backward()
+    assert hh.grad is not None and ww.grad is not None and bb.grad is not None
+    assert 0 < seen.most_rows <= rows, (seen.most_rows, rows)
+
+
 def test_backends_agree_and_leading_dims_are_kept():
     h, w, _, y = _inputs((2, 3, 5), 20, 45)
     h, w, y = h.to(DEVICE), w.to(DEVICE), y.to(DEVICE)

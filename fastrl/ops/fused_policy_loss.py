@@ -1,0 +1,340 @@
+"""The policy loss straight from hidden states: ``fused_linear_policy_loss``.
+
+``fused_linear_policy_loss(hidden, weight, targets, old_logp, advantages, mask, ...)`` is
+``policy_loss(linear_logprobs(hidden, weight, targets', ...), old_logp, advantages, mask,
+...)`` without the ``[tokens, vocab]`` logits. Two paths:
+
+- composed (Triton, CUDA, tensor parallelism, sequence-level ratios or importance
+  weights): ``linear_logprobs`` then ``policy_loss``; the backward recomputes the logits.
+- one pass (PyTorch on CPU, token-level ratio and importance weight): each token chunk's
+  logits are computed once and turned into ``grad_hidden`` / ``grad_weight`` in the same
+  pass (3 GEMMs per chunk instead of 4), which works because then the loss gradient of a
+  token depends only on that token: ``d loss / d logp_t = c_t * d l_t / d logp_t`` with
+  ``l_t`` the per-token loss (from ``policy_loss`` itself, on each chunk) and ``c_t`` the
+  aggregation weight of token ``t`` (``_token_agg_weights``, written out explicitly).
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import torch
+
+import fastrl.ops.logprobs as _lp  # shared helpers, looked up at call time (one definition, patchable)
+from fastrl._checks import (
+    check_float,
+    check_global_count,
+    check_int,
+    check_mask,
+    check_same_device,
+    effective_count,
+    resolve_backend,
+    select_global_count,
+)
+from fastrl.config import PolicyLossConfig
+from fastrl.ops.logprobs import linear_logprobs
+from fastrl.ops.policy_loss import policy_loss
+
+__all__ = ["fused_linear_policy_loss"]
+
+# The PyTorch path on CPU computes the gradients in the forward pass (3 GEMMs per token
+# chunk: logits, grad_hidden, grad_weight) instead of recomputing the logits in backward
+# (4 GEMMs), when the loss gradient of a token depends only on that token (token-level
+# ratio and importance weights). Set False to always compose policy_loss(linear_logprobs(...)).
+EAGER_TORCH_LOSS = True
+
+_IGNORE = -100  # the ignore_index given to linear_logprobs for tokens outside the mask
+
+
+def fused_linear_policy_loss(
+    hidden: torch.Tensor,
+    weight: torch.Tensor,
+    targets: torch.Tensor,
+    old_logp: torch.Tensor,
+    advantages: torch.Tensor,
+    mask: torch.Tensor,
+    *,
+    bias: torch.Tensor | None = None,
+    ref_logp: torch.Tensor | None = None,
+    rollout_logp: torch.Tensor | None = None,
+    config: PolicyLossConfig = PolicyLossConfig(),
+    temperature: float = 1.0,
+    entropy: bool = False,
+    global_token_count: torch.Tensor | float | None = None,
+    global_seq_count: torch.Tensor | float | None = None,
+    process_group: Any = None,
+    backend: str = "auto",
+    tiles: dict[str, dict[str, int]] | None = None,
+) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
+    """The policy loss of ``fastrl.ops.policy_loss`` computed from hidden states.
+
+    Exactly ``policy_loss(linear_logprobs(hidden, weight, targets', ...), old_logp,
+    advantages, mask, ...)`` where ``targets'`` ignores the tokens outside ``mask`` (so
+    padding costs nothing and may hold any id), with the per-token entropy passed to
+    ``policy_loss`` when ``config.entropy_coef != 0`` or ``entropy=True`` (then the
+    ``entropy_mean``/``entropy_loss`` metrics are reported).
+
+    Args:
+        hidden: [B, T, H] last hidden states (the ones that predict ``targets``).
+        weight, bias: LM head [V, H] and optional [V] (a vocab shard with ``process_group``).
+        targets: [B, T] sampled token ids.
+        old_logp, advantages, mask, ref_logp, rollout_logp, config, global_token_count,
+            global_seq_count: as in ``fastrl.ops.policy_loss`` (every ``PolicyLossConfig``
+            option, including sequence-level ratios and global-token normalisation).
+        temperature: sampling temperature the logits are divided by.
+        entropy: compute the entropy (metrics) even when ``config.entropy_coef == 0``.
+        process_group: tensor-parallel vocabulary, see ``linear_logprobs``.
+        backend: for both the log-probs and the loss.
+
+    Returns:
+        ``(loss, metrics)`` as ``policy_loss``; ``loss`` is differentiable wrt ``hidden``,
+        ``weight`` and ``bias``.
+
+    Memory: the [B*T, V] logits are never held. Triton (and PyTorch on CUDA, with
+    tensor parallelism, or for sequence-level ratios / importance weights): the forward
+    keeps O(B*T) statistics and the backward recomputes the logits in tiles / token chunks
+    once the loss has given d loss / d logp and d loss / d entropy per token (4 GEMM passes).
+    PyTorch on CPU with token-level ratios: each token chunk's logits are computed once and
+    turned into grad_hidden / grad_weight in the same pass (3 GEMM passes, like the logits
+    path); those gradients are held until backward (``EAGER_TORCH_LOSS`` switches it off).
+    The PyTorch token chunks hold at most ``fastrl.ops.logprobs.chunk_rows(V)`` rows.
+    """
+    check_float("hidden", hidden, ndim=3)
+    check_int("targets", targets, ndim=2)
+    if tuple(targets.shape) != tuple(hidden.shape[:2]):
+        raise ValueError(f"targets must have shape {tuple(hidden.shape[:2])} (hidden.shape[:2]), got {tuple(targets.shape)}")
+    check_mask("mask", mask, tuple(targets.shape))
+    # every per-token input is validated before any work (the one-pass path indexes them)
+    B, T = targets.shape
+    check_float("old_logp", old_logp, shape=(B, T))
+    check_float("advantages", advantages)
+    if tuple(advantages.shape) not in ((B, T), (B,)):
+        raise ValueError(f"advantages must have shape (B, T) = {(B, T)} or (B,) = {(B,)}, got {tuple(advantages.shape)}")
+    for name, t in (("ref_logp", ref_logp), ("rollout_logp", rollout_logp)):
+        if t is not None:
+            check_float(name, t, shape=(B, T))
+    check_same_device(hidden=hidden, targets=targets, old_logp=old_logp, advantages=advantages, mask=mask,
+                      ref_logp=ref_logp, rollout_logp=rollout_logp)
+    keep = mask if mask.dtype == torch.bool else mask != 0
+    targets_eff = torch.where(keep, targets.to(torch.int64), torch.full_like(targets, _IGNORE, dtype=torch.int64))
+    with_entropy = bool(entropy) or config.entropy_coef != 0
+    if _eager_applies(hidden, weight, bias, rollout_logp, config, process_group, backend):
+        _lp._validate(hidden, weight, targets_eff, bias, temperature, _IGNORE)
+        _lp._check_target_range(targets_eff.reshape(-1), _IGNORE, weight.shape[0])
+        count_name, count = select_global_count(config.loss_agg, global_token_count, global_seq_count)
+        global_count = check_global_count(count_name, count, hidden.device)
+        return _fused_eager_torch(
+            hidden, weight, bias, targets_eff, keep, old_logp, advantages, mask, ref_logp=ref_logp,
+            rollout_logp=rollout_logp, config=config, temperature=float(temperature), with_entropy=with_entropy,
+            global_count=global_count, global_token_count=global_token_count, global_seq_count=global_seq_count,
+        )
+    out = linear_logprobs(
+        hidden, weight, targets_eff, bias=bias, temperature=temperature, return_entropy=with_entropy,
+        ignore_index=_IGNORE, process_group=process_group, backend=backend, tiles=tiles,
+    )
+    logp, ent = out if with_entropy else (out, None)
+    return policy_loss(
+        logp, old_logp, advantages, mask, ref_logp=ref_logp, entropy=ent, rollout_logp=rollout_logp, config=config,
+        global_token_count=global_token_count, global_seq_count=global_seq_count, backend=backend,
+    )
+
+
+# --------------------------------------------------------------------------- one pass (CPU)
+
+
+def _eager_applies(hidden, weight, bias, rollout_logp, config, process_group, backend) -> bool:
+    if not EAGER_TORCH_LOSS or process_group is not None or hidden.device.type != "cpu":
+        return False
+    if resolve_backend(backend, hidden.device) != "torch":
+        return False
+    if config.ratio_level != "token" or (rollout_logp is not None and config.is_level != "token"):
+        return False
+    needs = [t.requires_grad for t in (hidden, weight, bias) if t is not None]
+    return torch.is_grad_enabled() and any(needs)
+
+
+def _token_agg_weights(
+    mask: torch.Tensor, *, loss_agg: str, norm_length: float | None, global_count: torch.Tensor | float | None,
+) -> torch.Tensor:
+    """[B, T] fp32 weight of each token's loss in the aggregated loss (0 outside ``mask``):
+    ``loss = sum_t c_t l_t``, so ``d loss / d l_t = c_t``.
+
+    With n_b the masked-in tokens of row b and D the denominator (``global_count`` when
+    given, else the token count for ``token-mean`` and the count of non-empty rows for the
+    ``seq-*`` modes; a count of 0 is taken as 1):
+
+    - ``token-mean``, ``seq-mean-token-sum``: c_t = 1 / D
+    - ``seq-mean-token-mean``: c_t = 1 / (n_b D)
+    - ``seq-mean-token-sum-norm``: c_t = 1 / (norm_length D)
+
+    The rule ``fastrl.ops.policy_loss`` aggregates with (the PyTorch path's operation order,
+    so the weights match its gradients bit for bit). Private on purpose: to be replaced by
+    the loss family's shared aggregation helper once it exists.
+    """
+    mf = (mask if mask.dtype == torch.bool else mask != 0).to(torch.float32)
+    n = mf.sum(1)
+    if global_count is not None:
+        denom = global_count
+    elif loss_agg == "token-mean":
+        denom = n.sum()
+    else:
+        denom = (n > 0).to(torch.float32).sum()
+    denom = effective_count(denom, device=mask.device)
+    if loss_agg == "seq-mean-token-sum-norm":
+        denom = denom * float(norm_length or 1.0)
+    row = 1.0 / n.clamp(min=1.0) if loss_agg == "seq-mean-token-mean" else torch.ones_like(n)
+    return (row[:, None] * mf) * (1.0 / denom)
+
+
+class _PrecomputedGrads(torch.autograd.Function):
+    """Returns ``loss``; its backward hands out gradients computed in the forward pass.
+
+    They are saved tensors (freed by autograd after a backward without ``retain_graph``)
+    and never modified, so a retained graph can be differentiated again."""
+
+    @staticmethod
+    def forward(ctx, loss, hidden, weight, bias, gh, gw, gb):
+        ctx.save_for_backward(gh, gw, gb)
+        ctx.dtypes = (hidden.dtype, weight.dtype, bias.dtype if bias is not None else None)
+        return loss.clone()
+
+    @staticmethod
+    def backward(ctx, grad_out):
+        gh, gw, gb = ctx.saved_tensors
+        dh, dw, db = ctx.dtypes
+        out = [None] * 7
+        if gh is not None and ctx.needs_input_grad[1]:
+            out[1] = (gh * grad_out).to(dh)
+        if gw is not None and ctx.needs_input_grad[2]:
+            out[2] = (gw * grad_out).to(dw)
+        if gb is not None and ctx.needs_input_grad[3]:
+            out[3] = (gb * grad_out).to(db)
+        return tuple(out)
+
+
+def _fused_eager_torch(
+    hidden, weight, bias, targets_eff, keep, old_logp, advantages, mask, *, ref_logp, rollout_logp, config,
+    temperature, with_entropy, global_count, global_token_count, global_seq_count,
+):
+    """fused_linear_policy_loss on CPU with the gradients formed in the same pass as the logits.
+
+    d loss / d logp_t = c_t * dl_t/dlogp_t: c_t from ``_token_agg_weights``, dl_t/dlogp_t
+    (and dl_t/dentropy_t) from ``policy_loss`` on each token chunk aggregated as a plain
+    token sum (the per-token loss formula has one home: ``policy_loss``). The loss value and
+    metrics come from one ``policy_loss`` call on the detached log-probs.
+    """
+    B, T, hd = hidden.shape
+    inv_temp = 1.0 / temperature
+    dtype = torch.promote_types(hidden.dtype, weight.dtype)
+    h2 = hidden.detach().reshape(-1, hd).to(dtype)
+    w2 = weight.detach().to(dtype)
+    b2 = bias.detach() if bias is not None else None
+    idx = keep.reshape(-1).nonzero().squeeze(1)
+    hw = h2.index_select(0, idx)
+    yw = targets_eff.reshape(-1).index_select(0, idx)
+    n, V = idx.numel(), w2.shape[0]
+    f32 = dict(dtype=torch.float32, device=hidden.device)
+
+    def pick(x):
+        return None if x is None else x.reshape(-1).index_select(0, idx)
+
+    c_tok = pick(_token_agg_weights(mask, loss_agg=config.loss_agg, norm_length=config.norm_length,
+                                    global_count=global_count))
+    adv_full = advantages[:, None].expand(B, T) if advantages.dim() == 1 else advantages
+    old_w, adv_w, ref_w, roll_w = pick(old_logp), pick(adv_full), pick(ref_logp), pick(rollout_logp)
+    tok_cfg = config.replace(loss_agg="seq-mean-token-sum", norm_length=None)
+
+    def token_grads(sl, lp_c, ent_c):
+        """(c_t dl_t/dlogp_t, c_t dl_t/dentropy_t or None) of the tokens in ``sl``."""
+        lp = lp_c.detach().requires_grad_()
+        en = ent_c.detach().requires_grad_() if ent_c is not None else None
+        c = lp.shape[0]
+        with torch.enable_grad():
+            loss_c, _ = policy_loss(
+                lp[None], old_w[sl][None], adv_w[sl][None], torch.ones(1, c, **f32),
+                ref_logp=ref_w[sl][None] if ref_w is not None else None,
+                entropy=en[None] if en is not None else None,
+                rollout_logp=roll_w[sl][None] if roll_w is not None else None,
+                config=tok_cfg, global_seq_count=1.0, backend="torch",
+            )
+            inputs = [lp] + ([en] if en is not None else [])
+            grads = torch.autograd.grad(loss_c, inputs, allow_unused=True)
+        gl = grads[0] if grads[0] is not None else torch.zeros_like(lp)
+        ge = grads[1] if en is not None and grads[1] is not None else None
+        w = c_tok[sl]
+        return gl * w, (ge * w if ge is not None else None)
+
+    need_h, need_w = hidden.requires_grad, weight.requires_grad
+    need_b = bias is not None and bias.requires_grad
+    logp_w = torch.empty(n, **f32)
+    ent_w = torch.empty(n, **f32) if with_entropy else None
+    # grad_hidden goes straight to its [B*T, H] rows (no compacted copy held beside it)
+    gh_full = torch.zeros(B * T, hd, dtype=dtype, device=hidden.device) if need_h else None
+    gw = torch.zeros(V, hd, **f32) if need_w else None
+    gb = torch.zeros(V, **f32) if need_b else None
+    step = _lp.chunk_rows(V)
+    w_logits = _lp._logits_weight(w2)
+    for i in range(0, n, step):
+        sl = slice(i, min(i + step, n))
+        z = _lp._torch_logits(hw[sl], w_logits, b2, inv_temp)
+        z -= z.amax(1, keepdim=True)  # u - m
+        yc = yw[sl]
+        t = z.gather(1, yc[:, None]).squeeze(1)
+        if with_entropy:
+            e = torch.exp(z)
+            ssum = e.sum(1)
+            log_s = ssum.log()
+            ent_c = log_s - torch.linalg.vecdot(e, z) / ssum
+        else:
+            ssum = z.exp_().sum(1)  # z now holds exp(u - m) = p * s
+            log_s = ssum.log()
+            ent_c = None
+        lp_c = t - log_s
+        logp_w[sl] = lp_c
+        if ent_w is not None:
+            ent_w[sl] = ent_c
+        gl, ge = token_grads(sl, lp_c, ent_c)
+        gl_t = gl * inv_temp
+        # g = (gl * (onehot - p) - ge * p * (log p + H)) / T, built in the chunk buffers
+        if with_entropy:
+            if ge is not None:
+                z -= log_s[:, None]  # log p
+                z += ent_c[:, None]
+                z *= e
+                z *= (-(ge * inv_temp) / ssum)[:, None]
+                e *= (gl_t / ssum)[:, None]
+                z -= e
+                g = z
+                del e
+            else:
+                e *= (-gl_t / ssum)[:, None]
+                g = e
+                del z
+        else:
+            z *= (-gl_t / ssum)[:, None]
+            g = z
+        g.scatter_add_(1, yc[:, None], gl_t[:, None])
+        if gb is not None:
+            gb += g.sum(0)
+        gq = g if dtype == torch.float32 else g.to(dtype)
+        del g
+        if gh_full is not None:
+            gh_full.index_copy_(0, idx[sl], torch.mm(gq, w2))
+        if gw is not None:
+            if gq.dtype == torch.float32:
+                gw.addmm_(gq.T, hw[sl])
+            else:
+                gw += gq.T @ hw[sl]
+        # drop every reference to this chunk's buffer before the next chunk allocates one
+        z = g = gq = None  # noqa: F841
+
+    logp = torch.zeros(B * T, **f32).index_copy_(0, idx, logp_w).reshape(B, T)
+    ent = torch.zeros(B * T, **f32).index_copy_(0, idx, ent_w).reshape(B, T) if with_entropy else None
+    with torch.no_grad():
+        loss, metrics = policy_loss(logp, old_logp, advantages, mask, ref_logp=ref_logp, entropy=ent,
+                                    rollout_logp=rollout_logp, config=config, backend="torch",
+                                    global_token_count=global_token_count, global_seq_count=global_seq_count)
+    if gh_full is not None:
+        gh_full = gh_full.reshape(B, T, hd)
+    loss = _PrecomputedGrads.apply(loss, hidden, weight, bias, gh_full, gw, gb)
+    return loss, metrics
