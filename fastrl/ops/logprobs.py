@@ -21,6 +21,7 @@ import torch
 import torch.distributed as dist
 
 from fastrl._checks import (
+    check_is_weight,
     check_float,
     check_int,
     check_mask,
@@ -419,6 +420,7 @@ def fused_linear_policy_loss(
     bias: torch.Tensor | None = None,
     ref_logp: torch.Tensor | None = None,
     rollout_logp: torch.Tensor | None = None,
+    is_weight: torch.Tensor | None = None,
     config: PolicyLossConfig = PolicyLossConfig(),
     temperature: float = 1.0,
     entropy: bool = False,
@@ -440,7 +442,7 @@ def fused_linear_policy_loss(
         hidden: [B, T, H] last hidden states (the ones that predict ``targets``).
         weight, bias: LM head [V, H] and optional [V] (a vocab shard with ``process_group``).
         targets: [B, T] sampled token ids.
-        old_logp, advantages, mask, ref_logp, rollout_logp, config, global_token_count,
+        old_logp, advantages, mask, ref_logp, rollout_logp, is_weight, config, global_token_count,
             global_seq_count: as in ``fastrl.ops.policy_loss`` (every ``PolicyLossConfig``
             option, including sequence-level ratios and global-token normalisation).
         temperature: sampling temperature the logits are divided by.
@@ -476,8 +478,9 @@ def fused_linear_policy_loss(
     for name, t in (("ref_logp", ref_logp), ("rollout_logp", rollout_logp)):
         if t is not None:
             check_float(name, t, shape=(B, T))
+    check_is_weight(is_weight, B, T)
     check_same_device(hidden=hidden, targets=targets, old_logp=old_logp, advantages=advantages, mask=mask,
-                      ref_logp=ref_logp, rollout_logp=rollout_logp)
+                      ref_logp=ref_logp, rollout_logp=rollout_logp, is_weight=is_weight)
     ignore_index = -100
     keep = mask if mask.dtype == torch.bool else mask != 0
     targets_eff = torch.where(keep, targets.to(torch.int64), torch.full_like(targets, ignore_index, dtype=torch.int64))
@@ -487,7 +490,7 @@ def fused_linear_policy_loss(
         _check_target_range(targets_eff.reshape(-1), ignore_index, weight.shape[0])
         return _fused_eager_torch(
             hidden, weight, bias, targets_eff, keep, old_logp, advantages, mask, ref_logp=ref_logp,
-            rollout_logp=rollout_logp, config=config, temperature=float(temperature), with_entropy=with_entropy,
+            rollout_logp=rollout_logp, is_weight=is_weight, config=config, temperature=float(temperature), with_entropy=with_entropy,
             global_token_count=global_token_count, global_seq_count=global_seq_count,
         )
     out = linear_logprobs(
@@ -496,8 +499,8 @@ def fused_linear_policy_loss(
     )
     logp, ent = out if with_entropy else (out, None)
     return policy_loss(
-        logp, old_logp, advantages, mask, ref_logp=ref_logp, entropy=ent, rollout_logp=rollout_logp, config=config,
-        global_token_count=global_token_count, global_seq_count=global_seq_count, backend=backend,
+        logp, old_logp, advantages, mask, ref_logp=ref_logp, entropy=ent, rollout_logp=rollout_logp,
+        is_weight=is_weight, config=config, global_token_count=global_token_count, global_seq_count=global_seq_count, backend=backend,
     )
 
 
@@ -517,6 +520,8 @@ def _eager_applies(hidden, weight, bias, rollout_logp, config, process_group, ba
     if resolve_backend(backend, hidden.device) != "torch":
         return False
     if config.ratio_level != "token" or (rollout_logp is not None and config.is_level != "token"):
+        return False
+    if config.surrogate == "vespo":  # its weight depends on the whole row
         return False
     needs = [t.requires_grad for t in (hidden, weight, bias) if t is not None]
     return torch.is_grad_enabled() and any(needs)
@@ -549,7 +554,7 @@ class _PrecomputedGrads(torch.autograd.Function):
 
 
 def _fused_eager_torch(
-    hidden, weight, bias, targets_eff, keep, old_logp, advantages, mask, *, ref_logp, rollout_logp, config,
+    hidden, weight, bias, targets_eff, keep, old_logp, advantages, mask, *, ref_logp, rollout_logp, is_weight, config,
     temperature, with_entropy, global_token_count, global_seq_count,
 ):
     """fused_linear_policy_loss on CPU with the gradients formed in the same pass as the logits.
@@ -590,6 +595,7 @@ def _fused_eager_torch(
 
     adv_full = advantages[:, None].expand(B, T) if advantages.dim() == 1 else advantages
     old_w, adv_w, ref_w, roll_w = pick(old_logp), pick(adv_full), pick(ref_logp), pick(rollout_logp)
+    isw_w = None if is_weight is None else pick(is_weight.reshape(B, -1).expand(B, T))
     tok_cfg = config.replace(loss_agg="seq-mean-token-sum", norm_length=None)
 
     def token_grads(sl, lp_c, ent_c):
@@ -602,6 +608,7 @@ def _fused_eager_torch(
                 ref_logp=ref_w[sl][None] if ref_w is not None else None,
                 entropy=en[None] if en is not None else None,
                 rollout_logp=roll_w[sl][None] if roll_w is not None else None,
+                is_weight=isw_w[sl][None] if isw_w is not None else None,
                 config=tok_cfg, global_seq_count=1.0, backend="torch",
             )
             inputs = [lp] + ([en] if en is not None else [])
@@ -678,7 +685,8 @@ def _fused_eager_torch(
     ent = torch.zeros(B * T, **f32).index_copy_(0, idx, ent_w).reshape(B, T) if with_entropy else None
     with torch.no_grad():
         loss, metrics = policy_loss(logp, old_logp, advantages, mask, ref_logp=ref_logp, entropy=ent,
-                                    rollout_logp=rollout_logp, config=config, backend="torch", **counts)
+                                    rollout_logp=rollout_logp, is_weight=is_weight, config=config, backend="torch",
+                                    **counts)
     gh_full = None
     if gh is not None:
         gh_full = torch.zeros(B * T, hd, dtype=dtype, device=hidden.device).index_copy_(0, idx, gh).reshape(B, T, hd)

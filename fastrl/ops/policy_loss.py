@@ -13,6 +13,7 @@ import torch
 from torch.autograd.function import once_differentiable
 
 from fastrl._checks import (
+    check_is_weight,
     check_float,
     check_mask,
     check_nonempty,
@@ -342,11 +343,7 @@ def policy_loss(
     for name, t in (("ref_logp", ref_logp), ("entropy", entropy), ("rollout_logp", rollout_logp)):
         if t is not None:
             check_float(name, t, shape=(B, T))
-    if is_weight is not None:
-        check_float("is_weight", is_weight)
-        if tuple(is_weight.shape) not in ((B, T), (B,), (B, 1)):
-            raise ValueError(f"is_weight must have shape (B, T) = {(B, T)}, (B,) = {(B,)} or (B, 1) = {(B, 1)}, "
-                             f"got {tuple(is_weight.shape)}")
+    check_is_weight(is_weight, B, T)
     if config.kl_coef != 0 and ref_logp is None:
         raise ValueError(f"ref_logp is required when config.kl_coef != 0 (got kl_coef={config.kl_coef})")
     if config.entropy_coef != 0 and entropy is None:
