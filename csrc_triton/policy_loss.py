@@ -28,18 +28,27 @@ import triton
 import triton.language as tl
 
 from csrc_triton.kl import KL_ESTIMATOR_IDS, k3_f32, kl_value_grad
+from csrc_triton.policy_loss_slots import NOUT, NPART, OUT_KEYS, PART  # noqa: F401  (OUT_KEYS: re-exported)
 
 SURROGATE_IDS = {"ppo_clip": 0, "cispo": 1, "sapo": 2, "vespo": 3}
 """The fwd kernel's ``SURROGATE`` constexpr per ``PolicyLossConfig.surrogate``."""
 _VESPO_LOG_RATIO_CLAMP = 20.0  # VESPO's per-token log-ratio clamp (its row sum comes from the pre-pass)
 AGG_IDS = {"token-mean": 0, "seq-mean-token-mean": 1, "seq-mean-token-sum": 2, "seq-mean-token-sum-norm": 3}
-OUT_KEYS = (
-    "loss", "pg_loss", "kl_loss", "entropy_loss", "clip_frac_low", "clip_frac_high", "clip_frac",
-    "dual_clip_frac", "approx_kl", "kl_ref_mean", "ratio_mean", "ratio_min", "ratio_max",
-    "entropy_mean", "is_weight_mean", "inv_denominator",
-)
-NOUT = len(OUT_KEYS)
-NPART = 13  # n, pg, kl, ent, low, high, dual, approx_kl, ratio_sum, ratio_min, ratio_max, is_w_sum, C
+# the fwd kernel's partial-sum slots (named in csrc_triton.policy_loss_slots.PART_KEYS)
+_P_N = tl.constexpr(PART["n"])
+_P_PG = tl.constexpr(PART["pg"])
+_P_KL = tl.constexpr(PART["kl"])
+_P_ENT = tl.constexpr(PART["ent"])
+_P_LOW = tl.constexpr(PART["low"])
+_P_HIGH = tl.constexpr(PART["high"])
+_P_SMET = tl.constexpr(PART["surrogate_metric"])
+_P_AKL = tl.constexpr(PART["approx_kl"])
+_P_RSUM = tl.constexpr(PART["ratio_sum"])
+_P_RMIN = tl.constexpr(PART["ratio_min"])
+_P_RMAX = tl.constexpr(PART["ratio_max"])
+_P_WSUM = tl.constexpr(PART["is_weight_sum"])
+_P_ROWC = tl.constexpr(PART["row_const"])
+_NPART = tl.constexpr(NPART)
 MAX_BLOCK_T = 1024  # tokens per program (tests lower it to exercise several chunks per row)
 BLOCK_B = 32  # rows per step of the finalize loop
 
@@ -203,32 +212,32 @@ def _policy_fwd_kernel(
     # partial sums of this chunk
     n = tl.sum(mf, axis=0)
     zero = n * 0.0
-    base = part_ptr + (b * NC + c) * 13
-    tl.store(base + 0, n)
-    tl.store(base + 1, tl.sum(tl.where(m, pg, 0.0), axis=0))
+    base = part_ptr + (b * NC + c) * _NPART
+    tl.store(base + _P_N, n)
+    tl.store(base + _P_PG, tl.sum(tl.where(m, pg, 0.0), axis=0))
     if HAS_REF:
-        tl.store(base + 2, tl.sum(k, axis=0))
+        tl.store(base + _P_KL, tl.sum(k, axis=0))
     else:
-        tl.store(base + 2, zero)
+        tl.store(base + _P_KL, zero)
     if HAS_ENT:
         e = tl.load(ent_ptr + b * s_ent + offs, mask=inb, other=0.0).to(tl.float32)
-        tl.store(base + 3, tl.sum(tl.where(m, e, 0.0), axis=0))
+        tl.store(base + _P_ENT, tl.sum(tl.where(m, e, 0.0), axis=0))
     else:
-        tl.store(base + 3, zero)
+        tl.store(base + _P_ENT, zero)
     low = m & (ratio < ratio_lo) & (A < 0)
     high = m & (ratio > ratio_hi) & (A > 0)
-    tl.store(base + 4, tl.sum(low.to(tl.float32), axis=0))
-    tl.store(base + 5, tl.sum(high.to(tl.float32), axis=0))
-    tl.store(base + 6, tl.sum(tl.where(m, smet, 0.0), axis=0))
-    tl.store(base + 7, tl.sum(tl.where(m, k3_f32(lr), 0.0), axis=0))
-    tl.store(base + 8, tl.sum(tl.where(m, ratio, 0.0), axis=0))
-    tl.store(base + 9, tl.min(tl.where(m, ratio, float("inf")), axis=0))
-    tl.store(base + 10, tl.max(tl.where(m, ratio, float("-inf")), axis=0))
+    tl.store(base + _P_LOW, tl.sum(low.to(tl.float32), axis=0))
+    tl.store(base + _P_HIGH, tl.sum(high.to(tl.float32), axis=0))
+    tl.store(base + _P_SMET, tl.sum(tl.where(m, smet, 0.0), axis=0))
+    tl.store(base + _P_AKL, tl.sum(tl.where(m, k3_f32(lr), 0.0), axis=0))
+    tl.store(base + _P_RSUM, tl.sum(tl.where(m, ratio, 0.0), axis=0))
+    tl.store(base + _P_RMIN, tl.min(tl.where(m, ratio, float("inf")), axis=0))
+    tl.store(base + _P_RMAX, tl.max(tl.where(m, ratio, float("-inf")), axis=0))
     if HAS_IS or HAS_ISW:
-        tl.store(base + 11, tl.sum(tl.where(m, w, 0.0), axis=0))
+        tl.store(base + _P_WSUM, tl.sum(tl.where(m, w, 0.0), axis=0))
     else:
-        tl.store(base + 11, zero)
-    tl.store(base + 12, c_part)
+        tl.store(base + _P_WSUM, zero)
+    tl.store(base + _P_ROWC, c_part)
 
 
 @triton.jit

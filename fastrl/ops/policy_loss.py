@@ -12,6 +12,7 @@ from __future__ import annotations
 import torch
 from torch.autograd.function import once_differentiable
 
+from csrc_triton.policy_loss_slots import OUT, OUT_KEYS
 from fastrl._checks import (
     check_is_weight,
     check_float,
@@ -27,12 +28,6 @@ from fastrl.config import PolicyLossConfig
 from fastrl.ops.kl import k3_expm1
 from fastrl.ops.surrogates import FOLDS_ROLLOUT_WEIGHT, METRIC_NAME, SURROGATES, THROUGH_RATIO, surrogate_params
 
-OUT_KEYS = (
-    "loss", "pg_loss", "kl_loss", "entropy_loss", "clip_frac_low", "clip_frac_high", "clip_frac",
-    "dual_clip_frac", "approx_kl", "kl_ref_mean", "ratio_mean", "ratio_min", "ratio_max",
-    "entropy_mean", "is_weight_mean", "inv_denominator",
-)
-_SLOT = {k: i for i, k in enumerate(OUT_KEYS)}
 
 
 # ----------------------------------------------------------------------------------------
@@ -168,7 +163,7 @@ def _torch_fwd(
 
     pg_loss = torch.dot(f, pg.sum(1)) * inv_d
     loss = pg_loss
-    kl_loss = ent_loss = kl_mean = ent_mean = w_mean = dual_frac = zero
+    kl_loss = ent_loss = kl_mean = ent_mean = w_mean = sur_metric = zero
     if kl is not None:
         kl_rows = kl.sum(1)
         kl_loss = torch.dot(f, kl_rows) * inv_d
@@ -189,7 +184,7 @@ def _torch_fwd(
     low = torch.dot(_step(lo - r_bt).reshape(-1), (-sA).clamp_(min=0.0).reshape(-1)) * inv_n
     high = torch.dot(_step(r_bt - hi).reshape(-1), sA.clamp_(min=0.0).reshape(-1)) * inv_n
     if terms.metric is not None:
-        dual_frac = terms.metric.sum() * inv_n  # the surrogate's own metric (METRIC_NAME)
+        sur_metric = terms.metric.sum() * inv_n  # the surrogate's own metric (METRIC_NAME)
     approx_kl = k3_expm1(lr)[0].sum() * inv_n  # (rho - 1) - log rho of the token ratio rho = exp(lr)
     if seq_ratio:
         r_mean = torch.dot(ratio_row, n) * inv_n
@@ -205,17 +200,19 @@ def _torch_fwd(
     r_max = torch.where(has_tok, r_max, zero)
     if w is not None:
         w_mean = (torch.dot(w[:, 0], n) if w.shape[1] == 1 else torch.dot(w.reshape(-1), mf.reshape(-1))) * inv_n
-    out = torch.stack([
-        loss, pg_loss, kl_loss, ent_loss, low, high, low + high, dual_frac, approx_kl, kl_mean,
-        r_mean, r_min, r_max, ent_mean, w_mean, inv_d,
-    ])
+    slots = dict(
+        loss=loss, pg_loss=pg_loss, kl_loss=kl_loss, entropy_loss=ent_loss, clip_frac_low=low, clip_frac_high=high,
+        clip_frac=low + high, surrogate_metric=sur_metric, approx_kl=approx_kl, kl_ref_mean=kl_mean, ratio_mean=r_mean,
+        ratio_min=r_min, ratio_max=r_max, entropy_mean=ent_mean, is_weight_mean=w_mean, inv_denominator=inv_d,
+    )
+    out = torch.stack([slots[k] for k in OUT_KEYS])  # the kernels' layout (csrc_triton.policy_loss_slots)
     rowcoef = torch.stack([f, f * c_row if c_row is not None else torch.zeros_like(f)], dim=1)
     return out, rowcoef, g
 
 
 def _torch_bwd(grad_out, out, rowcoef, g, mask, logp, old_logp, entropy, *,
                seq_ratio, log_ratio_clamp, entropy_coef, need_logp, need_entropy):
-    scale = grad_out.reshape(-1)[0].float() * out[_SLOT["inv_denominator"]]
+    scale = grad_out.reshape(-1)[0].float() * out[OUT["inv_denominator"]]
     mf = _masks(mask)[1] if (seq_ratio or need_entropy) else None
     f = rowcoef[:, 0:1]
     glogp = gent = None
@@ -385,12 +382,12 @@ def policy_loss(
                               global_count, kw, impl)
     loss = out[0]
     od = out.detach()
-    metrics = {k: od[_SLOT[k]] for k in ("pg_loss", "approx_kl", "ratio_mean", "ratio_min", "ratio_max")}
+    metrics = {k: od[OUT[k]] for k in ("pg_loss", "approx_kl", "ratio_mean", "ratio_min", "ratio_max")}
     if config.surrogate == "ppo_clip":
-        metrics.update((k, od[_SLOT[k]]) for k in ("clip_frac_low", "clip_frac_high", "clip_frac"))
+        metrics.update((k, od[OUT[k]]) for k in ("clip_frac_low", "clip_frac_high", "clip_frac"))
     if config.surrogate != "ppo_clip" or config.dual_clip is not None:
         if config.surrogate in METRIC_NAME:  # the surrogate's own metric shares the dual-clip slot
-            metrics[METRIC_NAME[config.surrogate]] = od[_SLOT["dual_clip_frac"]]
+            metrics[METRIC_NAME[config.surrogate]] = od[OUT["surrogate_metric"]]
     keys = []
     if ref_logp is not None:
         keys += ["kl_loss", "kl_ref_mean"]
@@ -398,7 +395,7 @@ def policy_loss(
         keys += ["entropy_loss", "entropy_mean"]
     if rollout_logp is not None or is_weight is not None:
         keys.append("is_weight_mean")
-    metrics.update((k, od[_SLOT[k]]) for k in keys)
+    metrics.update((k, od[OUT[k]]) for k in keys)
     return loss, metrics
 
 

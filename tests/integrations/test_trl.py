@@ -320,8 +320,9 @@ def test_adaptive_entropy_bonus_matches_trl(batch, monkeypatch, last_world_entro
     assert w_got == pytest.approx(w_ref, rel=1e-5) and s_ref is None and s_got is None
     # the gate: with an infinite previous entropy no bonus is applied this step
     monkeypatch.setattr(trainer, "_entropy_bonus_enabled", False)
-    no_bonus = _grads(FastRLGRPOTrainer._compute_loss, trainer, inputs)[0]
-    assert torch.equal(results[1][0], no_bonus) == math.isinf(last_world_entropy)
+    no_bonus = _grads(FastRLGRPOTrainer._compute_loss, trainer, inputs)[0]  # (the fused path: equal up to rounding)
+    same = math.isclose(results[1][0].item(), no_bonus.item(), rel_tol=1e-5, abs_tol=1e-7)
+    assert same == math.isinf(last_world_entropy)
 
 
 @pytest.mark.parametrize(
