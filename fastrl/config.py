@@ -134,7 +134,8 @@ class PolicyLossConfig:
     efficient RL framework secretly brings you off-policy RL training"): when
     ``rollout_logp`` (the sampler's log-probs) is given, the policy-gradient term is
     weighted by min(exp(old_logp - rollout_logp), is_cap), without gradient. ``None``
-    means no truncation."""
+    means no truncation. (With ``surrogate="vespo"`` the log-weight enters VESPO's sequence
+    weight instead of multiplying the loss, and ``is_cap`` must be None.)"""
 
     is_level: Literal["token", "sequence"] = "token"
     """``token``: one weight per token. ``sequence``: one weight per row,

@@ -424,15 +424,14 @@ class FastRLGRPOTrainer(_TRLGRPOTrainer):
         return _vespo_phi(lr, adv, m, log_is, _surrogate_params(self._fastrl_loss_config()))
 
     def _fastrl_aggregate(self, x: torch.Tensor, mask: torch.Tensor, gtc, ga: int, n_rows: int) -> torch.Tensor:
-        """TRL's loss-type normalisation of a per-token term ([B, T] or [B, 1], broadcast over the mask)."""
-        m = mask.to(x.dtype)
-        if self.loss_type in ("grpo", "sapo"):
-            return ((x * m).sum(-1) / m.sum(-1).clamp(min=1.0)).sum() / (n_rows * ga)
-        if self.loss_type in ("bnpo", *_TOKEN_COUNT_TYPES):
-            return (x * m).sum() / gtc
-        if self.loss_type == "dr_grpo":
-            return (x * m).sum() / (n_rows * self.max_completion_length * ga)
-        return (x * m).sum(-1).sum() / (n_rows * ga)  # luspo
+        """TRL's loss-type normalisation of a per-token term ([B, T] or [B, 1]): the house rule
+        (``fastrl.ops.aggregate_loss``) with the global counts of ``_compute_loss``."""
+        cfg = self._fastrl_loss_config()
+        token = cfg.loss_agg == "token-mean"
+        return _ops.aggregate_loss(
+            x, mask, loss_agg=cfg.loss_agg, norm_length=cfg.norm_length,
+            global_token_count=gtc if token else None, global_seq_count=None if token else float(n_rows * ga),
+        )
 
     def _fastrl_entropy_bonus(self, loss, entropy, keep, mode: str, ga: int) -> torch.Tensor:
         """TRL 1.16's entropy bonus: ``loss - coef * mean(entropy over keep) / GA`` (the same for every

@@ -227,17 +227,8 @@ def agg_loss(
     ops use, mapped from verl's global batch information.
     """
     agg, gtc, gsc = _global_counts(loss_agg_mode, dp_size, batch_num_tokens, global_batch_size)
-    m = (loss_mask != 0).to(loss_mat.dtype)
-    lm = torch.where(m.bool(), loss_mat, torch.zeros_like(loss_mat)) * m
-    n_b = m.sum(-1)
-    if agg == "token-mean":
-        return lm.sum() / (n_b.sum() if gtc is None else gtc)
-    rows = lm.sum(-1)
-    if agg == "seq-mean-token-mean":
-        rows = rows / (n_b + 1e-8)
-    elif agg == "seq-mean-token-sum-norm":
-        rows = rows / (loss_mat.shape[-1] if loss_scale_factor is None else loss_scale_factor)
-    return rows.sum() / ((n_b > 0).to(loss_mat.dtype).sum() if gsc is None else gsc)
+    return _ops.aggregate_loss(loss_mat, loss_mask, loss_agg=agg, norm_length=_norm_length(agg, loss_scale_factor, loss_mask),
+                               global_token_count=gtc, global_seq_count=gsc)
 
 
 def _policy_loss(old_log_prob, log_prob, advantages, response_mask, loss_agg_mode, config, weights, cfg):

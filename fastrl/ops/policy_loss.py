@@ -1,7 +1,10 @@
-"""Clipped policy-gradient loss for PPO/GRPO/DAPO/Dr. GRPO/GSPO: ``policy_loss``.
+"""Policy-gradient loss for PPO/GRPO/DAPO/Dr. GRPO/GSPO/CISPO/SAPO/VESPO: ``policy_loss``.
 
 The formula, aggregation modes and metrics are specified in ``fastrl.reference.policy_loss``
-and configured by ``fastrl.PolicyLossConfig``. Both backends compute the loss and its
+(the surrogates in ``fastrl.reference.surrogates``) and configured by
+``fastrl.PolicyLossConfig``; the PyTorch backend's surrogates are ``fastrl.ops.surrogates``,
+its aggregation ``fastrl.ops.aggregation``, and the ``out`` vector both backends fill is laid
+out by ``csrc_triton.policy_loss_slots``. Both backends compute the loss and its
 gradient wrt ``logp`` in the forward pass (one pass over the inputs); the backward only
 scales the saved per-token gradient by ``grad_out / D`` (D: the aggregation denominator,
 kept on the device, so global counts never synchronise with the host).
@@ -20,11 +23,11 @@ from fastrl._checks import (
     check_nonempty,
     check_same_device,
     check_global_count,
-    effective_count,
     resolve_backend,
     select_global_count,
 )
 from fastrl.config import PolicyLossConfig
+from fastrl.ops.aggregation import aggregation_weights
 from fastrl.ops.kl import k3_expm1
 from fastrl.ops.surrogates import FOLDS_ROLLOUT_WEIGHT, METRIC_NAME, SURROGATES, THROUGH_RATIO, surrogate_params
 
@@ -147,18 +150,8 @@ def _torch_fwd(
         if kl_grad:
             g = kl_coef * dk if g is None else g.add_(dk, alpha=kl_coef)
 
-    # aggregation
-    f = 1.0 / n1 if loss_agg == "seq-mean-token-mean" else torch.ones_like(n)
-    if global_count is not None:
-        D = global_count
-    elif loss_agg == "token-mean":
-        D = N
-    else:
-        D = (n > 0).to(f32).sum()
-    D = effective_count(D, device=dev)
-    if loss_agg == "seq-mean-token-sum-norm":
-        D = D * norm_length
-    inv_d = 1.0 / D
+    # aggregation (fastrl.ops.aggregation: the rule every loss shares)
+    f, inv_d = aggregation_weights(n, loss_agg=loss_agg, norm_length=norm_length, global_count=global_count)
     inv_n = 1.0 / torch.where(N > 0, N, 1.0)
 
     pg_loss = torch.dot(f, pg.sum(1)) * inv_d
