@@ -21,16 +21,19 @@ import torch
 import torch.distributed as dist
 
 from fastrl._checks import (
-    check_is_weight,
     check_float,
+    check_global_count,
     check_int,
+    check_is_weight,
     check_mask,
     check_nonempty,
     check_same_device,
     check_scalar,
     resolve_backend,
+    select_global_count,
 )
 from fastrl.config import PolicyLossConfig
+from fastrl.ops.aggregation import aggregation_weights
 
 __all__ = ["linear_logprobs", "fused_linear_policy_loss"]
 
@@ -559,10 +562,10 @@ def _fused_eager_torch(
 ):
     """fused_linear_policy_loss on CPU with the gradients formed in the same pass as the logits.
 
-    d loss / d logp_t = c_t * dl_t/dlogp_t, where c_t is the aggregation weight of token t
-    and l_t its per-token loss. Both come from ``policy_loss`` itself: c_t as the gradient
-    of the loss with a k1 KL of coefficient 1 (d KL_t / d logp_t = 1) and no other term,
-    dl_t/dlogp_t from ``policy_loss`` on each token chunk with a plain token sum.
+    d loss / d logp_t = c_t * dl_t/dlogp_t, where c_t = f_b / D is the aggregation weight of
+    token t (``fastrl.ops.aggregation``, the rule ``policy_loss`` applies) and l_t its
+    per-token loss: dl_t/dlogp_t comes from ``policy_loss`` on each token chunk with a plain
+    token sum.
     The loss value and metrics come from one ``policy_loss`` call on the detached log-probs.
     """
     from fastrl.ops.policy_loss import policy_loss
@@ -580,15 +583,12 @@ def _fused_eager_torch(
     f32 = dict(dtype=torch.float32, device=hidden.device)
     counts = dict(global_token_count=global_token_count, global_seq_count=global_seq_count)
 
-    # aggregation weight of every token, as policy_loss aggregates
-    probe = torch.zeros(B, T, requires_grad=True, **f32)
-    zeros = torch.zeros(B, T, **f32)
-    agg_cfg = PolicyLossConfig(kl_coef=1.0, kl_estimator="k1", loss_agg=config.loss_agg, norm_length=config.norm_length)
-    with torch.enable_grad():
-        agg_loss, _ = policy_loss(probe, zeros, torch.zeros(B, **f32), mask, ref_logp=zeros, config=agg_cfg,
-                                  backend="torch", **counts)
-        (c_all,) = torch.autograd.grad(agg_loss, probe)
-    c_tok = c_all.reshape(-1).index_select(0, idx)
+    # aggregation weight of every token: f_b / D (fastrl.ops.aggregation, the rule policy_loss applies)
+    count_name, count = select_global_count(config.loss_agg, global_token_count, global_seq_count)
+    global_count = check_global_count(count_name, count, hidden.device)
+    f_row, inv_d = aggregation_weights(keep.sum(1, dtype=torch.float32), loss_agg=config.loss_agg,
+                                       norm_length=config.norm_length, global_count=global_count)
+    c_tok = (f_row * inv_d)[:, None].expand(B, T).reshape(-1).index_select(0, idx)
 
     def pick(x):
         return None if x is None else x.reshape(-1).index_select(0, idx)
