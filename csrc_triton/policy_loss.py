@@ -28,15 +28,27 @@ import triton
 import triton.language as tl
 
 from csrc_triton.kl import KL_ESTIMATOR_IDS, k3_f32, kl_value_grad
+from csrc_triton.policy_loss_slots import NOUT, NPART, OUT_KEYS, PART  # noqa: F401  (OUT_KEYS: re-exported)
 
+SURROGATE_IDS = {"ppo_clip": 0, "cispo": 1, "sapo": 2, "vespo": 3}
+"""The fwd kernel's ``SURROGATE`` constexpr per ``PolicyLossConfig.surrogate``."""
+_VESPO_LOG_RATIO_CLAMP = 20.0  # VESPO's per-token log-ratio clamp (its row sum comes from the pre-pass)
 AGG_IDS = {"token-mean": 0, "seq-mean-token-mean": 1, "seq-mean-token-sum": 2, "seq-mean-token-sum-norm": 3}
-OUT_KEYS = (
-    "loss", "pg_loss", "kl_loss", "entropy_loss", "clip_frac_low", "clip_frac_high", "clip_frac",
-    "dual_clip_frac", "approx_kl", "kl_ref_mean", "ratio_mean", "ratio_min", "ratio_max",
-    "entropy_mean", "is_weight_mean", "inv_denominator",
-)
-NOUT = len(OUT_KEYS)
-NPART = 13  # n, pg, kl, ent, low, high, dual, approx_kl, ratio_sum, ratio_min, ratio_max, is_w_sum, C
+# the fwd kernel's partial-sum slots (named in csrc_triton.policy_loss_slots.PART_KEYS)
+_P_N = tl.constexpr(PART["n"])
+_P_PG = tl.constexpr(PART["pg"])
+_P_KL = tl.constexpr(PART["kl"])
+_P_ENT = tl.constexpr(PART["ent"])
+_P_LOW = tl.constexpr(PART["low"])
+_P_HIGH = tl.constexpr(PART["high"])
+_P_SMET = tl.constexpr(PART["surrogate_metric"])
+_P_AKL = tl.constexpr(PART["approx_kl"])
+_P_RSUM = tl.constexpr(PART["ratio_sum"])
+_P_RMIN = tl.constexpr(PART["ratio_min"])
+_P_RMAX = tl.constexpr(PART["ratio_max"])
+_P_WSUM = tl.constexpr(PART["is_weight_sum"])
+_P_ROWC = tl.constexpr(PART["row_const"])
+_NPART = tl.constexpr(NPART)
 # Tokens per program, whatever the row length T: a block that followed T (next_pow2(T)) made
 # every kernel here compile again as the padded length changed from step to step. 1024 fp32
 # per input per program keeps enough bytes in flight for these memory-bound passes; rows
@@ -102,15 +114,19 @@ def _row_pre_sums(pre_ptr, b, NC, BLOCK_C: tl.constexpr):
 
 @triton.jit(do_not_specialize=["NC"])
 def _policy_fwd_kernel(
-    logp_ptr, old_ptr, adv_ptr, mask_ptr, ref_ptr, ent_ptr, roll_ptr, pre_ptr, grad_ptr, part_ptr,
+    logp_ptr, old_ptr, adv_ptr, mask_ptr, ref_ptr, ent_ptr, roll_ptr, isw_ptr, pre_ptr, grad_ptr, part_ptr,
     T, NC,
-    s_logp, s_old, s_adv_row, s_adv_col, s_mask, s_ref, s_ent, s_roll, s_grad,
-    ratio_lo, ratio_hi, dual_clip, lr_clamp, kl_coef, kl_clamp, is_cap,
+    s_logp, s_old, s_adv_row, s_adv_col, s_mask, s_ref, s_ent, s_roll, s_isw, s_grad,
+    ratio_lo, ratio_hi, dual_clip, lr_clamp, kl_coef, kl_clamp, is_cap, sp0, sp1, sp2, sp3,
+    SURROGATE: tl.constexpr,
     SEQ_RATIO: tl.constexpr, SEQ_IS: tl.constexpr, HAS_DUAL: tl.constexpr, HAS_LR_CLAMP: tl.constexpr,
     HAS_REF: tl.constexpr, KL_EST: tl.constexpr, HAS_KL_CLAMP: tl.constexpr, HAS_ENT: tl.constexpr,
-    HAS_IS: tl.constexpr, HAS_IS_CAP: tl.constexpr, KL_GRAD: tl.constexpr, WRITE_GRAD: tl.constexpr,
-    BLOCK_C: tl.constexpr, BLOCK: tl.constexpr,
+    HAS_IS: tl.constexpr, HAS_IS_CAP: tl.constexpr, HAS_ISW: tl.constexpr, KL_GRAD: tl.constexpr,
+    WRITE_GRAD: tl.constexpr, BLOCK_C: tl.constexpr, BLOCK: tl.constexpr,
 ):
+    # SURROGATE (SURROGATE_IDS): 0 ppo_clip, 1 cispo, 2 sapo, 3 vespo; sp0..sp3 its scalars
+    # (fastrl.ops.surrogates.surrogate_params). ppo_clip and sapo differentiate through the
+    # ratio (dpg = d pg / d ratio); cispo and vespo through logp only (dlp = d pg / d logp).
     b = tl.program_id(0).to(tl.int64)
     c = tl.program_id(1)
     offs = c * BLOCK + tl.arange(0, BLOCK)
@@ -126,8 +142,8 @@ def _policy_fwd_kernel(
         inside_lr = (lr >= -lr_clamp) & (lr <= lr_clamp)
         lr = tl.minimum(tl.maximum(lr, -lr_clamp), lr_clamp)
 
-    # per-row quantities of the sequence modes, from the pre-pass partials
-    if SEQ_RATIO or SEQ_IS:
+    # per-row quantities of the sequence modes (and VESPO's row weight), from the pre-pass partials
+    if SEQ_RATIO or SEQ_IS or SURROGATE == 3:
         n_row, lr_row, is_row = _row_pre_sums(pre_ptr, b, NC, BLOCK_C)
     if SEQ_RATIO:
         s_row = lr_row / tl.maximum(n_row, 1.0)
@@ -136,32 +152,71 @@ def _policy_fwd_kernel(
     else:
         ratio = tl.exp(lr)
 
-    # clipped surrogate and its derivative wrt the ratio
-    clipped = tl.minimum(tl.maximum(ratio, ratio_lo), ratio_hi)
-    pg1 = -A * ratio
-    pg2 = -A * clipped
-    take1 = pg1 >= pg2
-    pg = tl.where(take1, pg1, pg2)
-    dpg = tl.where(take1, -A, 0.0)
-    if HAS_DUAL:
-        pg3 = -A * dual_clip
-        dual_on = (A < 0) & (pg > pg3)
-        pg = tl.where(dual_on, pg3, pg)
-        dpg = tl.where(dual_on, 0.0, dpg)
-    if HAS_IS:
-        if SEQ_IS:
-            w = tl.zeros([BLOCK], tl.float32) + tl.exp(is_row)
-        else:
-            ro = tl.load(roll_ptr + b * s_roll + offs, mask=inb, other=0.0).to(tl.float32)
-            w = tl.exp(tl.where(m, old - ro, 0.0))
-        if HAS_IS_CAP:
-            w = tl.minimum(w, is_cap)
+    zero_t = tl.zeros([BLOCK], tl.float32)
+    smet = zero_t  # the surrogate's own per-token metric (partial 6)
+    dpg = zero_t
+    dlp = zero_t
+    if SURROGATE == 0:
+        # clipped surrogate and its derivative wrt the ratio
+        clipped = tl.minimum(tl.maximum(ratio, ratio_lo), ratio_hi)
+        pg1 = -A * ratio
+        pg2 = -A * clipped
+        take1 = pg1 >= pg2
+        pg = tl.where(take1, pg1, pg2)
+        dpg = tl.where(take1, -A, 0.0)
+        if HAS_DUAL:
+            pg3 = -A * dual_clip
+            dual_on = (A < 0) & (pg > pg3)
+            pg = tl.where(dual_on, pg3, pg)
+            dpg = tl.where(dual_on, 0.0, dpg)
+            smet = dual_on.to(tl.float32)
+    elif SURROGATE == 1:
+        # CISPO: -sg(min(r, cispo_max)) A logp
+        dlp = -tl.minimum(ratio, sp0) * A
+        pg = dlp * tl.where(m, lp, 0.0)
+        smet = ((ratio > sp0) & (A > 0)).to(tl.float32)
+    elif SURROGATE == 2:
+        # SAPO: -(4 / tau) sigmoid(tau (r - 1)) A
+        tau = tl.where(A > 0, sp0, sp1)
+        gate = tl.sigmoid(tau * (ratio - 1.0))
+        pg = -4.0 * gate * A / tau
+        dpg = -4.0 * A * gate * (1.0 - gate)
+    else:
+        # VESPO: -sg(phi) A logp, phi = exp(lam + k log w - lam w) of the row's log weight
+        log_w = lr_row
+        if HAS_IS:
+            log_w += is_row
+        log_w = tl.minimum(tl.maximum(log_w, -18.420680743952367), 20.0)  # [log 1e-8, 20]
+        nonneg = A >= 0
+        k = tl.where(nonneg, sp0, sp2)
+        lam = tl.maximum(tl.where(nonneg, sp1, sp3), 1e-4)
+        phi = tl.exp(lam + k * log_w - lam * tl.exp(log_w))
+        phi = tl.where((phi == phi) & (phi < float("inf")), phi, 0.0)
+        dlp = -phi * A
+        pg = dlp * tl.where(m, lp, 0.0)
+        smet = tl.where(m, phi, 0.0)
+    if HAS_IS or HAS_ISW:
+        w = tl.where(m, 1.0, 0.0)
+        if HAS_IS and SURROGATE != 3:  # VESPO folded the rollout weight into phi
+            if SEQ_IS:
+                w = w * tl.exp(is_row)
+            else:
+                ro = tl.load(roll_ptr + b * s_roll + offs, mask=inb, other=0.0).to(tl.float32)
+                w = tl.exp(tl.where(m, old - ro, 0.0))
+            if HAS_IS_CAP:
+                w = tl.minimum(w, is_cap)
+        if HAS_ISW:
+            w = w * tl.where(m, tl.load(isw_ptr + b * s_isw + offs, mask=inb, other=0.0).to(tl.float32), 0.0)
         pg = pg * w
         dpg = dpg * w
+        dlp = dlp * w
 
-    # where dpg == 0 (clipped, dual-clipped, A = 0) the gradient is exactly 0, even when the
-    # ratio overflowed to inf (0 * inf would be NaN)
-    if SEQ_RATIO:
+    # where dpg == 0 (clipped, dual-clipped, A = 0, saturated gate) the gradient is exactly 0,
+    # even when the ratio overflowed to inf (0 * inf would be NaN)
+    if SURROGATE == 1 or SURROGATE == 3:
+        g = tl.where(m, dlp, 0.0)  # the ratio is detached: no row constant even in sequence mode
+        c_part = tl.sum(mf, axis=0) * 0.0
+    elif SEQ_RATIO:
         g = tl.zeros([BLOCK], tl.float32)
         dpg_sum = tl.sum(tl.where(m, dpg, 0.0), axis=0)
         c_part = tl.where(dpg_sum != 0.0, dpg_sum * ratio_row, 0.0) / tl.maximum(n_row, 1.0)
@@ -183,35 +238,32 @@ def _policy_fwd_kernel(
     # partial sums of this chunk
     n = tl.sum(mf, axis=0)
     zero = n * 0.0
-    base = part_ptr + (b * NC + c) * 13
-    tl.store(base + 0, n)
-    tl.store(base + 1, tl.sum(tl.where(m, pg, 0.0), axis=0))
+    base = part_ptr + (b * NC + c) * _NPART
+    tl.store(base + _P_N, n)
+    tl.store(base + _P_PG, tl.sum(tl.where(m, pg, 0.0), axis=0))
     if HAS_REF:
-        tl.store(base + 2, tl.sum(k, axis=0))
+        tl.store(base + _P_KL, tl.sum(k, axis=0))
     else:
-        tl.store(base + 2, zero)
+        tl.store(base + _P_KL, zero)
     if HAS_ENT:
         e = tl.load(ent_ptr + b * s_ent + offs, mask=inb, other=0.0).to(tl.float32)
-        tl.store(base + 3, tl.sum(tl.where(m, e, 0.0), axis=0))
+        tl.store(base + _P_ENT, tl.sum(tl.where(m, e, 0.0), axis=0))
     else:
-        tl.store(base + 3, zero)
+        tl.store(base + _P_ENT, zero)
     low = m & (ratio < ratio_lo) & (A < 0)
     high = m & (ratio > ratio_hi) & (A > 0)
-    tl.store(base + 4, tl.sum(low.to(tl.float32), axis=0))
-    tl.store(base + 5, tl.sum(high.to(tl.float32), axis=0))
-    if HAS_DUAL:
-        tl.store(base + 6, tl.sum((m & dual_on).to(tl.float32), axis=0))
+    tl.store(base + _P_LOW, tl.sum(low.to(tl.float32), axis=0))
+    tl.store(base + _P_HIGH, tl.sum(high.to(tl.float32), axis=0))
+    tl.store(base + _P_SMET, tl.sum(tl.where(m, smet, 0.0), axis=0))
+    tl.store(base + _P_AKL, tl.sum(tl.where(m, k3_f32(lr), 0.0), axis=0))
+    tl.store(base + _P_RSUM, tl.sum(tl.where(m, ratio, 0.0), axis=0))
+    tl.store(base + _P_RMIN, tl.min(tl.where(m, ratio, float("inf")), axis=0))
+    tl.store(base + _P_RMAX, tl.max(tl.where(m, ratio, float("-inf")), axis=0))
+    if HAS_IS or HAS_ISW:
+        tl.store(base + _P_WSUM, tl.sum(tl.where(m, w, 0.0), axis=0))
     else:
-        tl.store(base + 6, zero)
-    tl.store(base + 7, tl.sum(tl.where(m, k3_f32(lr), 0.0), axis=0))
-    tl.store(base + 8, tl.sum(tl.where(m, ratio, 0.0), axis=0))
-    tl.store(base + 9, tl.min(tl.where(m, ratio, float("inf")), axis=0))
-    tl.store(base + 10, tl.max(tl.where(m, ratio, float("-inf")), axis=0))
-    if HAS_IS:
-        tl.store(base + 11, tl.sum(tl.where(m, w, 0.0), axis=0))
-    else:
-        tl.store(base + 11, zero)
-    tl.store(base + 12, c_part)
+        tl.store(base + _P_WSUM, zero)
+    tl.store(base + _P_ROWC, c_part)
 
 
 @triton.jit(do_not_specialize=["B", "NC"])
@@ -394,7 +446,10 @@ def policy_loss_fwd(
     ref_logp: torch.Tensor | None,
     entropy: torch.Tensor | None,
     rollout_logp: torch.Tensor | None,
+    is_weight: torch.Tensor | None = None,
     *,
+    surrogate: str = "ppo_clip",
+    sur_params: tuple[float, float, float, float] = (0.0, 0.0, 0.0, 0.0),
     seq_ratio: bool,
     seq_is: bool,
     clip_low: float,
@@ -413,7 +468,9 @@ def policy_loss_fwd(
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor | None]:
     """Forward of the policy loss.
 
-    All ``[B, T]`` inputs need a unit column stride; ``advantages`` is ``[B, T]`` or ``[B]``.
+    All ``[B, T]`` inputs (``is_weight`` too) need a unit column stride; ``advantages`` is
+    ``[B, T]`` or ``[B]``. ``surrogate`` names the fused variant (``SURROGATE_IDS``) and
+    ``sur_params`` its scalars.
     Returns ``out`` (``[len(OUT_KEYS)]`` fp32: loss, metrics, 1/D), ``rowcoef`` (``[B, 2]``: f_b,
     K_b) and ``g`` (``[B, T]`` fp32, or None when not needed) for ``policy_loss_bwd``.
     """
@@ -423,37 +480,46 @@ def policy_loss_fwd(
     mask = _mask_arg(mask)
     has_is = rollout_logp is not None
     seq_is = seq_is and has_is
-    if seq_ratio or seq_is:
+    sur_id = SURROGATE_IDS[surrogate]
+    vespo = sur_id == SURROGATE_IDS["vespo"]  # needs the row sums of the token (and rollout) log-ratios
+    if seq_ratio or seq_is or vespo:
         pre = torch.empty((B, nc, 3), dtype=torch.float32, device=dev)
+        pre_clamp = log_ratio_clamp
+        if vespo:
+            pre_clamp = min(float(log_ratio_clamp or _VESPO_LOG_RATIO_CLAMP), _VESPO_LOG_RATIO_CLAMP)
         _row_pre_kernel[(B, nc)](
             logp, old_logp, mask, rollout_logp if has_is else old_logp, pre,
             T, nc, logp.stride(0), old_logp.stride(0), mask.stride(0),
-            rollout_logp.stride(0) if has_is else 0, float(log_ratio_clamp or 0.0),
-            SEQ_RATIO=seq_ratio, SEQ_IS=seq_is, HAS_LR_CLAMP=log_ratio_clamp is not None, BLOCK=block,
+            rollout_logp.stride(0) if has_is else 0, float(pre_clamp or 0.0),
+            SEQ_RATIO=seq_ratio or vespo, SEQ_IS=seq_is or (vespo and has_is),
+            HAS_LR_CLAMP=pre_clamp is not None, BLOCK=block,
         )
     else:
         pre = logp  # unused
     has_ref = ref_logp is not None
     has_ent = entropy is not None
-    # in sequence mode g holds only the KL part; without KL there is nothing per token to keep
-    write_g = write_grad and (not seq_ratio or (has_ref and kl_coef != 0))
+    # in sequence mode g holds only the KL part (and the logp-only surrogates' gradient);
+    # without them there is nothing per token to keep
+    direct = surrogate in ("cispo", "vespo")
+    write_g = write_grad and (not seq_ratio or direct or (has_ref and kl_coef != 0))
+    has_isw = is_weight is not None
     g = torch.empty((B, T), dtype=torch.float32, device=dev) if write_g else None
     part = torch.empty((B, nc, NPART), dtype=torch.float32, device=dev)
     adv_per_seq = advantages.dim() == 1
     _policy_fwd_kernel[(B, nc)](
         logp, old_logp, advantages, mask,
         ref_logp if has_ref else logp, entropy if has_ent else logp, rollout_logp if has_is else logp,
-        pre, g if write_g else part, part,
+        is_weight if has_isw else logp, pre, g if write_g else part, part,
         T, nc,
         logp.stride(0), old_logp.stride(0), advantages.stride(0), 0 if adv_per_seq else 1, mask.stride(0),
         ref_logp.stride(0) if has_ref else 0, entropy.stride(0) if has_ent else 0,
-        rollout_logp.stride(0) if has_is else 0, T,
+        rollout_logp.stride(0) if has_is else 0, is_weight.stride(0) if has_isw else 0, T,
         1.0 - clip_low, 1.0 + clip_high, float(dual_clip or 0.0), float(log_ratio_clamp or 0.0),
-        float(kl_coef), float(kl_clamp or 0.0), float(is_cap or 0.0),
-        SEQ_RATIO=seq_ratio, SEQ_IS=seq_is, HAS_DUAL=dual_clip is not None,
+        float(kl_coef), float(kl_clamp or 0.0), float(is_cap or 0.0), *(float(x) for x in sur_params),
+        SURROGATE=sur_id, SEQ_RATIO=seq_ratio, SEQ_IS=seq_is, HAS_DUAL=dual_clip is not None,
         HAS_LR_CLAMP=log_ratio_clamp is not None, HAS_REF=has_ref, KL_EST=KL_ESTIMATOR_IDS[kl_estimator],
         HAS_KL_CLAMP=kl_clamp is not None, HAS_ENT=has_ent, HAS_IS=has_is, HAS_IS_CAP=is_cap is not None,
-        KL_GRAD=has_ref and kl_coef != 0, WRITE_GRAD=write_g, BLOCK_C=BLOCK_C, BLOCK=block,
+        HAS_ISW=has_isw, KL_GRAD=has_ref and kl_coef != 0, WRITE_GRAD=write_g, BLOCK_C=BLOCK_C, BLOCK=block,
     )
     out = torch.empty(NOUT, dtype=torch.float32, device=dev)
     rowcoef = torch.empty((B, 2), dtype=torch.float32, device=dev)

@@ -54,6 +54,16 @@ def _check_shape(name: str, x: torch.Tensor, *, ndim: int | None = None, shape: 
         raise ValueError(f"{name} must have shape {tuple(shape)}, got {tuple(x.shape)}")
 
 
+def check_is_weight(is_weight: object, B: int, T: int) -> None:
+    """``is_weight`` of the policy losses: None, or a float ``[B, T]``, ``[B]`` or ``[B, 1]`` tensor."""
+    if is_weight is None:
+        return
+    check_float("is_weight", is_weight)
+    if tuple(is_weight.shape) not in ((B, T), (B,), (B, 1)):
+        raise ValueError(f"is_weight must have shape (B, T) = {(B, T)}, (B,) = {(B,)} or (B, 1) = {(B, 1)}, "
+                         f"got {tuple(is_weight.shape)}")
+
+
 def check_nonempty(name: str, x: torch.Tensor) -> None:
     if x.numel() == 0:
         raise ValueError(f"{name} is empty (shape {tuple(x.shape)}); ops need at least one element")

@@ -14,6 +14,7 @@ from fastrl._checks import check_choice, check_scalar
 
 RatioLevel = Literal["token", "sequence"]
 KLEstimator = Literal["k1", "k2", "k3"]
+Surrogate = Literal["ppo_clip", "cispo", "sapo", "vespo"]
 LossAgg = Literal["token-mean", "seq-mean-token-mean", "seq-mean-token-sum", "seq-mean-token-sum-norm"]
 
 NORM_LENGTH_REQUIRED = (
@@ -26,6 +27,7 @@ RATIO_LEVELS = ("token", "sequence")
 KL_ESTIMATORS = ("k1", "k2", "k3")
 LOSS_AGGS = ("token-mean", "seq-mean-token-mean", "seq-mean-token-sum", "seq-mean-token-sum-norm")
 IS_LEVELS = ("token", "sequence")
+SURROGATES = ("ppo_clip", "cispo", "sapo", "vespo")
 
 
 @dataclass(frozen=True)
@@ -36,13 +38,53 @@ class PolicyLossConfig:
 
         ratio      = exp(log_ratio)                        (ratio_level="token")
                    = exp(masked_mean_t(log_ratio)) per row  (ratio_level="sequence")
-        pg         = max(-A * ratio, -A * clip(ratio, 1 - clip_low, 1 + clip_high))
+        pg         = surrogate(ratio, A, logp)             (``surrogate``; PPO clip by default:)
+                   = max(-A * ratio, -A * clip(ratio, 1 - clip_low, 1 + clip_high))
         pg         = min(pg, -A * dual_clip)               where A < 0, if dual_clip is set
-        pg         = pg * is_weight                        if rollout_logp is given
+        pg         = pg * w                                importance weights: rollout_logp / is_weight
         loss_t     = pg + kl_coef * KL_t(logp, ref_logp) - entropy_coef * entropy_t
 
-    and the loss is ``loss_t`` aggregated by ``loss_agg``.
+    and the loss is ``loss_t`` aggregated by ``loss_agg``. The surrogates are specified in
+    ``fastrl.reference.surrogates``.
     """
+
+    surrogate: Surrogate = "ppo_clip"
+    """The per-token policy-gradient term (specified in ``fastrl.reference.surrogates``):
+
+    - ``ppo_clip``: PPO's clipped ratio (Schulman et al. 2017, arXiv:1707.06347), with
+      ``clip_low``/``clip_high``/``dual_clip``; GSPO is this with ``ratio_level="sequence"``.
+    - ``cispo``: ``-sg(min(ratio, cispo_max)) * A * logp``: the importance weight is
+      truncated and detached, every token keeps a gradient (MiniMax-M1, arXiv:2506.13585;
+      ScaleRL, arXiv:2510.13786).
+    - ``sapo``: ``-(4 / tau) * sigmoid(tau * (ratio - 1)) * A``, a smooth gate in place of the
+      hard clip, ``tau = sapo_tau_pos`` for A > 0 else ``sapo_tau_neg`` (SAPO, arXiv:2511.20347).
+    - ``vespo``: ``-sg(phi(w)) * A * logp`` with the gamma weight ``phi`` of the sequence
+      importance ratio ``w`` (VESPO, as TRL 1.16 implements it; see ``vespo_k_pos``).
+    """
+
+    cispo_max: float = 5.0
+    """CISPO's cap epsilon_max on the detached importance ratio (TRL's ``epsilon_high`` with
+    ``loss_type="cispo"``; ScaleRL, arXiv:2510.13786, recommends 5). Unused by the others."""
+
+    sapo_tau_pos: float = 1.0
+    """SAPO's gate temperature for tokens with a positive advantage (arXiv:2511.20347)."""
+
+    sapo_tau_neg: float = 1.05
+    """SAPO's gate temperature for tokens with a non-positive advantage (arXiv:2511.20347)."""
+
+    vespo_k_pos: float = 2.0
+    """VESPO's power k for A >= 0 in ``phi(w) = exp(lam) * w**k * exp(-lam * w)``: how hard
+    sequences with a small ratio w < 1 are down-weighted."""
+
+    vespo_lambda_pos: float = 3.0
+    """VESPO's decay lambda for A >= 0: how hard sequences with a large ratio w > 1 are
+    down-weighted (taken as at least 1e-4, as TRL)."""
+
+    vespo_k_neg: float = 3.0
+    """VESPO's power k for A < 0."""
+
+    vespo_lambda_neg: float = 2.0
+    """VESPO's decay lambda for A < 0 (taken as at least 1e-4)."""
 
     ratio_level: RatioLevel = "token"
     """``token``: one importance ratio per token (PPO, Schulman et al. 2017). ``sequence``:
@@ -92,7 +134,8 @@ class PolicyLossConfig:
     efficient RL framework secretly brings you off-policy RL training"): when
     ``rollout_logp`` (the sampler's log-probs) is given, the policy-gradient term is
     weighted by min(exp(old_logp - rollout_logp), is_cap), without gradient. ``None``
-    means no truncation."""
+    means no truncation. (With ``surrogate="vespo"`` the log-weight enters VESPO's sequence
+    weight instead of multiplying the loss, and ``is_cap`` must be None.)"""
 
     is_level: Literal["token", "sequence"] = "token"
     """``token``: one weight per token. ``sequence``: one weight per row,
@@ -121,6 +164,12 @@ class PolicyLossConfig:
     stop adding up to the full-batch update. Unused by the other modes."""
 
     def __post_init__(self) -> None:
+        check_choice("surrogate", self.surrogate, SURROGATES)
+        check_scalar("cispo_max", self.cispo_max, low=0.0, low_inclusive=False)
+        check_scalar("sapo_tau_pos", self.sapo_tau_pos, low=0.0, low_inclusive=False)
+        check_scalar("sapo_tau_neg", self.sapo_tau_neg, low=0.0, low_inclusive=False)
+        for name in ("vespo_k_pos", "vespo_lambda_pos", "vespo_k_neg", "vespo_lambda_neg"):
+            check_scalar(name, getattr(self, name), low=0.0)
         check_choice("ratio_level", self.ratio_level, RATIO_LEVELS)
         check_scalar("clip_low", self.clip_low, low=0.0, high=1.0, high_inclusive=False)
         check_scalar("clip_high", self.clip_high, low=0.0)
@@ -136,6 +185,15 @@ class PolicyLossConfig:
         check_scalar("norm_length", self.norm_length, low=0.0, low_inclusive=False, allow_none=True)
         if self.loss_agg == "seq-mean-token-sum-norm" and self.norm_length is None:
             raise ValueError(NORM_LENGTH_REQUIRED)
+        if self.dual_clip is not None and self.surrogate != "ppo_clip":
+            raise ValueError(f"dual_clip is a setting of surrogate='ppo_clip', got surrogate={self.surrogate!r}")
+        if self.surrogate == "vespo":
+            if self.ratio_level != "token":
+                raise ValueError("surrogate='vespo' builds its own sequence weight from the summed token "
+                                 "log-ratios: use ratio_level='token'")
+            if self.is_cap is not None:
+                raise ValueError("surrogate='vespo' folds the rollout log-ratio into its sequence weight, which "
+                                 "bounds it: is_cap must be None (truncate the rollout log-probs beforehand)")
 
     def replace(self, **changes: object) -> "PolicyLossConfig":
         return dataclasses.replace(self, **changes)
@@ -159,6 +217,10 @@ class PolicyLossConfig:
           is required: ``preset("dr_grpo", norm_length=max_completion_length)``.
         - ``gspo``: sequence-level ratio, clip (3e-4, 4e-4), per-sequence token mean
           (Zheng et al. 2025, arXiv:2507.18071).
+        - ``cispo``: truncated detached IS weight, epsilon_max 5, token-mean (ScaleRL,
+          arXiv:2510.13786; MiniMax-M1, arXiv:2506.13585).
+        - ``sapo``: soft gate, temperatures (1.0, 1.05), per-sequence token mean (arXiv:2511.20347).
+        - ``vespo``: gamma-weighted sequence ratio, TRL 1.16's defaults, token-mean.
         """
         check_choice("preset", name, tuple(_PRESETS))
         return cls(**{**_PRESETS[name], **overrides})
@@ -170,4 +232,7 @@ _PRESETS: dict[str, dict[str, object]] = {
     "dapo": dict(clip_low=0.2, clip_high=0.28, kl_coef=0.0, loss_agg="token-mean"),
     "dr_grpo": dict(clip_low=0.2, clip_high=0.2, kl_coef=0.0, loss_agg="seq-mean-token-sum-norm"),
     "gspo": dict(ratio_level="sequence", clip_low=3e-4, clip_high=4e-4, loss_agg="seq-mean-token-mean"),
+    "cispo": dict(surrogate="cispo", cispo_max=5.0, loss_agg="token-mean"),
+    "sapo": dict(surrogate="sapo", sapo_tau_pos=1.0, sapo_tau_neg=1.05, loss_agg="seq-mean-token-mean"),
+    "vespo": dict(surrogate="vespo", loss_agg="token-mean"),
 }

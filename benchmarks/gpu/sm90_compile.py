@@ -219,14 +219,15 @@ def cases_decode_attention(rec: Recorder, full: bool) -> None:
 def _policy_call(rec: Recorder, B: int, T: int, dtype, *, seq_ratio=False, seq_is=False, dual=None, lr_clamp=None,
                  ref=False, kl_est="k3", kl_clamp=None, ent=False, is_=False, is_cap=None, kl_coef=0.1,
                  entropy_coef=0.01, agg="token-mean", gcount=None, write_grad=True, adv_per_seq=False,
-                 mask_dtype=torch.bool, need_logp=True) -> None:
+                 mask_dtype=torch.bool, need_logp=True, surrogate="ppo_clip", isw=False) -> None:
     from csrc_triton import policy_loss as P
 
     logp = meta(B, T, dtype=dtype)
     out, rowcoef, g = P.policy_loss_fwd(
         logp, meta(B, T), meta(B) if adv_per_seq else meta(B, T), meta(B, T, dtype=mask_dtype),
         meta(B, T, dtype=dtype) if ref else None, meta(B, T, dtype=dtype) if ent else None,
-        meta(B, T) if is_ else None,
+        meta(B, T) if is_ else None, meta(B, T) if isw else None,
+        surrogate=surrogate, sur_params=(1.0, 1.05, 3.0, 2.0),
         seq_ratio=seq_ratio, seq_is=seq_is, clip_low=0.2, clip_high=0.28, dual_clip=dual, log_ratio_clamp=lr_clamp,
         kl_coef=kl_coef if ref else 0.0, kl_estimator=kl_est, kl_clamp=kl_clamp, entropy_coef=entropy_coef,
         is_cap=is_cap, loss_agg=agg, norm_length=float(T), global_count=gcount, write_grad=write_grad,
@@ -253,6 +254,9 @@ def cases_policy_loss(rec: Recorder, full: bool) -> None:
             rec.label = f"policy_loss T={T} {str(dtype)[6:]} combo={i}"
             _policy_call(rec, 8, T, dtype, seq_ratio=sr, seq_is=si, dual=dual, lr_clamp=clamp, ref=ref, kl_est=est,
                          kl_clamp=kcl, ent=ent, is_=is_, is_cap=cap, agg=agg, adv_per_seq=bool(i % 2))
+        for sur, sr, is_, isw in (("cispo", True, True, True), ("sapo", False, False, True), ("vespo", False, True, False)):
+            rec.label = f"policy_loss T={T} {str(dtype)[6:]} surrogate={sur}"
+            _policy_call(rec, 8, T, dtype, surrogate=sur, seq_ratio=sr, is_=is_, isw=isw, ref=True, adv_per_seq=True)
         rec.label = f"policy_loss T={T} {str(dtype)[6:]} no-grad, counts, no kl"
         _policy_call(rec, 8, T, dtype, write_grad=False, gcount=meta((), dtype=torch.int64))
         _policy_call(rec, 8, T, dtype, ref=True, kl_coef=0.0, gcount=100.0, ent=True, entropy_coef=0.0,

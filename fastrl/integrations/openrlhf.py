@@ -33,7 +33,6 @@ __all__ = ["PolicyLoss", "SUPPORTED_OPENRLHF", "ValueLoss"]
 SUPPORTED_OPENRLHF = ">=0.11,<0.12"
 """OpenRLHF releases whose loss semantics these modules reproduce (tested with 0.11.2)."""
 
-_LOG_ZERO = -1.0e4  # exp(-1e4) == 0 in float32
 
 
 def _masked_mean(x: torch.Tensor, mask: Optional[torch.Tensor], dim: Optional[int] = None) -> torch.Tensor:
@@ -152,14 +151,13 @@ class PolicyLoss(nn.Module):
         old = old_log_probs
         if self.policy_loss_type == "gspo" and self.is_correction_level != "off":
             old = rollout_log_probs  # OpenRLHF's GSPO measures the ratio against the rollout policy
-        rollout = None
+        is_weight = None
         vllm_kl = is_filter_ratio = None
         if self.is_correction_level != "off" and self.policy_loss_type == "ppo":
             coef, vllm_kl, is_filter_ratio = self._is_coefficient(old_log_probs, rollout_log_probs, action_mask)
-            logw = torch.log(coef.to(torch.float32)).clamp(min=_LOG_ZERO).expand_as(log_probs)
-            rollout = old.detach().to(torch.float32) - logw
+            is_weight = coef.detach().to(torch.float32).expand_as(log_probs)
         loss, metrics = _ops.policy_loss(
-            log_probs, old.detach(), advantages, mask, rollout_logp=rollout, config=cfg,
+            log_probs, old.detach(), advantages, mask, is_weight=is_weight, config=cfg,
             global_token_count=gtc, global_seq_count=gsc, backend=self.backend,
         )
         clip_ratio = metrics["clip_frac_low"] + metrics["clip_frac_high"]

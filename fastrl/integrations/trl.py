@@ -32,26 +32,25 @@ TRL setting                   fastrl mapping
 ``beta``                      ``kl_coef=beta``, k3, unclamped
 ``use_bias_correction_kl``    KL weighted by the differentiable ratio: computed on
                               ``fastrl.ops.linear_logprobs`` + ``policy_loss`` (still tiled)
-vLLM IS correction            TRL's ``importance_sampling_ratio`` multiplies the policy term
-top_entropy_quantile < 1,     multiply the policy term as in TRL (two-stage path:
-off_policy_mask_threshold     ``linear_logprobs`` + ``policy_loss``)
-``loss_type="cispo"``         two-stage: ``linear_logprobs``, then ``-sg(min(r, epsilon_high)) * A *
-                              logp``; dapo's normalisation (``num_items_in_batch``)
-``loss_type="sapo"``          two-stage: ``-(4/tau) sigmoid(tau (r - 1)) * A``, ``tau`` =
-                              ``sapo_temperature_pos`` if ``A > 0`` else ``..._neg``; grpo's
-                              normalisation
-``loss_type="vespo"``         two-stage: ``-sg(phi(w)) * A * logp`` with TRL's gamma weight ``phi`` of
-                              the sequence ratio ``w`` (vLLM IS ratio folded into ``w``, not
-                              multiplied); dapo's normalisation
+vLLM IS correction            ``is_weight=`` TRL's ``importance_sampling_ratio`` (multiplies the
+                              policy term)
+top_entropy_quantile < 1,     ``is_weight=`` the mask (times the vLLM ratio), as TRL multiplies
+off_policy_mask_threshold     them (two-stage path: ``linear_logprobs`` + ``policy_loss``)
+``loss_type="cispo"``         ``surrogate="cispo"``, ``cispo_max=epsilon_high``; dapo's normalisation
+``loss_type="sapo"``          ``surrogate="sapo"``, ``sapo_tau_pos/neg=sapo_temperature_pos/neg``;
+                              grpo's normalisation
+``loss_type="vespo"``         ``surrogate="vespo"``, ``vespo_*`` as TRL's; the vLLM ratio enters
+                              VESPO's weight as ``rollout_logp = old - clamp(log ratio, log 1e-8, 20)``;
+                              dapo's normalisation (two-stage: the logged ``phi`` needs the log-probs)
 ``entropy_coef`` /            two-stage (``linear_logprobs(return_entropy=True)``, entropy
 ``use_adaptive_entropy``      differentiable): ``- coef * mean(entropy) / GA`` over the (entropy-
                               masked) tokens for every loss type, with TRL's adaptive controller
 ============================  =========================================================
 
-On the two-stage path the surrogates are written in this module (``_cispo_loss``,
-``_sapo_loss``, ``_vespo_phi``) after TRL 1.16's ``_compute_loss``; the KL term is
-``fastrl.ops.kl_penalty`` (k3) and the loss-type normalisation is shared
-(``_fastrl_aggregate``). Only ``[tokens]``-sized tensors are materialised.
+The surrogates are ``PolicyLossConfig.surrogate`` entries (``fastrl.reference.surrogates``,
+checked there against TRL 1.16's formulas). Only the bias-corrected KL is computed here
+(``fastrl.ops.kl_penalty`` (k3) times the ratio, with the loss type's normalisation in
+``_fastrl_aggregate``). Only ``[tokens]``-sized tensors are materialised.
 
 GA is ``current_gradient_accumulation_steps`` in training and 1 in evaluation, exactly as
 TRL normalises. Settings fastrl cannot express exactly run TRL's own loss (a warning says
@@ -82,6 +81,8 @@ from torch import nn
 
 import fastrl.ops as _ops
 from fastrl.config import PolicyLossConfig
+from fastrl.ops.surrogates import surrogate_params as _surrogate_params
+from fastrl.ops.surrogates import vespo_phi as _vespo_phi
 
 try:
     import trl as _trl
@@ -94,7 +95,18 @@ __all__ = ["FastRLGRPOTrainer", "GRPOTrainer", "SUPPORTED_TRL", "trl_loss_config
 SUPPORTED_TRL = ">=1.16,<1.17"
 """TRL releases this adapter is tested against (it overrides a private method)."""
 
-_FUSED_LOSS_TYPES = ("grpo", "bnpo", "dr_grpo", "dapo", "luspo")
+_LOSS_AGG = {
+    # TRL loss_type -> (surrogate, loss_agg); the denominators come from the global counts of _compute_loss
+    "grpo": ("ppo_clip", "seq-mean-token-mean"),
+    "bnpo": ("ppo_clip", "token-mean"),
+    "dr_grpo": ("ppo_clip", "seq-mean-token-sum-norm"),
+    "dapo": ("ppo_clip", "token-mean"),
+    "luspo": ("ppo_clip", "seq-mean-token-sum"),
+    "cispo": ("cispo", "token-mean"),
+    "sapo": ("sapo", "seq-mean-token-mean"),
+    "vespo": ("vespo", "token-mean"),
+}
+_TOKEN_COUNT_TYPES = ("dapo", "cispo", "vespo")  # normalised by TRL's num_items_in_batch
 _MULTIMODAL_KEYS = (
     "pixel_values",
     "image_grid_thw",
@@ -106,7 +118,6 @@ _MULTIMODAL_KEYS = (
     "spatial_shapes",
     "num_tiles",
 )
-_LOG_ZERO = -1.0e4  # exp(-1e4) == 0 in float32: a zero weight expressed as a log-weight
 
 
 def _version_tuple(v: str) -> tuple[int, ...]:
@@ -134,18 +145,22 @@ def trl_loss_config(
     importance_sampling_level: str,
     beta: float,
     max_completion_length: int,
+    sapo_temperature_pos: float = 1.0,
+    sapo_temperature_neg: float = 1.05,
+    vespo_k_pos: float = 2.0,
+    vespo_lambda_pos: float = 3.0,
+    vespo_k_neg: float = 3.0,
+    vespo_lambda_neg: float = 2.0,
 ) -> PolicyLossConfig:
     """The ``PolicyLossConfig`` equivalent to TRL's GRPO loss settings.
 
     Raises ``ValueError`` for settings fastrl cannot express exactly (see module docs).
     """
-    if loss_type not in _FUSED_LOSS_TYPES:
-        raise ValueError(
-            f"loss_type={loss_type!r} has no PolicyLossConfig equivalent (supported: {_FUSED_LOSS_TYPES}; "
-            f"the trainer computes {_SURROGATE_LOSS_TYPES} on its two-stage path)"
-        )
+    if loss_type not in _LOSS_AGG:
+        raise ValueError(f"loss_type={loss_type!r} has no PolicyLossConfig equivalent (supported: {tuple(_LOSS_AGG)})")
+    surrogate, agg = _LOSS_AGG[loss_type]
     dual_clip = None
-    if delta is not None:
+    if delta is not None and surrogate == "ppo_clip":
         if not delta > 1.0 + epsilon_high:
             raise ValueError(
                 f"delta={delta} <= 1 + epsilon_high={1 + epsilon_high}: TRL's two-sided clip then also bounds "
@@ -154,18 +169,20 @@ def trl_loss_config(
         dual_clip = float(delta)
     if not 0.0 <= epsilon_low < 1.0:
         raise ValueError(f"epsilon={epsilon_low} outside [0, 1)")
-    agg = {
-        "grpo": "seq-mean-token-mean",
-        "bnpo": "token-mean",
-        "dr_grpo": "seq-mean-token-sum-norm",
-        "dapo": "token-mean",
-        "luspo": "seq-mean-token-sum",
-    }[loss_type]
     return PolicyLossConfig(
-        ratio_level=importance_sampling_level,
+        surrogate=surrogate,
+        # VESPO's loss does not use TRL's importance_sampling_level (only its bias-corrected KL does, computed here)
+        ratio_level="token" if surrogate == "vespo" else importance_sampling_level,
         clip_low=float(epsilon_low),
-        clip_high=float(epsilon_high),
+        clip_high=float(epsilon_high) if surrogate == "ppo_clip" else 0.2,
         dual_clip=dual_clip,
+        cispo_max=float(epsilon_high) if surrogate == "cispo" else 5.0,
+        sapo_tau_pos=float(sapo_temperature_pos),
+        sapo_tau_neg=float(sapo_temperature_neg),
+        vespo_k_pos=float(vespo_k_pos),
+        vespo_lambda_pos=float(vespo_lambda_pos),
+        vespo_k_neg=float(vespo_k_neg),
+        vespo_lambda_neg=float(vespo_lambda_neg),
         kl_coef=float(beta),
         kl_estimator="k3",
         loss_agg=agg,
@@ -173,60 +190,7 @@ def trl_loss_config(
     )
 
 
-def _weight_as_rollout_logp(old_logp: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
-    """A ``rollout_logp`` for which fastrl's token IS weight ``exp(old_logp - rollout_logp)`` is ``weight``.
-
-    TRL hands the loss a ready-made weight (vLLM IS ratio, entropy / off-policy masks); fastrl
-    takes the rollout log-probs instead. Zero weights become exp(-1e4) == 0 exactly.
-    """
-    logw = torch.log(weight.to(torch.float32)).clamp(min=_LOG_ZERO)
-    return old_logp.to(torch.float32) - logw.expand_as(old_logp)
-
-
-_SURROGATE_LOSS_TYPES = ("cispo", "sapo", "vespo")
 _LOG_1E8 = math.log(1e-8)
-
-
-def _cispo_loss(logp: torch.Tensor, ratio: torch.Tensor, adv: torch.Tensor, *, eps_max: float) -> torch.Tensor:
-    """CISPO: ``-sg(min(r, eps_max)) * A * logp`` (the ratio is clipped and detached, the
-    gradient flows through ``logp`` only)."""
-    return -torch.clamp(ratio, max=eps_max).detach() * adv * logp
-
-
-def _sapo_loss(ratio: torch.Tensor, adv: torch.Tensor, *, tau_pos: float, tau_neg: float) -> torch.Tensor:
-    """SAPO: ``-(4 / tau) * sigmoid(tau * (r - 1)) * A`` with ``tau = tau_pos`` where ``A > 0``,
-    else ``tau_neg`` (a soft, differentiable gate in place of the hard clip)."""
-    tau = torch.where(adv > 0, tau_pos, tau_neg)
-    return -torch.sigmoid(tau * (ratio - 1)) * 4 / tau * adv
-
-
-@torch.no_grad()
-def _vespo_phi(
-    log_ratio: torch.Tensor,
-    adv: torch.Tensor,
-    mask: torch.Tensor,
-    is_ratio: torch.Tensor | None,
-    *,
-    k_pos: float,
-    lambda_pos: float,
-    k_neg: float,
-    lambda_neg: float,
-) -> torch.Tensor:
-    """VESPO's detached ``[B, 1]`` gamma weight ``phi(w) = exp(lam + k log w - lam w)``.
-
-    ``log w`` = the masked sum over the row of ``clamp(logp - old_logp, -20, 20)`` plus, when
-    given, the unmasked row sum of ``clamp(log is_ratio, log 1e-8, 20)``, then clamped to
-    ``[log 1e-8, 20]``; ``(k, lam)`` = ``(k_pos, lambda_pos)`` where ``A >= 0``, else the
-    negative pair, with ``lam >= 1e-4``. Non-finite weights become 0 (as TRL 1.16).
-    """
-    log_w = (log_ratio.clamp(-20.0, 20.0) * mask).sum(-1, keepdim=True)
-    if is_ratio is not None:
-        log_w = log_w + torch.log(is_ratio).clamp(_LOG_1E8, 20.0).sum(-1, keepdim=True)
-    log_w = log_w.clamp(_LOG_1E8, 20.0)
-    nonneg = adv >= 0
-    k = torch.where(nonneg, k_pos, k_neg)
-    lam = torch.where(nonneg, lambda_pos, lambda_neg).clamp(min=1e-4)
-    return torch.exp(lam + k * log_w - lam * torch.exp(log_w)).nan_to_num(nan=0.0, posinf=0.0, neginf=0.0)
 
 
 def _add_hidden_states_forward(model: nn.Module) -> None:
@@ -270,24 +234,30 @@ class FastRLGRPOTrainer(_TRLGRPOTrainer):
     # ------------------------------------------------------------------ support checks
     def _fastrl_loss_config(self) -> PolicyLossConfig:
         """The fastrl config of the trainer's current settings (read on every call, like TRL)."""
+        args = self.args
         return trl_loss_config(
             loss_type=self.loss_type,
             epsilon_low=self.epsilon_low,
             epsilon_high=self.epsilon_high,
-            delta=self.args.delta,
+            delta=args.delta,
             importance_sampling_level=self.importance_sampling_level,
             beta=self.beta,
             max_completion_length=self.max_completion_length,
+            sapo_temperature_pos=args.sapo_temperature_pos,
+            sapo_temperature_neg=args.sapo_temperature_neg,
+            vespo_k_pos=args.vespo_k_pos,
+            vespo_lambda_pos=args.vespo_lambda_pos,
+            vespo_k_neg=args.vespo_k_neg,
+            vespo_lambda_neg=args.vespo_lambda_neg,
         )
 
     @property
     def fastrl_fallback_reason(self) -> str | None:
         """Why the loss runs on TRL's own code, or ``None`` when fastrl computes it."""
-        if self.loss_type not in _SURROGATE_LOSS_TYPES:
-            try:
-                self._fastrl_loss_config()
-            except ValueError as exc:
-                return str(exc)
+        try:
+            self._fastrl_loss_config()
+        except ValueError as exc:
+            return str(exc)
         if self.aux_loss_enabled:
             return "the MoE router aux loss is enabled"
         cfg = self._fastrl_base_model.config.get_text_config()
@@ -304,7 +274,7 @@ class FastRLGRPOTrainer(_TRLGRPOTrainer):
     def _fastrl_needs_logp(self) -> bool:
         """Settings that need the per-token log-probs before the loss (two-stage path)."""
         return (
-            self.loss_type in _SURROGATE_LOSS_TYPES
+            self.loss_type == "vespo"  # the logged phi needs the log-probs
             or self._entropy_bonus_enabled
             or (self.beta != 0.0 and self.args.use_bias_correction_kl)
             or self.top_entropy_quantile < 1.0
@@ -348,11 +318,11 @@ class FastRLGRPOTrainer(_TRLGRPOTrainer):
         mode = "train" if self.model.training else "eval"
         ga = self.current_gradient_accumulation_steps if mode == "train" else 1
         n_rows = completion_ids.size(0)
-        cfg = None if self.loss_type in _SURROGATE_LOSS_TYPES else self._fastrl_loss_config()
+        cfg = self._fastrl_loss_config()
         gtc = gsc = None
         if self.loss_type == "bnpo":
             gtc = mask.sum().to(torch.float32).clamp(min=1.0) * ga
-        elif self.loss_type in ("dapo", "cispo", "vespo"):
+        elif self.loss_type in _TOKEN_COUNT_TYPES:
             gtc = inputs["num_items_in_batch"].to(torch.float32).clamp(min=1.0) / self.accelerator.num_processes
             if mode == "train":
                 gtc = gtc * self.current_gradient_accumulation_steps / self.args.steps_per_generation
@@ -365,6 +335,10 @@ class FastRLGRPOTrainer(_TRLGRPOTrainer):
         is_ratio = None
         if self.use_vllm and self.vllm_importance_sampling_correction:
             is_ratio = inputs["importance_sampling_ratio"]
+        # VESPO folds TRL's vLLM ratio into its sequence weight (in log space, clamped as TRL); every other
+        # loss type multiplies its policy term by it
+        weight_pg = None if is_ratio is None or self.loss_type == "vespo" else is_ratio.to(torch.float32)
+        vespo_is = is_ratio if self.loss_type == "vespo" else None
         common = dict(config=cfg, global_token_count=gtc, global_seq_count=gsc, backend=self.fastrl_backend)
 
         if not self._fastrl_needs_logp():
@@ -374,10 +348,9 @@ class FastRLGRPOTrainer(_TRLGRPOTrainer):
                         hidden.detach(), weight.detach(), targets, bias=None if bias is None else bias.detach(),
                         temperature=self.temperature, backend=self.fastrl_backend,
                     )
-            rollout = None if is_ratio is None else _weight_as_rollout_logp(old_logp, is_ratio)
             loss, metrics = _ops.fused_linear_policy_loss(
                 hidden, weight, targets, old_logp, advantages, mask, bias=bias, ref_logp=ref_logp,
-                rollout_logp=rollout, temperature=self.temperature, entropy=True, **common,
+                is_weight=weight_pg, temperature=self.temperature, entropy=True, **common,
             )
         else:
             logp, entropy = _ops.linear_logprobs(
@@ -386,8 +359,6 @@ class FastRLGRPOTrainer(_TRLGRPOTrainer):
             )
             old_logp = logp.detach() if old_logp is None else old_logp
             adv2d = advantages.unsqueeze(1) if advantages.dim() == 1 else advantages
-            # vespo folds the vLLM IS ratio into its sequence weight instead of multiplying the token loss
-            weight_pg = None if is_ratio is None or self.loss_type == "vespo" else is_ratio.to(torch.float32)
             if self.off_policy_mask_threshold is not None:
                 sampling = inputs.get("sampling_per_token_logps", old_logp)
                 opm = self.get_off_policy_mask(adv2d, logp, sampling, mask, self.off_policy_mask_threshold)
@@ -395,15 +366,9 @@ class FastRLGRPOTrainer(_TRLGRPOTrainer):
             if self.top_entropy_quantile < 1.0:
                 em = self.get_high_entropy_mask(entropy.detach(), mask, 1 - self.top_entropy_quantile)
                 weight_pg = em.to(torch.float32) if weight_pg is None else weight_pg * em
-            if self.loss_type in _SURROGATE_LOSS_TYPES:
-                loss, metrics = self._fastrl_surrogate_loss(
-                    logp, old_logp, adv2d, mask, ref_logp, weight_pg, inputs.get("importance_sampling_ratio"),
-                    gtc, ga, n_rows,
-                )
-            else:
-                loss, metrics = self._fastrl_clipped_loss(
-                    logp, old_logp, advantages, mask, ref_logp, entropy, weight_pg, common, gtc, ga, n_rows
-                )
+            loss, metrics = self._fastrl_two_stage_loss(
+                logp, old_logp, advantages, mask, ref_logp, entropy, weight_pg, vespo_is, common, gtc, ga, n_rows
+            )
             metrics["entropy_mean"] = (entropy.detach() * mask).sum() / mask.sum().clamp(min=1)
             if self._entropy_bonus_enabled:
                 keep = mask if self.top_entropy_quantile >= 1.0 else mask * em
@@ -427,60 +392,46 @@ class FastRLGRPOTrainer(_TRLGRPOTrainer):
         m = mask.to(log_ratio.dtype)
         return ((log_ratio * m).sum(-1) / m.sum(-1).clamp(min=1.0)).unsqueeze(-1)
 
-    def _fastrl_clipped_loss(
-        self, logp, old_logp, advantages, mask, ref_logp, entropy, weight_pg, common, gtc, ga, n_rows
+    def _fastrl_two_stage_loss(
+        self, logp, old_logp, advantages, mask, ref_logp, entropy, weight_pg, vespo_is, common, gtc, ga, n_rows
     ):
-        """grpo/bnpo/dr_grpo/dapo/luspo on given log-probs: ``policy_loss``, plus the bias-corrected KL."""
-        rollout = None if weight_pg is None else _weight_as_rollout_logp(old_logp, weight_pg)
+        """The loss on given log-probs: ``policy_loss`` (any surrogate), plus the bias-corrected KL."""
         bias_kl = self.beta != 0.0 and self.args.use_bias_correction_kl
         if bias_kl:
             common = dict(common, config=common["config"].replace(kl_coef=0.0))
+        rollout = None
+        if vespo_is is not None:  # TRL: log w += sum_t clamp(log ratio_t, log 1e-8, 20)
+            rollout = old_logp - torch.log(vespo_is.to(torch.float32)).clamp(_LOG_1E8, 20.0)
         loss, metrics = _ops.policy_loss(
             logp, old_logp, advantages, mask, ref_logp=None if bias_kl else ref_logp,
-            entropy=entropy.detach(), rollout_logp=rollout, **common,
+            entropy=entropy.detach(), rollout_logp=rollout, is_weight=weight_pg, **common,
         )
         if bias_kl:
             kl = self._fastrl_kl(logp, old_logp, ref_logp, mask)
             loss = loss + self.beta * self._fastrl_aggregate(kl, mask, gtc, ga, n_rows)
             metrics["kl_ref_mean"] = (kl.detach() * mask).sum() / mask.sum().clamp(min=1)
+        if self.loss_type == "vespo":  # TRL logs phi once per row: recompute the row weights (no grad)
+            metrics["vespo/phi_seq_mean"] = self._fastrl_vespo_row_phi(logp, old_logp, advantages, mask, rollout)
         return loss, metrics
 
-    def _fastrl_surrogate_loss(self, logp, old_logp, adv, mask, ref_logp, weight_pg, is_ratio, gtc, ga, n_rows):
-        """cispo/sapo/vespo on given log-probs: TRL 1.16's per-token surrogate, token weights, KL, aggregation."""
-        args = self.args
-        log_ratio = logp - old_logp
-        ratio = torch.exp(self._fastrl_log_weights(log_ratio, mask))
-        metrics: dict[str, torch.Tensor] = {}
-        if self.loss_type == "cispo":
-            per_token = _cispo_loss(logp, ratio, adv, eps_max=self.epsilon_high)
-            metrics["cispo_clip_ratio"] = ((ratio > self.epsilon_high) & (adv > 0)).to(torch.float32).detach()
-        elif self.loss_type == "sapo":
-            per_token = _sapo_loss(ratio, adv, tau_pos=args.sapo_temperature_pos, tau_neg=args.sapo_temperature_neg)
-        else:  # vespo
-            phi = _vespo_phi(
-                log_ratio, adv, mask, is_ratio, k_pos=args.vespo_k_pos, lambda_pos=args.vespo_lambda_pos,
-                k_neg=args.vespo_k_neg, lambda_neg=args.vespo_lambda_neg,
-            )
-            per_token = -phi * adv * logp
-            metrics["vespo/phi_seq_mean"] = phi
-        if weight_pg is not None:
-            per_token = per_token * weight_pg
-        if self.beta != 0.0:
-            kl = self._fastrl_kl(logp, old_logp, ref_logp, mask)
-            per_token = per_token + self.beta * kl
-            metrics["kl_ref_mean"] = (kl.detach() * mask).sum() / mask.sum().clamp(min=1)
-        return self._fastrl_aggregate(per_token, mask, gtc, ga, n_rows), metrics
+    @torch.no_grad()
+    def _fastrl_vespo_row_phi(self, logp, old_logp, advantages, mask, rollout) -> torch.Tensor:
+        """VESPO's per-row weight phi ([B, 1]), as ``fastrl.ops.surrogates.vespo_phi`` computes it in the op."""
+        m = mask.to(torch.float32)
+        lr = torch.where(m > 0, logp.float() - old_logp.float(), 0.0)
+        log_is = None if rollout is None else torch.where(m > 0, old_logp.float() - rollout, 0.0)
+        adv = advantages.float().reshape(advantages.shape[0], -1)
+        return _vespo_phi(lr, adv, m, log_is, _surrogate_params(self._fastrl_loss_config()))
 
     def _fastrl_aggregate(self, x: torch.Tensor, mask: torch.Tensor, gtc, ga: int, n_rows: int) -> torch.Tensor:
-        """TRL's loss-type normalisation of a per-token term ([B, T] or [B, 1], broadcast over the mask)."""
-        m = mask.to(x.dtype)
-        if self.loss_type in ("grpo", "sapo"):
-            return ((x * m).sum(-1) / m.sum(-1).clamp(min=1.0)).sum() / (n_rows * ga)
-        if self.loss_type in ("bnpo", "dapo", "cispo", "vespo"):
-            return (x * m).sum() / gtc
-        if self.loss_type == "dr_grpo":
-            return (x * m).sum() / (n_rows * self.max_completion_length * ga)
-        return (x * m).sum(-1).sum() / (n_rows * ga)  # luspo
+        """TRL's loss-type normalisation of a per-token term ([B, T] or [B, 1]): the house rule
+        (``fastrl.ops.aggregate_loss``) with the global counts of ``_compute_loss``."""
+        cfg = self._fastrl_loss_config()
+        token = cfg.loss_agg == "token-mean"
+        return _ops.aggregate_loss(
+            x, mask, loss_agg=cfg.loss_agg, norm_length=cfg.norm_length,
+            global_token_count=gtc if token else None, global_seq_count=None if token else float(n_rows * ga),
+        )
 
     def _fastrl_entropy_bonus(self, loss, entropy, keep, mode: str, ga: int) -> torch.Tensor:
         """TRL 1.16's entropy bonus: ``loss - coef * mean(entropy over keep) / GA`` (the same for every
@@ -490,7 +441,7 @@ class FastRLGRPOTrainer(_TRLGRPOTrainer):
         coef = self.entropy_coef
         if self.use_adaptive_entropy and not self._last_world_entropy <= self.args.entropy_target:
             coef = 0.0  # the coefficient of the previous step applies, and only below the entropy target
-        policy_loss = loss.detach() * (1 if self.loss_type in ("dapo", "cispo", "vespo") else ga)
+        policy_loss = loss.detach() * (1 if self.loss_type in _TOKEN_COUNT_TYPES else ga)
         loss = loss - coef * (token_sum / token_count.clamp(min=1.0) / ga)
         self._metrics[mode]["policy_loss"].append(self.accelerator.gather(policy_loss).nanmean().item())
         if self.use_adaptive_entropy and mode == "train":
@@ -522,13 +473,15 @@ class FastRLGRPOTrainer(_TRLGRPOTrainer):
             self._metrics[mode]["kl"].append(global_mean(metrics["kl_ref_mean"]))
         if "entropy_mean" in metrics:
             self._metrics[mode]["entropy"].append(global_mean(metrics["entropy_mean"]))
-        for key in ("cispo_clip_ratio", "vespo/phi_seq_mean"):  # TRL's masked mean; [B, 1] values count per row
+        if "cispo_clip_frac" in metrics:
+            self._metrics[mode]["cispo_clip_ratio"].append(global_mean(metrics["cispo_clip_frac"]))
+        for key in ("vespo/phi_seq_mean",):  # TRL's masked mean; [B, 1] values count per row
             if key in metrics:
                 x = metrics[key]
                 m = mask.to(torch.float32) if x.shape[-1] != 1 else torch.ones_like(x)
                 totals = self.accelerator.reduce(torch.stack([(x * m).sum(), m.sum()]), reduction="sum")
                 self._metrics[mode][key].append((totals[0] / totals[1].clamp(min=1.0)).item())
-        if self.loss_type in _SURROGATE_LOSS_TYPES:
+        if "clip_frac_low" not in metrics:
             return
         low, high = metrics["clip_frac_low"], metrics["clip_frac_high"]
         self._metrics[mode]["clip_ratio/low_mean"].append(global_mean(low))

@@ -68,7 +68,6 @@ __all__ = [
 SUPPORTED_VERL = ">=0.9,<0.10"
 """verl releases whose semantics these functions reproduce (tested with 0.9.1)."""
 
-_LOG_ZERO = -1.0e4  # exp(-1e4) == 0 in float32
 _GSPO_LOG_RATIO_CLAMP = 10.0  # verl clamps the GSPO log-ratio at 10 from above
 
 
@@ -120,12 +119,6 @@ def _norm_length(agg: str, loss_scale_factor: float | None, response_mask: torch
     if not agg.endswith("-norm"):
         return None
     return float(response_mask.shape[-1] if loss_scale_factor is None else loss_scale_factor)
-
-
-def _weights_as_rollout_logp(old_log_prob: torch.Tensor, weights: torch.Tensor) -> torch.Tensor:
-    """``rollout_logp`` with ``exp(old - rollout) == weights``: verl passes ready-made IS weights."""
-    logw = torch.log(weights.detach().to(torch.float32)).clamp(min=_LOG_ZERO)
-    return old_log_prob.detach().to(torch.float32) - logw.expand_as(old_log_prob)
 
 
 def _masked_mean(x: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
@@ -234,17 +227,8 @@ def agg_loss(
     ops use, mapped from verl's global batch information.
     """
     agg, gtc, gsc = _global_counts(loss_agg_mode, dp_size, batch_num_tokens, global_batch_size)
-    m = (loss_mask != 0).to(loss_mat.dtype)
-    lm = torch.where(m.bool(), loss_mat, torch.zeros_like(loss_mat)) * m
-    n_b = m.sum(-1)
-    if agg == "token-mean":
-        return lm.sum() / (n_b.sum() if gtc is None else gtc)
-    rows = lm.sum(-1)
-    if agg == "seq-mean-token-mean":
-        rows = rows / (n_b + 1e-8)
-    elif agg == "seq-mean-token-sum-norm":
-        rows = rows / (loss_mat.shape[-1] if loss_scale_factor is None else loss_scale_factor)
-    return rows.sum() / ((n_b > 0).to(loss_mat.dtype).sum() if gsc is None else gsc)
+    return _ops.aggregate_loss(loss_mat, loss_mask, loss_agg=agg, norm_length=_norm_length(agg, loss_scale_factor, loss_mask),
+                               global_token_count=gtc, global_seq_count=gsc)
 
 
 def _policy_loss(old_log_prob, log_prob, advantages, response_mask, loss_agg_mode, config, weights, cfg):
@@ -253,9 +237,9 @@ def _policy_loss(old_log_prob, log_prob, advantages, response_mask, loss_agg_mod
         loss_agg_mode, info.get("dp_size", 1), info.get("batch_num_tokens"), info.get("global_batch_size")
     )
     cfg = cfg.replace(loss_agg=agg, norm_length=_norm_length(agg, info.get("loss_scale_factor"), response_mask))
-    rollout = None if weights is None else _weights_as_rollout_logp(old_log_prob, weights)
     return _ops.policy_loss(
-        log_prob, old_log_prob, advantages, response_mask, rollout_logp=rollout, config=cfg,
+        log_prob, old_log_prob, advantages, response_mask, is_weight=None if weights is None else weights.detach(),
+        config=cfg,
         global_token_count=gtc, global_seq_count=gsc,
     )
 

@@ -11,7 +11,7 @@
   pass (3 GEMMs per chunk instead of 4), which works because then the loss gradient of a
   token depends only on that token: ``d loss / d logp_t = c_t * d l_t / d logp_t`` with
   ``l_t`` the per-token loss (from ``policy_loss`` itself, on each chunk) and ``c_t`` the
-  aggregation weight of token ``t`` (``_token_agg_weights``, written out explicitly).
+  aggregation weight of token ``t`` (``fastrl.ops.aggregation``, the rule every loss uses).
 """
 
 from __future__ import annotations
@@ -25,13 +25,14 @@ from fastrl._checks import (
     check_float,
     check_global_count,
     check_int,
+    check_is_weight,
     check_mask,
     check_same_device,
-    effective_count,
     resolve_backend,
     select_global_count,
 )
 from fastrl.config import PolicyLossConfig
+from fastrl.ops.aggregation import aggregation_weights
 from fastrl.ops.logprobs import linear_logprobs
 from fastrl.ops.policy_loss import policy_loss
 
@@ -57,6 +58,7 @@ def fused_linear_policy_loss(
     bias: torch.Tensor | None = None,
     ref_logp: torch.Tensor | None = None,
     rollout_logp: torch.Tensor | None = None,
+    is_weight: torch.Tensor | None = None,
     config: PolicyLossConfig = PolicyLossConfig(),
     temperature: float = 1.0,
     entropy: bool = False,
@@ -78,7 +80,7 @@ def fused_linear_policy_loss(
         hidden: [B, T, H] last hidden states (the ones that predict ``targets``).
         weight, bias: LM head [V, H] and optional [V] (a vocab shard with ``process_group``).
         targets: [B, T] sampled token ids.
-        old_logp, advantages, mask, ref_logp, rollout_logp, config, global_token_count,
+        old_logp, advantages, mask, ref_logp, rollout_logp, is_weight, config, global_token_count,
             global_seq_count: as in ``fastrl.ops.policy_loss`` (every ``PolicyLossConfig``
             option, including sequence-level ratios and global-token normalisation).
         temperature: sampling temperature the logits are divided by.
@@ -113,8 +115,9 @@ def fused_linear_policy_loss(
     for name, t in (("ref_logp", ref_logp), ("rollout_logp", rollout_logp)):
         if t is not None:
             check_float(name, t, shape=(B, T))
+    check_is_weight(is_weight, B, T)
     check_same_device(hidden=hidden, targets=targets, old_logp=old_logp, advantages=advantages, mask=mask,
-                      ref_logp=ref_logp, rollout_logp=rollout_logp)
+                      ref_logp=ref_logp, rollout_logp=rollout_logp, is_weight=is_weight)
     keep = mask if mask.dtype == torch.bool else mask != 0
     targets_eff = torch.where(keep, targets.to(torch.int64), torch.full_like(targets, _IGNORE, dtype=torch.int64))
     with_entropy = bool(entropy) or config.entropy_coef != 0
@@ -125,8 +128,8 @@ def fused_linear_policy_loss(
         global_count = check_global_count(count_name, count, hidden.device)
         return _fused_eager_torch(
             hidden, weight, bias, targets_eff, keep, old_logp, advantages, mask, ref_logp=ref_logp,
-            rollout_logp=rollout_logp, config=config, temperature=float(temperature), with_entropy=with_entropy,
-            global_count=global_count, global_token_count=global_token_count, global_seq_count=global_seq_count,
+            rollout_logp=rollout_logp, is_weight=is_weight, config=config, temperature=float(temperature),
+            with_entropy=with_entropy, global_count=global_count, global_token_count=global_token_count, global_seq_count=global_seq_count,
         )
     out = linear_logprobs(
         hidden, weight, targets_eff, bias=bias, temperature=temperature, return_entropy=with_entropy,
@@ -134,8 +137,9 @@ def fused_linear_policy_loss(
     )
     logp, ent = out if with_entropy else (out, None)
     return policy_loss(
-        logp, old_logp, advantages, mask, ref_logp=ref_logp, entropy=ent, rollout_logp=rollout_logp, config=config,
-        global_token_count=global_token_count, global_seq_count=global_seq_count, backend=backend,
+        logp, old_logp, advantages, mask, ref_logp=ref_logp, entropy=ent, rollout_logp=rollout_logp,
+        is_weight=is_weight, config=config, global_token_count=global_token_count, global_seq_count=global_seq_count,
+        backend=backend,
     )
 
 
@@ -149,6 +153,8 @@ def _eager_applies(hidden, weight, bias, rollout_logp, config, process_group, ba
         return False
     if config.ratio_level != "token" or (rollout_logp is not None and config.is_level != "token"):
         return False
+    if config.surrogate == "vespo":  # its weight depends on the whole row
+        return False
     needs = [t.requires_grad for t in (hidden, weight, bias) if t is not None]
     return torch.is_grad_enabled() and any(needs)
 
@@ -156,34 +162,13 @@ def _eager_applies(hidden, weight, bias, rollout_logp, config, process_group, ba
 def _token_agg_weights(
     mask: torch.Tensor, *, loss_agg: str, norm_length: float | None, global_count: torch.Tensor | float | None,
 ) -> torch.Tensor:
-    """[B, T] fp32 weight of each token's loss in the aggregated loss (0 outside ``mask``):
-    ``loss = sum_t c_t l_t``, so ``d loss / d l_t = c_t``.
-
-    With n_b the masked-in tokens of row b and D the denominator (``global_count`` when
-    given, else the token count for ``token-mean`` and the count of non-empty rows for the
-    ``seq-*`` modes; a count of 0 is taken as 1):
-
-    - ``token-mean``, ``seq-mean-token-sum``: c_t = 1 / D
-    - ``seq-mean-token-mean``: c_t = 1 / (n_b D)
-    - ``seq-mean-token-sum-norm``: c_t = 1 / (norm_length D)
-
-    The rule ``fastrl.ops.policy_loss`` aggregates with (the PyTorch path's operation order,
-    so the weights match its gradients bit for bit). Private on purpose: to be replaced by
-    the loss family's shared aggregation helper once it exists.
-    """
+    """[B, T] fp32 weight ``c_t`` of each token's loss in the aggregated loss (0 outside
+    ``mask``): ``loss = sum_t c_t l_t``, so ``d loss / d l_t = c_t = f_b / D`` of
+    ``fastrl.ops.aggregation`` (the rule ``policy_loss`` aggregates with)."""
     mf = (mask if mask.dtype == torch.bool else mask != 0).to(torch.float32)
-    n = mf.sum(1)
-    if global_count is not None:
-        denom = global_count
-    elif loss_agg == "token-mean":
-        denom = n.sum()
-    else:
-        denom = (n > 0).to(torch.float32).sum()
-    denom = effective_count(denom, device=mask.device)
-    if loss_agg == "seq-mean-token-sum-norm":
-        denom = denom * float(norm_length or 1.0)
-    row = 1.0 / n.clamp(min=1.0) if loss_agg == "seq-mean-token-mean" else torch.ones_like(n)
-    return (row[:, None] * mf) * (1.0 / denom)
+    f_row, inv_d = aggregation_weights(mf.sum(1), loss_agg=loss_agg, norm_length=norm_length,
+                                       global_count=global_count)
+    return (f_row[:, None] * mf) * inv_d
 
 
 class _PrecomputedGrads(torch.autograd.Function):
@@ -213,7 +198,7 @@ class _PrecomputedGrads(torch.autograd.Function):
 
 
 def _fused_eager_torch(
-    hidden, weight, bias, targets_eff, keep, old_logp, advantages, mask, *, ref_logp, rollout_logp, config,
+    hidden, weight, bias, targets_eff, keep, old_logp, advantages, mask, *, ref_logp, rollout_logp, is_weight, config,
     temperature, with_entropy, global_count, global_token_count, global_seq_count,
 ):
     """fused_linear_policy_loss on CPU with the gradients formed in the same pass as the logits.
@@ -242,6 +227,7 @@ def _fused_eager_torch(
                                     global_count=global_count))
     adv_full = advantages[:, None].expand(B, T) if advantages.dim() == 1 else advantages
     old_w, adv_w, ref_w, roll_w = pick(old_logp), pick(adv_full), pick(ref_logp), pick(rollout_logp)
+    isw_w = None if is_weight is None else pick(is_weight.reshape(B, -1).expand(B, T))
     tok_cfg = config.replace(loss_agg="seq-mean-token-sum", norm_length=None)
 
     def token_grads(sl, lp_c, ent_c):
@@ -255,6 +241,7 @@ def _fused_eager_torch(
                 ref_logp=ref_w[sl][None] if ref_w is not None else None,
                 entropy=en[None] if en is not None else None,
                 rollout_logp=roll_w[sl][None] if roll_w is not None else None,
+                is_weight=isw_w[sl][None] if isw_w is not None else None,
                 config=tok_cfg, global_seq_count=1.0, backend="torch",
             )
             inputs = [lp] + ([en] if en is not None else [])
@@ -332,7 +319,7 @@ def _fused_eager_torch(
     ent = torch.zeros(B * T, **f32).index_copy_(0, idx, ent_w).reshape(B, T) if with_entropy else None
     with torch.no_grad():
         loss, metrics = policy_loss(logp, old_logp, advantages, mask, ref_logp=ref_logp, entropy=ent,
-                                    rollout_logp=rollout_logp, config=config, backend="torch",
+                                    rollout_logp=rollout_logp, is_weight=is_weight, config=config, backend="torch",
                                     global_token_count=global_token_count, global_seq_count=global_seq_count)
     if gh_full is not None:
         gh_full = gh_full.reshape(B, T, hd)

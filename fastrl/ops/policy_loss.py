@@ -1,7 +1,10 @@
-"""Clipped policy-gradient loss for PPO/GRPO/DAPO/Dr. GRPO/GSPO: ``policy_loss``.
+"""Policy-gradient loss for PPO/GRPO/DAPO/Dr. GRPO/GSPO/CISPO/SAPO/VESPO: ``policy_loss``.
 
 The formula, aggregation modes and metrics are specified in ``fastrl.reference.policy_loss``
-and configured by ``fastrl.PolicyLossConfig``. Both backends compute the loss and its
+(the surrogates in ``fastrl.reference.surrogates``) and configured by
+``fastrl.PolicyLossConfig``; the PyTorch backend's surrogates are ``fastrl.ops.surrogates``,
+its aggregation ``fastrl.ops.aggregation``, and the ``out`` vector both backends fill is laid
+out by ``csrc_triton.policy_loss_slots``. Both backends compute the loss and its
 gradient wrt ``logp`` in the forward pass (one pass over the inputs); the backward only
 scales the saved per-token gradient by ``grad_out / D`` (D: the aggregation denominator,
 kept on the device, so global counts never synchronise with the host).
@@ -14,26 +17,22 @@ from typing import Sequence
 import torch
 from torch.autograd.function import once_differentiable
 
+from csrc_triton.policy_loss_slots import OUT, OUT_KEYS
 from fastrl._checks import (
+    check_is_weight,
     check_float,
     check_mask,
     check_nonempty,
     check_same_device,
     check_global_count,
-    effective_count,
     resolve_backend,
     select_global_count,
 )
 from fastrl.config import PolicyLossConfig
+from fastrl.ops.aggregation import aggregation_weights
 from fastrl.ops.kl import k3_expm1
 from fastrl.ops.packing import PackedLayout, packed_to_rows
-
-OUT_KEYS = (
-    "loss", "pg_loss", "kl_loss", "entropy_loss", "clip_frac_low", "clip_frac_high", "clip_frac",
-    "dual_clip_frac", "approx_kl", "kl_ref_mean", "ratio_mean", "ratio_min", "ratio_max",
-    "entropy_mean", "is_weight_mean", "inv_denominator",
-)
-_SLOT = {k: i for i, k in enumerate(OUT_KEYS)}
+from fastrl.ops.surrogates import FOLDS_ROLLOUT_WEIGHT, METRIC_NAME, SURROGATES, THROUGH_RATIO, surrogate_params
 
 
 # ----------------------------------------------------------------------------------------
@@ -60,8 +59,8 @@ def _step(x: torch.Tensor) -> torch.Tensor:
 
 
 def _torch_fwd(
-    logp, old_logp, advantages, mask, ref_logp, entropy, rollout_logp, *,
-    seq_ratio, seq_is, clip_low, clip_high, dual_clip, log_ratio_clamp, kl_coef, kl_estimator,
+    logp, old_logp, advantages, mask, ref_logp, entropy, rollout_logp, is_weight, *,
+    surrogate, sur_params, seq_ratio, seq_is, clip_low, clip_high, dual_clip, log_ratio_clamp, kl_coef, kl_estimator,
     kl_clamp, entropy_coef, is_cap, loss_agg, norm_length, global_count, write_grad,
 ):
     """Vectorised eager PyTorch in few passes. Inputs are zeroed once at masked-out positions
@@ -92,42 +91,45 @@ def _torch_fwd(
         A = torch.where(n > 0, A, zero)[:, None] * mf  # NaN of a row with tokens still propagates
     else:
         A = torch.where(m, A, zero)
-    negA = -A
 
-    # clipped surrogate: pg = max(pg1, pg2); d pg / d ratio = -A where pg1 >= pg2
-    lo, hi = 1.0 - clip_low, 1.0 + clip_high
-    pg1 = negA * ratio
-    pg2 = negA * ratio.clamp(lo, hi)
-    pg = torch.maximum(pg1, pg2)
-    dpg = negA * (1.0 - _step(pg2 - pg1)) if write_grad else None
-    dual_ind = None
-    if dual_clip is not None:
-        # -min(A, 0) c is -A c for A < 0 and 0 otherwise, where pg <= 0 already
-        pg3 = A.clamp(max=0.0) * (-dual_clip)
-        dual_ind = _step(pg - pg3)
-        pg = torch.minimum(pg, pg3)
-        if write_grad:
-            dpg.mul_(1.0 - dual_ind)
+    # the surrogate (fastrl.ops.surrogates) and the importance weight that multiplies it
+    log_is = torch.where(m, old - _f32(rollout_logp), zero) if rollout_logp is not None else None
+    folds = surrogate in FOLDS_ROLLOUT_WEIGHT
+    lp_m = None if surrogate in THROUGH_RATIO else torch.where(m, lp, zero)  # (their loss value holds logp)
+    terms = SURROGATES[surrogate](ratio, A, lp_m, lr, mf, log_is if folds else None, sur_params,
+                                  dual_clip is not None, write_grad)
+    pg = terms.pg
+    dpg, dlogp = terms.d_ratio, terms.d_logp
     w = None
-    if rollout_logp is not None:
-        diff = torch.where(m, old - _f32(rollout_logp), zero)
-        w = torch.exp(diff.sum(1, keepdim=True)) if seq_is else torch.exp(diff)
+    if log_is is not None and not folds:
+        w = torch.exp(log_is.sum(1, keepdim=True)) if seq_is else torch.exp(log_is)
         if is_cap is not None:
             w = w.clamp(max=is_cap)
+    if is_weight is not None:
+        v = torch.where(m, _f32(is_weight).reshape(lr.shape[0], -1), zero)
+        w = v if w is None else w * v
+    elif w is None and log_is is not None:
+        w = mf  # the surrogate folded the rollout weight: reported as 1
+    if w is not None:
         pg = pg * w
         if write_grad:
-            dpg.mul_(w)
+            if dpg is not None:
+                dpg = dpg * w
+            if dlogp is not None:
+                dlogp = dlogp * w
 
     g = None
     c_row = None
-    if write_grad:
-        # where dpg == 0 (clipped, dual-clipped, A = 0) the gradient is exactly 0, even when
-        # the ratio overflowed to inf (0 * inf would be NaN and poison the update)
+    if write_grad and dlogp is not None:
+        g = dlogp  # the ratio is detached: no row constant even in sequence mode
+    elif write_grad:
+        # where dpg == 0 (clipped, dual-clipped, A = 0, saturated gate) the gradient is exactly 0,
+        # even when the ratio overflowed to inf (0 * inf would be NaN and poison the update)
         if seq_ratio:
             dpg_row = dpg.sum(1)
             c_row = torch.where(dpg_row != 0, dpg_row * ratio_row, 0.0) / n1
         else:
-            g = torch.where(dpg != 0, dpg.mul_(ratio), 0.0)
+            g = torch.where(dpg != 0, dpg * ratio, 0.0)
             if log_ratio_clamp is not None:
                 g.mul_(inside)
     kl = None
@@ -150,23 +152,13 @@ def _torch_fwd(
         if kl_grad:
             g = kl_coef * dk if g is None else g.add_(dk, alpha=kl_coef)
 
-    # aggregation
-    f = 1.0 / n1 if loss_agg == "seq-mean-token-mean" else torch.ones_like(n)
-    if global_count is not None:
-        D = global_count
-    elif loss_agg == "token-mean":
-        D = N
-    else:
-        D = (n > 0).to(f32).sum()
-    D = effective_count(D, device=dev)
-    if loss_agg == "seq-mean-token-sum-norm":
-        D = D * norm_length
-    inv_d = 1.0 / D
+    # aggregation (fastrl.ops.aggregation: the rule every loss shares)
+    f, inv_d = aggregation_weights(n, loss_agg=loss_agg, norm_length=norm_length, global_count=global_count)
     inv_n = 1.0 / torch.where(N > 0, N, 1.0)
 
     pg_loss = torch.dot(f, pg.sum(1)) * inv_d
     loss = pg_loss
-    kl_loss = ent_loss = kl_mean = ent_mean = w_mean = dual_frac = zero
+    kl_loss = ent_loss = kl_mean = ent_mean = w_mean = sur_metric = zero
     if kl is not None:
         kl_rows = kl.sum(1)
         kl_loss = torch.dot(f, kl_rows) * inv_d
@@ -181,12 +173,13 @@ def _torch_fwd(
             loss = loss - entropy_coef * ent_loss
 
     # metrics; A = 0 at masked-out tokens, so the sign tests need no mask
+    lo, hi = 1.0 - clip_low, 1.0 + clip_high
     sA = torch.sign(A)
     r_bt = ratio.expand_as(lr)
     low = torch.dot(_step(lo - r_bt).reshape(-1), (-sA).clamp_(min=0.0).reshape(-1)) * inv_n
     high = torch.dot(_step(r_bt - hi).reshape(-1), sA.clamp_(min=0.0).reshape(-1)) * inv_n
-    if dual_ind is not None:
-        dual_frac = dual_ind.sum() * inv_n
+    if terms.metric is not None:
+        sur_metric = terms.metric.sum() * inv_n  # the surrogate's own metric (METRIC_NAME)
     approx_kl = k3_expm1(lr)[0].sum() * inv_n  # (rho - 1) - log rho of the token ratio rho = exp(lr)
     if seq_ratio:
         r_mean = torch.dot(ratio_row, n) * inv_n
@@ -201,18 +194,20 @@ def _torch_fwd(
     r_min = torch.where(has_tok, r_min, zero)
     r_max = torch.where(has_tok, r_max, zero)
     if w is not None:
-        w_mean = (torch.dot(w[:, 0], n) if seq_is else torch.dot(w.reshape(-1), mf.reshape(-1))) * inv_n
-    out = torch.stack([
-        loss, pg_loss, kl_loss, ent_loss, low, high, low + high, dual_frac, approx_kl, kl_mean,
-        r_mean, r_min, r_max, ent_mean, w_mean, inv_d,
-    ])
+        w_mean = (torch.dot(w[:, 0], n) if w.shape[1] == 1 else torch.dot(w.reshape(-1), mf.reshape(-1))) * inv_n
+    slots = dict(
+        loss=loss, pg_loss=pg_loss, kl_loss=kl_loss, entropy_loss=ent_loss, clip_frac_low=low, clip_frac_high=high,
+        clip_frac=low + high, surrogate_metric=sur_metric, approx_kl=approx_kl, kl_ref_mean=kl_mean, ratio_mean=r_mean,
+        ratio_min=r_min, ratio_max=r_max, entropy_mean=ent_mean, is_weight_mean=w_mean, inv_denominator=inv_d,
+    )
+    out = torch.stack([slots[k] for k in OUT_KEYS])  # the kernels' layout (csrc_triton.policy_loss_slots)
     rowcoef = torch.stack([f, f * c_row if c_row is not None else torch.zeros_like(f)], dim=1)
     return out, rowcoef, g
 
 
 def _torch_bwd(grad_out, out, rowcoef, g, mask, logp, old_logp, entropy, *,
                seq_ratio, log_ratio_clamp, entropy_coef, need_logp, need_entropy):
-    scale = grad_out.reshape(-1)[0].float() * out[_SLOT["inv_denominator"]]
+    scale = grad_out.reshape(-1)[0].float() * out[OUT["inv_denominator"]]
     mf = _masks(mask)[1] if (seq_ratio or need_entropy) else None
     f = rowcoef[:, 0:1]
     glogp = gent = None
@@ -238,13 +233,13 @@ def _torch_bwd(grad_out, out, rowcoef, g, mask, logp, old_logp, entropy, *,
 
 class _PolicyLossFn(torch.autograd.Function):
     @staticmethod
-    def forward(ctx, logp, entropy, old_logp, advantages, mask, ref_logp, rollout_logp, global_count, kw, backend):  # type: ignore[override]
+    def forward(ctx, logp, entropy, old_logp, advantages, mask, ref_logp, rollout_logp, is_weight, global_count, kw, backend):  # type: ignore[override]
         write_grad = ctx.needs_input_grad[0]
         if backend == "triton":
             from csrc_triton.policy_loss import policy_loss_fwd as fwd
         else:
             fwd = _torch_fwd
-        out, rowcoef, g = fwd(logp, old_logp, advantages, mask, ref_logp, entropy, rollout_logp,
+        out, rowcoef, g = fwd(logp, old_logp, advantages, mask, ref_logp, entropy, rollout_logp, is_weight,
                               global_count=global_count, write_grad=write_grad, **kw)
         ctx.kw, ctx.backend = kw, backend
         ctx.save_for_backward(out, rowcoef, g, mask, logp, old_logp, entropy)
@@ -264,7 +259,7 @@ class _PolicyLossFn(torch.autograd.Function):
         glogp, gent = bwd(grad_out.contiguous(), out, rowcoef, g, mask, logp, old_logp, entropy,
                           seq_ratio=kw["seq_ratio"], log_ratio_clamp=kw["log_ratio_clamp"],
                           entropy_coef=kw["entropy_coef"], need_logp=need_logp, need_entropy=need_entropy)
-        return glogp, gent, None, None, None, None, None, None, None, None
+        return glogp, gent, None, None, None, None, None, None, None, None, None
 
 
 def _unit_col(x: torch.Tensor | None) -> torch.Tensor | None:
@@ -282,13 +277,15 @@ def policy_loss(
     ref_logp: torch.Tensor | None = None,
     entropy: torch.Tensor | None = None,
     rollout_logp: torch.Tensor | None = None,
+    is_weight: torch.Tensor | None = None,
     config: PolicyLossConfig = PolicyLossConfig(),
     global_token_count: torch.Tensor | float | None = None,
     global_seq_count: torch.Tensor | float | None = None,
     backend: str = "auto",
     cu_seqlens: PackedLayout | torch.Tensor | Sequence[int] | None = None,
 ) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
-    """Clipped policy-gradient loss with KL and entropy terms, and its metrics.
+    """Policy-gradient loss (``config.surrogate``: PPO clip, CISPO, SAPO, VESPO) with KL and
+    entropy terms, and its metrics.
 
     Args:
         logp: ``[B, T]`` log-probs of the sampled tokens under the policy being trained
@@ -303,7 +300,12 @@ def policy_loss(
         entropy: ``[B, T]`` per-token entropy; required when ``config.entropy_coef != 0``
             (differentiable then).
         rollout_logp: ``[B, T]`` log-probs of the sampler (e.g. vLLM): enables the truncated
-            importance weights ``min(exp(old_logp - rollout_logp), config.is_cap)``.
+            importance weights ``min(exp(old_logp - rollout_logp), config.is_cap)``
+            (``surrogate="vespo"`` takes the log-weight into its sequence weight instead).
+        is_weight: ready-made importance weights (no gradient) that multiply the
+            policy-gradient term: ``[B, T]`` per token, or ``[B]`` / ``[B, 1]`` per sequence
+            (e.g. a trainer's vLLM correction or token masks); with ``rollout_logp`` the two
+            multiply. Non-negative finite values are expected (not checked: no host sync).
         config: ``PolicyLossConfig`` (see its field docs and ``PolicyLossConfig.preset``).
         global_token_count: replaces the local token count of ``loss_agg="token-mean"``
             (gradient accumulation / data parallel: pass the count of the whole batch).
@@ -320,17 +322,18 @@ def policy_loss(
 
     Returns:
         ``(loss, metrics)``: the 0-dim fp32 loss and a dict of 0-dim fp32 tensors: pg_loss,
-        clip_frac_low, clip_frac_high, clip_frac, approx_kl, ratio_mean, ratio_min, ratio_max,
-        plus dual_clip_frac (if ``config.dual_clip``), kl_loss and kl_ref_mean (if
+        approx_kl, ratio_mean, ratio_min, ratio_max; for ``ppo_clip`` clip_frac_low,
+        clip_frac_high, clip_frac and dual_clip_frac (if ``config.dual_clip``);
+        cispo_clip_frac (``cispo``), vespo_phi_mean (``vespo``); kl_loss and kl_ref_mean (if
         ``ref_logp``), entropy_loss and entropy_mean (if ``entropy``), is_weight_mean (if
-        ``rollout_logp``). Definitions: ``fastrl.reference.policy_loss``.
+        ``rollout_logp`` or ``is_weight``). Definitions: ``fastrl.reference.policy_loss``.
     """
     if not isinstance(config, PolicyLossConfig):
         raise TypeError(f"config must be a PolicyLossConfig, got {type(config).__name__}")
     if cu_seqlens is not None:  # packed rows: this op on their padded [S, T] view
-        _, (logp, old_logp, advantages, mask, ref_logp, entropy, rollout_logp) = packed_to_rows(
+        _, (logp, old_logp, advantages, mask, ref_logp, entropy, rollout_logp, is_weight) = packed_to_rows(
             cu_seqlens, logp=logp, old_logp=old_logp, advantages=advantages, mask=mask, ref_logp=ref_logp,
-            entropy=entropy, rollout_logp=rollout_logp, per_sequence=("advantages",))
+            entropy=entropy, rollout_logp=rollout_logp, is_weight=is_weight, per_sequence=("advantages", "is_weight"))
     check_float("logp", logp, ndim=2)
     check_nonempty("logp", logp)
     B, T = logp.shape
@@ -342,17 +345,21 @@ def policy_loss(
     for name, t in (("ref_logp", ref_logp), ("entropy", entropy), ("rollout_logp", rollout_logp)):
         if t is not None:
             check_float(name, t, shape=(B, T))
+    check_is_weight(is_weight, B, T)
     if config.kl_coef != 0 and ref_logp is None:
         raise ValueError(f"ref_logp is required when config.kl_coef != 0 (got kl_coef={config.kl_coef})")
     if config.entropy_coef != 0 and entropy is None:
         raise ValueError(f"entropy is required when config.entropy_coef != 0 (got entropy_coef={config.entropy_coef})")
     device = check_same_device(logp=logp, old_logp=old_logp, advantages=advantages, mask=mask,
-                               ref_logp=ref_logp, entropy=entropy, rollout_logp=rollout_logp)
+                               ref_logp=ref_logp, entropy=entropy, rollout_logp=rollout_logp,
+                               is_weight=is_weight)
     count_name, count = select_global_count(config.loss_agg, global_token_count, global_seq_count)
     global_count = check_global_count(count_name, count, device)
     impl = resolve_backend(backend, device)
 
     kw = dict(
+        surrogate=config.surrogate,
+        sur_params=surrogate_params(config),
         seq_ratio=config.ratio_level == "sequence",
         seq_is=config.is_level == "sequence",
         clip_low=config.clip_low,
@@ -372,20 +379,28 @@ def policy_loss(
             _unit_col(t) for t in (logp, old_logp, mask, ref_logp, entropy, rollout_logp))
         if advantages.dim() == 2:
             advantages = _unit_col(advantages)
-    out = _PolicyLossFn.apply(logp, entropy, old_logp, advantages, mask, ref_logp, rollout_logp,
+        if is_weight is not None:  # the kernel reads a [B, T] unit-stride weight
+            is_weight = is_weight.reshape(B, -1).expand(B, T).contiguous()
+    if is_weight is not None:
+        is_weight = is_weight.detach()
+    out = _PolicyLossFn.apply(logp, entropy, old_logp, advantages, mask, ref_logp, rollout_logp, is_weight,
                               global_count, kw, impl)
     loss = out[0]
     od = out.detach()
-    keys = ["pg_loss", "clip_frac_low", "clip_frac_high", "clip_frac", "approx_kl", "ratio_mean", "ratio_min", "ratio_max"]
-    if config.dual_clip is not None:
-        keys.append("dual_clip_frac")
+    metrics = {k: od[OUT[k]] for k in ("pg_loss", "approx_kl", "ratio_mean", "ratio_min", "ratio_max")}
+    if config.surrogate == "ppo_clip":
+        metrics.update((k, od[OUT[k]]) for k in ("clip_frac_low", "clip_frac_high", "clip_frac"))
+    if config.surrogate != "ppo_clip" or config.dual_clip is not None:
+        if config.surrogate in METRIC_NAME:  # the surrogate's own metric shares the dual-clip slot
+            metrics[METRIC_NAME[config.surrogate]] = od[OUT["surrogate_metric"]]
+    keys = []
     if ref_logp is not None:
         keys += ["kl_loss", "kl_ref_mean"]
     if entropy is not None:
         keys += ["entropy_loss", "entropy_mean"]
-    if rollout_logp is not None:
+    if rollout_logp is not None or is_weight is not None:
         keys.append("is_weight_mean")
-    metrics = {k: od[_SLOT[k]] for k in keys}
+    metrics.update((k, od[OUT[k]]) for k in keys)
     return loss, metrics
 
 

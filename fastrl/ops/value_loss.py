@@ -19,32 +19,23 @@ from fastrl._checks import (
     check_same_device,
     check_global_count,
     check_scalar,
-    effective_count,
     resolve_backend,
     select_global_count,
 )
 from fastrl.config import LOSS_AGGS, NORM_LENGTH_REQUIRED
 from fastrl.ops._segments import kernel_mask
 from fastrl.ops.packing import PackedLayout, packed_to_rows
+from fastrl.ops.aggregation import aggregation_weights
 
 __all__ = ["value_loss"]
 
 
 def _row_scale(mask: torch.Tensor, loss_agg: str, norm_length: float | None, global_count) -> torch.Tensor:
-    """Per-row token weight [B] so that loss = sum_bt m[b,t] * row_scale[b] * l[b,t].
-
-    ``global_count`` (or None) replaces the local token count (token-mean) or the local
-    count of non-empty rows (seq-* modes)."""
-    B, T = mask.shape
+    """Per-row token weight [B] so that loss = sum_bt m[b,t] * row_scale[b] * l[b,t]
+    (``fastrl.ops.aggregation``: ``f_b / D``)."""
     n_b = (mask != 0).sum(dim=1, dtype=torch.float32)
-    if loss_agg == "token-mean":
-        denom = effective_count(n_b.sum() if global_count is None else global_count, device=mask.device)
-        return (1.0 / denom) * torch.ones(B, dtype=torch.float32, device=mask.device)
-    d_seq = effective_count((n_b > 0).sum() if global_count is None else global_count, device=mask.device)
-    if loss_agg == "seq-mean-token-mean":
-        return 1.0 / (n_b.clamp(min=1.0) * d_seq)
-    length = 1.0 if loss_agg == "seq-mean-token-sum" else norm_length
-    return (1.0 / (length * d_seq)) * torch.ones(B, dtype=torch.float32, device=mask.device)
+    f, inv_d = aggregation_weights(n_b, loss_agg=loss_agg, norm_length=norm_length, global_count=global_count)
+    return f * inv_d
 
 
 def _value_loss_torch(

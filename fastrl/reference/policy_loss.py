@@ -11,17 +11,22 @@ Ratio (``config.ratio_level``), with the optional ``log_ratio_clamp`` c applied 
     r[b,t]    = exp(sum_t m lr[b,t] / max(n_b, 1))              "sequence" (GSPO): shared by
                                                                 the row, gradient through the mean
 
-Clipped surrogate with asymmetric clip and optional dual clip (A = advantage of the token;
-a ``[B]`` advantage is the advantage of every token of its row):
+Surrogate (``config.surrogate``, specified in ``fastrl.reference.surrogates``; A = advantage
+of the token, a ``[B]`` advantage is the advantage of every token of its row), by default
+PPO's clipped ratio with asymmetric clip and optional dual clip:
 
     pg  = max(-A r, -A clip(r, 1 - clip_low, 1 + clip_high))
     pg  = min(pg, -A dual_clip)                 where A < 0, if dual_clip is set
-    pg  = pg * w                                if rollout_logp is given
+    pg  = pg * w                                if rollout_logp or is_weight is given
 
-Truncated importance weight (no gradient), ``is_cap`` = None means no truncation:
+Importance weight (no gradient), ``is_cap`` = None means no truncation, ``v`` the given
+``is_weight`` (``[B, T]``, or ``[B]``/``[B, 1]`` per row; 1 when not given):
 
-    w[b,t] = min(exp(old_logp - rollout_logp), is_cap)                       is_level="token"
-    w[b,t] = min(exp(sum_t m (old_logp - rollout_logp)), is_cap)             is_level="sequence"
+    w[b,t] = v[b,t] min(exp(old_logp - rollout_logp), is_cap)                 is_level="token"
+    w[b,t] = v[b,t] min(exp(sum_t m (old_logp - rollout_logp)), is_cap)       is_level="sequence"
+
+(``surrogate="vespo"`` takes ``old_logp - rollout_logp`` into its own sequence weight
+instead, and then w = v.)
 
 Per-token loss, KL_t from ``fastrl.reference.kl`` with d = ref_logp - logp (optionally
 clamped by ``kl_clamp``), H_t the given entropy:
@@ -61,6 +66,7 @@ import torch
 
 from fastrl.config import PolicyLossConfig
 from fastrl.reference.kl import kl_penalty_reference
+from fastrl.reference.surrogates import FOLDS_ROLLOUT_WEIGHT, SURROGATES
 
 
 def _denominator(count: torch.Tensor | float, like: torch.Tensor) -> torch.Tensor:
@@ -78,6 +84,7 @@ def policy_loss_reference(
     ref_logp: torch.Tensor | None = None,
     entropy: torch.Tensor | None = None,
     rollout_logp: torch.Tensor | None = None,
+    is_weight: torch.Tensor | None = None,
     config: PolicyLossConfig = PolicyLossConfig(),
     global_token_count: torch.Tensor | float | None = None,
     global_seq_count: torch.Tensor | float | None = None,
@@ -115,36 +122,24 @@ def policy_loss_reference(
     else:
         tok_lr = ((lr * mf).sum(-1) / n.clamp(min=1))[:, None].expand(B, T)
 
-    # --- clipped surrogate ---
-    # Which term each token takes is decided on the values first. The gradient then flows
-    # only through the tokens whose loss is the unclipped -A * ratio: a clipped or
-    # dual-clipped token gets exactly 0, even where exp overflowed (0 * inf would be NaN).
-    lo, hi = 1 - cfg.clip_low, 1 + cfg.clip_high
+    # --- surrogate and importance weights (no gradient through the weights) ---
+    folds = cfg.surrogate in FOLDS_ROLLOUT_WEIGHT
+    log_is = masked(old - masked(rollout_logp)) if rollout_logp is not None else None
+    pg, sur_metrics = SURROGATES[cfg.surrogate](
+        lr=lr, rlr=tok_lr, logp=lp, A=A, m=m, log_is=log_is if folds else None, cfg=cfg)
+    w = None
     with torch.no_grad():
-        r = torch.exp(tok_lr)
-        take1 = -A * r >= -A * torch.clamp(r, lo, hi)
-        pg_val = torch.where(take1, -A * r, -A * torch.clamp(r, lo, hi))
-        dual_on = (A < 0) & (pg_val > -A * cfg.dual_clip) if cfg.dual_clip is not None else None
-        live = take1 if dual_on is None else take1 & ~dual_on
-    ratio = torch.exp(torch.where(live, tok_lr, tok_lr.detach()))
-    # the clipped term never carries gradient: it wins only strictly outside [lo, hi]
-    pg = torch.where(take1, -A * ratio, -A * torch.clamp(ratio.detach(), lo, hi))
-    if dual_on is not None:
-        pg = torch.where(dual_on, -A * cfg.dual_clip, pg)
-
-    # --- truncated importance weights (no gradient) ---
-    if rollout_logp is not None:
-        with torch.no_grad():
-            diff = old - masked(rollout_logp)
-            if cfg.is_level == "token":
-                w = torch.exp(diff)
-            else:
-                w = torch.exp(diff.sum(-1))[:, None].expand(B, T)
+        if log_is is not None and not folds:
+            w = torch.exp(log_is) if cfg.is_level == "token" else torch.exp(log_is.sum(-1))[:, None].expand(B, T)
             if cfg.is_cap is not None:
                 w = torch.clamp(w, max=cfg.is_cap)
+        if is_weight is not None:
+            v = masked(is_weight.reshape(B, -1))
+            w = v if w is None else w * v
+        elif w is None and log_is is not None:
+            w = mf  # vespo folded the rollout weight: nothing multiplies pg
+    if w is not None:
         pg = pg * w
-    else:
-        w = None
 
     # --- KL and entropy ---
     kl = None
@@ -188,15 +183,11 @@ def policy_loss_reference(
         def tok_mean(x: torch.Tensor) -> torch.Tensor:
             return (x.to(dtype) * mf).sum() / Nd
 
-        r = ratio.detach()
-        low = (r < 1 - cfg.clip_low) & (A < 0)
-        high = (r > 1 + cfg.clip_high) & (A > 0)
+        r = torch.exp(tok_lr.detach())
         tok_lr = lr.detach()
         metrics: dict[str, torch.Tensor] = {
             "pg_loss": pg_loss.detach(),
-            "clip_frac_low": tok_mean(low),
-            "clip_frac_high": tok_mean(high),
-            "clip_frac": tok_mean(low) + tok_mean(high),
+            **{k: tok_mean(v) for k, v in sur_metrics.items()},
             "approx_kl": tok_mean(kl_penalty_reference(torch.zeros_like(tok_lr), tok_lr, estimator="k3")),
             "ratio_mean": tok_mean(r),
             "ratio_min": torch.where(m, r, torch.inf).min() if B * T > 0 else zero,
@@ -204,8 +195,8 @@ def policy_loss_reference(
         }
         metrics["ratio_min"] = torch.where(N > 0, metrics["ratio_min"], zero)
         metrics["ratio_max"] = torch.where(N > 0, metrics["ratio_max"], zero)
-        if dual_on is not None:
-            metrics["dual_clip_frac"] = tok_mean(dual_on)
+        if "clip_frac_low" in metrics:
+            metrics["clip_frac"] = metrics["clip_frac_low"] + metrics["clip_frac_high"]
         if kl is not None:
             metrics["kl_loss"] = kl_loss.detach()
             metrics["kl_ref_mean"] = tok_mean(kl)

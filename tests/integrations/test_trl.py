@@ -5,8 +5,8 @@ Two levels:
   that clipping, KL and IS weights are all active); TRL's own ``GRPOTrainer._compute_loss``
   and fastrl's on the same trainer, for every supported option; values and parameter
   gradients must agree, and the expected fastrl path must have run (fused op, two-stage
-  ``linear_logprobs`` + ``policy_loss``, or two-stage with the adapter's cispo/sapo/vespo
-  surrogate), never TRL's fallback. The entropy bonus (static and adaptive) likewise.
+  ``linear_logprobs`` + ``policy_loss``; cispo/sapo/vespo are ``PolicyLossConfig.surrogate``
+  entries on either path), never TRL's fallback. The entropy bonus (static and adaptive) likewise.
 - end to end: two optimizer steps (gradient accumulation 2) of TRL's trainer and of fastrl's
   from the same seed, per loss type; logged losses, grad norms and the updated parameters
   must agree.
@@ -89,6 +89,8 @@ def batch(model_dir, tmp_path_factory):
     inputs["advantages"] = torch.randn(n, generator=g)
     tok_is = torch.exp(inputs["old_per_token_logps"] - inputs["sampling_per_token_logps"]).clamp(max=2.0)
     tok_is[0, 1] = 0.0  # a masked-out token (token_mask mode)
+    # TRL builds the ratio from (old - sampling) * mask: exactly 1 at padding (VESPO sums its log over every position)
+    tok_is = torch.where(inputs["completion_mask"] > 0, tok_is, 1.0)
     inputs["_is_token"] = tok_is
     inputs["_is_seq"] = torch.tensor([[1.3], [0.0], [0.7], [2.0]])[:n]
     return trainer, inputs
@@ -149,33 +151,34 @@ CASES = {
     "bnpo_top_entropy": ({"loss_type": "bnpo", "top_entropy_quantile": 0.5}, {}, {}, "logp"),
     "grpo_off_policy_mask": ({"loss_type": "grpo", "off_policy_mask_threshold": 0.05}, {}, {}, "logp"),
     "dapo_tool_mask": ({"loss_type": "dapo"}, {}, {"tool_mask": "_tool_mask"}, "fused"),
-    # cispo / sapo / vespo: linear_logprobs + the adapter's own surrogate (neither policy-loss op)
-    "cispo": ({"loss_type": "cispo", "epsilon_high": 1.1}, {}, {}, "surrogate"),
+    # cispo / sapo / vespo: PolicyLossConfig.surrogate; the fused op unless a setting needs the log-probs
+    # (vespo always: its logged row weight)
+    "cispo": ({"loss_type": "cispo", "epsilon_high": 1.1}, {}, {}, "fused"),
     "cispo_kl_vllm_token_is": (
         {"loss_type": "cispo", "epsilon_high": 1.1, "beta": 0.04, "use_vllm": True,
          "vllm_importance_sampling_correction": True},
         {"use_bias_correction_kl": False},
         {"importance_sampling_ratio": "_is_token"},
-        "surrogate",
+        "fused",
     ),
-    "sapo": ({"loss_type": "sapo"}, {"sapo_temperature_pos": 1.0, "sapo_temperature_neg": 1.05}, {}, "surrogate"),
+    "sapo": ({"loss_type": "sapo"}, {"sapo_temperature_pos": 1.0, "sapo_temperature_neg": 1.05}, {}, "fused"),
     "sapo_sequence_kl_bias_corrected": (
         {"loss_type": "sapo", "importance_sampling_level": "sequence", "beta": 0.1},
         {"sapo_temperature_pos": 2.0, "sapo_temperature_neg": 0.5, "use_bias_correction_kl": True},
         {},
-        "surrogate",
+        "logp",
     ),
     "sapo_off_policy_mask_top_entropy": (
-        {"loss_type": "sapo", "off_policy_mask_threshold": 0.05, "top_entropy_quantile": 0.5}, {}, {}, "surrogate",
+        {"loss_type": "sapo", "off_policy_mask_threshold": 0.05, "top_entropy_quantile": 0.5}, {}, {}, "logp",
     ),
-    "vespo": ({"loss_type": "vespo"}, {}, {}, "surrogate"),
+    "vespo": ({"loss_type": "vespo"}, {}, {}, "logp"),
     "vespo_vllm_token_is_kl": (
         {"loss_type": "vespo", "beta": 0.04, "use_vllm": True, "vllm_importance_sampling_correction": True},
         {"use_bias_correction_kl": False, "vespo_k_pos": 1.5, "vespo_lambda_neg": 1.0},
         {"importance_sampling_ratio": "_is_token"},
-        "surrogate",
+        "logp",
     ),
-    "vespo_on_policy": ({"loss_type": "vespo"}, {}, {"old_per_token_logps": None}, "surrogate"),
+    "vespo_on_policy": ({"loss_type": "vespo"}, {}, {"old_per_token_logps": None}, "logp"),
     # entropy bonus (TRL's entropy_coef): differentiable entropy from linear_logprobs
     "grpo_entropy_bonus": ({"loss_type": "grpo", "entropy_coef": 0.05, "_entropy_bonus_enabled": True}, {}, {}, "logp"),
     "dapo_entropy_bonus_top_entropy": (
@@ -188,7 +191,7 @@ CASES = {
         {"loss_type": "cispo", "epsilon_high": 1.1, "entropy_coef": 0.05, "_entropy_bonus_enabled": True},
         {},
         {},
-        "surrogate",
+        "logp",
     ),
 }
 
@@ -213,7 +216,7 @@ def test_loss_and_grads_match_trl(batch, case, monkeypatch):
             inputs[k] = base_inputs[v]
     assert trainer.fastrl_fallback_reason is None
 
-    calls = {"fused": 0, "logp": 0, "surrogate": 0}
+    calls = {"fused": 0, "logp": 0, "linear": 0}
     fused, plain, linear = ops.fused_linear_policy_loss, ops.policy_loss, ops.linear_logprobs
 
     def count_fused(*a, **k):
@@ -226,7 +229,7 @@ def test_loss_and_grads_match_trl(batch, case, monkeypatch):
 
     def count_linear(*a, **k):
         if k.get("return_entropy"):  # the differentiable two-stage call (the fused path's no-grad one has none)
-            calls["surrogate"] += 1
+            calls["linear"] += 1
         return linear(*a, **k)
 
     monkeypatch.setattr(ops, "fused_linear_policy_loss", count_fused)
@@ -236,8 +239,7 @@ def test_loss_and_grads_match_trl(batch, case, monkeypatch):
     ref = _grads(TRLGRPOTrainer._compute_loss, trainer, inputs)
     trl_metrics = {k: list(v) for k, v in trainer._metrics["train"].items()}
     got = _grads(FastRLGRPOTrainer._compute_loss, trainer, inputs)
-    expected = {"fused": {"fused": 1, "logp": 0, "surrogate": 0}, "logp": {"fused": 0, "logp": 1, "surrogate": 1},
-                "surrogate": {"fused": 0, "logp": 0, "surrogate": 1}}[path]
+    expected = {"fused": {"fused": 1, "logp": 0, "linear": 0}, "logp": {"fused": 0, "logp": 1, "linear": 1}}[path]
     assert calls == expected, calls
     _assert_same(ref, got)
     # metrics fastrl logs are TRL's (token-level definitions)
@@ -318,8 +320,9 @@ def test_adaptive_entropy_bonus_matches_trl(batch, monkeypatch, last_world_entro
     assert w_got == pytest.approx(w_ref, rel=1e-5) and s_ref is None and s_got is None
     # the gate: with an infinite previous entropy no bonus is applied this step
     monkeypatch.setattr(trainer, "_entropy_bonus_enabled", False)
-    no_bonus = _grads(FastRLGRPOTrainer._compute_loss, trainer, inputs)[0]
-    assert torch.equal(results[1][0], no_bonus) == math.isinf(last_world_entropy)
+    no_bonus = _grads(FastRLGRPOTrainer._compute_loss, trainer, inputs)[0]  # (the fused path: equal up to rounding)
+    same = math.isclose(results[1][0].item(), no_bonus.item(), rel_tol=1e-5, abs_tol=1e-7)
+    assert same == math.isinf(last_world_entropy)
 
 
 @pytest.mark.parametrize(
@@ -354,9 +357,14 @@ def test_loss_config_mapping():
     assert (cfg.loss_agg, cfg.norm_length, cfg.dual_clip, cfg.kl_coef, cfg.clip_high) == (
         "seq-mean-token-sum-norm", 256.0, 1.5, 0.04, 0.28,
     )
-    with pytest.raises(ValueError, match="cispo"):
+    cispo = trl_loss_config(
+        loss_type="cispo", epsilon_low=0.2, epsilon_high=5.0, delta=None,
+        importance_sampling_level="token", beta=0.0, max_completion_length=8,
+    )
+    assert (cispo.surrogate, cispo.cispo_max, cispo.loss_agg) == ("cispo", 5.0, "token-mean")
+    with pytest.raises(ValueError, match="no PolicyLossConfig equivalent"):
         trl_loss_config(
-            loss_type="cispo", epsilon_low=0.2, epsilon_high=5.0, delta=None,
+            loss_type="ppo_kl", epsilon_low=0.2, epsilon_high=0.2, delta=None,
             importance_sampling_level="token", beta=0.0, max_completion_length=8,
         )
     assert GRPOTrainer is FastRLGRPOTrainer
