@@ -140,7 +140,10 @@ def save_distributed_checkpoint(
     ``schedulers.pt`` and the trainer state, last.
     """
     import torch.distributed.checkpoint as dcp
-    from torch.distributed.checkpoint.state_dict import get_model_state_dict, get_optimizer_state_dict
+    from torch.distributed.checkpoint.state_dict import (
+        get_model_state_dict,
+        get_optimizer_state_dict,
+    )
 
     tmp = directory.with_name(directory.name + ".tmp")
     if rank == 0:

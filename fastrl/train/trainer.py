@@ -474,10 +474,11 @@ class Trainer:
         local = dataclasses.replace(batch, rows=batch.rows[part], prompt_ids=batch.prompt_ids[part], indices=batch.indices[part])
         return local, part.start
 
-    def _rollout(self, prompt_batch, *, salt: int) -> Rollout:
+    def _rollout(self, shard, *, salt: int) -> Rollout:
+        """Sample and score ``shard = (prompt batch, index of its first prompt in the whole batch)``."""
         cfg = self.cfg
         G = cfg.group_size
-        prompt_batch, first = prompt_batch
+        prompt_batch, first = shard
         rows, prompts = prompt_batch.rows, prompt_batch.prompt_ids
         with self.timer("generate"):
             sampling = self._sampling(salt=salt)
@@ -666,6 +667,33 @@ class Trainer:
         if self.dist is None:
             return tensor
         return self.dist.all_gather_cat(tensor.to(self.device)).to(tensor.device)
+
+    def _reward_metrics_over_ranks(self, local: dict[str, float]) -> dict[str, float]:
+        """The reward pool's per-function metrics of the whole batch: counts (failures,
+        timeouts, ...) summed, seconds the slowest rank's, means averaged and standard
+        deviations combined from the ranks' moments (shards are equal-sized; exact when every
+        sample was scored)."""
+        if self.dist is None:
+            return local
+        names = sorted(local)
+        world = self.dist.world_size
+        values = torch.tensor([float(local[k]) for k in names], dtype=torch.float64)
+        second = torch.tensor([float(local[k]) ** 2 + float(local.get(k[: -len("std")] + "mean", 0.0)) ** 2
+                               if k.endswith("/std") else 0.0 for k in names], dtype=torch.float64)
+        sums = self._sum(torch.cat([values, second]))
+        slowest = self._reduce(values.clone(), "max")
+        out: dict[str, float] = {}
+        for i, k in enumerate(names):
+            if k.endswith("/std"):
+                mean = float(sums[names.index(k[: -len("std")] + "mean")]) / world if k[: -len("std")] + "mean" in local else 0.0
+                out[k] = max(float(sums[len(names) + i]) / world - mean**2, 0.0) ** 0.5
+            elif k.endswith("/mean") or "/user/" in k:
+                out[k] = float(sums[i]) / world
+            elif k.endswith("seconds"):
+                out[k] = float(slowest[i])
+            else:
+                out[k] = float(sums[i])
+        return out
 
     def _missing_passes(self, count: int) -> int:
         """Forward passes this rank must add to match the rank with the most (FSDP collectives
@@ -1015,11 +1043,7 @@ class Trainer:
         metrics["reward/std"] = float(r.std()) if r.numel() > 1 else 0.0
         metrics["reward/min"] = float(r.min())
         metrics["reward/max"] = float(r.max())
-        reward_metrics = rollout.reward_metrics
-        if self.dist is not None:  # per-rank means of equal-sized shards: their mean
-            names = sorted(reward_metrics)
-            reduced = self._sum(torch.tensor([float(reward_metrics[k]) for k in names], dtype=torch.float64)) / self.dist.world_size
-            reward_metrics = dict(zip(names, reduced.tolist()))
+        reward_metrics = self._reward_metrics_over_ranks(rollout.reward_metrics)
         metrics.update({k if k.startswith("reward") else f"reward/{k}": v for k, v in reward_metrics.items()})
         lengths = self._gather(torch.tensor([len(c) for c in batch.completion_ids], dtype=torch.float32))
         truncated = self._gather(torch.tensor([f == "length" for f in batch.finish_reasons], dtype=torch.float32))

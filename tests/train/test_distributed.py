@@ -65,7 +65,7 @@ def two_process_runs(tmp_path_factory):
     proc = subprocess.run(
         [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", "2",
          str(REPO / "tests" / "train" / "_torchrun_main.py"), str(root), json.dumps(cases)],
-        env=env, capture_output=True, text=True, timeout=600, cwd=root,
+        env=env, capture_output=True, text=True, timeout=600, cwd=root, check=False,
     )
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-5000:]
     seen = [json.loads((root / f"rank{r}.json").read_text()) for r in range(2)]
