@@ -675,7 +675,8 @@ class Trainer:
         sample was scored)."""
         if self.dist is None:
             return local
-        names = sorted(local)
+        names = self._names_on_any_rank(local)  # a rank whose functions logged nothing of a kind adds 0
+        local = {k: local.get(k, 0.0) for k in names}
         world = self.dist.world_size
         values = torch.tensor([float(local[k]) for k in names], dtype=torch.float64)
         second = torch.tensor([float(local[k]) ** 2 + float(local.get(k[: -len("std")] + "mean", 0.0)) ** 2
@@ -694,6 +695,16 @@ class Trainer:
             else:
                 out[k] = float(sums[i])
         return out
+
+    def _names_on_any_rank(self, names) -> list[str]:
+        """The sorted union of ``names`` over ranks (every rank then reduces the same list)."""
+        if self.dist is None:
+            return sorted(names)
+        import torch.distributed
+
+        every: list[Any] = [None] * self.dist.world_size
+        torch.distributed.all_gather_object(every, sorted(names))
+        return sorted(set().union(*every))
 
     def _missing_passes(self, count: int) -> int:
         """Forward passes this rank must add to match the rank with the most (FSDP collectives
@@ -931,8 +942,10 @@ class Trainer:
         summed, other means weighted by tokens, minima and maxima; under torchrun over every
         rank's micro-batches (``loss`` is already global)."""
         out: dict[str, float] = {}
-        for name in sorted(agg):
-            vals = agg[name]
+        for name in self._names_on_any_rank(agg):
+            # a name another rank saw: this rank contributes the neutral element
+            neutral = float("inf") if name.endswith("_min") else float("-inf") if name.endswith("_max") else 0.0
+            vals = agg.get(name) or [(neutral, 0.0)]
             if name in _LOSS_SHARES:
                 out[name] = float(self._sum(torch.tensor(sum(v for v, _ in vals), dtype=torch.float64))) / max(updates, 1)
             elif name.endswith("_min"):

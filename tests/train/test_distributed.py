@@ -61,6 +61,7 @@ def two_process_runs(tmp_path_factory):
     cases["bad_indivisible"] = [*bad, "--prompts_per_step", "3", "--output_dir", str(root / "bad1")]
     cases["bad_mismatch"] = [*bad, "--seed", "{rank}", "--output_dir", str(root / "bad2")]
     cases["bad_vllm"] = [*bad, "--sampler", "vllm", "--output_dir", str(root / "bad3")]
+    cases["bad_algorithm"] = [*bad, "--algorithm", "nope", "--output_dir", str(root / "bad4")]
     env = {**os.environ, "PYTHONPATH": str(REPO), "OMP_NUM_THREADS": "1"}
     proc = subprocess.run(
         [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", "2",
@@ -141,8 +142,10 @@ def test_two_process_checkpoint_resumes_in_one_process(two_process_runs, tmp_pat
 
 
 def test_bad_input_is_refused_on_every_rank(two_process_runs):
-    _, seen = two_process_runs
+    root, seen = two_process_runs
     for rank_seen in seen:
         assert "ValueError" in rank_seen["bad_indivisible"] and "not divisible by the world size 2" in rank_seen["bad_indivisible"]
         assert "ValueError" in rank_seen["bad_mismatch"] and "differs across ranks" in rank_seen["bad_mismatch"]
         assert "ValueError" in rank_seen["bad_vllm"] and "single-process only" in rank_seen["bad_vllm"]
+        assert rank_seen["bad_algorithm"] == "exit 2"  # the option parser's usage error, before any work
+    assert not (root / "bad1" / "metrics.jsonl").exists() and not (root / "bad2" / "metrics.jsonl").exists()
