@@ -868,6 +868,7 @@ class Trainer:
         cfg = self.cfg
         agg: dict[str, list[tuple[float, float]]] = {}
         grad_norms, critic_grad_norms = [], []
+        padding_passes = 0
         g = torch.Generator().manual_seed(cfg.seed * 7919 + self.step)
         n_groups = len(batch.prompt_ids)
         for epoch in range(cfg.ppo_epochs):
@@ -886,6 +887,7 @@ class Trainer:
                 losses: list[torch.Tensor] = []
                 micro = list(self._micro_batches(batch, mini_groups))
                 padding = self._missing_passes(len(micro))
+                padding_passes += padding
                 if padding and not micro:
                     micro_pad = [self._make_micro_batch(batch, [0])] * padding
                 else:
@@ -931,6 +933,8 @@ class Trainer:
         for name, value in self._reduce_metrics(agg, updates=len(grad_norms)).items():
             out[_metric_name(name)] = value
         out["grad_norm"] = max(grad_norms) if grad_norms else 0.0
+        if self.dist is not None:  # zero-weight micro-batches that kept FSDP's collectives in step
+            out["dist/padding_micro_batches"] = float(self._sum(padding_passes))
         if self.critic is not None:
             out["critic/grad_norm"] = max(critic_grad_norms) if critic_grad_norms else 0.0
             out["critic/explained_variance"] = self._explained_variance(old_values, returns, mask)

@@ -38,8 +38,10 @@ def base_args(root: Path) -> list[str]:
 
 
 CONFIGS = {
-    # batch-std advantages, token-mean loss, shared-prefix packing, checkpoints every step
-    "batch_std": ["--advantage_mode", "batch_std", "--loss_agg", "token-mean", "--kl_coef", "0", "--save_every", "1"],
+    # batch-std advantages, token-mean loss, shared-prefix packing, checkpoints every step;
+    # micro-batches of one group (four in one process, two per rank)
+    "batch_std": ["--advantage_mode", "batch_std", "--loss_agg", "token-mean", "--kl_coef", "0", "--save_every", "1",
+                  "--micro_batch_tokens", "57"],
     # REINFORCE++ (batch whitening), seq-mean loss, padded rows in small micro-batches, two
     # epochs (old log-probs, ratios != 1), a KL term to a reference model
     "reinforce_pp_seq_mean": [
@@ -127,6 +129,7 @@ def test_two_processes_equal_one(two_process_runs, tmp_path, name):
     assert_same_run(one, two)
     # rank 0 alone wrote the logs and the final model; the metrics are over both ranks' samples
     assert all(s["rollout/samples"] == 16.0 for s in steps(two))
+    assert all("dist/padding_micro_batches" in s for s in steps(two))
 
 
 def test_two_process_checkpoint_resumes_in_one_process(two_process_runs, tmp_path):
