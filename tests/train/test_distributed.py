@@ -38,10 +38,11 @@ def base_args(root: Path) -> list[str]:
 
 
 CONFIGS = {
-    # batch-std advantages, token-mean loss, shared-prefix packing, checkpoints every step;
-    # micro-batches of one group (four in one process, two per rank)
+    # batch-std advantages, token-mean loss, shared-prefix packing, checkpoints every step; a
+    # micro-batch budget that (on this project's CPU) packs one rank's two groups of step 2
+    # into one micro-batch but not the other's: that rank runs a zero-weight extra pass
     "batch_std": ["--advantage_mode", "batch_std", "--loss_agg", "token-mean", "--kl_coef", "0", "--save_every", "1",
-                  "--micro_batch_tokens", "57"],
+                  "--micro_batch_tokens", "56"],
     # REINFORCE++ (batch whitening), seq-mean loss, padded rows in small micro-batches, two
     # epochs (old log-probs, ratios != 1), a KL term to a reference model
     "reinforce_pp_seq_mean": [
@@ -129,7 +130,8 @@ def test_two_processes_equal_one(two_process_runs, tmp_path, name):
     assert_same_run(one, two)
     # rank 0 alone wrote the logs and the final model; the metrics are over both ranks' samples
     assert all(s["rollout/samples"] == 16.0 for s in steps(two))
-    assert all("dist/padding_micro_batches" in s for s in steps(two))
+    # whether ranks differ in micro-batch count depends on the sampled lengths (seen: 1 padded pass)
+    print(name, "zero-weight passes:", [s["dist/padding_micro_batches"] for s in steps(two)])
 
 
 def test_two_process_checkpoint_resumes_in_one_process(two_process_runs, tmp_path):
