@@ -41,7 +41,7 @@ from __future__ import annotations
 
 import contextlib
 import time
-from typing import Iterable, Iterator
+from typing import Iterable, Iterator, Sequence
 
 import torch
 import torch.nn.functional as F
@@ -191,6 +191,15 @@ def process_logits(logits: torch.Tensor, sampling: SamplingConfig) -> torch.Tens
     return torch.log_softmax(x, dim=-1)
 
 
+def _inverse_cdf_sample(probs: torch.Tensor, u: torch.Tensor) -> torch.Tensor:
+    """Row b's token: the first index whose cumulative probability exceeds ``u[b] * total``
+    (``u`` in [0, 1)). A zero-probability token is never picked."""
+    cdf = probs.double().cumsum(-1)
+    total = cdf[:, -1]
+    x = torch.minimum(u * total, torch.nextafter(total, torch.zeros_like(total)))
+    return torch.searchsorted(cdf, x[:, None], right=True)[:, 0].clamp(max=probs.shape[-1] - 1)
+
+
 class HFGroupSampler:
     """``GroupSampler`` for a Hugging Face causal LM with one shared prompt KV per group.
 
@@ -264,8 +273,17 @@ class HFGroupSampler:
             self.model.train(was_training)
 
     @torch.no_grad()
-    def generate(self, prompts: list[list[int]], *, group_size: int, sampling: SamplingConfig | None = None) -> RolloutBatch:
-        """``group_size`` completions for each prompt (flat, prompt 0's samples first)."""
+    def generate(
+        self, prompts: list[list[int]], *, group_size: int, sampling: SamplingConfig | None = None,
+        prompt_seeds: Sequence[int] | None = None,
+    ) -> RolloutBatch:
+        """``group_size`` completions for each prompt (flat, prompt 0's samples first).
+
+        ``prompt_seeds``: one seed per prompt (overrides ``sampling.seed``). Each group's
+        random numbers then come from its own seed alone, so a prompt's completions do not
+        depend on which other prompts share the batch (data-parallel ranks sampling slices
+        of a batch reproduce the single-process samples).
+        """
         sampling = sampling if sampling is not None else SamplingConfig()
         if not isinstance(sampling, SamplingConfig):
             raise TypeError(f"sampling must be a SamplingConfig, got {type(sampling).__name__}")
@@ -297,7 +315,15 @@ class HFGroupSampler:
         kv = SharedPrefixKV(num_layers=model.config.num_hidden_layers, cu_seqlens=cu, backend=backend)
         stop_ids = torch.tensor(sorted(set(sampling.stop_token_ids) | set(self.eos_token_ids)), dtype=torch.long, device=device)
         gen = None
-        if sampling.seed is not None:
+        uniforms = None
+        if prompt_seeds is not None and not sampling.greedy:
+            if len(prompt_seeds) != N:
+                raise ValueError(f"prompt_seeds must have one seed per prompt ({N}), got {len(prompt_seeds)}")
+            # drawn on the CPU: the same numbers on every device
+            uniforms = torch.cat([
+                torch.rand(G, L, generator=torch.Generator().manual_seed(int(s)), dtype=torch.float64) for s in prompt_seeds
+            ]).to(device)
+        elif sampling.seed is not None:
             gen = torch.Generator(device=device)
             gen.manual_seed(sampling.seed)
 
@@ -321,6 +347,8 @@ class HFGroupSampler:
                 logp_all = process_logits(logits, sampling)
                 if sampling.greedy:
                     tok = torch.argmax(logp_all, dim=-1)
+                elif uniforms is not None:
+                    tok = _inverse_cdf_sample(logp_all.exp(), uniforms[:, step])
                 else:
                     tok = torch.multinomial(logp_all.exp(), 1, generator=gen)[:, 0]
                 tokens[:, step] = tok

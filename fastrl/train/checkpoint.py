@@ -102,3 +102,108 @@ def load_checkpoint_state(directory: Path) -> tuple[dict[str, Any], dict[str, An
     objects = torch.load(directory / "optim.pt", map_location="cpu", weights_only=False)
     rng = torch.load(directory / "rng.pt", map_location="cpu", weights_only=False)
     return state, objects, rng
+
+
+# ---------------------------------------------------------------------------- torchrun (sharded)
+DCP_DIR = "dcp"
+"""Model and optimizer shards (``torch.distributed.checkpoint``) of a torchrun checkpoint."""
+
+
+def is_distributed_checkpoint(directory: Path) -> bool:
+    return (Path(directory) / DCP_DIR).is_dir()
+
+
+def _rng_file(rank: int) -> str:
+    return f"rng-rank{rank}.pt"
+
+
+def save_distributed_checkpoint(
+    directory: Path,
+    *,
+    models: dict[str, torch.nn.Module],
+    optimizers: dict[str, tuple[torch.nn.Module, torch.optim.Optimizer]],
+    schedulers: dict[str, Any],
+    state: dict[str, Any],
+    hf_policy: torch.nn.Module,
+    tokenizer: Any,
+    rank: int,
+    barrier,
+    keep: int,
+) -> Path:
+    """Write one checkpoint from every rank of a torchrun job (a collective), atomically.
+
+    ``dcp/``: every model's and optimizer's state, each rank writing its own shards
+    (``torch.distributed.checkpoint``; keys are parameter names, so it loads into any
+    world size). ``rng-rank{r}.pt``: each rank's RNG states. Rank 0 also writes
+    ``policy/`` (``hf_policy``, a full copy of the policy, as a Hugging Face directory with
+    the tokenizer: usable with ``from_pretrained`` and the model a resume starts from),
+    ``schedulers.pt`` and the trainer state, last.
+    """
+    import torch.distributed.checkpoint as dcp
+    from torch.distributed.checkpoint.state_dict import (
+        get_model_state_dict,
+        get_optimizer_state_dict,
+    )
+
+    tmp = directory.with_name(directory.name + ".tmp")
+    if rank == 0:
+        if tmp.exists():
+            shutil.rmtree(tmp)
+        tmp.mkdir(parents=True)
+    barrier()
+    shards: dict[str, Any] = {name: get_model_state_dict(model) for name, model in models.items()}
+    shards.update({name: get_optimizer_state_dict(model, opt) for name, (model, opt) in optimizers.items()})
+    dcp.save(shards, checkpoint_id=str(tmp / DCP_DIR))
+    torch.save(rng_state(), tmp / _rng_file(rank))
+    if rank == 0:
+        hf_policy.save_pretrained(tmp / "policy", safe_serialization=True)
+        if tokenizer is not None:
+            tokenizer.save_pretrained(tmp / "policy")
+        torch.save({name: s.state_dict() for name, s in schedulers.items()}, tmp / "schedulers.pt")
+    barrier()  # every rank's files are in place before the state file makes the checkpoint complete
+    if rank == 0:
+        (tmp / STATE_FILE).write_text(json.dumps(state, indent=1))
+        if directory.exists():
+            shutil.rmtree(directory)
+        os.replace(tmp, directory)
+        for old in list_checkpoints(directory.parent.parent)[:-keep]:
+            shutil.rmtree(old, ignore_errors=True)
+    barrier()
+    return directory
+
+
+def load_distributed_checkpoint(
+    directory: Path,
+    *,
+    models: dict[str, torch.nn.Module],
+    optimizers: dict[str, tuple[torch.nn.Module, torch.optim.Optimizer]],
+    schedulers: dict[str, Any],
+    rank: int,
+) -> tuple[dict[str, Any], dict[str, Any]]:
+    """Load a torchrun checkpoint into these (sharded or plain) models and optimizers, in
+    any world size; returns ``(trainer_state, rng state)``. The RNG is this rank's, or rank
+    0's when the checkpoint had fewer ranks."""
+    import torch.distributed.checkpoint as dcp
+    from torch.distributed.checkpoint.state_dict import (
+        get_model_state_dict,
+        get_optimizer_state_dict,
+        set_model_state_dict,
+        set_optimizer_state_dict,
+    )
+
+    state = json.loads((directory / STATE_FILE).read_text())
+    shards: dict[str, Any] = {name: get_model_state_dict(model) for name, model in models.items()}
+    shards.update({name: get_optimizer_state_dict(model, opt) for name, (model, opt) in optimizers.items()})
+    dcp.load(shards, checkpoint_id=str(directory / DCP_DIR))
+    for name, model in models.items():
+        set_model_state_dict(model, shards[name])
+    for name, (model, opt) in optimizers.items():
+        set_optimizer_state_dict(model, opt, shards[name])
+    saved = torch.load(directory / "schedulers.pt", map_location="cpu", weights_only=False)
+    for name, scheduler in schedulers.items():
+        scheduler.load_state_dict(saved[name])
+    rng_path = directory / _rng_file(rank)
+    if not rng_path.exists():
+        rng_path = directory / _rng_file(0)
+    rng = torch.load(rng_path, map_location="cpu", weights_only=False)
+    return state, rng

@@ -9,6 +9,7 @@ configuration and exits.
 from __future__ import annotations
 
 import dataclasses
+import os
 import sys
 
 from fastrl.train.config import ALGORITHM_PRESETS, TrainConfig
@@ -55,6 +56,8 @@ def run_train(argv: list[str]) -> int:
     except (TrainingDivergedError, WeightSyncError) as e:
         print(f"fastrl train: stopped: {e}", file=sys.stderr)
         return 3
+    if os.environ.get("RANK", "0") != "0":  # torchrun: rank 0 reports
+        return 0
     first, last = result.first_eval, result.last_eval
     print(f"fastrl train: {result.steps} steps, outputs in {result.output_dir}")
     if first and last:

@@ -31,13 +31,17 @@ from typing import Any, Callable, Sequence
 
 import torch
 
-from fastrl.ops import PackedLayout, gae, group_advantages, kl_penalty, policy_loss, value_loss
+from fastrl.ops import PackedLayout, gae, group_advantages, kl_penalty, masked_whiten, policy_loss, value_loss
 from fastrl.ops.hf import causal_lm_logprobs
 from fastrl.rollout import HFGroupSampler, SamplingConfig
 from fastrl.rollout.base import RolloutBatch, RolloutStats
+from fastrl.train import distributed as dist_mod
 from fastrl.train.checkpoint import (
     checkpoint_dir,
+    is_distributed_checkpoint,
     load_checkpoint_state,
+    load_distributed_checkpoint,
+    save_distributed_checkpoint,
     resolve_resume,
     save_checkpoint,
     set_rng_state,
@@ -156,7 +160,12 @@ class Trainer:
         self.cfg = cfg = config.resolved(model_given=model is not None)
         if cfg.threads:
             torch.set_num_threads(cfg.threads)
-        self.device = _device(cfg.device)
+        # torchrun: join the process group and refuse what data parallel cannot run, on every rank
+        self.dist = dist_mod.init(cfg.device)
+        if self.dist is not None:
+            _check_distributed(cfg, self.dist)
+        self.device = self.dist.device if self.dist is not None else _device(cfg.device)
+        self.is_main = self.dist is None or self.dist.is_main
         self.out = Path(cfg.output_dir)
         self.out.mkdir(parents=True, exist_ok=True)
         self.loss_config = cfg.policy_loss_config()
@@ -167,8 +176,10 @@ class Trainer:
 
         self.resume_dir = resolve_resume(cfg.resume, cfg.output_dir) if cfg.resume else None
         self.timer = _Timer(self.device)
-        if self.resume_dir is None:
+        if self.resume_dir is None and self.is_main:
             self._claim_output_dir()
+        if self.dist is not None:
+            self.dist.barrier()  # no rank writes into output_dir before rank 0 has claimed it
 
         # ---- model, tokenizer, data
         self.builtin = model is None and cfg.model is None
@@ -195,6 +206,8 @@ class Trainer:
             batch_size=None if cfg.prompt_token_budget else cfg.prompts_per_step,
             token_budget=cfg.prompt_token_budget, group_size=cfg.group_size, max_new_tokens=cfg.max_new_tokens,
             seed=cfg.seed,
+            # every rank takes an equal slice of each batch: no short batch at an epoch's end
+            drop_last=self.dist is not None,
         )
 
         # ---- rewards: checked on real rows before any training work
@@ -234,6 +247,10 @@ class Trainer:
             if result.get("probe"):
                 self.sft_metrics["sft/probe_accuracy"] = float(result["probe"][-1][1])
 
+        if self.dist is not None:
+            # every rank ran the same seeded warm-up; rank 0's weights make them bitwise equal
+            dist_mod.broadcast_module(self.policy)
+
         # ---- memory at length
         longest = max(len(ids) for ids in self.encoded) + cfg.max_new_tokens
         self.checkpointing = cfg.activation_checkpointing == "layer" or (
@@ -249,6 +266,9 @@ class Trainer:
         self.critic: ValueModel | None = None
         if cfg.uses_critic:
             self.critic = self._build_critic()
+        self.sampler_model: torch.nn.Module | None = None
+        if self.dist is not None:
+            self._shard_models()
         total_updates = cfg.steps * cfg.ppo_epochs * cfg.mini_batches
         self.optimizer = torch.optim.AdamW(
             self.policy.parameters(), lr=cfg.lr, betas=tuple(cfg.adam_betas), weight_decay=cfg.weight_decay
@@ -375,20 +395,35 @@ class Trainer:
         else:
             ref = copy.deepcopy(self.policy)
             # saved once so a resumed run keeps the same reference (the policy at the start of RL)
-            ref.save_pretrained(path, safe_serialization=True)
+            if self.is_main:
+                ref.save_pretrained(path, safe_serialization=True)
         ref.eval().requires_grad_(False)
         return ref
 
     def _build_critic(self) -> ValueModel:
         cfg = self.cfg
-        if self.resume_dir is not None:
+        if self.resume_dir is not None and not is_distributed_checkpoint(self.resume_dir):
             return ValueModel.load(self.resume_dir / "critic", device=self.device).train()
         if cfg.critic_init is not None:
             return ValueModel.load(cfg.critic_init, device=self.device).train()
         return ValueModel.from_policy(self.policy).train()
 
+    def _shard_models(self) -> None:
+        """FSDP2 on the policy (and critic). The sampler gets a full, unsharded copy of the
+        policy: generation runs a rank-dependent number of forwards (completions stop at
+        different steps), which FSDP's per-forward all-gathers cannot follow, and a copy
+        synced after each update costs one all-gather per step instead of one per token."""
+        self.sampler_model = copy.deepcopy(self.policy).eval().requires_grad_(False)
+        param_dtype = self.autocast_dtype if self.device.type == "cuda" else None
+        dist_mod.shard_causal_lm(self.policy, param_dtype=param_dtype)
+        if self.critic is not None:
+            dist_mod.shard_causal_lm(self.critic.body, param_dtype=param_dtype)
+
     def _build_sampler(self):
         cfg = self.cfg
+        if self.sampler_model is not None:
+            self.sampler_shares_weights = False
+            return HFGroupSampler(self.sampler_model, pad_token_id=self.tokenizer.pad_token_id)
         if cfg.sampler == "hf":
             self.sampler_shares_weights = True
             return HFGroupSampler(self.policy, pad_token_id=self.tokenizer.pad_token_id)
@@ -403,6 +438,8 @@ class Trainer:
     def _write_config(self) -> None:
         import yaml
 
+        if not self.is_main:
+            return
         (self.out / "config.yaml").write_text(yaml.safe_dump(dataclasses.asdict(self.cfg), sort_keys=False))
 
     def _answer_score(self, prompts: list, completions: list[str], answers: list) -> list[float]:
@@ -421,12 +458,33 @@ class Trainer:
             seed=(cfg.seed * 1_000_003 + self.step * 101 + salt) % (2**31),
         )
 
-    def _rollout(self, prompt_batch, *, salt: int) -> Rollout:
+    def _prompt_seeds(self, sampling: SamplingConfig, first: int, count: int) -> list[int] | None:
+        """One sampling seed per prompt from its index in the whole (all-rank) batch, so a
+        prompt's completions do not depend on the world size. HF sampler only."""
+        if self.cfg.sampler != "hf" or sampling.seed is None:
+            return None
+        return [sampling.seed * 65_537 + first + i for i in range(count)]
+
+    def _next_prompts(self):
+        """This rank's contiguous slice of the next batch of prompts, and where it starts."""
+        batch = next(self.batcher)
+        if self.dist is None:
+            return batch, 0
+        part = dist_mod.shard_slice(len(batch.rows), self.dist.rank, self.dist.world_size)
+        local = dataclasses.replace(batch, rows=batch.rows[part], prompt_ids=batch.prompt_ids[part], indices=batch.indices[part])
+        return local, part.start
+
+    def _rollout(self, shard, *, salt: int) -> Rollout:
+        """Sample and score ``shard = (prompt batch, index of its first prompt in the whole batch)``."""
         cfg = self.cfg
         G = cfg.group_size
+        prompt_batch, first = shard
         rows, prompts = prompt_batch.rows, prompt_batch.prompt_ids
         with self.timer("generate"):
-            batch = self.sampler.generate(prompts, group_size=G, sampling=self._sampling(salt=salt))
+            sampling = self._sampling(salt=salt)
+            seeds = self._prompt_seeds(sampling, first, len(prompts))
+            extra = {"prompt_seeds": seeds} if seeds is not None else {}
+            batch = self.sampler.generate(prompts, group_size=G, sampling=sampling, **extra)
         with self.timer("reward"):
             completions = self.tokenizer.batch_decode(batch.completion_ids, skip_special_tokens=True)
             prompt_values = [r[cfg.prompt_column] for r in rows for _ in range(G)]
@@ -443,7 +501,7 @@ class Trainer:
         """Roll out one step's prompts; with dynamic sampling, drop all-equal groups and refill."""
         cfg = self.cfg
         G = cfg.group_size
-        first = self._rollout(next(self.batcher), salt=0)
+        first = self._rollout(self._next_prompts(), salt=0)
         info = {"dynamic/rounds": 0.0, "dynamic/dropped_groups": 0.0}
         if not cfg.dynamic_sampling:
             return first, info
@@ -459,10 +517,11 @@ class Trainer:
             kept.append((current, informative))
             n_kept += len(informative)
             info["dynamic/rounds"] = float(round_)
-            if n_kept >= target or round_ == cfg.max_resample_rounds:
+            # under torchrun every rank takes the same decision (the batcher stays in step)
+            if self._sum(n_kept) >= self._sum(target) or round_ == cfg.max_resample_rounds:
                 break
-            current = self._rollout(next(self.batcher), salt=round_ + 1)
-        info["dynamic/dropped_groups"] = float(dropped)
+            current = self._rollout(self._next_prompts(), salt=round_ + 1)
+        info["dynamic/dropped_groups"] = float(self._sum(dropped))
         if n_kept == 0:
             # nothing informative: train on the first batch (all advantages are 0; the step only logs)
             return first, info
@@ -571,8 +630,12 @@ class Trainer:
         was_training = module.training
         module.eval()
         try:
-            for mb in self._micro_batches(batch, self._all_groups(batch)):
+            micro = list(self._micro_batches(batch, self._all_groups(batch)))
+            for mb in micro:
                 out[mb.rows.to(self.device), mb.cols] = compute(mb)
+            if module is self.policy or module is self.critic:
+                for _ in range(self._missing_passes(len(micro))):
+                    compute(micro[-1])  # FSDP all-gathers per forward: keep in step with the other ranks
         finally:
             module.train(was_training)
         return out * batch.response_mask[:, 1:].to(self.device)
@@ -584,6 +647,111 @@ class Trainer:
     def _critic_values(self, batch: RolloutBatch) -> torch.Tensor:
         """The critic's values of the states before each completion token."""
         return self._per_token(self.critic, batch, self._values)
+
+    # ------------------------------------------------------------------ across ranks (torchrun)
+    # Each is the identity in a single process, so the step reads the same either way.
+    def _sum(self, value):
+        """``value`` (a number or tensor) summed over ranks."""
+        return self._reduce(value, "sum")
+
+    def _reduce(self, value, op: str):
+        if self.dist is None:
+            return value
+        t = torch.as_tensor(value).to(self.device).clone()
+        dtype = t.dtype
+        if not t.is_floating_point():
+            t = t.to(torch.float64)
+        self.dist.all_reduce(t, op)
+        t = t.to(dtype)
+        if isinstance(value, torch.Tensor):
+            return t
+        return type(value)(t.item())
+
+    def _gather(self, tensor: torch.Tensor) -> torch.Tensor:
+        """Every rank's ``tensor`` concatenated along dim 0 in rank order (= batch order)."""
+        if self.dist is None:
+            return tensor
+        return self.dist.all_gather_cat(tensor.to(self.device)).to(tensor.device)
+
+    def _reward_metrics_over_ranks(self, local: dict[str, float]) -> dict[str, float]:
+        """The reward pool's per-function metrics of the whole batch: counts (failures,
+        timeouts, ...) summed, seconds the slowest rank's, means averaged and standard
+        deviations combined from the ranks' moments (shards are equal-sized; exact when every
+        sample was scored)."""
+        if self.dist is None:
+            return local
+        names = self._names_on_any_rank(local)  # a rank whose functions logged nothing of a kind adds 0
+        local = {k: local.get(k, 0.0) for k in names}
+        world = self.dist.world_size
+        values = torch.tensor([float(local[k]) for k in names], dtype=torch.float64)
+        second = torch.tensor([float(local[k]) ** 2 + float(local.get(k[: -len("std")] + "mean", 0.0)) ** 2
+                               if k.endswith("/std") else 0.0 for k in names], dtype=torch.float64)
+        sums = self._sum(torch.cat([values, second]))
+        slowest = self._reduce(values.clone(), "max")
+        out: dict[str, float] = {}
+        for i, k in enumerate(names):
+            if k.endswith("/std"):
+                mean = float(sums[names.index(k[: -len("std")] + "mean")]) / world if k[: -len("std")] + "mean" in local else 0.0
+                out[k] = max(float(sums[len(names) + i]) / world - mean**2, 0.0) ** 0.5
+            elif k.endswith("/mean") or "/user/" in k:
+                out[k] = float(sums[i]) / world
+            elif k.endswith("seconds"):
+                out[k] = float(slowest[i])
+            else:
+                out[k] = float(sums[i])
+        return out
+
+    def _names_on_any_rank(self, names) -> list[str]:
+        """The sorted union of ``names`` over ranks (every rank then reduces the same list)."""
+        if self.dist is None:
+            return sorted(names)
+        import torch.distributed
+
+        every: list[Any] = [None] * self.dist.world_size
+        torch.distributed.all_gather_object(every, sorted(names))
+        return sorted(set().union(*every))
+
+    def _missing_passes(self, count: int) -> int:
+        """Forward passes this rank must add to match the rank with the most (FSDP collectives
+        are per forward/backward; every rank must run as many)."""
+        if self.dist is None:
+            return 0
+        return int(self._reduce(count, "max")) - count
+
+    def _group_advantages(self, rewards: torch.Tensor, group_ids: torch.Tensor, mode: str):
+        """``group_advantages`` over the whole batch: under torchrun the rewards of every rank
+        are gathered (a scalar per sample), so batch-level modes (batch_std,
+        group_mean_batch_std_floor, reinforce_pp) see the single-process batch exactly."""
+        if self.dist is None:
+            return group_advantages(rewards, group_ids, mode=mode)
+        n_groups = int(group_ids.max()) + 1 if group_ids.numel() else 0
+        group_offset = self.dist.offset(n_groups)
+        start = self.dist.offset(rewards.numel())
+        all_rewards = self._gather(rewards.float())
+        all_ids = self._gather(group_ids + group_offset)
+        advantages, stats = group_advantages(all_rewards, all_ids, mode=mode)
+        return advantages[start : start + rewards.numel()], stats
+
+    def _whiten_over_ranks(self, advantages: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
+        """GAE advantages whitened with the statistics of every rank's completion tokens
+        (what ``gae(whiten=True)`` does on the single-process batch)."""
+        from fastrl.reference.scans import WHITEN_EPS
+
+        keep = mask > 0
+        local = advantages[keep]
+        start = self.dist.offset(local.numel())
+        everything = self._gather(local)
+        whitened = masked_whiten(everything, torch.ones_like(everything), eps=WHITEN_EPS)
+        out = torch.zeros_like(advantages)
+        out[keep] = whitened[start : start + local.numel()].to(out.dtype)
+        return out
+
+    def _explained_variance(self, values: torch.Tensor, returns: torch.Tensor, mask: torch.Tensor) -> float:
+        if self.dist is None:
+            return float(explained_variance(values, returns, mask))
+        keep = mask > 0
+        return float(explained_variance(self._gather(values[keep].float()), self._gather(returns[keep].float()),
+                                        self._gather(torch.ones(int(keep.sum()), device=values.device))))
 
     def _autocast(self):
         if self.autocast_dtype is None:
@@ -627,7 +795,7 @@ class Trainer:
             update_metrics = self._update(batch, mask, advantages, old_logp, ref_logp, sampler_logp, old_values, returns)
         metrics.update(update_metrics)
         if token_kl is not None:
-            self.kl_ctl.update(metrics["kl/ref_seq"], B)
+            self.kl_ctl.update(metrics["kl/ref_seq"], int(self._sum(B)))
 
         # ---- weight sync + probe
         with self.timer("sync"):
@@ -642,9 +810,10 @@ class Trainer:
         for stage, s in self.timer.seconds.items():
             metrics[f"time/{stage}"] = s
         gen_s = self.timer.seconds.get("generate", 0.0)
-        metrics["throughput/generate_tokens_per_s"] = batch.stats.generated_tokens / gen_s if gen_s > 0 else 0.0
+        metrics["throughput/generate_tokens_per_s"] = metrics["rollout/generated_tokens"] / gen_s if gen_s > 0 else 0.0
         upd_s = self.timer.seconds.get("update", 0.0)
-        metrics["throughput/train_tokens_per_s"] = float(batch.attention_mask.sum()) * cfg.ppo_epochs / upd_s if upd_s > 0 else 0.0
+        trained = float(self._sum(batch.attention_mask.sum()))
+        metrics["throughput/train_tokens_per_s"] = trained * cfg.ppo_epochs / upd_s if upd_s > 0 else 0.0
         metrics["memory/peak_gb"] = peak_memory_bytes(self.device) / 2**30
         metrics["lr"] = self.scheduler.get_last_lr()[0]
         return metrics
@@ -668,7 +837,7 @@ class Trainer:
         if ref_logp is not None:
             behaviour = old_logp if old_logp is not None else sampler_logp
             token_kl = torch.where(mask > 0, kl_penalty(behaviour, ref_logp, estimator=cfg.kl_estimator), 0.0)
-            metrics["kl/ref_seq"] = float(token_kl.sum(1).mean())
+            metrics["kl/ref_seq"] = float(self._sum(token_kl.sum(1).sum()) / self._sum(B))
             metrics["kl/coef"] = beta
         group_ids = batch.group_ids.to(self.device)
         old_values = returns = None
@@ -680,19 +849,22 @@ class Trainer:
                 token_rewards = token_rewards - beta * token_kl
             with self.timer("values"):
                 old_values = self._critic_values(batch)
-            advantages, returns = gae(token_rewards, old_values, mask, gamma=cfg.gamma, lam=cfg.lam, whiten=cfg.whiten_advantages)
+            local_whiten = cfg.whiten_advantages and self.dist is None
+            advantages, returns = gae(token_rewards, old_values, mask, gamma=cfg.gamma, lam=cfg.lam, whiten=local_whiten)
+            if cfg.whiten_advantages and self.dist is not None:
+                advantages = self._whiten_over_ranks(advantages, mask)
             # group statistics for monitoring only (how many prompts carry signal)
-            adv_stats = group_advantages(outcome, group_ids, mode="dr_grpo")[1]
+            adv_stats = self._group_advantages(outcome, group_ids, "dr_grpo")[1]
         else:
             shaped = outcome
             if cfg.kl_in_reward and token_kl is not None:
                 shaped = outcome - beta * token_kl.sum(1)
-            advantages, adv_stats = group_advantages(shaped, group_ids, mode=cfg.advantage_mode)
+            advantages, adv_stats = self._group_advantages(shaped, group_ids, cfg.advantage_mode)
         adv_tok = advantages if advantages.dim() == 2 else advantages[:, None].expand(B, Tm1)
-        n_tok = mask.sum().clamp(min=1)
-        mean = (adv_tok * mask).sum() / n_tok
+        n_tok = self._sum(mask.sum()).clamp(min=1)
+        mean = self._sum((adv_tok * mask).sum()) / n_tok
         metrics["advantage/mean"] = float(mean)
-        metrics["advantage/std"] = float(((adv_tok - mean) ** 2 * mask).sum().div(n_tok).sqrt())
+        metrics["advantage/std"] = float(self._sum(((adv_tok - mean) ** 2 * mask).sum()).div(n_tok).sqrt())
         metrics["groups/frac_all_equal"] = float(adv_stats["frac_all_equal_groups"])
         metrics["groups/effective_ratio"] = float(adv_stats["effective_group_ratio"])
         return advantages, returns, old_values, token_kl, metrics
@@ -701,30 +873,49 @@ class Trainer:
         cfg = self.cfg
         agg: dict[str, list[tuple[float, float]]] = {}
         grad_norms, critic_grad_norms = [], []
+        padding_passes = 0
         g = torch.Generator().manual_seed(cfg.seed * 7919 + self.step)
         n_groups = len(batch.prompt_ids)
         for epoch in range(cfg.ppo_epochs):
             # mini-batches of whole groups (the shared-prefix layout packs a group as one document)
             order = torch.randperm(n_groups, generator=g) if cfg.mini_batches > 1 else torch.arange(n_groups)
-            for mini in order.chunk(cfg.mini_batches):
+            # under torchrun every rank takes exactly mini_batches optimizer steps (some may be empty)
+            minis = order.chunk(cfg.mini_batches) if self.dist is None else order.tensor_split(cfg.mini_batches)
+            for mini in minis:
                 mini_groups = mini.sort().values.tolist()
-                mini_rows = torch.tensor([r for q in mini_groups for r in range(q * cfg.group_size, (q + 1) * cfg.group_size)])
+                mini_rows = torch.tensor([r for q in mini_groups for r in range(q * cfg.group_size, (q + 1) * cfg.group_size)],
+                                         dtype=torch.long)
                 mb_dev = mini_rows.to(self.device)
-                tokens = mask[mb_dev].sum()
-                seqs = (mask[mb_dev].sum(1) > 0).sum()
+                # the denominators of the whole (all-rank) mini-batch
+                tokens = self._sum(mask[mb_dev].sum())
+                seqs = self._sum((mask[mb_dev].sum(1) > 0).sum())
                 losses: list[torch.Tensor] = []
-                for mb in self._micro_batches(batch, mini_groups):
+                micro = list(self._micro_batches(batch, mini_groups))
+                padding = self._missing_passes(len(micro))
+                padding_passes += padding
+                if padding and not micro:
+                    micro_pad = [self._make_micro_batch(batch, [0])] * padding
+                else:
+                    micro_pad = micro[-1:] * padding
+                zero_mask = torch.zeros_like(mask) if padding else mask
+                for mb, dummy in [(mb, False) for mb in micro] + [(mb, True) for mb in micro_pad[:padding]]:
                     # the attention switch stays on through the backward: checkpointed layers
                     # recompute their forward there and must see the same attention
                     with self._packed_attention(mb):
-                        loss, lm = self._micro_batch_loss(mb, mask, advantages, old_logp, ref_logp, sampler_logp,
-                                                          old_values, returns, tokens, seqs)
+                        # a dummy (zero mask: zero loss and gradient) keeps FSDP's collectives in step
+                        loss, lm = self._micro_batch_loss(mb, zero_mask if dummy else mask, advantages, old_logp, ref_logp,
+                                                          sampler_logp, old_values, returns, tokens, seqs)
+                    if dummy:
+                        continue
                     losses.append(loss)
                     weight = float(mask[mb.rows.to(self.device), mb.cols].sum())
                     for name, v in lm.items():
                         agg.setdefault(name, []).append((float(v), weight))
-                total = torch.stack(losses).sum()
-                grad_norm = torch.nn.utils.clip_grad_norm_(self.policy.parameters(), cfg.grad_clip if cfg.grad_clip > 0 else float("inf"))
+                total = self._sum(torch.stack(losses).sum() if losses else torch.zeros((), device=self.device))
+                if self.dist is not None:
+                    dist_mod.sync_replicated_grads(self.policy.parameters())
+                grad_norm = dist_mod.clip_grad_norm(self.policy.parameters(), cfg.grad_clip if cfg.grad_clip > 0 else float("inf"),
+                                                    distributed=self.dist is not None)
                 if not (torch.isfinite(total) and torch.isfinite(grad_norm)):
                     self._diverged(batch, "loss" if not torch.isfinite(total) else "gradient norm", float(total), float(grad_norm))
                 self.optimizer.step()
@@ -733,7 +924,10 @@ class Trainer:
                 grad_norms.append(float(grad_norm))
                 agg.setdefault("loss", []).append((float(total), 1.0))
                 if self.critic is not None:
-                    cg = torch.nn.utils.clip_grad_norm_(self.critic.parameters(), cfg.grad_clip if cfg.grad_clip > 0 else float("inf"))
+                    if self.dist is not None:
+                        dist_mod.sync_replicated_grads(self.critic.parameters())
+                    cg = dist_mod.clip_grad_norm(self.critic.parameters(), cfg.grad_clip if cfg.grad_clip > 0 else float("inf"),
+                                                 distributed=self.dist is not None)
                     if not torch.isfinite(cg):
                         self._diverged(batch, "critic gradient norm", float(total), float(cg))
                     self.critic_optimizer.step()
@@ -741,19 +935,37 @@ class Trainer:
                     self.critic_optimizer.zero_grad(set_to_none=True)
                     critic_grad_norms.append(float(cg))
         out: dict[str, float] = {}
-        for name, vals in agg.items():
-            if name.endswith("_min"):
-                value = min(v for v, _ in vals)
-            elif name.endswith("_max"):
-                value = max(v for v, _ in vals)
-            else:
-                wsum = sum(w for _, w in vals) or 1.0
-                value = sum(v * w for v, w in vals) / wsum
+        for name, value in self._reduce_metrics(agg, updates=len(grad_norms)).items():
             out[_metric_name(name)] = value
         out["grad_norm"] = max(grad_norms) if grad_norms else 0.0
+        if self.dist is not None:  # zero-weight micro-batches that kept FSDP's collectives in step
+            out["dist/padding_micro_batches"] = float(self._sum(padding_passes))
         if self.critic is not None:
             out["critic/grad_norm"] = max(critic_grad_norms) if critic_grad_norms else 0.0
-            out["critic/explained_variance"] = float(explained_variance(old_values, returns, mask))
+            out["critic/explained_variance"] = self._explained_variance(old_values, returns, mask)
+        return out
+
+    def _reduce_metrics(self, agg: dict[str, list[tuple[float, float]]], *, updates: int) -> dict[str, float]:
+        """Metrics of the update, averaged over its ``updates`` optimizer steps: loss terms
+        (each micro-batch's share of its mini-batch's loss, normalised by the global count)
+        summed, other means weighted by tokens, minima and maxima; under torchrun over every
+        rank's micro-batches (``loss`` is already global)."""
+        out: dict[str, float] = {}
+        for name in self._names_on_any_rank(agg):
+            # a name another rank saw: this rank contributes the neutral element
+            neutral = float("inf") if name.endswith("_min") else float("-inf") if name.endswith("_max") else 0.0
+            vals = agg.get(name) or [(neutral, 0.0)]
+            if name in _LOSS_SHARES:
+                out[name] = float(self._sum(torch.tensor(sum(v for v, _ in vals), dtype=torch.float64))) / max(updates, 1)
+            elif name.endswith("_min"):
+                out[name] = float(self._reduce(torch.tensor(min(v for v, _ in vals), dtype=torch.float64), "min"))
+            elif name.endswith("_max"):
+                out[name] = float(self._reduce(torch.tensor(max(v for v, _ in vals), dtype=torch.float64), "max"))
+            elif name == "loss":
+                out[name] = sum(v for v, _ in vals) / len(vals)
+            else:
+                sums = self._sum(torch.tensor([sum(v * w for v, w in vals), sum(w for _, w in vals)], dtype=torch.float64))
+                out[name] = float(sums[0] / (sums[1] if sums[1] else 1.0))
         return out
 
     def _micro_batch_loss(self, mb, mask, advantages, old_logp, ref_logp, sampler_logp, old_values, returns, tokens, seqs):
@@ -818,7 +1030,8 @@ class Trainer:
         return {"global_seq_count": seqs}
 
     def _diverged(self, batch: RolloutBatch, what: str, loss: float, grad_norm: float) -> None:
-        path = self.out / f"diverged-step-{self.step:06d}.pt"
+        rank = f"-rank{self.dist.rank}" if self.dist is not None else ""
+        path = self.out / f"diverged-step-{self.step:06d}{rank}.pt"
         torch.save({"input_ids": batch.input_ids, "attention_mask": batch.attention_mask, "response_mask": batch.response_mask,
                     "completion_ids": batch.completion_ids, "prompt_ids": batch.prompt_ids}, path)
         self.optimizer.zero_grad(set_to_none=True)
@@ -831,7 +1044,9 @@ class Trainer:
     def _sync_weights(self) -> float | None:
         """Push the policy's weights to the sampler, then (every ``sync_probe_every`` steps)
         compare the sampler's log-probs of a fixed greedy sequence with the trainer's."""
-        if not self.sampler_shares_weights:
+        if self.sampler_model is not None:
+            self.sampler.update_weights(dist_mod.full_named_tensors(self.policy))
+        elif not self.sampler_shares_weights:
             self.sampler.update_weights(self.policy.state_dict().items())
         every = self.cfg.sync_probe_every or (10 if self.sampler_shares_weights else 1)
         if self.step % every:
@@ -858,20 +1073,24 @@ class Trainer:
         return gap
 
     def _rollout_metrics(self, rollout: Rollout, metrics: dict[str, float]) -> None:
-        batch, r = rollout.batch, rollout.rewards
+        batch = rollout.batch
+        r = self._gather(rollout.rewards.float())  # every rank's samples
         metrics["reward/mean"] = float(r.mean())
         metrics["reward/std"] = float(r.std()) if r.numel() > 1 else 0.0
         metrics["reward/min"] = float(r.min())
         metrics["reward/max"] = float(r.max())
-        metrics.update({k if k.startswith("reward") else f"reward/{k}": v for k, v in rollout.reward_metrics.items()})
-        lengths = torch.tensor([len(c) for c in batch.completion_ids], dtype=torch.float32)
+        reward_metrics = self._reward_metrics_over_ranks(rollout.reward_metrics)
+        metrics.update({k if k.startswith("reward") else f"reward/{k}": v for k, v in reward_metrics.items()})
+        lengths = self._gather(torch.tensor([len(c) for c in batch.completion_ids], dtype=torch.float32))
+        truncated = self._gather(torch.tensor([f == "length" for f in batch.finish_reasons], dtype=torch.float32))
         metrics["response/length_mean"] = float(lengths.mean())
         metrics["response/length_max"] = float(lengths.max())
-        metrics["response/truncated_frac"] = sum(f == "length" for f in batch.finish_reasons) / len(batch.finish_reasons)
-        metrics["rollout/samples"] = float(len(batch.completion_ids))
-        metrics["rollout/generated_tokens"] = float(batch.stats.generated_tokens)
-        metrics["rollout/prefill_tokens"] = float(batch.stats.prefill_tokens_computed)
+        metrics["response/truncated_frac"] = float(truncated.mean())
+        metrics["rollout/samples"] = float(lengths.numel())
+        metrics["rollout/generated_tokens"] = float(self._sum(batch.stats.generated_tokens))
+        metrics["rollout/prefill_tokens"] = float(self._sum(batch.stats.prefill_tokens_computed))
         self._reward_histogram = histogram(r)
+        r = rollout.rewards  # the logged samples are this rank's (rank 0 logs)
         best, worst = int(r.argmax()), int(r.argmin())
         if self.dropped_prompts:
             metrics["data/dropped_long_prompts"] = float(self.dropped_prompts)
@@ -895,15 +1114,20 @@ class Trainer:
         if not self.eval_rows:
             return {}
         t0 = time.perf_counter()
-        rows, prompts = self.eval_rows, self.eval_encoded
-        greedy = self._eval_scores(rows, prompts, SamplingConfig(greedy=True, temperature=1.0, max_new_tokens=cfg.max_new_tokens), 1)
+        rows, prompts, first = self.eval_rows, self.eval_encoded, 0
+        if self.dist is not None:  # each rank scores a contiguous share; the scores are gathered
+            n, world, rank = len(rows), self.dist.world_size, self.dist.rank
+            first, stop = n * rank // world, n * (rank + 1) // world
+            rows, prompts = rows[first:stop], prompts[first:stop]
+        greedy = self._eval_scores(rows, prompts, SamplingConfig(greedy=True, temperature=1.0, max_new_tokens=cfg.max_new_tokens), 1,
+                                   first=first)
         out = {"eval/accuracy": float((greedy >= 1.0 - 1e-6).float().mean()), "eval/reward_mean": float(greedy.mean())}
         if cfg.pass_k > 1:
             sampled = self._eval_scores(
                 rows, prompts,
                 SamplingConfig(temperature=cfg.temperature, top_p=cfg.top_p, top_k=cfg.top_k, max_new_tokens=cfg.max_new_tokens,
                                seed=cfg.seed + 17),
-                cfg.pass_k,
+                cfg.pass_k, first=first,
             ).view(-1, cfg.pass_k)
             ok = sampled >= 1.0 - 1e-6
             out[f"eval/pass@{cfg.pass_k}"] = float(ok.any(1).float().mean())
@@ -911,42 +1135,88 @@ class Trainer:
         out["time/eval"] = time.perf_counter() - t0
         return out
 
-    def _eval_scores(self, rows, prompts, sampling: SamplingConfig, k: int) -> torch.Tensor:
+    def _eval_scores(self, rows, prompts, sampling: SamplingConfig, k: int, *, first: int = 0) -> torch.Tensor:
+        """Total reward of every completion (k per prompt); under torchrun of every rank's
+        rows (this rank's start at ``first``), in row order."""
         cfg = self.cfg
-        scores = []
+        scores = [torch.zeros(0)]
         chunk = max(1, 256 // k)
         for s in range(0, len(rows), chunk):
             r, p = rows[s : s + chunk], prompts[s : s + chunk]
-            batch = self.sampler.generate(p, group_size=k, sampling=sampling)
+            seeds = self._prompt_seeds(sampling, first + s, len(p))
+            extra = {"prompt_seeds": seeds} if seeds is not None else {}
+            batch = self.sampler.generate(p, group_size=k, sampling=sampling, **extra)
             completions = self.tokenizer.batch_decode(batch.completion_ids, skip_special_tokens=True)
             prompt_values = [x[cfg.prompt_column] for x in r for _ in range(k)]
             if prompt_values and isinstance(prompt_values[0], list):
                 completions = [[{"role": "assistant", "content": c}] for c in completions]
             res = self.rewards.score(prompt_values, completions, completion_ids=batch.completion_ids, columns=self._columns(r, k))
             scores.append(res.rewards.float())
-        return torch.cat(scores)
+        return self._gather(torch.cat(scores))
 
     # ================================================================== checkpoints
     def save_checkpoint(self) -> Path:
+        if self.dist is not None:
+            return self._save_distributed_checkpoint()
         models: dict[str, Any] = {"policy": self.policy}
         objects: dict[str, Any] = {"optimizer": self.optimizer, "scheduler": self.scheduler}
         if self.critic is not None:
             models["critic"] = self.critic
             objects.update(critic_optimizer=self.critic_optimizer, critic_scheduler=self.critic_scheduler)
-        state = {
+        self.last_checkpoint = save_checkpoint(
+            checkpoint_dir(self.out, self.step), models=models, tokenizer=self.tokenizer, objects=objects, state=self._trainer_state(),
+            keep=self.cfg.keep_checkpoints,
+        )
+        return self.last_checkpoint
+
+    def _trainer_state(self) -> dict[str, Any]:
+        return {
             "step": self.step,
             "batcher": self.batcher.state_dict(),
             "kl_controller": self.kl_ctl.state_dict(),
             "eval_history": self.eval_history,
             "algorithm": self.cfg.algorithm,
         }
-        self.last_checkpoint = save_checkpoint(
-            checkpoint_dir(self.out, self.step), models=models, tokenizer=self.tokenizer, objects=objects, state=state,
+
+    def _save_distributed_checkpoint(self) -> Path:
+        """torchrun: model and optimizer shards through torch.distributed.checkpoint, every
+        rank's RNG, and (rank 0) the policy as a Hugging Face directory from the sampler's
+        full copy, schedulers and the trainer state. Loads in any world size, 1 included."""
+        models: dict[str, torch.nn.Module] = {"policy": self.policy}
+        optimizers: dict[str, tuple[torch.nn.Module, torch.optim.Optimizer]] = {"optimizer": (self.policy, self.optimizer)}
+        schedulers: dict[str, Any] = {"scheduler": self.scheduler}
+        if self.critic is not None:
+            models["critic"] = self.critic
+            optimizers["critic_optimizer"] = (self.critic, self.critic_optimizer)
+            schedulers["critic_scheduler"] = self.critic_scheduler
+        self.last_checkpoint = save_distributed_checkpoint(
+            checkpoint_dir(self.out, self.step), models=models, optimizers=optimizers, schedulers=schedulers,
+            state={**self._trainer_state(), "world_size": self.dist.world_size},
+            hf_policy=self.sampler_model, tokenizer=self.tokenizer, rank=self.dist.rank, barrier=self.dist.barrier,
             keep=self.cfg.keep_checkpoints,
         )
         return self.last_checkpoint
 
     def _load_checkpoint(self, directory: Path) -> None:
+        if is_distributed_checkpoint(directory):
+            models: dict[str, torch.nn.Module] = {"policy": self.policy}
+            optimizers = {"optimizer": (self.policy, self.optimizer)}
+            schedulers: dict[str, Any] = {"scheduler": self.scheduler}
+            if self.critic is not None:
+                models["critic"] = self.critic
+                optimizers["critic_optimizer"] = (self.critic, self.critic_optimizer)
+                schedulers["critic_scheduler"] = self.critic_scheduler
+            state, rng = load_distributed_checkpoint(
+                directory, models=models, optimizers=optimizers, schedulers=schedulers, rank=self.dist.rank if self.dist else 0,
+            )
+            self._restore_trainer_state(directory, state)
+            set_rng_state(rng)
+            return
+        if self.dist is not None:
+            raise ValueError(
+                f"resume: {directory} is a single-process checkpoint; resume it without torchrun (a torchrun run "
+                "writes sharded checkpoints that resume in any number of processes)"
+            )
         state, objects, rng = load_checkpoint_state(directory)
         if state.get("algorithm") != self.cfg.algorithm:
             raise ValueError(f"resume: the checkpoint was written by algorithm {state.get('algorithm')!r}, this run is {self.cfg.algorithm!r}")
@@ -955,12 +1225,17 @@ class Trainer:
         if self.critic is not None:
             self.critic_optimizer.load_state_dict(objects["critic_optimizer"])
             self.critic_scheduler.load_state_dict(objects["critic_scheduler"])
+        self._restore_trainer_state(directory, state)
+        set_rng_state(rng)
+
+    def _restore_trainer_state(self, directory: Path, state: dict[str, Any]) -> None:
+        if state.get("algorithm") != self.cfg.algorithm:
+            raise ValueError(f"resume: the checkpoint was written by algorithm {state.get('algorithm')!r}, this run is {self.cfg.algorithm!r}")
         self.batcher.load_state_dict(state["batcher"])
         self.kl_ctl.load_state_dict(state["kl_controller"])
         self.eval_history = list(state.get("eval_history", []))
         self.step = int(state["step"])
         self.last_checkpoint = directory
-        set_rng_state(rng)
 
     # ================================================================== the run
     def train(self, *, stop_after: int | None = None) -> TrainResult:
@@ -971,7 +1246,11 @@ class Trainer:
         """
         cfg = self.cfg
         end = cfg.steps if stop_after is None else min(cfg.steps, stop_after)
-        self.logger = MetricsLogger(self.out, total_steps=cfg.steps, tensorboard=cfg.tensorboard, progress=cfg.progress, start_step=self.step)
+        if self.is_main:
+            self.logger = MetricsLogger(self.out, total_steps=cfg.steps, tensorboard=cfg.tensorboard, progress=cfg.progress,
+                                        start_step=self.step)
+        else:  # under torchrun rank 0 writes the logs (its metrics are already over every rank)
+            self.logger = _SilentLogger()
         try:
             if self.sft_metrics:
                 self.logger.log_eval(self.step, self.sft_metrics)
@@ -988,15 +1267,34 @@ class Trainer:
             if self.step < cfg.steps:
                 return TrainResult(self.out, self.step, list(self.eval_history), None)
             final = self.out / "final"
+            self._save_final(final)
+            if self.is_main:
+                summary = {"steps": self.step, "eval_history": self.eval_history, "final_model": str(final)}
+                (self.out / "summary.json").write_text(json.dumps(summary, indent=1))
+            if self.dist is not None:
+                self.dist.barrier()
+            return TrainResult(self.out, self.step, list(self.eval_history), final)
+        finally:
+            self.logger.close()
+
+    def _save_final(self, final: Path) -> None:
+        if self.dist is None:
             self.policy.save_pretrained(final, safe_serialization=True)
             self.tokenizer.save_pretrained(final)
             if self.critic is not None:
                 self.critic.save(self.out / "final_critic")
-            summary = {"steps": self.step, "eval_history": self.eval_history, "final_model": str(final)}
-            (self.out / "summary.json").write_text(json.dumps(summary, indent=1))
-            return TrainResult(self.out, self.step, list(self.eval_history), final)
-        finally:
-            self.logger.close()
+            return
+        # torchrun: the sampler's copy holds the full, synced policy; the critic is gathered
+        critic_state = None
+        if self.critic is not None:
+            critic_state = dict(dist_mod.full_named_tensors(self.critic))
+        if self.is_main:
+            self.sampler_model.save_pretrained(final, safe_serialization=True)
+            self.tokenizer.save_pretrained(final)
+            if critic_state is not None:
+                critic = ValueModel(copy.deepcopy(self.sampler_model))
+                critic.load_state_dict(critic_state, strict=False)
+                critic.save(self.out / "final_critic")
 
     def _run_eval(self) -> None:
         if not self.eval_rows:
@@ -1012,12 +1310,52 @@ class Trainer:
         self.rewards.close()
         if hasattr(self.sampler, "close"):
             self.sampler.close()
+        if self.dist is not None and self.dist.owns_process_group:
+            import torch.distributed
+
+            if torch.distributed.is_initialized():
+                torch.distributed.destroy_process_group()
 
     def __enter__(self) -> "Trainer":
         return self
 
     def __exit__(self, *exc) -> None:
         self.close()
+
+
+class _SilentLogger:
+    """The logger of ranks other than 0 under torchrun: writes nothing."""
+
+    def log(self, *args, **kwargs) -> None: ...
+    def log_eval(self, *args, **kwargs) -> None: ...
+    def write_samples(self, *args, **kwargs) -> None: ...
+    def message(self, *args, **kwargs) -> None: ...
+    def close(self) -> None: ...
+
+
+def _check_distributed(cfg: TrainConfig, ctx: "dist_mod.DistContext") -> None:
+    """What data parallel cannot run: a clear ValueError on every rank before any work."""
+    # first, so every later check sees the same config on every rank
+    ctx.check_same("configuration", dist_mod.config_fingerprint(cfg))
+    world = ctx.world_size
+    if cfg.sampler != "hf":
+        raise ValueError(
+            f"sampler={cfg.sampler!r} is single-process only; under torchrun every rank samples with the HF sampler "
+            "(sampler=hf), or run vLLM without torchrun"
+        )
+    if cfg.prompt_token_budget is not None:
+        raise ValueError("prompt_token_budget gives batches of varying prompt counts; under torchrun use prompts_per_step")
+    if cfg.prompts_per_step % world:
+        raise ValueError(
+            f"prompts_per_step={cfg.prompts_per_step} is not divisible by the world size {world}: every rank samples "
+            f"whole groups of an equal share of the prompts (use a multiple of {world})"
+        )
+    per_rank = cfg.prompts_per_step // world
+    if per_rank < cfg.mini_batches:
+        raise ValueError(
+            f"mini_batches={cfg.mini_batches} but each of the {world} ranks has only {per_rank} prompts per step; "
+            f"raise prompts_per_step to at least {world * cfg.mini_batches}"
+        )
 
 
 def _check_shared_prefix_support(model: torch.nn.Module) -> None:
@@ -1028,6 +1366,9 @@ def _check_shared_prefix_support(model: torch.nn.Module) -> None:
     except ValueError as e:
         raise ValueError(f"{e}; set shared_prefix=false to train on padded rows") from None
 
+
+_LOSS_SHARES = frozenset({"pg_loss", "kl_loss", "entropy_loss", "critic_loss"})
+"""Loss terms a micro-batch reports as its share of the mini-batch loss (global count): they add up."""
 
 _METRIC_NAMES = {
     "pg_loss": "loss/pg", "clip_frac": "loss/clip_frac", "clip_frac_low": "loss/clip_frac_low",
