@@ -72,7 +72,7 @@ def _row_pre_kernel(
     c = tl.program_id(1)
     offs = c * BLOCK + tl.arange(0, BLOCK)
     inb = offs < T
-    m = tl.load(mask_ptr + b * s_mask + offs, mask=inb, other=0) != 0
+    m = tl.load(mask_ptr + b * s_mask + offs, mask=inb, other=0).to(tl.float32) != 0.0
     n = tl.sum(m.to(tl.float32), axis=0)
     old = tl.load(old_ptr + b * s_old + offs, mask=inb, other=0.0).to(tl.float32)
     s_lr = n * 0.0
@@ -131,7 +131,7 @@ def _policy_fwd_kernel(
     c = tl.program_id(1)
     offs = c * BLOCK + tl.arange(0, BLOCK)
     inb = offs < T
-    m = tl.load(mask_ptr + b * s_mask + offs, mask=inb, other=0) != 0
+    m = tl.load(mask_ptr + b * s_mask + offs, mask=inb, other=0).to(tl.float32) != 0.0
     mf = m.to(tl.float32)
     lp = tl.load(logp_ptr + b * s_logp + offs, mask=inb, other=0.0).to(tl.float32)
     old = tl.load(old_ptr + b * s_old + offs, mask=inb, other=0.0).to(tl.float32)
@@ -408,7 +408,7 @@ def _policy_bwd_kernel(
     inb = offs < T
     scale = tl.load(gout_ptr).to(tl.float32) * tl.load(out_ptr + 15)
     f = tl.load(rowcoef_ptr + b * 2)
-    m = tl.load(mask_ptr + b * s_mask + offs, mask=inb, other=0) != 0
+    m = tl.load(mask_ptr + b * s_mask + offs, mask=inb, other=0).to(tl.float32) != 0.0
     if WRITE_LOGP:
         if HAS_G:
             dl = f * tl.load(g_ptr + b * s_g + offs, mask=inb, other=0.0)

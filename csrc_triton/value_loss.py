@@ -39,7 +39,7 @@ def _value_loss_kernel(
     pid = tl.program_id(0)
     i = pid * BLOCK + tl.arange(0, BLOCK)
     inb = i < N
-    m = (tl.load(mask_ptr + i, mask=inb, other=0) != 0) & inb
+    m = (tl.load(mask_ptr + i, mask=inb, other=0).to(tl.float32) != 0.0) & inb
     # masked-out inputs are never loaded (they read as 0): NaN/inf padding cannot leak
     v = tl.load(v_ptr + i, mask=m, other=0.0).to(tl.float32)
     R = tl.load(ret_ptr + i, mask=m, other=0.0).to(tl.float32)

@@ -19,7 +19,7 @@ def _moments_kernel(x_ptr, mask_ptr, cnt_ptr, mean_ptr, m2_ptr, N, BLOCK: tl.con
     pid = tl.program_id(0)
     i = pid * BLOCK + tl.arange(0, BLOCK)
     inb = i < N
-    m = (tl.load(mask_ptr + i, mask=inb, other=0) != 0) & inb
+    m = (tl.load(mask_ptr + i, mask=inb, other=0).to(tl.float32) != 0.0) & inb
     x = tl.load(x_ptr + i, mask=m, other=0.0).to(tl.float32)
     cnt = tl.sum(m.to(tl.float32), axis=0)
     mean = tl.sum(x, axis=0) / tl.maximum(cnt, 1.0)
@@ -34,7 +34,7 @@ def _whiten_apply_kernel(x_ptr, mask_ptr, mu_ptr, rstd_ptr, y_ptr, N, SHIFT: tl.
     pid = tl.program_id(0)
     i = pid * BLOCK + tl.arange(0, BLOCK)
     inb = i < N
-    m = tl.load(mask_ptr + i, mask=inb, other=0) != 0
+    m = tl.load(mask_ptr + i, mask=inb, other=0).to(tl.float32) != 0.0
     x = tl.load(x_ptr + i, mask=inb, other=0.0).to(tl.float32)
     mu = tl.load(mu_ptr)
     rstd = tl.load(rstd_ptr)
@@ -49,7 +49,7 @@ def _grad_sums_kernel(g_ptr, x_ptr, mask_ptr, mu_ptr, sg_ptr, sgx_ptr, N, BLOCK:
     pid = tl.program_id(0)
     i = pid * BLOCK + tl.arange(0, BLOCK)
     inb = i < N
-    m = (tl.load(mask_ptr + i, mask=inb, other=0) != 0) & inb
+    m = (tl.load(mask_ptr + i, mask=inb, other=0).to(tl.float32) != 0.0) & inb
     g = tl.load(g_ptr + i, mask=m, other=0.0).to(tl.float32)
     x = tl.load(x_ptr + i, mask=m, other=0.0).to(tl.float32)
     mu = tl.load(mu_ptr)
@@ -64,7 +64,7 @@ def _whiten_bwd_kernel(
     pid = tl.program_id(0)
     i = pid * BLOCK + tl.arange(0, BLOCK)
     inb = i < N
-    m = tl.load(mask_ptr + i, mask=inb, other=0) != 0
+    m = tl.load(mask_ptr + i, mask=inb, other=0).to(tl.float32) != 0.0
     g = tl.load(g_ptr + i, mask=inb, other=0.0).to(tl.float32)
     x = tl.load(x_ptr + i, mask=inb, other=0.0).to(tl.float32)
     mu = tl.load(mu_ptr)
