@@ -949,9 +949,13 @@ class Trainer:
 
         ``stop_after=n`` pauses after step ``n`` instead (a checkpoint is written, no final
         model): the run continues from there with ``resume``, exactly as if uninterrupted.
+        A budget (``max_seconds``, ``max_generated_tokens``) ends the run early instead: final
+        evaluation, model and summary as at the last step; ``summary.json`` says what stopped it.
         """
         cfg = self.cfg
         end = cfg.steps if stop_after is None else min(cfg.steps, stop_after)
+        spent_seconds = spent_tokens = 0.0
+        out_of_budget: str | None = None
         self.logger = MetricsLogger(self.out, total_steps=cfg.steps, tensorboard=cfg.tensorboard, progress=cfg.progress, start_step=self.step)
         try:
             if self.sft_metrics:
@@ -961,19 +965,25 @@ class Trainer:
             while self.step < end:
                 metrics = self.train_step()
                 self.logger.log(self.step, metrics, extra={"reward/histogram": self._reward_histogram})
-                if cfg.eval_every and (self.step % cfg.eval_every == 0 or self.step == cfg.steps):
+                spent_seconds += metrics["time/step"]
+                spent_tokens += metrics["rollout/generated_tokens"]
+                out_of_budget = _budget_spent(cfg, seconds=spent_seconds, generated_tokens=spent_tokens)
+                if cfg.eval_every and (self.step % cfg.eval_every == 0 or self.step == cfg.steps or out_of_budget):
                     self._run_eval()
+                if out_of_budget:
+                    break
                 if cfg.save_every and self.step % cfg.save_every == 0 and self.step < cfg.steps:
                     self.save_checkpoint()
             self.save_checkpoint()
-            if self.step < cfg.steps:
+            if self.step < cfg.steps and not out_of_budget:
                 return TrainResult(self.out, self.step, list(self.eval_history), None)
             final = self.out / "final"
             self.policy.save_pretrained(final, safe_serialization=True)
             self.tokenizer.save_pretrained(final)
             if self.critic is not None:
                 self.critic.save(self.out / "final_critic")
-            summary = {"steps": self.step, "eval_history": self.eval_history, "final_model": str(final)}
+            summary = {"steps": self.step, "eval_history": self.eval_history, "final_model": str(final),
+                       "stopped_by": out_of_budget or "steps"}
             (self.out / "summary.json").write_text(json.dumps(summary, indent=1))
             return TrainResult(self.out, self.step, list(self.eval_history), final)
         finally:
@@ -999,6 +1009,15 @@ class Trainer:
 
     def __exit__(self, *exc) -> None:
         self.close()
+
+
+def _budget_spent(cfg: TrainConfig, *, seconds: float, generated_tokens: float) -> str | None:
+    """The budget field this run has used up (``max_seconds`` / ``max_generated_tokens``), or None."""
+    if cfg.max_seconds is not None and seconds >= cfg.max_seconds:
+        return "max_seconds"
+    if cfg.max_generated_tokens is not None and generated_tokens >= cfg.max_generated_tokens:
+        return "max_generated_tokens"
+    return None
 
 
 def _check_shared_prefix_support(model: torch.nn.Module) -> None:
