@@ -13,7 +13,8 @@
             ``90s``; held-out evaluation is not counted) or generated completion tokens
             (``50k-tokens``). ``grpo_then_ppo`` is two processes: GRPO for ``--hybrid_split``
             of the budget, then PPO from GRPO's final policy with the critic's body
-            initialised from the same checkpoint.
+            initialised from the same checkpoint (the PPO phase runs with seed + 1000, so
+            its prompts come in a fresh order rather than repeating GRPO's).
 3. report   Each run's ``metrics.jsonl`` gives success (held-out accuracy: start, end, best,
             curves over RL seconds and generated tokens), stability (worst drop of the reward
             curve, KL and entropy blow-ups, NaN stops) and cost (seconds, tokens, peak
@@ -812,7 +813,8 @@ def prepare_start(plan: ComparePlan) -> dict[str, Any]:
 
     start = plan.output_dir / "start"
     warmup_seed = plan.warmup_seed
-    fields = {**plan.user_fields, "algorithm": "dr_grpo", "seed": warmup_seed, "output_dir": str(start / "trainer"),
+    first = plan.algorithms[0] if plan.algorithms[0] != HYBRID else "grpo"  # a configuration already checked
+    fields = {**plan.user_fields, "algorithm": first, "seed": warmup_seed, "output_dir": str(start / "trainer"),
               "steps": 1, "progress": False, "tensorboard": False, "overwrite": True}
     t0 = time.perf_counter()
     with Trainer(TrainConfig(**fields)) as trainer:
