@@ -70,8 +70,10 @@ DEFAULT_ALGORITHMS = ("ppo", "grpo")
 DEFAULT_SEEDS = 3
 DEFAULT_BUDGET = "40-steps"
 """The default budget: 40 RL steps per run. With the built-in task (16 prompts x 8 samples a
-step) PPO and GRPO see the same 5120 samples; the whole default comparison (warm-up and six
-runs) fits in 15 minutes on a 2-core CPU."""
+step) PPO and GRPO see the same 5120 samples. Sized for 15 minutes on an idle 2-core CPU from
+``DefaultTask``'s per-step costs (SFT step ~50 ms, GRPO step ~0.35 s; the warm-up with seed 1
+stops near 350 steps): about 1 min of warm-up and six runs of ~1 min. Not yet timed end to
+end on an idle machine: on a shared one at load 10-18 the warm-up alone took 35 min."""
 STEP_CAP = 1_000_000
 """``steps`` of a run whose budget is seconds or tokens (the budget stops it): the cosine
 schedule over this many steps keeps the learning rate at its peak for the whole run."""
