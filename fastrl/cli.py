@@ -1,4 +1,4 @@
-"""The fastrl command line: `fastrl train`, `fastrl bench` and `fastrl env`.
+"""The fastrl command line: `fastrl train`, `fastrl compare`, `fastrl plan`, `fastrl bench` and `fastrl env`.
 
 Each subcommand is a `cmd_<name>(args) -> int` function registered in `build_parser()`;
 `fastrl train` has its own parser, generated from `TrainConfig` (fastrl/train/cli.py).
@@ -248,6 +248,7 @@ def _version() -> str:
 EXAMPLES = (
     ("fastrl train", "the embedded default: GRPO on a built-in task, offline, minutes on a CPU"),
     ("fastrl train --help", "every training option with its doc (also settable from --config run.yaml)"),
+    ("fastrl compare", "PPO vs GRPO, 3 seeds, equal budget: success, stability, cost, verdicts"),
     ("fastrl plan --model qwen2.5-7b --compare", "peak memory per component, PPO vs GRPO, longest trajectory that fits"),
     ("fastrl bench --quick", "the benchmark table on this machine (minutes on a CPU)"),
     ("fastrl bench --only scans", "one group of cases (fastrl bench --help lists them)"),
@@ -268,6 +269,7 @@ def build_parser() -> argparse.ArgumentParser:
 
     # listed here for the top-level help; main() hands `train` to its own parser
     sub.add_parser("train", help="train a model with GRPO-family algorithms or PPO (fastrl train --help)", add_help=False)
+    sub.add_parser("compare", help="algorithms side by side at equal budget over seeds (fastrl compare --help)", add_help=False)
 
     case_list = "\n".join(f"  {name:<12} {what}" for name, (_, what) in BENCH_CASES.items())
     bench = sub.add_parser(
@@ -309,6 +311,10 @@ def main(argv: list[str] | None = None) -> int:
         from fastrl.train.cli import run_train
 
         return run_train(argv[1:])
+    if argv and argv[0] == "compare":
+        from fastrl.train.compare import run_compare
+
+        return run_compare(argv[1:])
     parser = build_parser()
     args = parser.parse_args(argv)
     try:

@@ -197,6 +197,15 @@ class TrainConfig:
     # ------------------------------------------------------------------ update
     steps: int = 150
     """RL steps (rollout + update). 150 on the built-in task: seed 0 was still rising at 60."""
+    max_seconds: Optional[float] = None
+    """Budget: end the run once its RL steps (held-out evaluation excluded) have taken this many
+    seconds, after the step that crosses it; the run then finishes as at its last step (final
+    evaluation, model, summary). Counted from the start of this process's training (a resumed
+    run starts a new count). None: no time limit."""
+    max_generated_tokens: Optional[int] = None
+    """Budget: end the run once its rollouts have generated this many completion tokens (all
+    samples, dynamic-sampling rounds included), after the step that crosses it, as ``max_seconds``
+    does. None: no token limit."""
     ppo_epochs: int = 1
     """Passes over each rollout batch."""
     mini_batches: int = 1
@@ -357,6 +366,11 @@ class TrainConfig:
         for name in ("eval_every", "save_every", "warmup_steps", "max_resample_rounds", "reward_workers", "kl_horizon"):
             positive_int(name, allow_zero=True)
         positive_int("sft_steps", allow_zero=True)
+        if self.max_generated_tokens is not None:
+            positive_int("max_generated_tokens")
+        if self.max_seconds is not None and (isinstance(self.max_seconds, bool) or not isinstance(self.max_seconds, (int, float))
+                                             or not 0 < self.max_seconds < float("inf")):
+            raise ValueError(f"max_seconds must be a finite number > 0, got {self.max_seconds!r}")
         if self.sync_probe_every is not None:
             positive_int("sync_probe_every")
         if self.advantage_mode not in (*GROUP_MODES, "gae"):

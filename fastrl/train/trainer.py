@@ -1243,9 +1243,13 @@ class Trainer:
 
         ``stop_after=n`` pauses after step ``n`` instead (a checkpoint is written, no final
         model): the run continues from there with ``resume``, exactly as if uninterrupted.
+        A budget (``max_seconds``, ``max_generated_tokens``) ends the run early instead: final
+        evaluation, model and summary as at the last step; ``summary.json`` says what stopped it.
         """
         cfg = self.cfg
         end = cfg.steps if stop_after is None else min(cfg.steps, stop_after)
+        spent_seconds = spent_tokens = 0.0
+        out_of_budget: str | None = None
         if self.is_main:
             self.logger = MetricsLogger(self.out, total_steps=cfg.steps, tensorboard=cfg.tensorboard, progress=cfg.progress,
                                         start_step=self.step)
@@ -1259,17 +1263,27 @@ class Trainer:
             while self.step < end:
                 metrics = self.train_step()
                 self.logger.log(self.step, metrics, extra={"reward/histogram": self._reward_histogram})
-                if cfg.eval_every and (self.step % cfg.eval_every == 0 or self.step == cfg.steps):
+                # every rank must stop at the same step (FSDP2 collectives): the slowest rank's clock
+                step_seconds = metrics["time/step"]
+                if self.dist is not None and cfg.max_seconds is not None:
+                    step_seconds = float(self.dist.all_reduce(torch.tensor([step_seconds], dtype=torch.float64, device=self.dist.device), op="max")[0])
+                spent_seconds += step_seconds
+                spent_tokens += metrics["rollout/generated_tokens"]
+                out_of_budget = _budget_spent(cfg, seconds=spent_seconds, generated_tokens=spent_tokens)
+                if cfg.eval_every and (self.step % cfg.eval_every == 0 or self.step == cfg.steps or out_of_budget):
                     self._run_eval()
+                if out_of_budget:
+                    break
                 if cfg.save_every and self.step % cfg.save_every == 0 and self.step < cfg.steps:
                     self.save_checkpoint()
             self.save_checkpoint()
-            if self.step < cfg.steps:
+            if self.step < cfg.steps and not out_of_budget:
                 return TrainResult(self.out, self.step, list(self.eval_history), None)
             final = self.out / "final"
             self._save_final(final)
             if self.is_main:
-                summary = {"steps": self.step, "eval_history": self.eval_history, "final_model": str(final)}
+                summary = {"steps": self.step, "eval_history": self.eval_history, "final_model": str(final),
+                           "stopped_by": out_of_budget or "steps"}
                 (self.out / "summary.json").write_text(json.dumps(summary, indent=1))
             if self.dist is not None:
                 self.dist.barrier()
@@ -1356,6 +1370,15 @@ def _check_distributed(cfg: TrainConfig, ctx: "dist_mod.DistContext") -> None:
             f"mini_batches={cfg.mini_batches} but each of the {world} ranks has only {per_rank} prompts per step; "
             f"raise prompts_per_step to at least {world * cfg.mini_batches}"
         )
+
+
+def _budget_spent(cfg: TrainConfig, *, seconds: float, generated_tokens: float) -> str | None:
+    """The budget field this run has used up (``max_seconds`` / ``max_generated_tokens``), or None."""
+    if cfg.max_seconds is not None and seconds >= cfg.max_seconds:
+        return "max_seconds"
+    if cfg.max_generated_tokens is not None and generated_tokens >= cfg.max_generated_tokens:
+        return "max_generated_tokens"
+    return None
 
 
 def _check_shared_prefix_support(model: torch.nn.Module) -> None:

@@ -263,26 +263,150 @@ def test_register_puts_fastrl_functions_into_verl_registries(monkeypatch):
         torch.testing.assert_close(got[0], ref[0], rtol=1e-5, atol=1e-6)
 
 
-def test_verl_loads_the_plugin_module_in_a_fresh_process():
+# ----------------------------------------------------------------------------- the README's route, fresh process
+# Run in a fresh interpreter with the README block's environment: verl's own import of
+# VERL_USE_EXTERNAL_MODULES registers fastrl; verl's ppo_trainer config is composed with the
+# block's overrides (hydra rejects a key verl does not have); the functions verl's registries
+# return for those settings are called the way verl's trainer calls them and compared with
+# fastrl's ops and with verl's built-in functions.
+FRESH_PROCESS_CHECK = r"""
+import json, os, sys
+import numpy as np
+import torch
+import verl  # imports the modules named in VERL_USE_EXTERNAL_MODULES
+from hydra import compose, initialize_config_dir
+from verl.trainer.ppo import core_algos
+from verl.utils.config import omega_conf_to_dataclass
+import fastrl.integrations.verl as fv
+from fastrl.config import PolicyLossConfig
+from fastrl.ops import gae, group_advantages, masked_whiten, policy_loss
+
+overrides = json.loads(sys.argv[1])
+with initialize_config_dir(config_dir=os.path.join(os.path.dirname(verl.__file__), "trainer", "config"), version_base=None):
+    # the micro-batch size stands in for the README's "...": verl's actor config requires one
+    cfg = compose(config_name="ppo_trainer", overrides=overrides + ["actor_rollout_ref.actor.ppo_micro_batch_size_per_gpu=1"])
+algo = omega_conf_to_dataclass(cfg.algorithm)
+actor = omega_conf_to_dataclass(cfg.actor_rollout_ref.actor)
+g = torch.Generator().manual_seed(0)
+B, T = 8, 7
+mask = torch.zeros(B, T)
+for b, n in enumerate([7, 5, 3, 7, 1, 6, 4, 2]):
+    mask[b, :n] = 1
+uid = np.array(["a", "a", "a", "b", "b", "b", "c", "c"], dtype=object)
+gid = torch.tensor([0, 0, 0, 1, 1, 1, 2, 2])
+scores = torch.randn(B, generator=g)
+last = (mask * torch.arange(T)).argmax(-1)
+rewards = torch.zeros(B, T)
+rewards[torch.arange(B), last] = scores
+report = {"adv_estimator": algo.adv_estimator, "loss_mode": actor.policy_loss.loss_mode}
+for name, fn in {**fv.ADV_ESTIMATORS, **fv.POLICY_LOSSES}.items():  # every fastrl_* name is registered
+    lookup = core_algos.get_adv_estimator_fn if name in fv.ADV_ESTIMATORS else core_algos.get_policy_loss_fn
+    assert lookup(name) is fn, name
+
+# advantages, as verl's trainer (ray_trainer.compute_advantage) calls them
+if algo.adv_estimator == "gae":
+    values = torch.randn(B, T, generator=g) * mask
+    fn = core_algos.compute_gae_advantage_return  # the module attribute the trainer calls
+    assert fn is fv.compute_gae_advantage_return, "FASTRL_VERL_REPLACE_BUILTIN=1 did not route gae to fastrl"
+    adv, ret = fn(token_level_rewards=rewards, values=values, response_mask=mask, gamma=algo.gamma, lam=algo.lam)
+    ref_adv, ref_ret = gae(rewards, values, mask, gamma=algo.gamma, lam=algo.lam)
+    ref_adv = masked_whiten(ref_adv, mask, shift_mean=True, eps=1e-8)
+    builtin = core_algos.get_adv_estimator_fn("gae")(rewards, values, mask, gamma=algo.gamma, lam=algo.lam)[0]
+else:
+    fn = core_algos.get_adv_estimator_fn(algo.adv_estimator)
+    assert fn is fv.ADV_ESTIMATORS[algo.adv_estimator], fn
+    adv, ret = fn(token_level_rewards=rewards, response_mask=mask, config=algo, index=uid)
+    mode = "grpo" if algo.norm_adv_by_std_in_grpo else "dr_grpo"
+    ref_adv = group_advantages(scores, gid, mode=mode, eps=1e-6)[0][:, None] * mask
+    builtin = core_algos.get_adv_estimator_fn("grpo")(rewards, mask, uid, norm_adv_by_std_in_grpo=algo.norm_adv_by_std_in_grpo)[0]
+m = mask.bool()
+torch.testing.assert_close(adv[m], ref_adv[m], rtol=1e-5, atol=1e-6)
+torch.testing.assert_close(adv[m], builtin[m], rtol=1e-5, atol=1e-5)
+report["adv_max_diff_vs_fastrl_ops"] = float((adv - ref_adv)[m].abs().max())
+report["adv_max_diff_vs_verl_builtin"] = float((adv - builtin)[m].abs().max())
+
+# policy loss, as verl's worker (verl.workers.utils.losses.ppo_loss) calls it
+loss_fn = core_algos.get_policy_loss_fn(actor.policy_loss.loss_mode)
+assert loss_fn is fv.POLICY_LOSSES[actor.policy_loss.loss_mode], loss_fn
+old = -torch.rand(B, T, generator=g) * 3
+logp = (old + 0.5 * torch.randn(B, T, generator=g)).requires_grad_(True)
+loss, metrics = loss_fn(old_log_prob=old, log_prob=logp, advantages=adv, response_mask=mask.bool(),
+                        loss_agg_mode=actor.loss_agg_mode, config=actor, rollout_is_weights=None)
+(grad,) = torch.autograd.grad(loss, logp)
+lp = logp.detach().clone().requires_grad_(True)
+op_cfg = PolicyLossConfig(clip_low=actor.clip_ratio_low, clip_high=actor.clip_ratio_high, dual_clip=actor.clip_ratio_c,
+                          log_ratio_clamp=20.0, loss_agg=actor.loss_agg_mode)
+ref_loss = policy_loss(lp, old, adv, mask, config=op_cfg)[0]
+(ref_grad,) = torch.autograd.grad(ref_loss, lp)
+lp2 = logp.detach().clone().requires_grad_(True)
+verl_loss = core_algos.get_policy_loss_fn("vanilla")(old_log_prob=old, log_prob=lp2, advantages=adv, response_mask=mask.bool(),
+                                                     loss_agg_mode=actor.loss_agg_mode, config=actor, rollout_is_weights=None)[0]
+(verl_grad,) = torch.autograd.grad(verl_loss, lp2)
+torch.testing.assert_close(loss, ref_loss, rtol=1e-5, atol=1e-6)
+torch.testing.assert_close(grad, ref_grad, rtol=1e-5, atol=1e-7)
+torch.testing.assert_close(loss, verl_loss, rtol=1e-5, atol=1e-6)
+torch.testing.assert_close(grad, verl_grad, rtol=1e-5, atol=1e-7)
+report.update(loss=float(loss), loss_vs_fastrl_op=float((loss - ref_loss).abs()), loss_vs_verl_vanilla=float((loss - verl_loss).abs()),
+              grad_max_diff_vs_fastrl_op=float((grad - ref_grad).abs().max()))
+print("RESULT " + json.dumps(report))
+"""
+
+
+def _readme_verl_blocks() -> list[tuple[dict[str, str], list[str]]]:
+    """(environment, overrides) of each ```bash block in the README's verl section."""
+    import re
+    from pathlib import Path
+
+    readme = (Path(__file__).resolve().parents[2] / "README.md").read_text()
+    section = readme.split("### verl", 1)[1].split("\n### ", 1)[0]
+    blocks = []
+    for block in re.findall(r"```bash\n(.*?)```", section, flags=re.S):
+        env = dict(re.findall(r"^export (\w+)=(\S+)", block, flags=re.M))
+        command = block.split("python -m verl.trainer.main_ppo", 1)[1]
+        overrides = [t for t in command.replace("\\\n", " ").split() if "=" in t]
+        blocks.append((env, overrides))
+    return blocks
+
+
+README_VERL_BLOCKS = _readme_verl_blocks()
+
+
+def test_the_readme_documents_a_grpo_and_a_ppo_route():
+    estimators = [dict(o.split("=", 1) for o in overrides)["algorithm.adv_estimator"] for _, overrides in README_VERL_BLOCKS]
+    assert estimators == ["fastrl_grpo", "gae"]
+    for env, overrides in README_VERL_BLOCKS:
+        assert env["VERL_USE_EXTERNAL_MODULES"] == "fastrl.integrations.verl_plugin"
+        assert "actor_rollout_ref.actor.policy_loss.loss_mode=fastrl_vanilla" in overrides
+
+
+@pytest.mark.parametrize("block", range(len(README_VERL_BLOCKS)), ids=["grpo", "ppo"][: len(README_VERL_BLOCKS)])
+def test_the_readme_config_lines_run_fastrl_through_verls_registries_in_a_fresh_process(block):
+    import json
     import os
     import subprocess
     import sys
 
-    code = (
-        "import verl\n"
-        "from verl.trainer.ppo import core_algos as c\n"
-        "from fastrl.integrations import verl as fv\n"
-        "assert c.get_policy_loss_fn('fastrl_gspo') is fv.compute_policy_loss_gspo\n"
-        "assert c.get_adv_estimator_fn('fastrl_rloo') is fv.compute_rloo_outcome_advantage\n"
-        "assert c.compute_gae_advantage_return is fv.compute_gae_advantage_return\n"
-        "print('ok')\n"
-    )
+    env_vars, overrides = README_VERL_BLOCKS[block]
     root = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
-    env = dict(
-        os.environ,
-        VERL_USE_EXTERNAL_MODULES="fastrl.integrations.verl_plugin",
-        FASTRL_VERL_REPLACE_BUILTIN="1",
-        PYTHONPATH=os.pathsep.join([root, os.environ.get("PYTHONPATH", "")]),
-    )
-    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, env=env, timeout=300)
-    assert out.returncode == 0 and "ok" in out.stdout, out.stderr[-3000:]
+    env = {k: v for k, v in os.environ.items() if k not in ("VERL_USE_EXTERNAL_MODULES", "FASTRL_VERL_REPLACE_BUILTIN")}
+    env.update(env_vars, PYTHONPATH=os.pathsep.join([root, os.environ.get("PYTHONPATH", "")]))
+    out = subprocess.run([sys.executable, "-c", FRESH_PROCESS_CHECK, json.dumps(overrides)], capture_output=True, text=True,
+                         env=env, timeout=600)
+    assert out.returncode == 0, out.stderr[-4000:]
+    result = json.loads(out.stdout.split("RESULT ", 1)[1])
+    expected = dict(o.split("=", 1) for o in overrides)
+    assert result["adv_estimator"] == expected["algorithm.adv_estimator"]
+    assert result["loss_mode"] == expected["actor_rollout_ref.actor.policy_loss.loss_mode"]
+
+
+def test_without_the_plugin_verl_has_no_fastrl_names():
+    """The control: the same fresh process without VERL_USE_EXTERNAL_MODULES fails to find fastrl_grpo."""
+    import os
+    import subprocess
+    import sys
+
+    env = {k: v for k, v in os.environ.items() if k not in ("VERL_USE_EXTERNAL_MODULES", "FASTRL_VERL_REPLACE_BUILTIN")}
+    code = ("import verl\nfrom verl.trainer.ppo import core_algos\n"
+            "try:\n    core_algos.get_adv_estimator_fn('fastrl_grpo')\nexcept ValueError:\n    print('unknown')\n")
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, env=env, timeout=600)
+    assert out.returncode == 0 and out.stdout.strip() == "unknown", (out.stdout, out.stderr[-2000:])

@@ -1,0 +1,312 @@
+"""`fastrl compare`: budgets, the verdict logic on synthetic numbers, bad input before any run,
+the trainer's budget stop, and a real tiny comparison (fresh `fastrl train` processes)."""
+
+from __future__ import annotations
+
+import json
+import math
+
+import pytest
+import yaml
+
+from fastrl.cli import main
+from fastrl.train.compare import (
+    HYBRID,
+    Budget,
+    CompareError,
+    axis_verdict,
+    chain_phases,
+    check_budget_fits,
+    format_table,
+    mean_std,
+    parse_budget,
+    reward_drop,
+    run_metrics,
+    summarize,
+    verdicts,
+)
+from fastrl.train.config import TrainConfig
+from fastrl.train.trainer import _budget_spent
+
+# the tiny built-in setting of tests/train/test_train_cli.py's resume test: seconds per run
+TINY = ["--task_digits", "1", "--task_train_size", "60", "--task_eval_size", "8", "--model_hidden_size", "32",
+        "--model_layers", "1", "--prompts_per_step", "4", "--group_size", "4", "--max_new_tokens", "3",
+        "--reward_workers", "0", "--pass_k", "2", "--sft_steps", "2", "--eval_every", "1"]
+
+
+# ----------------------------------------------------------------------------- budgets
+@pytest.mark.parametrize("text, kind, amount", [
+    ("200-steps", "steps", 200), ("1step", "steps", 1), ("50k-tokens", "tokens", 50_000), ("1.5M-tokens", "tokens", 1_500_000),
+    ("768 tokens", "tokens", 768), ("10m", "seconds", 600), ("90s", "seconds", 90), ("1h30m", "seconds", 5400),
+    ("2.5min", "seconds", 150),
+])
+def test_budget_strings(text, kind, amount):
+    b = parse_budget(text)
+    assert (b.kind, b.amount) == (kind, amount)
+
+
+@pytest.mark.parametrize("text", ["", "ten minutes", "10", "5 parsecs", "1.5-steps", "0.5k5-tokens", "10m-steps", "1.0001k-tokens"])
+def test_unparsable_budgets(text):
+    with pytest.raises(CompareError, match="budget"):
+        parse_budget(text)
+
+
+def test_budget_too_small_for_one_step():
+    cfg = TrainConfig(prompts_per_step=4, group_size=4, max_new_tokens=3).resolved()  # one step: <= 48 tokens
+    check_budget_fits(parse_budget("48-tokens"), cfg)
+    with pytest.raises(CompareError, match="too small for one step.*48"):
+        check_budget_fits(parse_budget("47-tokens"), cfg)
+    with pytest.raises(CompareError, match="too small for one step"):
+        check_budget_fits(parse_budget("0-steps"), cfg)
+    with pytest.raises(CompareError, match="2 phases"):
+        check_budget_fits(parse_budget("1-steps"), cfg, phases=2)
+    with pytest.raises(CompareError, match="too small for one step"):
+        check_budget_fits(parse_budget("2s"), cfg)
+
+
+def test_budget_split_for_the_hybrid():
+    first, second = Budget("steps", 7, "7-steps").split(0.5)
+    assert (first.amount, second.amount) == (4, 3)
+    first, second = Budget("steps", 2, "2-steps").split(0.9)
+    assert (first.amount, second.amount) == (1, 1)  # each phase keeps one step
+    first, second = Budget("seconds", 60, "1m").split(0.25)
+    assert (first.amount, second.amount) == (15, 45)
+    assert Budget("tokens", 1000, "1k-tokens").train_fields(steps_cap=None) == {"steps": 1_000_000, "max_generated_tokens": 1000}
+    assert Budget("seconds", 30, "30s").train_fields(steps_cap=50) == {"steps": 50, "max_seconds": 30.0}
+
+
+def test_trainer_budget_stop_condition():
+    cfg = TrainConfig(max_seconds=10.0, max_generated_tokens=100).resolved()
+    assert _budget_spent(cfg, seconds=9.9, generated_tokens=99) is None
+    assert _budget_spent(cfg, seconds=10.0, generated_tokens=0) == "max_seconds"
+    assert _budget_spent(cfg, seconds=0.0, generated_tokens=100) == "max_generated_tokens"
+    assert _budget_spent(TrainConfig().resolved(), seconds=1e9, generated_tokens=1e12) is None
+    for bad in ({"max_seconds": 0.0}, {"max_seconds": float("inf")}, {"max_generated_tokens": 0}):
+        with pytest.raises(ValueError, match=next(iter(bad))):
+            TrainConfig(**bad).resolved()
+
+
+# ----------------------------------------------------------------------------- per-run metrics
+def _steps(rewards, *, seconds=1.0, tokens=10.0, kl=None, entropy=None):
+    out = []
+    for i, r in enumerate(rewards):
+        rec = {"step": i + 1, "time/step": seconds, "rollout/generated_tokens": tokens, "reward/mean": r,
+               "throughput/train_tokens_per_s": 50.0, "time/update": 0.5, "time/generate": 0.25, "memory/peak_gb": 1.0 + i}
+        if kl is not None:
+            rec["kl/ref"] = kl[i]
+        if entropy is not None:
+            rec["entropy/mean"] = entropy[i]
+        out.append(rec)
+    return out
+
+
+def test_reward_drop_is_the_worst_fall_of_the_smoothed_curve():
+    assert reward_drop([0.1, 0.2, 0.3, 0.4]) == 0.0
+    assert reward_drop([0.0, 1.0, 2.0, 1.0, 0.0, 3.0], window=1) == 2.0
+    # a one-step dip is smoothed away by the 5-step mean: 1 - mean(1, 1, 1, 1, 0) = 0.2
+    assert reward_drop([1.0] * 5 + [0.0], window=5) == pytest.approx(0.2)
+    assert reward_drop([float("nan"), 1.0, 0.5], window=1) == 0.5
+
+
+def test_run_metrics_from_logged_records():
+    steps = _steps([0.1, 0.5, 0.2, 0.6], kl=[0.01, 0.02, 3.0, 0.01], entropy=[1.0, 1.2, 2.5, 0.5])
+    evals = [{"step": 0, "event": "eval", "eval/accuracy": 0.3, "eval/pass@4": 0.5, "time/eval": 2.0},
+             {"step": 2, "event": "eval", "eval/accuracy": 0.6, "eval/pass@4": 0.7, "time/eval": 2.0},
+             {"step": 4, "event": "eval", "eval/accuracy": 0.5, "eval/pass@4": 0.8, "time/eval": 2.0}]
+    m = run_metrics(steps, evals, pass_k=4)
+    assert m["curve"]["seconds"] == [1.0, 2.0, 3.0, 4.0] and m["curve"]["generated_tokens"] == [10.0, 20.0, 30.0, 40.0]
+    assert [(e["step"], e["seconds"], e["generated_tokens"]) for e in m["evals"]] == [(0, 0.0, 0.0), (2, 2.0, 20.0), (4, 4.0, 40.0)]
+    assert m["success"]["initial_accuracy"] == 0.3 and m["success"]["final_accuracy"] == 0.5
+    assert m["success"]["best_accuracy"] == 0.6 and m["success"]["final_pass@4"] == 0.8
+    assert m["stability"]["kl_max"] == 3.0 and m["stability"]["kl_blowups"] == 1
+    assert m["stability"]["entropy_blowups"] == 1 and m["stability"]["entropy_end_over_start"] == 0.5
+    c = m["cost"]
+    assert (c["steps"], c["train_seconds"], c["eval_seconds"], c["generated_tokens"]) == (4, 4.0, 6.0, 40.0)
+    assert c["trained_tokens"] == pytest.approx(100.0) and c["peak_memory_gb"] == 4.0
+    assert c["stage_seconds"] == {"generate": 1.0, "update": 2.0}
+    # a non-finite loss logged as the string "nan" counts; a missing KL is "not measured", not 0
+    bad = _steps([0.1, 0.2])
+    bad[1]["loss/total"] = "nan"
+    m = run_metrics(bad, [])
+    assert m["stability"]["non_finite_steps"] == 1 and math.isnan(m["stability"]["kl_max"])
+    assert math.isnan(m["success"]["final_accuracy"])
+
+
+def test_hybrid_phases_chain_into_one_curve():
+    first = run_metrics(_steps([0.1, 0.2]), [{"step": 0, "eval/accuracy": 0.3}, {"step": 2, "eval/accuracy": 0.4}])
+    second = run_metrics(_steps([0.3, 0.4, 0.5], seconds=2.0), [{"step": 0, "eval/accuracy": 0.4}, {"step": 3, "eval/accuracy": 0.7}])
+    m = chain_phases(first, second)
+    assert m["curve"]["step"] == [1, 2, 3, 4, 5]
+    assert m["curve"]["seconds"] == [1.0, 2.0, 4.0, 6.0, 8.0]
+    assert [(e["step"], e["seconds"], e["accuracy"]) for e in m["evals"]] == [(0, 0.0, 0.3), (2, 2.0, 0.4), (5, 8.0, 0.7)]
+    assert m["success"]["initial_accuracy"] == 0.3 and m["success"]["final_accuracy"] == 0.7
+    assert m["cost"]["steps"] == 5 and m["cost"]["train_seconds"] == 8.0 and m["cost"]["generated_tokens"] == 50.0
+
+
+# ----------------------------------------------------------------------------- verdicts (synthetic numbers)
+def test_mean_std_is_the_sample_std_over_finite_values():
+    assert mean_std([1.0, 2.0, 3.0]) == (2.0, 1.0)
+    assert mean_std([4.0, float("nan")]) == (4.0, 0.0)
+    assert all(math.isnan(x) for x in mean_std([]))
+
+
+def test_verdict_names_a_distinguishable_winner_and_the_margin():
+    v = axis_verdict("success", "accuracy", {"ppo": [0.30, 0.32, 0.34], "grpo": [0.50, 0.52, 0.54]}, higher_is_better=True)
+    assert v["winner"] == "grpo" and v["runner_up"] == "ppo" and v["distinguishable"] is True
+    assert v["difference"] == pytest.approx(0.20) and v["ratio"] == pytest.approx(0.52 / 0.32)
+    assert "grpo wins, 0.520 ± 0.020 vs ppo 0.320 ± 0.020 (+0.200, 1.62x)" in v["text"]
+    assert "distinguishable" in v["text"] and "not distinguishable" not in v["text"]
+
+
+def test_overlapping_seeds_are_not_distinguishable():
+    v = axis_verdict("success", "accuracy", {"ppo": [0.30, 0.50, 0.40], "grpo": [0.35, 0.55, 0.45]}, higher_is_better=True)
+    assert v["winner"] == "grpo" and v["distinguishable"] is False and "not distinguishable" in v["text"]
+
+
+def test_lower_is_better_axes_and_one_seed():
+    v = axis_verdict("cost", "seconds", {"ppo": [120.0], "grpo": [80.0]}, higher_is_better=False, fmt=".1f")
+    assert v["winner"] == "grpo" and v["difference"] == -40.0 and v["distinguishable"] is None
+    assert "fewer than 2 seeds" in v["text"] and "80.0 (1 seed)" in v["text"]
+    v = axis_verdict("cost", "seconds", {"ppo": [10.0, 11.0], "grpo": [20.0, 21.0], "rloo": [15.0, 15.5]}, higher_is_better=False)
+    assert v["ranking"] == ["ppo", "rloo", "grpo"] and "order ppo < rloo < grpo" in v["text"]
+
+
+def test_verdict_edge_cases():
+    v = axis_verdict("success", "accuracy", {"ppo": [0.4, 0.4], "grpo": [0.4, 0.4]}, higher_is_better=True)
+    assert v["winner"] is None and "tie" in v["text"]
+    v = axis_verdict("success", "accuracy", {"ppo": [float("nan")], "grpo": [0.4, 0.5]}, higher_is_better=True)
+    assert v["winner"] == "grpo" and v["runner_up"] is None and "only grpo" in v["text"]
+    v = axis_verdict("success", "accuracy", {"ppo": [float("nan")]}, higher_is_better=True)
+    assert v["winner"] is None and "no run measured it" in v["text"]
+
+
+def _synthetic_run(algorithm, seed, final, *, drop_at=None, status="ok"):
+    rewards = [0.1 * i for i in range(8)]
+    if drop_at is not None:
+        rewards[drop_at:] = [0.0] * (8 - drop_at)
+    steps = _steps(rewards, seconds=2.0 if algorithm == "ppo" else 1.0, kl=[0.01] * 8, entropy=[1.0] * 8)
+    m = run_metrics(steps, [{"step": 0, "eval/accuracy": 0.3}, {"step": 8, "eval/accuracy": final}])
+    return {"algorithm": algorithm, "seed": seed, "status": status, "wall_seconds": 30.0, **m}
+
+
+def test_summary_verdicts_and_table_from_synthetic_runs():
+    runs = [_synthetic_run("ppo", s, f, drop_at=4 if s == 0 else None, status="diverged" if s == 0 else "ok")
+            for s, f in enumerate([0.40, 0.42, 0.44])]
+    runs += [_synthetic_run("grpo", s, f) for s, f in enumerate([0.60, 0.62, 0.64])]
+    summary = summarize(runs)
+    assert summary["ppo"]["final_accuracy"]["mean"] == pytest.approx(0.42)
+    assert summary["ppo"]["final_accuracy"]["values"] == [0.40, 0.42, 0.44]
+    assert summary["ppo"]["nan_stops"] == 1 and summary["grpo"]["nan_stops"] == 0
+    assert summary["ppo"]["final_accuracy_range"] == pytest.approx(0.04)
+    assert summary["ppo"]["stage_seconds"]["update"] == pytest.approx(4.0)
+    found = {v["axis"]: v for v in verdicts(summary, budget_kind="steps")}
+    assert set(found) == {"success", "stability", "cost", "memory"}
+    assert found["success"]["winner"] == "grpo" and found["success"]["distinguishable"] is True
+    assert found["stability"]["winner"] == "grpo" and "ppo: 1 NaN stop(s)" in found["stability"]["text"]
+    assert found["cost"]["winner"] == "grpo" and found["cost"]["metric"] == "RL seconds for the budget"
+    assert found["memory"]["winner"] is None  # same peak memory everywhere: a tie
+    # a time budget gives every run the same seconds: cost compares the tokens generated in them
+    assert {v["axis"]: v for v in verdicts(summary, budget_kind="seconds")}["cost"]["metric"].startswith("generated tokens")
+    table = format_table(summary, list(found.values()), pass_k=None)
+    assert "held-out accuracy, end" in table and "0.420 ± 0.020" in table and "0.620 ± 0.020" in table
+    assert "NaN stops / failed runs" in table and "1 / 0" in table
+    assert "-- seconds per stage" in table and found["success"]["text"] in table
+
+
+# ----------------------------------------------------------------------------- bad input
+@pytest.mark.parametrize("args, needle", [
+    (["--algorithms", "ppo", "sac"], "unknown algorithm.*'sac'"),
+    (["--algorithms", "ppo", "ppo"], "twice"),
+    (["--budget", "ten minutes"], "is not a budget"),
+    (["--budget", "0-steps"], "too small for one step"),
+    (["--budget", "100-tokens"], "too small for one step.*768"),  # 16 prompts x 8 samples x 6 tokens
+    (["--algorithms", HYBRID, "--budget", "1-steps"], "2 phases"),
+    (["--seeds", "0"], "--seeds must be >= 1"),
+    (["--seed", "3"], "--seed is set by the comparison itself; use --seeds"),
+    (["--algorithm", "ppo"], "--algorithm is set by the comparison"),
+    (["--budget", "5-steps", "--steps", "9"], "both set the number of steps"),
+    (["--group_size", "1"], "grpo: group_size must be >= 2"),
+    (["--hybrid_split", "1.5"], "hybrid_split"),
+    (["--eval_every", "0"], "success is measured"),
+])
+def test_bad_input_is_an_error_before_any_run(args, needle, tmp_path, capsys):
+    out = tmp_path / "cmp"
+    assert main(["compare", "--output_dir", str(out), *args]) == 2
+    err = capsys.readouterr().err
+    assert err.startswith("fastrl compare: error:")
+    import re
+
+    assert re.search(needle, err), err
+    assert not out.exists()  # nothing was started
+
+
+def test_a_train_option_that_does_not_parse_is_an_error(tmp_path, capsys):
+    assert main(["compare", "--output_dir", str(tmp_path / "c"), "--lrr", "1"]) == 2
+    assert "do not parse" in capsys.readouterr().err
+
+
+def test_an_earlier_comparison_is_not_overwritten_silently(tmp_path, capsys):
+    (tmp_path / "compare.json").write_text("{}")
+    assert main(["compare", "--output_dir", str(tmp_path)]) == 2
+    assert "--overwrite" in capsys.readouterr().err
+
+
+# ----------------------------------------------------------------------------- a real comparison
+def test_a_tiny_comparison_end_to_end(tmp_path, capsys):
+    """grpo vs ppo, 2 seeds, a budget of 96 generated tokens (2+ steps), fresh `fastrl train`
+    processes from one shared warm-up: table, compare.json with every field, compare.png."""
+    out = tmp_path / "cmp"
+    assert main(["compare", "--algorithms", "grpo", "ppo", "--seeds", "2", "--budget", "96-tokens",
+                 "--output_dir", str(out), *TINY]) == 0
+    printed = capsys.readouterr().out
+    for needle in ("held-out accuracy, end", "worst reward drop", "RL seconds", "peak memory", "seconds per stage",
+                   "success (held-out accuracy at the end", "stability (worst drop", "cost (RL seconds", "memory (peak"):
+        assert needle in printed, needle
+    report = json.loads((out / "compare.json").read_text())
+    assert (out / "compare.png").read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+    assert report["algorithms"] == ["grpo", "ppo"] and report["seeds"] == [0, 1]
+    assert report["budget"] == {"kind": "tokens", "amount": 96.0, "text": "96-tokens"}
+    assert len(report["runs"]) == 4
+    start_model = str(out / "start" / "model")
+    initial = set()
+    for run in report["runs"]:
+        assert run["status"] == "ok" and run["stopped_by"] == "max_generated_tokens"
+        assert set(run["success"]) >= {"initial_accuracy", "final_accuracy", "best_accuracy", "final_pass@2"}
+        assert set(run["stability"]) >= {"reward_drop", "kl_blowups", "entropy_blowups", "non_finite_steps"}
+        assert set(run["cost"]) >= {"train_seconds", "generated_tokens", "trained_tokens", "peak_memory_gb", "stage_seconds"}
+        cost = run["cost"]
+        # the budget stops each run after the step that reaches it (a step generates at most 48 tokens)
+        assert 96 <= cost["generated_tokens"] < 96 + 48 and cost["steps"] >= 2 and cost["trained_tokens"] > 0
+        assert {"generate", "update"} <= set(cost["stage_seconds"])
+        assert run["curve"]["generated_tokens"][-1] == cost["generated_tokens"]
+        assert [e["step"] for e in run["evals"]] == list(range(cost["steps"] + 1))  # eval_every 1: start + each step
+        # every run starts from the shared warm-up, with no warm-up of its own, on the same held-out rows
+        cfg = yaml.safe_load((tmp_path / run["dir"] / "config.yaml").read_text())
+        assert cfg["model"] == start_model and cfg["sft_steps"] == 0 and cfg["eval_dataset"] == str(out / "start" / "eval.jsonl")
+        assert cfg["algorithm"] == run["algorithm"] and cfg["seed"] == run["seed"]
+        initial.add(run["success"]["initial_accuracy"])
+    assert len(initial) == 1  # same model, same held-out prompts, greedy: the same starting accuracy
+    assert report["runs"][1]["algorithm"] == "ppo" and "values" in report["runs"][1]["cost"]["stage_seconds"]
+    assert report["start"]["sft"]["sft/steps"] == 2.0
+    for algo in ("grpo", "ppo"):
+        s = report["summary"][algo]
+        assert len(s["final_accuracy"]["values"]) == 2 and s["runs_measured"] == 2
+        assert s["final_accuracy"]["std"] is not None and s["nan_stops"] == 0
+    assert [v["axis"] for v in report["verdicts"]] == ["success", "stability", "cost", "memory"]
+    assert report["table"] in printed and (out / "compare.txt").read_text().strip() == report["table"].strip()
+
+
+def test_the_hybrid_runs_ppo_from_the_grpo_policy(tmp_path, capsys):
+    out = tmp_path / "cmp"
+    assert main(["compare", "--algorithms", HYBRID, "--seeds", "1", "--budget", "3-steps", "--output_dir", str(out), *TINY]) == 0
+    report = json.loads((out / "compare.json").read_text())
+    (run,) = report["runs"]
+    grpo_dir, ppo_dir = (out / "runs" / f"{HYBRID}-seed0" / p for p in ("grpo", "ppo"))
+    assert [p["dir"] for p in run["phases"]] == [str(grpo_dir), str(ppo_dir)]
+    ppo_cfg = yaml.safe_load((ppo_dir / "config.yaml").read_text())
+    assert ppo_cfg["algorithm"] == "ppo" and ppo_cfg["steps"] == 1
+    assert ppo_cfg["model"] == ppo_cfg["critic_init"] == str(grpo_dir / "final")
+    assert yaml.safe_load((grpo_dir / "config.yaml").read_text())["steps"] == 2
+    assert run["cost"]["steps"] == 3 and run["curve"]["step"] == [1, 2, 3]
+    assert "values" in run["cost"]["stage_seconds"]  # the PPO phase ran its critic
+    assert [e["step"] for e in run["evals"]] == [0, 1, 2, 3]
