@@ -28,7 +28,7 @@ import triton
 import triton.language as tl
 
 from csrc_triton.kl import KL_ESTIMATOR_IDS, k3_f32, kl_value_grad
-from csrc_triton.policy_loss_slots import NOUT, NPART, OUT_KEYS, PART  # noqa: F401  (OUT_KEYS: re-exported)
+from csrc_triton.policy_loss_slots import NOUT, NPART, OUT, OUT_KEYS, PART  # noqa: F401  (OUT_KEYS: re-exported)
 
 SURROGATE_IDS = {"ppo_clip": 0, "cispo": 1, "sapo": 2, "vespo": 3}
 """The fwd kernel's ``SURROGATE`` constexpr per ``PolicyLossConfig.surrogate``."""
@@ -49,6 +49,23 @@ _P_RMAX = tl.constexpr(PART["ratio_max"])
 _P_WSUM = tl.constexpr(PART["is_weight_sum"])
 _P_ROWC = tl.constexpr(PART["row_const"])
 _NPART = tl.constexpr(NPART)
+# the finalize kernel's output slots (csrc_triton.policy_loss_slots.OUT_KEYS)
+_O_LOSS = tl.constexpr(OUT["loss"])
+_O_PG_LOSS = tl.constexpr(OUT["pg_loss"])
+_O_KL_LOSS = tl.constexpr(OUT["kl_loss"])
+_O_ENTROPY_LOSS = tl.constexpr(OUT["entropy_loss"])
+_O_CLIP_FRAC_LOW = tl.constexpr(OUT["clip_frac_low"])
+_O_CLIP_FRAC_HIGH = tl.constexpr(OUT["clip_frac_high"])
+_O_CLIP_FRAC = tl.constexpr(OUT["clip_frac"])
+_O_SURROGATE_METRIC = tl.constexpr(OUT["surrogate_metric"])
+_O_APPROX_KL = tl.constexpr(OUT["approx_kl"])
+_O_KL_REF_MEAN = tl.constexpr(OUT["kl_ref_mean"])
+_O_RATIO_MEAN = tl.constexpr(OUT["ratio_mean"])
+_O_RATIO_MIN = tl.constexpr(OUT["ratio_min"])
+_O_RATIO_MAX = tl.constexpr(OUT["ratio_max"])
+_O_ENTROPY_MEAN = tl.constexpr(OUT["entropy_mean"])
+_O_IS_WEIGHT_MEAN = tl.constexpr(OUT["is_weight_mean"])
+_O_INV_DENOMINATOR = tl.constexpr(OUT["inv_denominator"])
 # Tokens per program, whatever the row length T: a block that followed T (next_pow2(T)) made
 # every kernel here compile again as the padded length changed from step to step. 1024 fp32
 # per input per program keeps enough bytes in flight for these memory-bound passes; rows
@@ -283,7 +300,7 @@ def _policy_finalize_kernel(
     ent_t = zero
     low_t = zero
     high_t = zero
-    dual_t = zero
+    smet_t = zero
     akl_t = zero
     kl_sum = zero
     ent_sum = zero
@@ -298,7 +315,7 @@ def _policy_finalize_kernel(
     while b0 < B:
         rb = b0 + rows
         rmask = rb < B
-        row_base = part_ptr + rb[:, None].to(tl.int64) * NC * 13
+        row_base = part_ptr + rb[:, None].to(tl.int64) * NC * _NPART
         n_b = tl.zeros([BLOCK_B], tl.float32)
         pg_b = tl.zeros([BLOCK_B], tl.float32)
         kl_b = tl.zeros([BLOCK_B], tl.float32)
@@ -306,7 +323,7 @@ def _policy_finalize_kernel(
         c_b = tl.zeros([BLOCK_B], tl.float32)
         low_b = tl.zeros([BLOCK_B], tl.float32)
         high_b = tl.zeros([BLOCK_B], tl.float32)
-        dual_b = tl.zeros([BLOCK_B], tl.float32)
+        smet_b = tl.zeros([BLOCK_B], tl.float32)
         akl_b = tl.zeros([BLOCK_B], tl.float32)
         r_b = tl.zeros([BLOCK_B], tl.float32)
         rmin_b = tl.full([BLOCK_B], float("inf"), tl.float32)
@@ -316,20 +333,20 @@ def _policy_finalize_kernel(
         while c0 < NC:
             cc = c0 + cols
             tmask = rmask[:, None] & (cc[None, :] < NC)
-            base = row_base + cc[None, :] * 13
-            n_b += tl.sum(tl.load(base + 0, mask=tmask, other=0.0), axis=1)
-            pg_b += tl.sum(tl.load(base + 1, mask=tmask, other=0.0), axis=1)
-            kl_b += tl.sum(tl.load(base + 2, mask=tmask, other=0.0), axis=1)
-            ent_b += tl.sum(tl.load(base + 3, mask=tmask, other=0.0), axis=1)
-            low_b += tl.sum(tl.load(base + 4, mask=tmask, other=0.0), axis=1)
-            high_b += tl.sum(tl.load(base + 5, mask=tmask, other=0.0), axis=1)
-            dual_b += tl.sum(tl.load(base + 6, mask=tmask, other=0.0), axis=1)
-            akl_b += tl.sum(tl.load(base + 7, mask=tmask, other=0.0), axis=1)
-            r_b += tl.sum(tl.load(base + 8, mask=tmask, other=0.0), axis=1)
-            rmin_b = tl.minimum(rmin_b, tl.min(tl.load(base + 9, mask=tmask, other=float("inf")), axis=1))
-            rmax_b = tl.maximum(rmax_b, tl.max(tl.load(base + 10, mask=tmask, other=float("-inf")), axis=1))
-            w_b += tl.sum(tl.load(base + 11, mask=tmask, other=0.0), axis=1)
-            c_b += tl.sum(tl.load(base + 12, mask=tmask, other=0.0), axis=1)
+            base = row_base + cc[None, :] * _NPART
+            n_b += tl.sum(tl.load(base + _P_N, mask=tmask, other=0.0), axis=1)
+            pg_b += tl.sum(tl.load(base + _P_PG, mask=tmask, other=0.0), axis=1)
+            kl_b += tl.sum(tl.load(base + _P_KL, mask=tmask, other=0.0), axis=1)
+            ent_b += tl.sum(tl.load(base + _P_ENT, mask=tmask, other=0.0), axis=1)
+            low_b += tl.sum(tl.load(base + _P_LOW, mask=tmask, other=0.0), axis=1)
+            high_b += tl.sum(tl.load(base + _P_HIGH, mask=tmask, other=0.0), axis=1)
+            smet_b += tl.sum(tl.load(base + _P_SMET, mask=tmask, other=0.0), axis=1)
+            akl_b += tl.sum(tl.load(base + _P_AKL, mask=tmask, other=0.0), axis=1)
+            r_b += tl.sum(tl.load(base + _P_RSUM, mask=tmask, other=0.0), axis=1)
+            rmin_b = tl.minimum(rmin_b, tl.min(tl.load(base + _P_RMIN, mask=tmask, other=float("inf")), axis=1))
+            rmax_b = tl.maximum(rmax_b, tl.max(tl.load(base + _P_RMAX, mask=tmask, other=float("-inf")), axis=1))
+            w_b += tl.sum(tl.load(base + _P_WSUM, mask=tmask, other=0.0), axis=1)
+            c_b += tl.sum(tl.load(base + _P_ROWC, mask=tmask, other=0.0), axis=1)
             c0 += BLOCK_C
         if AGG == 1:
             f_b = 1.0 / tl.maximum(n_b, 1.0)
@@ -345,7 +362,7 @@ def _policy_finalize_kernel(
         ent_sum += tl.sum(ent_b, axis=0)
         low_t += tl.sum(low_b, axis=0)
         high_t += tl.sum(high_b, axis=0)
-        dual_t += tl.sum(dual_b, axis=0)
+        smet_t += tl.sum(smet_b, axis=0)
         akl_t += tl.sum(akl_b, axis=0)
         r_sum += tl.sum(r_b, axis=0)
         r_min = tl.minimum(r_min, tl.min(rmin_b, axis=0))
@@ -377,22 +394,22 @@ def _policy_finalize_kernel(
         loss = loss + kl_coef * kl_loss
     if USE_ENT:
         loss = loss - entropy_coef * ent_loss
-    tl.store(out_ptr + 0, loss)
-    tl.store(out_ptr + 1, pg_loss)
-    tl.store(out_ptr + 2, kl_loss)
-    tl.store(out_ptr + 3, ent_loss)
-    tl.store(out_ptr + 4, low_t * inv_n)
-    tl.store(out_ptr + 5, high_t * inv_n)
-    tl.store(out_ptr + 6, low_t * inv_n + high_t * inv_n)
-    tl.store(out_ptr + 7, dual_t * inv_n)
-    tl.store(out_ptr + 8, akl_t * inv_n)
-    tl.store(out_ptr + 9, kl_sum * inv_n)
-    tl.store(out_ptr + 10, r_sum * inv_n)
-    tl.store(out_ptr + 11, tl.where(has_tok, r_min, 0.0))
-    tl.store(out_ptr + 12, tl.where(has_tok, r_max, 0.0))
-    tl.store(out_ptr + 13, ent_sum * inv_n)
-    tl.store(out_ptr + 14, w_sum * inv_n)
-    tl.store(out_ptr + 15, inv_d)
+    tl.store(out_ptr + _O_LOSS, loss)
+    tl.store(out_ptr + _O_PG_LOSS, pg_loss)
+    tl.store(out_ptr + _O_KL_LOSS, kl_loss)
+    tl.store(out_ptr + _O_ENTROPY_LOSS, ent_loss)
+    tl.store(out_ptr + _O_CLIP_FRAC_LOW, low_t * inv_n)
+    tl.store(out_ptr + _O_CLIP_FRAC_HIGH, high_t * inv_n)
+    tl.store(out_ptr + _O_CLIP_FRAC, low_t * inv_n + high_t * inv_n)
+    tl.store(out_ptr + _O_SURROGATE_METRIC, smet_t * inv_n)
+    tl.store(out_ptr + _O_APPROX_KL, akl_t * inv_n)
+    tl.store(out_ptr + _O_KL_REF_MEAN, kl_sum * inv_n)
+    tl.store(out_ptr + _O_RATIO_MEAN, r_sum * inv_n)
+    tl.store(out_ptr + _O_RATIO_MIN, tl.where(has_tok, r_min, 0.0))
+    tl.store(out_ptr + _O_RATIO_MAX, tl.where(has_tok, r_max, 0.0))
+    tl.store(out_ptr + _O_ENTROPY_MEAN, ent_sum * inv_n)
+    tl.store(out_ptr + _O_IS_WEIGHT_MEAN, w_sum * inv_n)
+    tl.store(out_ptr + _O_INV_DENOMINATOR, inv_d)
 
 
 @triton.jit
@@ -406,7 +423,7 @@ def _policy_bwd_kernel(
     c = tl.program_id(1)
     offs = c * BLOCK + tl.arange(0, BLOCK)
     inb = offs < T
-    scale = tl.load(gout_ptr).to(tl.float32) * tl.load(out_ptr + 15)
+    scale = tl.load(gout_ptr).to(tl.float32) * tl.load(out_ptr + _O_INV_DENOMINATOR)
     f = tl.load(rowcoef_ptr + b * 2)
     m = tl.load(mask_ptr + b * s_mask + offs, mask=inb, other=0).to(tl.float32) != 0.0
     if WRITE_LOGP:
