@@ -171,6 +171,9 @@ class TrainConfig:
     """Dual-clip constant c > 1 for negative advantages (None: off)."""
     loss_agg: Optional[str] = None
     """token-mean | seq-mean-token-mean | seq-mean-token-sum | seq-mean-token-sum-norm (None: preset)."""
+    surrogate: Optional[str] = None
+    """Policy-gradient surrogate: ppo_clip | cispo | sapo | vespo (``PolicyLossConfig.surrogate``,
+    with that config's default hyperparameters; None: the algorithm's, PPO clip)."""
     advantage_mode: Optional[str] = None
     """grpo | dr_grpo | batch_std | group_mean_batch_std_floor | rloo | reinforce_pp | gae (None: preset)."""
     kl_coef: Optional[float] = None
@@ -324,7 +327,7 @@ class TrainConfig:
         """The op-level loss settings: the preset with this run's overrides."""
         preset = ALGORITHM_PRESETS[self.algorithm]
         overrides: dict[str, object] = {}
-        for name in ("clip_low", "clip_high", "dual_clip", "loss_agg"):
+        for name in ("clip_low", "clip_high", "dual_clip", "loss_agg", "surrogate"):
             value = getattr(self, name)
             if value is not None:
                 overrides[name] = value

@@ -122,3 +122,19 @@ def test_a_run_killed_mid_step_resumes_from_its_last_complete_checkpoint(tmp_pat
     assert steps[-1] == 40 and sorted(set(steps)) == list(range(1, 41))
     assert (out / "final" / "config.json").exists()
     assert not list((out / "checkpoints").glob("*.tmp"))
+
+
+def test_fastrl_train_with_another_surrogate(local_model_and_data, tmp_path):
+    """--surrogate reaches the loss: the run trains with CISPO and logs CISPO's own metric."""
+    out = tmp_path / "run"
+    assert main(["train", *common_args(local_model_and_data, out), "--surrogate", "cispo"]) == 0
+    lines = [json.loads(line) for line in (out / "metrics.jsonl").read_text().splitlines()]
+    step = next(line for line in lines if "event" not in line)
+    assert any("cispo_clip_frac" in key for key in step), sorted(step)
+    assert not any("dual_clip_frac" in key for key in step)
+
+
+def test_unknown_surrogate_is_an_error_before_any_work(tmp_path):
+    with pytest.raises((ValueError, SystemExit)):
+        main(["train", "--output_dir", str(tmp_path / "run"), "--surrogate", "ppo_clipp"])
+    assert not (tmp_path / "run" / "metrics.jsonl").exists()
