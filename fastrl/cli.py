@@ -250,6 +250,7 @@ EXAMPLES = (
     ("fastrl train --help", "every training option with its doc (also settable from --config run.yaml)"),
     ("fastrl compare", "PPO vs GRPO, 3 seeds, equal budget: success, stability, cost, verdicts"),
     ("fastrl plan --model qwen2.5-7b --compare", "peak memory per component, PPO vs GRPO, longest trajectory that fits"),
+    ("fastrl vllm-server --model DIR", "one vLLM engine that trainers share: fastrl train --sampler vllm-server URL"),
     ("fastrl bench --quick", "the benchmark table on this machine (minutes on a CPU)"),
     ("fastrl bench --only scans", "one group of cases (fastrl bench --help lists them)"),
     ("fastrl env", "versions, device, the backend `auto` picks, threads"),
@@ -297,6 +298,16 @@ def build_parser() -> argparse.ArgumentParser:
 
     plan = sub.add_parser("plan", help="peak memory of a GRPO/PPO step per component; longest trajectory that fits")
     add_plan_arguments(plan).set_defaults(func=run_plan)
+
+    from fastrl.rollout.vllm_server import add_server_arguments, run_server
+
+    server = sub.add_parser(
+        "vllm-server", help="serve a vLLM engine that trainers share (fastrl train --sampler vllm-server URL)",
+        description="One vLLM engine behind HTTP for `fastrl train --sampler vllm-server URL` (every torchrun rank\n"
+                    "shares it). Trainers push their weights before the first rollout and after each update.",
+        formatter_class=argparse.RawDescriptionHelpFormatter,
+    )
+    add_server_arguments(server).set_defaults(func=run_server)
 
     env = sub.add_parser("env", help="print versions, the device, the backend `auto` picks and threads",
                          description="What a report of a slow or failing run needs: versions, device, backend, threads.")

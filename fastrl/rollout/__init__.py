@@ -2,6 +2,7 @@
 
 from fastrl.rollout.base import GroupSampler, RolloutBatch, RolloutStats, SamplingConfig, pack_batch, validate_prompts
 from fastrl.rollout.hf import HFGroupSampler
+from fastrl.rollout.remote import VLLMServerSampler  # a client: needs neither vllm nor a GPU
 from fastrl.rollout.vllm import VLLMGroupSampler  # imports vllm only when constructed
 
 __all__ = [
@@ -11,6 +12,7 @@ __all__ = [
     "RolloutStats",
     "SamplingConfig",
     "VLLMGroupSampler",
+    "VLLMServerSampler",
     "pack_batch",
     "validate_prompts",
 ]

@@ -62,7 +62,7 @@ from __future__ import annotations
 import io
 import os
 import time
-from typing import TYPE_CHECKING, Any, Iterable
+from typing import TYPE_CHECKING, Any, Iterable, Sequence
 
 import torch
 
@@ -74,6 +74,7 @@ if TYPE_CHECKING:  # pragma: no cover
 __all__ = ["VLLMGroupSampler"]
 
 _LOGPROBS_MODE = "processed_logprobs"
+_SEED_RANGE = 2**62  # vLLM seeds a torch.Generator: keep seed + j inside int64
 
 
 class VLLMGroupSampler:
@@ -209,7 +210,7 @@ class VLLMGroupSampler:
         self.pad_token_id: int = int(pad) if pad is not None else (self.eos_token_ids[0] if self.eos_token_ids else 0)
 
     # ------------------------------------------------------------------ sampling
-    def _sampling_params(self, sampling: SamplingConfig, group_size: int, prompt_index: int):
+    def _sampling_params(self, sampling: SamplingConfig, group_size: int, prompt_index: int, prompt_seed: int | None = None):
         from vllm import SamplingParams
 
         from fastrl.rollout._vllm_ext import GREEDY_KEY
@@ -228,7 +229,11 @@ class VLLMGroupSampler:
                 extra = {GREEDY_KEY: [float(sampling.temperature), int(sampling.top_k), float(sampling.top_p)]}
             # vLLM accepts only n=1 for greedy requests: the caller submits G copies.
             return SamplingParams(n=1, temperature=0.0, extra_args=extra, **common)
-        seed = None if sampling.seed is None else sampling.seed + prompt_index * group_size  # child j: + j
+        if prompt_seed is not None:
+            # groups G seeds apart, so no two samples of a batch share one (child j: + j)
+            seed = (int(prompt_seed) * group_size) % _SEED_RANGE
+        else:
+            seed = None if sampling.seed is None else sampling.seed + prompt_index * group_size  # child j: + j
         return SamplingParams(
             n=group_size,
             temperature=sampling.temperature,
@@ -249,11 +254,21 @@ class VLLMGroupSampler:
                 c["computed"] += m.value
         return c
 
-    def generate(self, prompts: list[list[int]], *, group_size: int, sampling: SamplingConfig) -> RolloutBatch:
+    def generate(
+        self,
+        prompts: list[list[int]],
+        *,
+        group_size: int,
+        sampling: SamplingConfig,
+        prompt_seeds: Sequence[int] | None = None,
+    ) -> RolloutBatch:
         """Sample ``group_size`` completions for each prompt (token ids).
 
         Returns them flat in group order (prompt 0's G samples first), with per-token
         sampler log-probs (float32) and vLLM's prefix-cache statistics for this call.
+        ``prompt_seeds``: one seed per prompt (overrides ``sampling.seed``): prompt i's
+        sample j gets the vLLM seed ``prompt_seeds[i] * G + j``, so a group's samples do
+        not depend on the other prompts of the call (its position or its neighbours).
         Bad input raises ValueError before anything is sent to the engine.
         """
         if not isinstance(sampling, SamplingConfig):
@@ -272,7 +287,12 @@ class VLLMGroupSampler:
                 "greedy sampling with temperature != 1 or top-k/top-p needs an engine built with "
                 "logits_processors=[fastrl.rollout._vllm_ext.GREEDY_PROCESSOR] (VLLMGroupSampler(path) does this)"
             )
-        if sampling.seed is not None and not sampling.greedy and not self._seeded_ok:
+        if prompt_seeds is not None:
+            prompt_seeds = [int(x) for x in prompt_seeds]
+            if len(prompt_seeds) != len(prompts):
+                raise ValueError(f"prompt_seeds must have one seed per prompt ({len(prompts)}), got {len(prompt_seeds)}")
+        seeded = sampling.seed is not None or prompt_seeds is not None
+        if seeded and not sampling.greedy and not self._seeded_ok:
             raise ValueError(
                 "seeded sampling on a CPU vLLM engine needs enable_chunked_prefill=False "
                 "(vLLM cannot rewind a CPU generator after a partial prefill)"
@@ -284,7 +304,10 @@ class VLLMGroupSampler:
             params = [self._sampling_params(sampling, group_size, i) for i in range(len(prompts)) for _ in range(group_size)]
         else:
             requests = [TokensPrompt(prompt_token_ids=p) for p in prompts]
-            params = [self._sampling_params(sampling, group_size, i) for i in range(len(prompts))]
+            params = [
+                self._sampling_params(sampling, group_size, i, None if prompt_seeds is None else prompt_seeds[i])
+                for i in range(len(prompts))
+            ]
 
         before = self._counters()
         t0 = time.perf_counter()

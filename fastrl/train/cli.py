@@ -34,9 +34,30 @@ def build_train_parser():
     return parser
 
 
+def expand_sampler_url(argv: list[str]) -> list[str]:
+    """``--sampler vllm-server URL`` (the server's address right after the sampler's name)
+    as ``--sampler vllm-server --sampler_url URL``."""
+    out: list[str] = []
+    i = 0
+    while i < len(argv):
+        a = argv[i]
+        out.append(a)
+        if a in ("--sampler", "--sampler=vllm-server"):
+            name_given = a == "--sampler=vllm-server"
+            if not name_given and i + 1 < len(argv):
+                out.append(argv[i + 1])
+                name_given = argv[i + 1] == "vllm-server"
+                i += 1
+            if name_given and i + 1 < len(argv) and not argv[i + 1].startswith("-"):
+                out += ["--sampler_url", argv[i + 1]]
+                i += 1
+        i += 1
+    return out
+
+
 def parse_train_args(argv: list[str]) -> TrainConfig:
     parser = build_train_parser()
-    ns = parser.parse_args(argv)
+    ns = parser.parse_args(expand_sampler_url(argv))
     values = {f.name: getattr(ns, f.name) for f in dataclasses.fields(TrainConfig)}
     config = TrainConfig(**values)
     try:

