@@ -10,7 +10,8 @@ through ``VLLMServerSampler``. Alternating rounds (so machine load hits both ali
   concurrent clients with half the prompts each (two data-parallel ranks; the server
   batches them into one engine call). The samples are checked equal across the three.
 - ``update_weights``: the full state dict pushed in place (in-process) vs uploaded in
-  safetensors parts over HTTP, checked against the checkpoint and reloaded (server).
+  safetensors parts over HTTP, or left as files in the server's ``--weights-dir`` (on
+  ``/dev/shm``), checked against the checkpoint and reloaded (server).
 
 The model has no eos, so every sample generates exactly ``--gen-len`` tokens. Results go to
 ``benchmarks/results/vllm_server_<device>.json``.
@@ -55,10 +56,10 @@ def build_model(folder: str, *, hidden: int, layers: int, vocab: int, max_len: i
     return model
 
 
-def start_server(folder: str, max_len: int) -> tuple[subprocess.Popen, str]:
+def start_server(folder: str, max_len: int, weights_dir: str) -> tuple[subprocess.Popen, str]:
     proc = subprocess.Popen(
         [sys.executable, "-m", "fastrl.cli", "vllm-server", "--model", folder, "--port", "0", "--max-model-len", str(max_len),
-         "--kv-cache-gib", "0.5"],
+         "--kv-cache-gib", "0.5", "--weights-dir", weights_dir],
         env={**os.environ, "PYTHONPATH": str(REPO)}, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
     )
     for line in proc.stdout:
@@ -93,15 +94,18 @@ def main() -> None:
     model = build_model(folder, hidden=args.hidden, layers=args.layers, vocab=args.vocab, max_len=max_len)
     weights = list(model.state_dict().items())
     weight_mb = sum(t.nbytes for _, t in weights) / 2**20
-    proc, url = start_server(folder, max_len)
+    shm = "/dev/shm" if os.path.isdir("/dev/shm") else tempfile.gettempdir()
+    proc, url = start_server(folder, max_len, tempfile.mkdtemp(prefix="fastrl-weights-", dir=shm))
     try:
         local = VLLMGroupSampler(folder, max_model_len=max_len, kv_cache_memory_bytes=512 << 20)
-        remote = VLLMServerSampler(url)
+        remote = VLLMServerSampler(url, weights_transport="http")
+        remote_file = VLLMServerSampler(url, weights_transport="file")
         gen = torch.Generator().manual_seed(1)
         sampling = SamplingConfig(max_new_tokens=args.gen_len, seed=0)
         G, half = args.group_size, args.prompts // 2
         times: dict[str, list[float]] = {k: [] for k in ("generate_in_process", "generate_server", "generate_server_2_clients",
-                                                           "update_in_process", "update_server")}
+                                                           "update_in_process", "update_server",
+                                                           "update_server_file")}
         merged = []
         for round_ in range(args.rounds):
             # fresh prompts every round: no prefix-cache hits from an earlier round
@@ -136,8 +140,12 @@ def main() -> None:
             local.update_weights(weights)
             times["update_in_process"].append(time.perf_counter() - t)
             t = time.perf_counter()
-            remote.update_weights(weights)
+            version = remote.update_weights(weights)
             times["update_server"].append(time.perf_counter() - t)
+            t = time.perf_counter()
+            remote_file.update_weights(weights)
+            times["update_server_file"].append(time.perf_counter() - t)
+            remote.expect_weights_version(version + 1)
             print(f"round {round_}: " + ", ".join(f"{k} {v[-1]:.3f}s" for k, v in times.items()), flush=True)
     finally:
         proc.terminate()
@@ -159,11 +167,13 @@ def main() -> None:
             "generate_2_clients_over_in_process": round(
                 best(times["generate_server_2_clients"]) / best(times["generate_in_process"]), 3),
             "update_server_over_in_process": round(best(times["update_server"]) / best(times["update_in_process"]), 3),
+            "update_server_file_over_in_process": round(best(times["update_server_file"]) / best(times["update_in_process"]), 3),
         },
         "update_server_mb_per_s": round(weight_mb / best(times["update_server"]), 1),
+        "update_server_file_mb_per_s": round(weight_mb / best(times["update_server_file"]), 1),
     }
     print(json.dumps({k: result[k] for k in ("shape", "seconds_best", "ratios", "update_server_mb_per_s",
-                                              "two_clients_batched_into_one_engine_call")}, indent=1))
+                                              "update_server_file_mb_per_s", "two_clients_batched_into_one_engine_call")}, indent=1))
     out = Path(args.out) if args.out else REPO / "benchmarks" / "results" / f"vllm_server_{'cuda' if torch.cuda.is_available() else 'cpu'}.json"
     out.write_text(json.dumps(result, indent=1) + "\n")
     print(f"wrote {out}")

@@ -76,9 +76,18 @@ def launch_vllm_server():
 
     def launch(model_dir, *extra):
         proc, url = _start_vllm_server(model_dir, extra)
+        proc.url = url
         started.append(proc)
         return url
 
+    def kill(url):
+        """SIGKILL the server at ``url`` (a crash; it is not checked at the end)."""
+        proc = next(p for p in started if p.url == url)
+        proc.kill()
+        proc.wait()
+        started.remove(proc)
+
+    launch.kill = kill
     yield launch
     for proc in started:
         proc.send_signal(signal.SIGTERM)

@@ -15,7 +15,8 @@ Wire format (HTTP/1.1, JSON unless noted)
   version the samples were drawn with.
 - ``POST /update_weights?upload=ID&part=K&last=0|1``: the body is a safetensors file of
   some of the weights (parts of at most ``chunk_bytes`` keep the client's extra memory
-  bounded). When the last part arrives the server checks the whole set against its
+  bounded); or, with ``&file=NAME`` and an empty body, the part is the file ``NAME`` in the
+  server's ``--weights-dir`` (written there by a client on the same host). When the last part arrives the server checks the whole set against its
   checkpoint (every name once, shapes, floating dtypes), loads it into the engine, resets
   the prefix cache and answers with the new weights version.
 
@@ -35,8 +36,11 @@ training on samples from a policy that is not the trainer's. One trainer per ser
 from __future__ import annotations
 
 import base64
+import contextlib
 import dataclasses
+import http.client
 import json
+import os
 import time
 import urllib.error
 import urllib.parse
@@ -48,13 +52,27 @@ import torch
 
 from fastrl.rollout.base import RolloutBatch, RolloutStats, SamplingConfig, validate_prompts
 
-__all__ = ["VLLMServerSampler", "ServerError"]
+__all__ = ["VLLMServerSampler", "ServerError", "ServerTimeout", "ServerUnavailable"]
 
 DEFAULT_CHUNK_BYTES = 512 << 20
 
 
+def marker_name(instance: str) -> str:
+    """The file a server with ``--weights-dir`` keeps there: a client that sees it shares the
+    server's filesystem."""
+    return f".fastrl-vllm-server-{instance}"
+
+
 class ServerError(RuntimeError):
     """The server failed while handling a request (HTTP 500); its message is included."""
+
+
+class ServerUnavailable(ConnectionError):
+    """Nothing answers at the server's address (not started, stopped, or killed)."""
+
+
+class ServerTimeout(TimeoutError):
+    """A request took longer than the client's ``timeout``."""
 
 
 _WIRE_DTYPES = {torch.int32: "<i4", torch.float32: "<f4"}
@@ -101,6 +119,12 @@ class VLLMServerSampler:
         connect_timeout: seconds to keep retrying a refused connection at start (a server
             that is still loading its model).
         chunk_bytes: largest weights part per request.
+        weights_transport: how ``update_weights`` sends the weights. ``http``: in the request
+            bodies. ``file``: as safetensors files in the server's ``--weights-dir`` (the
+            server reads them from there: several times faster on one host, e.g. with
+            ``/dev/shm``). ``auto`` (default): ``file`` when the server has a weights
+            directory and this process sees the server's marker file in it (the same
+            filesystem), else ``http``.
     """
 
     def __init__(
@@ -110,6 +134,7 @@ class VLLMServerSampler:
         timeout: float = 1800.0,
         connect_timeout: float = 30.0,
         chunk_bytes: int = DEFAULT_CHUNK_BYTES,
+        weights_transport: str = "auto",
     ) -> None:
         parsed = urllib.parse.urlparse(url)
         if parsed.scheme not in ("http", "https") or not parsed.netloc:
@@ -130,6 +155,17 @@ class VLLMServerSampler:
         self.instance: str = str(info["instance"])
         # None until this client pushes weights: then every generation must carry this version
         self.expected_version: int | None = None
+        if weights_transport not in ("auto", "http", "file"):
+            raise ValueError(f"weights_transport must be auto, http or file, got {weights_transport!r}")
+        served_dir = info.get("weights_dir")
+        shared = served_dir is not None and os.path.exists(os.path.join(served_dir, marker_name(self.instance)))
+        if weights_transport == "file" and not shared:
+            raise ValueError(
+                f"weights_transport='file' needs a server started with --weights-dir on this machine's filesystem "
+                f"(the server at {self.url} has weights_dir={served_dir!r}, and its marker file is not visible here)"
+            )
+        # where update_weights writes its files (None: the weights go in the request bodies)
+        self.weights_dir: str | None = served_dir if shared and weights_transport != "http" else None
 
     # ------------------------------------------------------------------ transport
     def _request(self, method: str, path: str, body: bytes | None = None, content_type: str = "application/json") -> dict:
@@ -150,13 +186,18 @@ class VLLMServerSampler:
             raise ServerError(f"vLLM server {self.url}{path} failed: {message}") from None
         except urllib.error.URLError as e:
             if isinstance(e.reason, TimeoutError):
-                raise TimeoutError(f"vLLM server {self.url}{path}: no answer within {self.timeout:g} s") from None
-            raise ConnectionError(
+                raise ServerTimeout(f"vLLM server {self.url}{path}: no answer within {self.timeout:g} s") from None
+            raise ServerUnavailable(
                 f"no fastrl vLLM server answers at {self.url} ({e.reason}); start one with "
                 "`fastrl vllm-server --model DIR --port PORT`"
             ) from None
         except TimeoutError:
-            raise TimeoutError(f"vLLM server {self.url}{path}: no answer within {self.timeout:g} s") from None
+            raise ServerTimeout(f"vLLM server {self.url}{path}: no answer within {self.timeout:g} s") from None
+        except (ConnectionError, http.client.HTTPException) as e:  # the server went away mid-request
+            raise ServerUnavailable(
+                f"the vLLM server at {self.url} dropped the connection during {path.split('?')[0]} "
+                f"({type(e).__name__}: {e}); is it still running?"
+            ) from None
         try:
             return json.loads(payload.decode("utf-8"))
         except ValueError:
@@ -167,7 +208,7 @@ class VLLMServerSampler:
         while True:
             try:
                 info = self._request("GET", "/info")
-            except ConnectionError:
+            except ServerUnavailable:
                 if time.monotonic() >= deadline:
                     raise
                 time.sleep(0.5)
@@ -178,13 +219,13 @@ class VLLMServerSampler:
 
     def _check_weights(self, answer: dict) -> None:
         if answer.get("instance") != self.instance:
-            raise RuntimeError(
+            raise ServerError(
                 f"the vLLM server at {self.url} restarted (instance {answer.get('instance')}, was {self.instance}): it runs the "
                 "weights on its disk, not this trainer's; restart the run from its last checkpoint"
             )
         version = int(answer["weights_version"])
         if self.expected_version is not None and version != self.expected_version:
-            raise RuntimeError(
+            raise ServerError(
                 f"the vLLM server at {self.url} holds weights version {version}, this trainer pushed version "
                 f"{self.expected_version}: another client updated its weights (one trainer per server)"
             )
@@ -243,7 +284,7 @@ class VLLMServerSampler:
         any device and float dtype) in safetensors parts; the server reloads them into its
         engine and resets its prefix cache when the last part is in. Returns the server's new
         weights version, which every later generation must carry."""
-        from safetensors.torch import save
+        from safetensors.torch import save, save_file
 
         def parts() -> Iterable[dict[str, torch.Tensor]]:
             part: dict[str, torch.Tensor] = {}
@@ -262,20 +303,36 @@ class VLLMServerSampler:
                 yield part
 
         upload = uuid.uuid4().hex
-        # serialise one part ahead: the count of parts goes with every request
-        pending: bytes | None = None
-        index = 0
-        for part in parts():
-            data = save(part)
-            if pending is not None:
-                self._request("POST", f"/update_weights?upload={upload}&part={index}&last=0", pending, "application/octet-stream")
-                index += 1
-            pending = data
-        if pending is None:
-            raise ValueError("named_tensors is empty")
-        answer = self._request("POST", f"/update_weights?upload={upload}&part={index}&last=1", pending, "application/octet-stream")
+        written: list[str] = []
+
+        def send(index: int, part: dict[str, torch.Tensor], last: bool) -> dict:
+            query = f"/update_weights?upload={upload}&part={index}&last={int(last)}"
+            if self.weights_dir is None:
+                return self._request("POST", query, save(part), "application/octet-stream")
+            name = f"{upload}-{index}.safetensors"
+            path = os.path.join(self.weights_dir, name)
+            written.append(path)
+            save_file(part, path)
+            return self._request("POST", f"{query}&file={name}", b"", "application/octet-stream")
+
+        try:
+            # one part ahead: a part is sent once it is known whether it is the last
+            pending: dict[str, torch.Tensor] | None = None
+            index = 0
+            for part in parts():
+                if pending is not None:
+                    send(index, pending, last=False)
+                    index += 1
+                pending = part
+            if pending is None:
+                raise ValueError("named_tensors is empty")
+            answer = send(index, pending, last=True)
+        finally:
+            for path in written:
+                with contextlib.suppress(OSError):
+                    os.remove(path)
         if answer.get("instance") != self.instance:
-            raise RuntimeError(f"the vLLM server at {self.url} restarted during the weight update")
+            raise ServerError(f"the vLLM server at {self.url} restarted during the weight update")
         self.expected_version = int(answer["weights_version"])
         return self.expected_version
 

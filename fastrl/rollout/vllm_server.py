@@ -24,7 +24,9 @@ anyone who can reach it can replace its weights.
 from __future__ import annotations
 
 import argparse
+import contextlib
 import json
+import os
 import queue
 import signal
 import sys
@@ -40,7 +42,7 @@ from typing import Any
 import torch
 
 from fastrl.rollout.base import RolloutStats, SamplingConfig
-from fastrl.rollout.remote import encode_array, sampling_from_json, sampling_to_json
+from fastrl.rollout.remote import encode_array, marker_name, sampling_from_json, sampling_to_json
 
 __all__ = ["SamplerService", "add_server_arguments", "run_server", "serve"]
 
@@ -75,7 +77,7 @@ class SamplerService:
     """The engine thread and the state behind the HTTP handlers (usable without HTTP)."""
 
     def __init__(self, sampler: Any, *, coalesce_seconds: float = 0.02, weight_shapes: dict[str, tuple[int, ...]] | None = None,
-                 tied_embeddings: bool = False) -> None:
+                 tied_embeddings: bool = False, weights_dir: str | None = None) -> None:
         self.sampler = sampler
         # the checkpoint's weights by name: an upload must match them before it reaches the
         # engine (a wrong-shaped reload was seen to leave vLLM unable to load even good weights)
@@ -91,6 +93,12 @@ class SamplerService:
         self._upload_id: str | None = None
         self._upload_parts: list[tuple[str, torch.Tensor]] = []
         self._upload_next = 0
+        # clients on this host write weight parts here (see remote.marker_name)
+        self.weights_dir = None if weights_dir is None else os.path.abspath(weights_dir)
+        if self.weights_dir is not None:
+            os.makedirs(self.weights_dir, exist_ok=True)
+            with open(os.path.join(self.weights_dir, marker_name(self.instance)), "w") as f:
+                f.write(f"fastrl vllm-server {self.instance}, pid {os.getpid()}\n")
         self._thread = threading.Thread(target=self._engine_loop, name="fastrl-vllm-engine", daemon=True)
         self._thread.start()
 
@@ -102,7 +110,7 @@ class SamplerService:
             "vocab_size": s.vocab_size, "max_model_len": s.max_model_len, "eos_token_ids": list(s.eos_token_ids),
             "pad_token_id": s.pad_token_id, "block_size": s.block_size, "prefix_caching": s.prefix_caching,
             "engine_calls": self.engine_calls, "weights_error": self.weights_error,
-            "model": model_summary(s.llm.llm_engine.model_config.hf_config),
+            "model": model_summary(s.llm.llm_engine.model_config.hf_config), "weights_dir": self.weights_dir,
         }
 
     def generate(self, request: Any) -> dict[str, Any]:
@@ -126,14 +134,28 @@ class SamplerService:
         self._jobs.put(job)
         return job.future.result()
 
-    def upload(self, upload_id: str, part: int, last: bool, body: bytes) -> dict[str, Any]:
-        """One safetensors part of a weight update; the last one loads them all."""
-        from safetensors.torch import load
+    def upload(self, upload_id: str, part: int, last: bool, body: bytes, file: str | None = None) -> dict[str, Any]:
+        """One safetensors part of a weight update (the body, or ``file`` in the weights
+        directory); the last one loads them all."""
+        from safetensors.torch import load, load_file
 
-        try:
-            tensors = load(body)
-        except Exception as e:  # noqa: BLE001 - whatever safetensors says about bad bytes
-            raise BadRequest(f"the body is not a safetensors file: {e}") from None
+        if file is not None:
+            if self.weights_dir is None:
+                raise BadRequest("this server has no --weights-dir: send the weights in the request body")
+            if os.path.basename(file) != file or not file.endswith(".safetensors"):
+                raise BadRequest(f"file must be the name of a .safetensors file in the weights directory, got {file!r}")
+            path = os.path.join(self.weights_dir, file)
+            try:
+                tensors = load_file(path)
+            except FileNotFoundError:
+                raise BadRequest(f"no file {file!r} in the server's weights directory {self.weights_dir}") from None
+            except Exception as e:  # noqa: BLE001 - whatever safetensors says about a bad file
+                raise BadRequest(f"{file} is not a safetensors file: {e}") from None
+        else:
+            try:
+                tensors = load(body)
+            except Exception as e:  # noqa: BLE001 - whatever safetensors says about bad bytes
+                raise BadRequest(f"the body is not a safetensors file: {e}") from None
         with self._uploads_lock:
             if part == 0:  # a new upload replaces an unfinished one (its client died or gave up)
                 self._upload_id, self._upload_parts, self._upload_next = upload_id, [], 0
@@ -177,6 +199,9 @@ class SamplerService:
     def close(self) -> None:
         self._jobs.put(None)
         self._thread.join(timeout=60)
+        if self.weights_dir is not None:
+            with contextlib.suppress(OSError):
+                os.remove(os.path.join(self.weights_dir, marker_name(self.instance)))
 
     # ------------------------------------------------------------------ engine thread
     def _engine_loop(self) -> None:
@@ -347,7 +372,8 @@ def _handler(service: SamplerService, quiet: bool):
                         upload, part, last = q["upload"][0], int(q["part"][0]), q["last"][0] == "1"
                     except (KeyError, ValueError):
                         raise BadRequest("update_weights needs ?upload=ID&part=K&last=0|1") from None
-                    return service.upload(upload, part, last, self._body())
+                    file = q.get("file", [None])[0]
+                    return service.upload(upload, part, last, self._body(), file=file)
 
                 self._answer(work)
             else:
@@ -384,6 +410,9 @@ def add_server_arguments(parser: argparse.ArgumentParser) -> argparse.ArgumentPa
                         help="KV-cache size in GiB (CPU default 0.25; GPU default: vLLM's sizing)")
     parser.add_argument("--gpu-memory-utilization", type=float, default=None, help="vLLM's share of GPU memory")
     parser.add_argument("--seed", type=int, default=0, help="engine seed (requests without seeds)")
+    parser.add_argument("--weights-dir", default=None,
+                        help="a directory (e.g. /dev/shm/fastrl) where trainers on this host leave weight updates as files "
+                             "instead of sending them over HTTP (several times faster); clients find it themselves")
     parser.add_argument("--coalesce-ms", type=float, default=20.0,
                         help="wait this long for other ranks' requests to batch with a seeded one (0: never wait)")
     parser.add_argument("--verbose", action="store_true", help="log every HTTP request")
@@ -405,7 +434,8 @@ def run_server(args: argparse.Namespace) -> int:
     )
     hf_config = sampler.llm.llm_engine.model_config.hf_config
     service = SamplerService(sampler, coalesce_seconds=args.coalesce_ms / 1000.0, weight_shapes=checkpoint_shapes(args.model),
-                             tied_embeddings=bool(getattr(hf_config, "tie_word_embeddings", False)))
+                             tied_embeddings=bool(getattr(hf_config, "tie_word_embeddings", False)),
+                             weights_dir=args.weights_dir)
     server.RequestHandlerClass = _handler(service, quiet=not args.verbose)
     host, port = server.server_address[:2]
 

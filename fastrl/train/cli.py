@@ -69,6 +69,7 @@ def parse_train_args(argv: list[str]) -> TrainConfig:
 
 def run_train(argv: list[str]) -> int:
     config = parse_train_args(argv)
+    from fastrl.rollout.remote import ServerError, ServerTimeout, ServerUnavailable
     from fastrl.train.trainer import Trainer, TrainingDivergedError, WeightSyncError
 
     try:
@@ -77,6 +78,11 @@ def run_train(argv: list[str]) -> int:
     except (TrainingDivergedError, WeightSyncError) as e:
         print(f"fastrl train: stopped: {e}", file=sys.stderr)
         return 3
+    except (ServerError, ServerTimeout, ServerUnavailable) as e:
+        # the shared vLLM server failed, stopped or restarted: the run's checkpoints are intact
+        print(f"fastrl train: stopped: {e}\nStart the server again and continue the run with --resume latest "
+              f"(from the last checkpoint in {config.output_dir}).", file=sys.stderr)
+        return 4
     if os.environ.get("RANK", "0") != "0":  # torchrun: rank 0 reports
         return 0
     first, last = result.first_eval, result.last_eval

@@ -727,10 +727,11 @@ def plan_compare(argv: Sequence[str]) -> ComparePlan:
     """Parse and check everything before any run: unknown algorithms, a budget that does not
     parse or cannot hold one step, seeds < 1, train options that do not parse or that a
     comparison sets itself, and every algorithm's resolved configuration."""
-    from fastrl.train.cli import build_train_parser
+    from fastrl.train.cli import build_train_parser, expand_sampler_url
 
     parser = build_compare_parser()
     args, rest = parser.parse_known_args(list(argv))
+    rest = expand_sampler_url(rest)  # --sampler vllm-server URL
     unknown = [a for a in args.algorithms if a not in COMPARE_ALGORITHMS]
     if unknown:
         raise CompareError(f"--algorithms: unknown algorithm(s) {', '.join(map(repr, unknown))}; "

@@ -9,6 +9,7 @@ import json
 import threading
 import urllib.error
 import urllib.request
+from pathlib import Path
 
 import pytest
 import torch
@@ -40,7 +41,10 @@ def server(tmp_path_factory, launch_vllm_server):
     path = tmp_path_factory.mktemp("served")
     first, second = _model(0), _model(1)
     first.save_pretrained(path)
-    url = launch_vllm_server(path, "--max-model-len", str(MAX_LEN), "--kv-cache-gib", "0.03", "--coalesce-ms", "200")
+    # a weights directory: clients in this process upload through files there ("auto");
+    # the trainer tests' server (tests/conftest.py) has none, so they upload over HTTP
+    url = launch_vllm_server(path, "--max-model-len", str(MAX_LEN), "--kv-cache-gib", "0.03", "--coalesce-ms", "200",
+                             "--weights-dir", str(tmp_path_factory.mktemp("weights")))
     return url, first, second
 
 
@@ -66,11 +70,15 @@ def test_the_client_is_a_group_sampler_and_reads_the_model(server):
     assert (s.vocab_size, s.max_model_len, s.eos_token_ids) == (256, MAX_LEN, (EOS,))
 
 
-def test_samples_and_logprobs_match_hugging_face_after_a_weight_push(server):
+@pytest.mark.parametrize("transport", ["file", "http"])
+def test_samples_and_logprobs_match_hugging_face_after_a_weight_push(server, transport):
     url, first, second = server
-    s = VLLMServerSampler(url)
+    s = VLLMServerSampler(url, weights_transport=transport, chunk_bytes=128 << 10)  # several parts
+    assert (s.weights_dir is not None) == (transport == "file")
     for model in (second, first):  # push, then push back: the engine runs what was pushed last
         version = s.update_weights(model.state_dict().items())
+        if s.weights_dir is not None:  # the parts are gone once the server has them; its marker stays
+            assert [p.name for p in Path(s.weights_dir).iterdir()] == [f".fastrl-vllm-server-{s.instance}"]
         assert version == s.expected_version == info(url)["weights_version"]
         greedy = s.generate(PROMPTS, group_size=2, sampling=SamplingConfig(greedy=True, max_new_tokens=8))
         with torch.no_grad():
@@ -127,6 +135,10 @@ def test_a_generation_with_weights_pushed_by_another_client_is_refused(server):
     with pytest.raises(RuntimeError, match="another client updated its weights"):
         mine.generate(PROMPTS[:1], group_size=1, sampling=SamplingConfig(greedy=True, max_new_tokens=2))
     mine.update_weights(first.state_dict().items())
+    # a server that restarted (another instance id) runs the weights on its disk, not the trainer's
+    mine.instance = "a server that is gone"
+    with pytest.raises(RuntimeError, match="restarted"):
+        mine.generate(PROMPTS[:1], group_size=1, sampling=SamplingConfig(greedy=True, max_new_tokens=2))
 
 
 def test_a_wrong_weight_upload_is_refused_before_it_reaches_the_engine(server):
@@ -177,6 +189,10 @@ def test_bad_requests_are_refused_with_a_message_and_the_server_stays_up(server)
     assert code == 400 and "safetensors" in msg
     code, msg = post("/update_weights?upload=x&part=3&last=1", _safetensors_bytes())
     assert code == 400 and "out of order" in msg
+    code, msg = post("/update_weights?upload=x&part=0&last=1&file=../../etc/passwd.safetensors", b"")
+    assert code == 400 and "in the weights directory" in msg
+    code, msg = post("/update_weights?upload=x&part=0&last=1&file=nope.safetensors", b"")
+    assert code == 400 and "no file 'nope.safetensors'" in msg
     assert post("/nope", b"")[0] == 404
     # still serving
     s.generate(PROMPTS[:1], group_size=1, sampling=SamplingConfig(greedy=True, max_new_tokens=2))
@@ -200,3 +216,9 @@ def test_no_server_is_a_connection_error_naming_the_url():
         VLLMServerSampler("http://127.0.0.1:9", connect_timeout=0)
     with pytest.raises(ValueError, match="http://host:port"):
         VLLMServerSampler("127.0.0.1:8000")
+
+
+def test_file_transport_needs_a_server_with_a_weights_directory(builtin_model_server):
+    assert VLLMServerSampler(builtin_model_server).weights_dir is None  # auto: over HTTP
+    with pytest.raises(ValueError, match="needs a server started with --weights-dir"):
+        VLLMServerSampler(builtin_model_server, weights_transport="file")

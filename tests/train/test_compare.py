@@ -20,6 +20,7 @@ from fastrl.train.compare import (
     format_table,
     mean_std,
     parse_budget,
+    plan_compare,
     reward_drop,
     run_metrics,
     summarize,
@@ -310,3 +311,9 @@ def test_the_hybrid_runs_ppo_from_the_grpo_policy(tmp_path, capsys):
     assert run["cost"]["steps"] == 3 and run["curve"]["step"] == [1, 2, 3]
     assert "values" in run["cost"]["stage_seconds"]  # the PPO phase ran its critic
     assert [e["step"] for e in run["evals"]] == [0, 1, 2, 3]
+
+
+def test_train_options_take_the_vllm_server_form():
+    plan = plan_compare(["--algorithms", "grpo", "ppo", "--budget", "2-steps", "--sampler", "vllm-server",
+                         "http://127.0.0.1:8000", "--sft_steps", "0"])
+    assert plan.user_fields["sampler"] == "vllm-server" and plan.base.sampler_url == "http://127.0.0.1:8000"

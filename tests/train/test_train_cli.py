@@ -191,6 +191,47 @@ def test_the_vllm_server_sampler_needs_its_address(capsys, tmp_path):
         main(["train", "--sampler", "vllm-server", "--steps", "1"])
     assert e.value.code == 2 and "needs the server's address" in capsys.readouterr().err
     # an unreachable server stops the run before the warm-up (which would take minutes here)
-    with pytest.raises(ConnectionError, match="no fastrl vLLM server answers at http://127.0.0.1:9"):
-        main(["train", "--sampler", "vllm-server", "http://127.0.0.1:9", "--sampler_timeout", "1", "--steps", "1",
-              "--output_dir", str(tmp_path / "run")])
+    assert main(["train", "--sampler", "vllm-server", "http://127.0.0.1:9", "--sampler_timeout", "1", "--steps", "1",
+                 "--output_dir", str(tmp_path / "run")]) == 4
+    err = capsys.readouterr().err
+    assert "no fastrl vLLM server answers at http://127.0.0.1:9" in err and "--resume latest" in err
+
+
+def test_a_server_killed_mid_run_stops_the_run_and_it_resumes_on_another(launch_vllm_server, builtin_model_server, tmp_path):
+    """SIGKILL of the run's vllm-server while it trains: the run stops with exit code 4 and
+    says how to go on; `--resume latest` with a (re)started server finishes the run."""
+    import time
+
+    from fastrl.train.task import DefaultTask, char_tokenizer, tiny_model
+
+    default = DefaultTask()
+    model_dir = tmp_path / "served"
+    tiny_model(char_tokenizer(), hidden_size=128, layers=1, heads=default.heads, arch=default.arch,
+               max_position_embeddings=default.max_position_embeddings, seed=0).save_pretrained(model_dir)
+    doomed = launch_vllm_server(model_dir, "--kv-cache-gib", "0.03")
+    out = tmp_path / "run"
+    args = [*server_run_args(tmp_path, out), "--steps", "40", "--save_every", "1", "--eval_every", "0"]
+    env = {**os.environ, "PYTHONPATH": str(REPO)}
+    proc = subprocess.Popen([sys.executable, "-m", "fastrl.cli", "train", *args, "--sampler", "vllm-server", doomed],
+                            env=env, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True)
+    try:
+        deadline = time.time() + 300
+        while time.time() < deadline and proc.poll() is None and not list((out / "checkpoints").glob("step-*/trainer_state.json")):
+            time.sleep(0.05)
+        assert proc.poll() is None, "the run ended before its server could be killed"
+        launch_vllm_server.kill(doomed)
+        _, err = proc.communicate(timeout=120)
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+    assert proc.returncode == 4, err[-3000:]
+    assert f"the vLLM server at {doomed}" in err or f"no fastrl vLLM server answers at {doomed}" in err, err[-3000:]
+    assert "--resume latest" in err and not (out / "final").exists()
+    done = json.loads(sorted((out / "checkpoints").glob("step-*/trainer_state.json"))[-1].read_text())["step"]
+    # another server (a restarted one): the resumed run pushes the checkpoint's weights first
+    steps = str(done + 1)
+    assert main(["train", *args, "--steps", steps, "--resume", "latest", "--sampler", "vllm-server", builtin_model_server]) == 0
+    logged = [json.loads(line) for line in (out / "metrics.jsonl").read_text().splitlines()]
+    last = [s for s in logged if "event" not in s][-1]
+    assert last["step"] == done + 1 and last["sync/probe_gap"] < 1e-3
+    assert (out / "final" / "config.json").exists()
