@@ -218,10 +218,20 @@ class SamplerService:
                 except queue.Empty:
                     break
                 if nxt is None:
-                    self._run(batch)
+                    self._run_guarded(batch)
                     return
                 batch.append(nxt)
-            self._run(batch)
+            self._run_guarded(batch)
+
+    def _run_guarded(self, jobs: list) -> None:
+        """``_run``, and whatever escapes it answers the requests still waiting (the engine
+        thread must outlive any one request, or every later client would wait forever)."""
+        try:
+            self._run(jobs)
+        except Exception as e:  # noqa: BLE001
+            for job in jobs:
+                if not job.future.done():
+                    job.future.set_exception(RuntimeError(f"the server failed on this request: {type(e).__name__}: {e}"))
 
     def _run(self, jobs: list) -> None:
         """Run ``jobs`` in order, merging runs of consecutive generations with one merge key."""
@@ -428,7 +438,11 @@ def run_server(args: argparse.Namespace) -> int:
     if args.gpu_memory_utilization is not None:
         kwargs["gpu_memory_utilization"] = args.gpu_memory_utilization
     # fail on a busy port before the (slow) engine start
-    server = serve(None, args.host, args.port, quiet=not args.verbose)  # type: ignore[arg-type]
+    try:
+        server = serve(None, args.host, args.port, quiet=not args.verbose)  # type: ignore[arg-type]
+    except OSError as e:
+        print(f"fastrl vllm-server: error: cannot listen on {args.host}:{args.port}: {e.strerror or e}", file=sys.stderr)
+        return 2
     sampler = VLLMGroupSampler(
         args.model, dtype=args.dtype, block_size=args.block_size, max_model_len=args.max_model_len, seed=args.seed, **kwargs
     )

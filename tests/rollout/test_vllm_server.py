@@ -222,3 +222,13 @@ def test_file_transport_needs_a_server_with_a_weights_directory(builtin_model_se
     assert VLLMServerSampler(builtin_model_server).weights_dir is None  # auto: over HTTP
     with pytest.raises(ValueError, match="needs a server started with --weights-dir"):
         VLLMServerSampler(builtin_model_server, weights_transport="file")
+
+
+def test_a_busy_port_is_a_one_line_error_before_the_engine_starts(server):
+    import subprocess
+    import sys
+
+    port = server[0].rsplit(":", 1)[1]
+    proc = subprocess.run([sys.executable, "-m", "fastrl.cli", "vllm-server", "--model", "/nonexistent", "--port", port],
+                          capture_output=True, text=True, timeout=120)
+    assert proc.returncode == 2 and f"cannot listen on 127.0.0.1:{port}" in proc.stderr, proc.stderr[-2000:]
