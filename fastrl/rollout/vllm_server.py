@@ -111,6 +111,7 @@ class SamplerService:
             "pad_token_id": s.pad_token_id, "block_size": s.block_size, "prefix_caching": s.prefix_caching,
             "engine_calls": self.engine_calls, "weights_error": self.weights_error,
             "model": model_summary(s.llm.llm_engine.model_config.hf_config), "weights_dir": self.weights_dir,
+            "engine": engine_summary(s.llm.llm_engine.vllm_config),
         }
 
     def generate(self, request: Any) -> dict[str, Any]:
@@ -328,6 +329,18 @@ def checkpoint_shapes(model_dir: str) -> dict[str, tuple[int, ...]] | None:
     return shapes
 
 
+def engine_summary(vllm_config: Any) -> dict[str, Any]:
+    """What the engine runs with (a client can check that its --engine-arg took effect)."""
+    return {
+        "dtype": str(vllm_config.model_config.dtype).removeprefix("torch."),
+        "max_num_seqs": vllm_config.scheduler_config.max_num_seqs,
+        "max_num_batched_tokens": vllm_config.scheduler_config.max_num_batched_tokens,
+        "enable_chunked_prefill": vllm_config.scheduler_config.enable_chunked_prefill,
+        "tensor_parallel_size": vllm_config.parallel_config.tensor_parallel_size,
+        "block_size": vllm_config.cache_config.block_size,
+    }
+
+
 def model_summary(config: Any) -> dict[str, Any]:
     """The architecture fields a trainer's policy must share with the served model."""
     return {k: getattr(config, k, None) for k in MODEL_FIELDS}
@@ -425,14 +438,44 @@ def add_server_arguments(parser: argparse.ArgumentParser) -> argparse.ArgumentPa
                              "instead of sending them over HTTP (several times faster); clients find it themselves")
     parser.add_argument("--coalesce-ms", type=float, default=20.0,
                         help="wait this long for other ranks' requests to batch with a seeded one (0: never wait)")
+    parser.add_argument("--engine-arg", action="append", metavar="KEY=VALUE",
+                        help="any other vllm.LLM argument, repeatable (e.g. tensor_parallel_size=2, max_num_seqs=128, "
+                             "enable_chunked_prefill=true); values are read as JSON when they parse")
     parser.add_argument("--verbose", action="store_true", help="log every HTTP request")
     return parser
+
+
+# set by fastrl itself (the sampler's contract depends on them): not overridable
+_FIXED_ENGINE_ARGS = ("model", "skip_tokenizer_init", "logprobs_mode", "logits_processors", "worker_extension_cls",
+                      "disable_log_stats")
+
+
+def parse_engine_args(items: list[str]) -> dict[str, Any]:
+    """``KEY=VALUE`` strings as ``vllm.LLM`` keyword arguments; a value is read as JSON when it
+    parses (numbers, true/false, lists, objects), else kept as a string."""
+    out: dict[str, Any] = {}
+    for item in items:
+        key, sep, raw = item.partition("=")
+        key = key.strip().replace("-", "_")
+        if not sep or not key.isidentifier():
+            raise ValueError(f"--engine-arg takes KEY=VALUE (a vllm.LLM argument), got {item!r}")
+        if key in _FIXED_ENGINE_ARGS:
+            raise ValueError(f"--engine-arg {key} is set by fastrl vllm-server itself")
+        try:
+            out[key] = json.loads(raw)
+        except ValueError:
+            out[key] = raw
+    return out
 
 
 def run_server(args: argparse.Namespace) -> int:
     from fastrl.rollout.vllm import VLLMGroupSampler
 
-    kwargs: dict[str, Any] = {}
+    try:
+        kwargs = parse_engine_args(args.engine_arg or [])
+    except ValueError as e:
+        print(f"fastrl vllm-server: error: {e}", file=sys.stderr)
+        return 2
     if args.kv_cache_gib is not None:
         kwargs["kv_cache_memory_bytes"] = int(args.kv_cache_gib * (1 << 30))
     if args.gpu_memory_utilization is not None:

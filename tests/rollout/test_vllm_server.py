@@ -44,7 +44,7 @@ def server(tmp_path_factory, launch_vllm_server):
     # a weights directory: clients in this process upload through files there ("auto");
     # the trainer tests' server (tests/conftest.py) has none, so they upload over HTTP
     url = launch_vllm_server(path, "--max-model-len", str(MAX_LEN), "--kv-cache-gib", "0.03", "--coalesce-ms", "200",
-                             "--weights-dir", str(tmp_path_factory.mktemp("weights")))
+                             "--weights-dir", str(tmp_path_factory.mktemp("weights")), "--engine-arg", "max_num_seqs=96")
     return url, first, second
 
 
@@ -68,6 +68,10 @@ def test_the_client_is_a_group_sampler_and_reads_the_model(server):
     s = VLLMServerSampler(url)
     assert isinstance(s, GroupSampler)
     assert (s.vocab_size, s.max_model_len, s.eos_token_ids) == (256, MAX_LEN, (EOS,))
+    # --engine-arg reached vllm.LLM; the sampler's own settings hold
+    engine = s.info["engine"]
+    assert engine["max_num_seqs"] == 96 and engine["dtype"] == "float32" and engine["block_size"] == 32
+    assert engine["enable_chunked_prefill"] is False
 
 
 @pytest.mark.parametrize("transport", ["file", "http"])
@@ -224,7 +228,7 @@ def test_file_transport_needs_a_server_with_a_weights_directory(builtin_model_se
         VLLMServerSampler(builtin_model_server, weights_transport="file")
 
 
-def test_a_busy_port_is_a_one_line_error_before_the_engine_starts(server):
+def test_a_busy_port_or_a_bad_engine_arg_is_a_one_line_error_before_the_engine_starts(server):
     import subprocess
     import sys
 
@@ -232,3 +236,7 @@ def test_a_busy_port_is_a_one_line_error_before_the_engine_starts(server):
     proc = subprocess.run([sys.executable, "-m", "fastrl.cli", "vllm-server", "--model", "/nonexistent", "--port", port],
                           capture_output=True, text=True, timeout=120)
     assert proc.returncode == 2 and f"cannot listen on 127.0.0.1:{port}" in proc.stderr, proc.stderr[-2000:]
+    for bad, message in (("max_num_seqs", "takes KEY=VALUE"), ("logprobs_mode=raw_logprobs", "set by fastrl vllm-server itself")):
+        proc = subprocess.run([sys.executable, "-m", "fastrl.cli", "vllm-server", "--model", "/nonexistent", "--port", "0",
+                               "--engine-arg", bad], capture_output=True, text=True, timeout=120)
+        assert proc.returncode == 2 and message in proc.stderr, proc.stderr[-2000:]
