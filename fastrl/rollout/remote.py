@@ -141,6 +141,8 @@ class VLLMServerSampler:
             raise ValueError(f"the vLLM server URL must look like http://host:port, got {url!r}")
         if not timeout > 0 or not connect_timeout >= 0 or not (isinstance(chunk_bytes, int) and chunk_bytes > 0):
             raise ValueError("timeout must be > 0, connect_timeout >= 0 and chunk_bytes a positive int")
+        if weights_transport not in ("auto", "http", "file"):
+            raise ValueError(f"weights_transport must be auto, http or file, got {weights_transport!r}")
         self.url = url.rstrip("/")
         self.timeout = float(timeout)
         self.chunk_bytes = chunk_bytes
@@ -155,8 +157,6 @@ class VLLMServerSampler:
         self.instance: str = str(info["instance"])
         # None until this client pushes weights: then every generation must carry this version
         self.expected_version: int | None = None
-        if weights_transport not in ("auto", "http", "file"):
-            raise ValueError(f"weights_transport must be auto, http or file, got {weights_transport!r}")
         served_dir = info.get("weights_dir")
         shared = served_dir is not None and os.path.exists(os.path.join(served_dir, marker_name(self.instance)))
         if weights_transport == "file" and not shared:

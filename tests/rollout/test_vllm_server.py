@@ -220,6 +220,8 @@ def test_no_server_is_a_connection_error_naming_the_url():
         VLLMServerSampler("http://127.0.0.1:9", connect_timeout=0)
     with pytest.raises(ValueError, match="http://host:port"):
         VLLMServerSampler("127.0.0.1:8000")
+    with pytest.raises(ValueError, match="weights_transport must be"):
+        VLLMServerSampler("http://127.0.0.1:9", weights_transport="nccl")
 
 
 def test_file_transport_needs_a_server_with_a_weights_directory(builtin_model_server):
