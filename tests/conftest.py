@@ -96,20 +96,21 @@ def launch_vllm_server():
         assert "fastrl vllm-server: stopped" in "".join(proc.log)
 
 
-# The built-in task's model at the size the vLLM-server trainer tests use (head_dim 32: vLLM's
-# CPU attention does not support the default tiny width's head_dim 16).
-SERVED_BUILTIN = ("--model_hidden_size", "128", "--model_layers", "1")
-
-
 @pytest.fixture(scope="session")
-def builtin_model_server(launch_vllm_server, tmp_path_factory):
-    """A vllm-server for the built-in task's model with ``SERVED_BUILTIN`` (random weights:
-    every trainer pushes its own before sampling)."""
+def builtin_served_model_dir(tmp_path_factory):
+    """The built-in task's model as ``fastrl train --model_hidden_size 128 --model_layers 1``
+    builds it (head_dim 32: vLLM's CPU attention does not support the default tiny width's
+    head_dim 16), saved for a vllm-server (random weights: every trainer pushes its own)."""
     from fastrl.train.task import DefaultTask, char_tokenizer, tiny_model
 
     default = DefaultTask()
     path = tmp_path_factory.mktemp("builtin_served")
-    tok = char_tokenizer()
-    tiny_model(tok, hidden_size=128, layers=1, heads=default.heads, arch=default.arch,
+    tiny_model(char_tokenizer(), hidden_size=128, layers=1, heads=default.heads, arch=default.arch,
                max_position_embeddings=default.max_position_embeddings, seed=0).save_pretrained(path)
-    return launch_vllm_server(path, "--kv-cache-gib", "0.03")
+    return path
+
+
+@pytest.fixture(scope="session")
+def builtin_model_server(launch_vllm_server, builtin_served_model_dir):
+    """A vllm-server for ``builtin_served_model_dir``."""
+    return launch_vllm_server(builtin_served_model_dir, "--kv-cache-gib", "0.03")

@@ -1,6 +1,14 @@
 """Group samplers that encode each prompt once and share its KV cache across the group."""
 
-from fastrl.rollout.base import GroupSampler, RolloutBatch, RolloutStats, SamplingConfig, pack_batch, validate_prompts
+from fastrl.rollout.base import (
+    GroupSampler,
+    RolloutBatch,
+    RolloutStats,
+    SamplingConfig,
+    pack_batch,
+    validate_prompt_seeds,
+    validate_prompts,
+)
 from fastrl.rollout.hf import HFGroupSampler
 from fastrl.rollout.remote import VLLMServerSampler  # a client: needs neither vllm nor a GPU
 from fastrl.rollout.vllm import VLLMGroupSampler  # imports vllm only when constructed
@@ -14,5 +22,6 @@ __all__ = [
     "VLLMGroupSampler",
     "VLLMServerSampler",
     "pack_batch",
+    "validate_prompt_seeds",
     "validate_prompts",
 ]

@@ -141,6 +141,16 @@ def validate_prompts(prompts: object, *, group_size: object, vocab_size: int, ma
     return out
 
 
+def validate_prompt_seeds(prompt_seeds: Iterable[int] | None, count: int) -> list[int] | None:
+    """``prompt_seeds`` as a list of ints, one per prompt (ValueError otherwise); None stays None."""
+    if prompt_seeds is None:
+        return None
+    seeds = [int(s) for s in prompt_seeds]
+    if len(seeds) != count:
+        raise ValueError(f"prompt_seeds must have one seed per prompt ({count}), got {len(seeds)}")
+    return seeds
+
+
 def pack_batch(
     prompt_ids: list[list[int]],
     completion_ids: list[list[int]],

@@ -48,7 +48,7 @@ import torch.nn.functional as F
 
 from fastrl._checks import check_choice, resolve_backend
 from fastrl.ops.decode_attention import _dispatch, shared_prefix_decode_attention
-from fastrl.rollout.base import RolloutBatch, RolloutStats, SamplingConfig, validate_prompts
+from fastrl.rollout.base import RolloutBatch, RolloutStats, SamplingConfig, validate_prompt_seeds, validate_prompts
 
 ATTN_NAME = "fastrl_shared_prefix"
 _KV_KWARG = "fastrl_shared_prefix_kv"
@@ -317,8 +317,7 @@ class HFGroupSampler:
         gen = None
         uniforms = None
         if prompt_seeds is not None and not sampling.greedy:
-            if len(prompt_seeds) != N:
-                raise ValueError(f"prompt_seeds must have one seed per prompt ({N}), got {len(prompt_seeds)}")
+            prompt_seeds = validate_prompt_seeds(prompt_seeds, N)
             # drawn on the CPU: the same numbers on every device
             uniforms = torch.cat([
                 torch.rand(G, L, generator=torch.Generator().manual_seed(int(s)), dtype=torch.float64) for s in prompt_seeds

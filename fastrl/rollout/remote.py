@@ -50,7 +50,7 @@ from typing import Any, Iterable, Sequence
 
 import torch
 
-from fastrl.rollout.base import RolloutBatch, RolloutStats, SamplingConfig, validate_prompts
+from fastrl.rollout.base import RolloutBatch, RolloutStats, SamplingConfig, validate_prompt_seeds, validate_prompts
 
 __all__ = ["VLLMServerSampler", "ServerError", "ServerTimeout", "ServerUnavailable"]
 
@@ -253,11 +253,7 @@ class VLLMServerSampler:
             prompts, group_size=group_size, vocab_size=self.vocab_size, max_length=self.max_model_len,
             max_new_tokens=sampling.max_new_tokens,
         )
-        seeds = None
-        if prompt_seeds is not None:
-            seeds = [int(s) for s in prompt_seeds]
-            if len(seeds) != len(prompts):
-                raise ValueError(f"prompt_seeds must have one seed per prompt ({len(prompts)}), got {len(seeds)}")
+        seeds = validate_prompt_seeds(prompt_seeds, len(prompts))
         body = json.dumps({
             "prompts": prompts, "group_size": group_size, "sampling": sampling_to_json(sampling), "prompt_seeds": seeds,
         }).encode("utf-8")

@@ -66,7 +66,7 @@ from typing import TYPE_CHECKING, Any, Iterable, Sequence
 
 import torch
 
-from fastrl.rollout.base import RolloutBatch, RolloutStats, SamplingConfig, validate_prompts
+from fastrl.rollout.base import RolloutBatch, RolloutStats, SamplingConfig, validate_prompt_seeds, validate_prompts
 
 if TYPE_CHECKING:  # pragma: no cover
     from vllm import LLM
@@ -287,10 +287,7 @@ class VLLMGroupSampler:
                 "greedy sampling with temperature != 1 or top-k/top-p needs an engine built with "
                 "logits_processors=[fastrl.rollout._vllm_ext.GREEDY_PROCESSOR] (VLLMGroupSampler(path) does this)"
             )
-        if prompt_seeds is not None:
-            prompt_seeds = [int(x) for x in prompt_seeds]
-            if len(prompt_seeds) != len(prompts):
-                raise ValueError(f"prompt_seeds must have one seed per prompt ({len(prompts)}), got {len(prompt_seeds)}")
+        prompt_seeds = validate_prompt_seeds(prompt_seeds, len(prompts))
         seeded = sampling.seed is not None or prompt_seeds is not None
         if seeded and not sampling.greedy and not self._seeded_ok:
             raise ValueError(

@@ -64,7 +64,7 @@ class _Generate:
         greedy ones, and sampled ones whose every prompt has its own seed."""
         if not (self.sampling.greedy or self.prompt_seeds is not None):
             return None
-        return json.dumps([self.group_size, sampling_to_json(self.sampling), self.sampling.greedy], sort_keys=True)
+        return json.dumps([self.group_size, sampling_to_json(self.sampling)], sort_keys=True)
 
 
 @dataclass
@@ -126,12 +126,12 @@ class SamplerService:
             raise BadRequest(f"missing field {e.args[0]!r}") from None
         except (TypeError, ValueError) as e:
             raise BadRequest(str(e)) from None
-        if job.prompt_seeds is not None and (
-            not isinstance(job.prompt_seeds, list) or not all(isinstance(x, int) for x in job.prompt_seeds)
-        ):
-            raise BadRequest("prompt_seeds must be a list of ints")
-        if job.prompt_seeds is not None and (not isinstance(job.prompts, list) or len(job.prompt_seeds) != len(job.prompts)):
-            raise BadRequest("prompt_seeds must have one seed per prompt")
+        seeds = job.prompt_seeds
+        if seeds is not None:  # checked here, not coerced: this is JSON from the network
+            if not isinstance(seeds, list) or not all(isinstance(x, int) for x in seeds):
+                raise BadRequest("prompt_seeds must be a list of ints")
+            if not isinstance(job.prompts, list) or len(seeds) != len(job.prompts):
+                raise BadRequest("prompt_seeds must have one seed per prompt")
         self._jobs.put(job)
         return job.future.result()
 

@@ -469,29 +469,28 @@ class Trainer:
 
     def _push_weights(self) -> None:
         """The policy's current weights into a sampler that holds a copy of its own."""
-        if self.cfg.sampler == "vllm-server":
-            if self.sampler_model is None:
+        if self.sampler_model is None:  # one process
+            if not self.sampler_shares_weights:
                 self.sampler.update_weights(self.policy.state_dict().items())
-                return
-            # torchrun: refresh the full copy (checkpoints and the final model read it), then
-            # rank 0 uploads it; the others wait for its version (or its failure)
-            _copy_named_(self.sampler_model, dist_mod.full_named_tensors(self.policy))
-            version, error = 0, None
-            if self.is_main:
-                try:
-                    version = self.sampler.update_weights(self.sampler_model.state_dict().items())
-                except Exception as e:  # noqa: BLE001 - re-raised below, after every rank knows
-                    version, error = -(1 << 40), e
-            version = int(self._sum(version))
-            if error is not None:
-                raise error
-            if version < 0:
-                raise RuntimeError("rank 0 could not push the weights to the vLLM server (see its error)")
-            self.sampler.expect_weights_version(version)
-        elif self.sampler_model is not None:
-            self.sampler.update_weights(dist_mod.full_named_tensors(self.policy))
-        elif not self.sampler_shares_weights:
-            self.sampler.update_weights(self.policy.state_dict().items())
+            return
+        # torchrun: refresh the full copy (the HF sampler runs it; checkpoints and the final
+        # model read it)
+        _copy_named_(self.sampler_model, dist_mod.full_named_tensors(self.policy))
+        if self.cfg.sampler != "vllm-server":
+            return
+        # rank 0 uploads the copy to the shared server; the others wait for its version (or its failure)
+        version, error = 0, None
+        if self.is_main:
+            try:
+                version = self.sampler.update_weights(self.sampler_model.state_dict().items())
+            except Exception as e:  # noqa: BLE001 - re-raised below, after every rank knows
+                version, error = -(1 << 40), e
+        version = int(self._sum(version))
+        if error is not None:
+            raise error
+        if version < 0:
+            raise RuntimeError("rank 0 could not push the weights to the vLLM server (see its error)")
+        self.sampler.expect_weights_version(version)
 
     def _write_config(self) -> None:
         import yaml

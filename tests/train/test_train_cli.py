@@ -140,7 +140,7 @@ def test_unknown_surrogate_is_an_error_before_any_work(tmp_path):
     assert not (tmp_path / "run" / "metrics.jsonl").exists()
 
 
-# the built-in model at the width the session's vllm-server serves (tests/conftest.py: SERVED_BUILTIN)
+# the built-in model at the width the session's vllm-server serves (tests/conftest.py: builtin_served_model_dir)
 SERVED_BUILTIN = ["--model_hidden_size", "128", "--model_layers", "1"]
 
 
@@ -197,18 +197,13 @@ def test_the_vllm_server_sampler_needs_its_address(capsys, tmp_path):
     assert "no fastrl vLLM server answers at http://127.0.0.1:9" in err and "--resume latest" in err
 
 
-def test_a_server_killed_mid_run_stops_the_run_and_it_resumes_on_another(launch_vllm_server, builtin_model_server, tmp_path):
+def test_a_server_killed_mid_run_stops_the_run_and_it_resumes_on_another(launch_vllm_server, builtin_model_server,
+                                                                         builtin_served_model_dir, tmp_path):
     """SIGKILL of the run's vllm-server while it trains: the run stops with exit code 4 and
     says how to go on; `--resume latest` with a (re)started server finishes the run."""
     import time
 
-    from fastrl.train.task import DefaultTask, char_tokenizer, tiny_model
-
-    default = DefaultTask()
-    model_dir = tmp_path / "served"
-    tiny_model(char_tokenizer(), hidden_size=128, layers=1, heads=default.heads, arch=default.arch,
-               max_position_embeddings=default.max_position_embeddings, seed=0).save_pretrained(model_dir)
-    doomed = launch_vllm_server(model_dir, "--kv-cache-gib", "0.03")
+    doomed = launch_vllm_server(builtin_served_model_dir, "--kv-cache-gib", "0.03")
     out = tmp_path / "run"
     args = [*server_run_args(tmp_path, out), "--steps", "40", "--save_every", "1", "--eval_every", "0"]
     env = {**os.environ, "PYTHONPATH": str(REPO)}
