@@ -24,7 +24,7 @@ import torch
 from fastrl._checks import check_int, check_mask, check_scalar
 from fastrl.config import PolicyLossConfig
 
-__all__ = ["lm_head_params", "causal_lm_hidden_states", "causal_lm_logprobs", "causal_lm_policy_loss"]
+__all__ = ["lm_head_params", "causal_lm_decoder", "causal_lm_hidden_states", "causal_lm_logprobs", "causal_lm_policy_loss"]
 
 
 def lm_head_params(model: torch.nn.Module) -> tuple[torch.Tensor, torch.Tensor | None, float]:
@@ -60,7 +60,8 @@ def lm_head_params(model: torch.nn.Module) -> tuple[torch.Tensor, torch.Tensor |
     return head.weight, head.bias, mult
 
 
-def _decoder(model: torch.nn.Module) -> torch.nn.Module:
+def causal_lm_decoder(model: torch.nn.Module) -> torch.nn.Module:
+    """The decoder body of a Hugging Face causal LM (the model without its LM head)."""
     dec = model.get_decoder() if hasattr(model, "get_decoder") else None
     if dec is None or dec is model:
         dec = getattr(model, getattr(model, "base_model_prefix", "model"), None)
@@ -91,7 +92,7 @@ def causal_lm_hidden_states(
     if logits_to_keep is not None:
         if isinstance(logits_to_keep, bool) or not isinstance(logits_to_keep, int) or not 1 <= logits_to_keep <= T - 1:
             raise ValueError(f"logits_to_keep must be an int in [1, {T - 1}], got {logits_to_keep!r}")
-    out = _decoder(model)(input_ids=input_ids, attention_mask=attention_mask, use_cache=False, **model_kwargs)
+    out = causal_lm_decoder(model)(input_ids=input_ids, attention_mask=attention_mask, use_cache=False, **model_kwargs)
     hidden = out.last_hidden_state if hasattr(out, "last_hidden_state") else out[0]
     k = T - 1 if logits_to_keep is None else logits_to_keep
     return hidden[:, T - 1 - k : T - 1]

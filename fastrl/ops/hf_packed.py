@@ -37,7 +37,7 @@ import torch
 
 from fastrl._checks import check_choice, check_scalar
 from fastrl.config import PolicyLossConfig
-from fastrl.ops.hf import _decoder, lm_head_params
+from fastrl.ops.hf import causal_lm_decoder, lm_head_params
 from fastrl.ops.shared_prefix_attention import BACKENDS, PackedGroups, shared_prefix_attention
 
 __all__ = [
@@ -144,7 +144,7 @@ def packed_causal_lm_hidden_states(
         if name in model_kwargs:
             raise ValueError(f"{name} is set by the packed forward; do not pass it")
     with shared_prefix_attention_enabled(model):
-        out = _decoder(model)(
+        out = causal_lm_decoder(model)(
             input_ids=packed.input_ids, position_ids=packed.position_ids, use_cache=False,
             **{_LAYOUT_KWARG: packed.layout, _BACKEND_KWARG: attention_backend}, **model_kwargs,
         )

@@ -18,6 +18,7 @@ import torch
 from torch import nn
 
 from fastrl.ops.hf import causal_lm_hidden_states
+from fastrl.ops.stats import explained_variance  # noqa: F401  (its home is ops; imported here by older callers)
 
 VALUE_HEAD_FILE = "value_head.safetensors"
 CRITIC_MARKER = "fastrl_critic.json"
@@ -79,18 +80,3 @@ class ValueModel(nn.Module):
         if head.exists():
             critic.value_head.load_state_dict(load_file(head, device=str(device)))
         return critic
-
-
-def explained_variance(values: torch.Tensor, returns: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
-    """``1 - Var(returns - values) / Var(returns)`` over masked-in tokens (0-dim fp32).
-
-    1 is a perfect critic, 0 is no better than a constant, negative is worse. NaN when the
-    returns have no variance.
-    """
-    m = mask.bool()
-    r = returns.float()[m]
-    v = values.float()[m]
-    if r.numel() < 2:
-        return torch.tensor(float("nan"))
-    var_r = r.var(unbiased=False)
-    return 1.0 - (r - v).var(unbiased=False) / var_r

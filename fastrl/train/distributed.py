@@ -143,12 +143,6 @@ def config_fingerprint(config: Any) -> str:
 # ---------------------------------------------------------------------------- sharding
 
 
-def _decoder(model: torch.nn.Module) -> torch.nn.Module:
-    from fastrl.ops.hf import _decoder as find
-
-    return find(model)
-
-
 def _layers(decoder: torch.nn.Module) -> list[torch.nn.Module]:
     layers = getattr(decoder, "layers", None) or getattr(decoder, "h", None)
     if layers is None or not isinstance(layers, torch.nn.ModuleList):
@@ -166,7 +160,9 @@ def shard_causal_lm(model: torch.nn.Module, *, param_dtype: torch.dtype | None =
     """
     from torch.distributed.fsdp import FSDPModule, MixedPrecisionPolicy, fully_shard
 
-    decoder = _decoder(model)
+    from fastrl.ops.hf import causal_lm_decoder
+
+    decoder = causal_lm_decoder(model)
     kwargs: dict[str, Any] = {}
     if param_dtype is not None:
         kwargs["mp_policy"] = MixedPrecisionPolicy(param_dtype=param_dtype, reduce_dtype=torch.float32)

@@ -1,0 +1,51 @@
+"""Batch statistics of a training step, written once for one process and for ``torchrun``.
+Specification: ``fastrl/reference/stats.py``.
+
+Each statistic that spans the batch takes ``all_reduce=`` (a sum over ranks; the identity in
+one process, the default), so the formula is the same in both and only the partial sums
+travel between ranks.
+"""
+
+from __future__ import annotations
+
+from typing import Callable
+
+import torch
+
+__all__ = ["explained_variance", "masked_mean_std", "pooled_mean_std"]
+
+AllReduce = Callable[[torch.Tensor], torch.Tensor]
+
+
+def _identity(t: torch.Tensor) -> torch.Tensor:
+    return t
+
+
+def masked_mean_std(x: torch.Tensor, mask: torch.Tensor, *, all_reduce: AllReduce = _identity) -> tuple[torch.Tensor, torch.Tensor]:
+    """Mean and population std (0-dim) of ``x`` over masked-in entries of every rank's batch."""
+    n = all_reduce(mask.sum()).clamp(min=1)
+    mean = all_reduce((x * mask).sum()) / n
+    std = all_reduce(((x - mean) ** 2 * mask).sum()).div(n).sqrt()
+    return mean, std
+
+
+def pooled_mean_std(mean_sum: float, second_moment_sum: float, *, shards: int) -> tuple[float, float]:
+    """Mean and population std of the union of ``shards`` equal-sized shards, from the sums over
+    shards of their means and of their second moments ``std^2 + mean^2``."""
+    mean = mean_sum / shards
+    return mean, max(second_moment_sum / shards - mean**2, 0.0) ** 0.5
+
+
+def explained_variance(values: torch.Tensor, returns: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
+    """``1 - Var(returns - values) / Var(returns)`` over masked-in tokens (0-dim fp32).
+
+    1 is a perfect critic, 0 is no better than a constant, negative is worse. NaN with fewer
+    than two tokens; returns without variance give NaN (residuals without variance too) or -inf.
+    """
+    m = mask.bool()
+    r = returns.float()[m]
+    v = values.float()[m]
+    if r.numel() < 2:
+        return torch.tensor(float("nan"))
+    var_r = r.var(unbiased=False)
+    return 1.0 - (r - v).var(unbiased=False) / var_r
