@@ -1,10 +1,12 @@
 """Group samplers that encode each prompt once and share its KV cache across the group."""
 
 from fastrl.rollout.base import (
+    GroupRollout,
     GroupSampler,
     RolloutBatch,
     RolloutStats,
     SamplingConfig,
+    merge_rollouts,
     pack_batch,
     validate_prompt_seeds,
     validate_prompts,
@@ -14,6 +16,7 @@ from fastrl.rollout.remote import VLLMServerSampler  # a client: needs neither v
 from fastrl.rollout.vllm import VLLMGroupSampler  # imports vllm only when constructed
 
 __all__ = [
+    "GroupRollout",
     "GroupSampler",
     "HFGroupSampler",
     "RolloutBatch",
@@ -21,6 +24,7 @@ __all__ = [
     "SamplingConfig",
     "VLLMGroupSampler",
     "VLLMServerSampler",
+    "merge_rollouts",
     "pack_batch",
     "validate_prompt_seeds",
     "validate_prompts",

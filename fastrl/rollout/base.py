@@ -1,10 +1,11 @@
 """Types shared by every group sampler: the sampling settings, the batch a rollout
-returns, and the ``GroupSampler`` protocol."""
+returns (``RolloutBatch``), the batch with its scores (``GroupRollout``), and the
+``GroupSampler`` protocol."""
 
 from __future__ import annotations
 
 from dataclasses import dataclass, field
-from typing import Iterable, Protocol, runtime_checkable
+from typing import Any, Iterable, Protocol, runtime_checkable
 
 import torch
 
@@ -111,11 +112,80 @@ class RolloutBatch:
         )
 
 
+@dataclass
+class GroupRollout:
+    """One step's sampled groups with their scores: the sampler's batch, the dataset row of
+    each prompt, the decoded completions and the reward pool's results."""
+
+    batch: RolloutBatch
+    rows: list[dict[str, Any]]
+    """One dataset row per prompt."""
+    completions: list[str]
+    """Decoded, one per sample (batch order)."""
+    rewards: torch.Tensor
+    """``[B]`` fp32 outcome rewards (failed or timed-out reward calls already 0)."""
+    reward_metrics: dict[str, float]
+    per_function: dict[str, torch.Tensor]
+    """Each reward function's ``[B]`` scores."""
+
+    def group(self, g: int, group_size: int) -> slice:
+        """The samples of prompt ``g``."""
+        return slice(g * group_size, (g + 1) * group_size)
+
+
+def merge_rollouts(kept: list[tuple[GroupRollout, list[int]]], *, group_size: int, limit: int, pad_token_id: int) -> GroupRollout:
+    """One rollout from chosen groups of several (dynamic sampling), at most ``limit`` groups;
+    reward metrics are the rollouts' means, rollout statistics their sums."""
+    prompts, comps, logps, reasons, rows, texts, rewards = [], [], [], [], [], [], []
+    per_fn: dict[str, list[torch.Tensor]] = {}
+    metrics: dict[str, list[float]] = {}
+    stats = RolloutStats()
+    for ro, groups in kept:
+        for name, v in ro.reward_metrics.items():
+            metrics.setdefault(name, []).append(v)
+        for f in ("prefill_tokens_computed", "prefix_tokens_reused", "generated_tokens", "seconds"):
+            setattr(stats, f, getattr(stats, f) + getattr(ro.batch.stats, f))
+        for g in groups:
+            if len(rows) == limit:
+                break
+            rows.append(ro.rows[g])
+            prompts.append(ro.batch.prompt_ids[g])
+            sl = ro.group(g, group_size)
+            comps.extend(ro.batch.completion_ids[sl])
+            logps.extend(ro.batch.completion_logp[sl])
+            reasons.extend(ro.batch.finish_reasons[sl])
+            texts.extend(ro.completions[sl])
+            rewards.append(ro.rewards[sl])
+            for name, v in ro.per_function.items():
+                per_fn.setdefault(name, []).append(v[sl])
+    stats.prompts, stats.samples = len(prompts), len(comps)
+    batch = RolloutBatch.from_samples(prompts, comps, logps, reasons, group_size=group_size, pad_token_id=pad_token_id, stats=stats)
+    return GroupRollout(
+        batch, rows, texts, torch.cat(rewards),
+        {k: sum(v) / len(v) for k, v in metrics.items()},
+        {k: torch.cat(v) for k, v in per_fn.items()},
+    )
+
+
 @runtime_checkable
 class GroupSampler(Protocol):
-    def generate(self, prompts: list[list[int]], *, group_size: int, sampling: SamplingConfig) -> RolloutBatch: ...
+    """What the trainer asks of a sampler (``fastrl/train/build.py`` registers each one)."""
 
-    def update_weights(self, named_tensors: Iterable[tuple[str, torch.Tensor]]) -> None: ...
+    pad_token_id: int
+    """Id that right-pads the ``[B, T]`` batch."""
+
+    def generate(
+        self, prompts: list[list[int]], *, group_size: int, sampling: SamplingConfig, prompt_seeds: Iterable[int] | None = None
+    ) -> RolloutBatch:
+        """``group_size`` completions per prompt, flat in group order. ``prompt_seeds``: one
+        sampling seed per prompt (``validate_prompt_seeds``), so a prompt's samples do not
+        depend on which prompts share the call; None uses ``sampling.seed``."""
+        ...
+
+    def update_weights(self, named_tensors: Iterable[tuple[str, torch.Tensor]]) -> int | None:
+        """Load the policy's ``(name, tensor)`` pairs; returns the sampler's weights version
+        after the load (a server counts its loads), or None when it keeps none."""
+        ...
 
 
 def validate_prompts(prompts: object, *, group_size: object, vocab_size: int, max_length: int | None, max_new_tokens: int) -> list[list[int]]:
