@@ -207,3 +207,117 @@ def load_distributed_checkpoint(
         rng_path = directory / _rng_file(0)
     rng = torch.load(rng_path, map_location="cpu", weights_only=False)
     return state, rng
+
+
+# ---------------------------------------------------------------------------- a run's checkpoint
+class RunCheckpoint:
+    """What a training run checkpoints, named once: the policy with its optimizer and
+    scheduler, and the critic with its own when there is one. ``save``/``load`` pick the
+    single-process or the sharded (torchrun) format."""
+
+    def __init__(self, *, policy: torch.nn.Module, optimizer: Any, scheduler: Any, critic: Any = None,
+                 critic_optimizer: Any = None, critic_scheduler: Any = None):
+        self.policy, self.optimizer, self.scheduler = policy, optimizer, scheduler
+        self.critic, self.critic_optimizer, self.critic_scheduler = critic, critic_optimizer, critic_scheduler
+
+    def models(self) -> dict[str, Any]:
+        out: dict[str, Any] = {"policy": self.policy}
+        if self.critic is not None:
+            out["critic"] = self.critic
+        return out
+
+    def optimizers(self) -> dict[str, tuple[torch.nn.Module, torch.optim.Optimizer]]:
+        out = {"optimizer": (self.policy, self.optimizer)}
+        if self.critic is not None:
+            out["critic_optimizer"] = (self.critic, self.critic_optimizer)
+        return out
+
+    def schedulers(self) -> dict[str, Any]:
+        out = {"scheduler": self.scheduler}
+        if self.critic is not None:
+            out["critic_scheduler"] = self.critic_scheduler
+        return out
+
+    def objects(self) -> dict[str, Any]:
+        """Optimizers and schedulers by name (the single-process ``optim.pt``)."""
+        out: dict[str, Any] = {"optimizer": self.optimizer, "scheduler": self.scheduler}
+        if self.critic is not None:
+            out.update(critic_optimizer=self.critic_optimizer, critic_scheduler=self.critic_scheduler)
+        return out
+
+    def save(self, directory: Path, *, tokenizer: Any, state: dict[str, Any], keep: int, sharded: bool = False,
+             full_policy: torch.nn.Module | None = None, rank: int = 0, world_size: int = 1, barrier=None) -> Path:
+        """One checkpoint; ``sharded`` (torchrun, a collective): ``torch.distributed.checkpoint``
+        shards plus rank 0's Hugging Face copy of ``full_policy``."""
+        if not sharded:
+            return save_checkpoint(directory, models=self.models(), tokenizer=tokenizer, objects=self.objects(), state=state, keep=keep)
+        return save_distributed_checkpoint(
+            directory, models=self.models(), optimizers=self.optimizers(), schedulers=self.schedulers(),
+            state={**state, "world_size": world_size}, hf_policy=full_policy, tokenizer=tokenizer, rank=rank, barrier=barrier,
+            keep=keep,
+        )
+
+    def load(self, directory: Path, *, algorithm: str, sharded: bool = False, rank: int = 0) -> tuple[dict[str, Any], dict[str, Any]]:
+        """Restore the optimizers and schedulers (and under torchrun, the model shards) from
+        ``directory``; returns ``(trainer state, rng state)``. A sharded checkpoint loads in
+        any world size; a single-process one only without torchrun."""
+        if is_distributed_checkpoint(directory):
+            return load_distributed_checkpoint(directory, models=self.models(), optimizers=self.optimizers(),
+                                               schedulers=self.schedulers(), rank=rank)
+        if sharded:
+            raise ValueError(
+                f"resume: {directory} is a single-process checkpoint; resume it without torchrun (a torchrun run "
+                "writes sharded checkpoints that resume in any number of processes)"
+            )
+        state, objects, rng = load_checkpoint_state(directory)
+        check_algorithm(state, algorithm)
+        for name, obj in self.objects().items():
+            obj.load_state_dict(objects[name])
+        return state, rng
+
+
+def check_algorithm(state: dict[str, Any], algorithm: str) -> None:
+    """A checkpoint resumes only the algorithm that wrote it."""
+    if state.get("algorithm") != algorithm:
+        raise ValueError(f"resume: the checkpoint was written by algorithm {state.get('algorithm')!r}, this run is {algorithm!r}")
+
+
+def claim_output_dir(out: Path, *, names: tuple[str, ...], overwrite: bool) -> None:
+    """A new run never mixes its logs or checkpoints with an earlier run's: refuse an
+    ``output_dir`` that holds any of ``names`` (or with ``overwrite``, remove them)."""
+    previous = [out / n for n in names if (out / n).exists()]
+    if not previous:
+        return
+    if not overwrite:
+        raise ValueError(
+            f"output_dir {str(out)!r} already holds a run ({', '.join(p.name for p in previous)}): pass "
+            "resume=latest to continue it, overwrite=true to replace it, or choose another output_dir"
+        )
+    for p in previous:
+        shutil.rmtree(p) if p.is_dir() else p.unlink()
+
+
+def save_final(directory: Path, *, policy: torch.nn.Module, critic: Any, critic_dir: Path, tokenizer: Any, sharded: bool = False,
+               full_policy: torch.nn.Module | None = None, is_main: bool = True) -> None:
+    """The trained policy as a Hugging Face directory (with the tokenizer) and the critic beside
+    it. ``sharded`` (torchrun, a collective): the policy from the trainer's full copy, the
+    critic gathered from its shards; rank 0 writes."""
+    if not sharded:
+        policy.save_pretrained(directory, safe_serialization=True)
+        tokenizer.save_pretrained(directory)
+        if critic is not None:
+            critic.save(critic_dir)
+        return
+    import copy
+
+    from fastrl.train import distributed as dist_mod
+    from fastrl.train.critic import ValueModel
+
+    critic_state = dict(dist_mod.full_named_tensors(critic)) if critic is not None else None
+    if is_main:
+        full_policy.save_pretrained(directory, safe_serialization=True)
+        tokenizer.save_pretrained(directory)
+        if critic_state is not None:
+            gathered = ValueModel(copy.deepcopy(full_policy))
+            gathered.load_state_dict(critic_state, strict=False)
+            gathered.save(critic_dir)

@@ -7,6 +7,7 @@ values are Python floats (the trainer converts 0-dim tensors once per step, neve
 
 from __future__ import annotations
 
+import contextlib
 import json
 import math
 import os
@@ -122,3 +123,89 @@ def _jsonable(v: Any) -> Any:
     if isinstance(v, float) and not math.isfinite(v):
         return str(v)
     return v
+
+
+# ---------------------------------------------------------------------------- the trainer's metrics
+LOSS_SHARES = frozenset({"pg_loss", "kl_loss", "entropy_loss", "critic_loss"})
+"""Loss terms a micro-batch reports as its share of the mini-batch loss (global count): they add up."""
+
+_UPDATE_METRIC_NAMES = {
+    "pg_loss": "loss/pg", "clip_frac": "loss/clip_frac", "clip_frac_low": "loss/clip_frac_low",
+    "clip_frac_high": "loss/clip_frac_high", "dual_clip_frac": "loss/dual_clip_frac", "approx_kl": "kl/approx_old",
+    "ratio_mean": "ratio/mean", "ratio_min": "ratio/min", "ratio_max": "ratio/max", "kl_loss": "loss/kl",
+    "kl_ref_mean": "kl/ref", "entropy_loss": "loss/entropy", "entropy_mean": "entropy/mean",
+    "is_weight_mean": "rollout/is_weight_mean", "critic_loss": "critic/loss", "loss": "loss/total",
+}
+
+
+def update_metric_name(name: str) -> str:
+    """The logged name of a loss op's metric (``critic_*`` from the value loss)."""
+    if name in _UPDATE_METRIC_NAMES:
+        return _UPDATE_METRIC_NAMES[name]
+    if name.startswith("critic_"):
+        return "critic/" + name[len("critic_"):]
+    return "loss/" + name
+
+
+class SilentLogger:
+    """The logger of ranks other than 0 under torchrun: writes nothing."""
+
+    def log(self, *args, **kwargs) -> None: ...
+    def log_eval(self, *args, **kwargs) -> None: ...
+    def write_samples(self, *args, **kwargs) -> None: ...
+    def message(self, *args, **kwargs) -> None: ...
+    def close(self) -> None: ...
+
+
+class StageTimer:
+    """Seconds per stage of a step (``with timer("generate"): ...``), the device synchronised
+    at both ends so asynchronous GPU work is counted where it runs."""
+
+    def __init__(self, device: torch.device):
+        self.device = device
+        self.seconds: dict[str, float] = {}
+        self._sync = (lambda: torch.cuda.synchronize(device)) if device.type == "cuda" else (lambda: None)
+
+    @contextlib.contextmanager
+    def __call__(self, stage: str):
+        self._sync()
+        t0 = time.perf_counter()
+        try:
+            yield
+        finally:
+            self._sync()
+            self.seconds[stage] = self.seconds.get(stage, 0.0) + time.perf_counter() - t0
+
+
+def rollout_metrics(rollout: Any, ranks: Any) -> tuple[dict[str, float], dict[str, list[float]]]:
+    """Reward, length and rollout metrics of a ``GroupRollout`` over every rank's samples, and
+    the rewards' histogram."""
+    batch = rollout.batch
+    metrics: dict[str, float] = {}
+    r = ranks.gather(rollout.rewards.float())
+    metrics["reward/mean"] = float(r.mean())
+    metrics["reward/std"] = float(r.std()) if r.numel() > 1 else 0.0
+    metrics["reward/min"] = float(r.min())
+    metrics["reward/max"] = float(r.max())
+    pooled = ranks.pool_reward_metrics(rollout.reward_metrics)
+    metrics.update({k if k.startswith("reward") else f"reward/{k}": v for k, v in pooled.items()})
+    lengths = ranks.gather(torch.tensor([len(c) for c in batch.completion_ids], dtype=torch.float32))
+    truncated = ranks.gather(torch.tensor([f == "length" for f in batch.finish_reasons], dtype=torch.float32))
+    metrics["response/length_mean"] = float(lengths.mean())
+    metrics["response/length_max"] = float(lengths.max())
+    metrics["response/truncated_frac"] = float(truncated.mean())
+    metrics["rollout/samples"] = float(lengths.numel())
+    metrics["rollout/generated_tokens"] = float(ranks.sum(batch.stats.generated_tokens))
+    metrics["rollout/prefill_tokens"] = float(ranks.sum(batch.stats.prefill_tokens_computed))
+    return metrics, histogram(r)
+
+
+def best_and_worst(rollout: Any, tokenizer: Any, group_size: int) -> tuple[tuple[str, str, float], tuple[str, str, float]]:
+    """``(prompt, completion, reward)`` of the rollout's best and worst sample (``write_samples``)."""
+    r, batch = rollout.rewards, rollout.batch
+    best, worst = int(r.argmax()), int(r.argmin())
+
+    def sample(b: int) -> tuple[str, str, float]:
+        return tokenizer.decode(batch.prompt_ids[b // group_size], skip_special_tokens=True), rollout.completions[b], float(r[b])
+
+    return sample(best), sample(worst)

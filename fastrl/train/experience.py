@@ -1,0 +1,128 @@
+"""``Experience``: one step's tensors, carried by name from rollout to update.
+
+The contract (every stage of ``trainer.py`` reads and fills these fields; nothing travels
+as a positional list):
+
+- The token grid is the rollout's right-padded ``[B, T]`` batch (``input_ids``,
+  ``attention_mask``), samples flat in group order: the ``group_size`` samples of prompt
+  ``g`` are rows ``g*G .. g*G+G-1`` (``group(g)``, ``rows(groups)``).
+- Per-token tensors are ``[B, T-1]`` fp32 on the training device, where column ``c``
+  scores token ``c + 1`` (the convention of ``causal_lm_logprobs``): ``loss_mask``,
+  ``sampler_logp``, ``old_logp``, ``ref_logp``, ``token_kl``, ``values``,
+  ``token_rewards``, ``returns`` and, for GAE, ``advantages``. The advantage ops (KL,
+  shaping, ``gae``, whitening) run on this grid; a layout (``layout.py``) gathers a
+  micro-batch's inputs from it in the form its loss takes.
+- ``loss_mask`` says which tokens are trained on; it is distinct from ``attention_mask``
+  (which tokens are attended to): a multi-turn trajectory attends to tool outputs it does
+  not train on. Today it is the completion tokens.
+- Per-sequence tensors are ``[B]``: ``rewards`` (outcome), ``group_ids``, and, for group
+  estimators, ``advantages``.
+- ``segments`` are the generated spans: ``[S, 3]`` int64 rows ``(sequence, start, end)`` in
+  token positions of the grid, one span per sample today (its completion), several per
+  sample once a trajectory holds several turns.
+
+Fields a stage has not computed are None (``old_logp`` when the update is exactly
+on-policy, ``ref_logp`` without a KL term, ``values``/``returns`` without a critic).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from functools import cached_property
+from typing import Sequence
+
+import torch
+
+from fastrl.rollout.base import RolloutBatch
+
+__all__ = ["Experience"]
+
+
+@dataclass
+class Experience:
+    """One step's batch and everything computed on it (see the module docstring)."""
+
+    batch: RolloutBatch
+    """The sampler's batch: token ids as lists (``prompt_ids``, ``completion_ids``) and the ``[B, T]`` grid."""
+    group_size: int
+    loss_mask: torch.Tensor
+    """``[B, T-1]`` fp32: 1 where a token is trained on."""
+    sampler_logp: torch.Tensor
+    """``[B, T-1]``: the sampler's log-probs of the sampled tokens."""
+    rewards: torch.Tensor
+    """``[B]`` fp32 outcome rewards."""
+    group_ids: torch.Tensor
+    """``[B]`` int64: the prompt each sample belongs to."""
+    segments: torch.Tensor
+    """``[S, 3]`` int64 ``(sequence, start, end)``: the generated spans."""
+    old_logp: torch.Tensor | None = None
+    ref_logp: torch.Tensor | None = None
+    token_kl: torch.Tensor | None = None
+    """``[B, T-1]`` KL estimate between the behaviour and reference policies (0 off the mask)."""
+    values: torch.Tensor | None = None
+    """``[B, T-1]`` the critic's values of the state before each token."""
+    token_rewards: torch.Tensor | None = None
+    advantages: torch.Tensor | None = None
+    """``[B]`` (group estimators) or ``[B, T-1]`` (GAE)."""
+    returns: torch.Tensor | None = None
+
+    @classmethod
+    def from_rollout(cls, batch: RolloutBatch, *, group_size: int, rewards: torch.Tensor | None = None,
+                     device: torch.device) -> "Experience":
+        """The experience of a sampled batch, per-token tensors on ``device``."""
+        B = batch.input_ids.shape[0]
+        starts = [len(batch.prompt_ids[b // group_size]) for b in range(B)]
+        segments = torch.tensor([[b, s, s + len(batch.completion_ids[b])] for b, s in enumerate(starts)], dtype=torch.long)
+        return cls(
+            batch=batch,
+            group_size=group_size,
+            loss_mask=batch.response_mask[:, 1:].to(device).float(),
+            sampler_logp=batch.sampler_logp[:, 1:].to(device),
+            rewards=(rewards if rewards is not None else torch.zeros(B)).to(device),
+            group_ids=batch.group_ids.to(device),
+            segments=segments.reshape(-1, 3),
+        )
+
+    # ------------------------------------------------------------------ shape
+    @property
+    def num_samples(self) -> int:
+        return self.batch.input_ids.shape[0]
+
+    @property
+    def num_groups(self) -> int:
+        return len(self.batch.prompt_ids)
+
+    @property
+    def device(self) -> torch.device:
+        return self.loss_mask.device
+
+    @cached_property
+    def sequence_lengths(self) -> list[int]:
+        """Tokens of each row (prompt + completion)."""
+        return self.batch.attention_mask.sum(1).tolist()
+
+    def group(self, g: int) -> slice:
+        """The rows of group ``g``."""
+        return slice(g * self.group_size, (g + 1) * self.group_size)
+
+    def rows(self, groups: Sequence[int] | None = None) -> torch.Tensor:
+        """``[R]`` int64 row indices of ``groups`` (all groups when None), in batch order."""
+        groups = range(self.num_groups) if groups is None else groups
+        G = self.group_size
+        return torch.tensor([r for g in groups for r in range(g * G, (g + 1) * G)], dtype=torch.long)
+
+    def spans(self, b: int) -> list[tuple[int, int]]:
+        """The generated ``(start, end)`` token spans of sample ``b``."""
+        mine = self.segments[self.segments[:, 0] == b]
+        return [(int(s), int(e)) for _, s, e in mine.tolist()]
+
+    def counts(self, rows: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """``(tokens, sequences)`` trained on among ``rows`` (0-dim, on the device): this
+        rank's part of a mini-batch's global counts."""
+        mask = self.loss_mask[rows.to(self.device)]
+        return mask.sum(), (mask.sum(1) > 0).sum()
+
+    @property
+    def trained_tokens(self) -> torch.Tensor:
+        """Tokens of the grid the model runs on (attention mask), for throughput."""
+        return self.batch.attention_mask.sum()

@@ -1,0 +1,226 @@
+"""How a step's groups are laid out for the model: one interface, one class per layout.
+
+A layout splits whole groups into micro-batches of at most ``token_budget`` tokens, runs the
+policy (``logprobs``) and the critic (``values``) on a micro-batch, and moves per-token
+tensors between the experience's ``[B, T-1]`` grid and the form its loss takes
+(``gather``: grid -> loss; ``scatter``: model output -> grid; a ``[B]`` tensor gathers
+the micro-batch's rows). ``attention`` is the context the forward *and* backward run in
+(checkpointed layers recompute their forward in the backward and must see the same
+attention). The update never asks which layout it runs.
+
+- ``PaddedLayout``: rows of the ``[B, T]`` batch, trimmed per micro-batch to its longest
+  row and to the columns after its shortest prompt; the loss takes ``[R, k]`` rows.
+- ``GroupPackedLayout`` (``shared_prefix=true``, the default): each group packed as
+  ``[prompt | c_1 | ... | c_G]`` with shared-prefix attention (``fastrl.ops.hf_packed``),
+  the prompt run once per group; the loss takes the model's ``[1, M]`` completion tokens
+  as they come, one sequence per sample (``cu_seqlens``), with no padded round trip.
+
+A new layout (a prefix tree of multi-turn trajectories, say) is a third subclass: its
+``cost`` of a set of groups, its ``make`` of a micro-batch, and the four per-micro-batch
+methods. (The names avoid ``fastrl.ops.PackedLayout``, the ``cu_seqlens`` descriptor, and
+``fastrl.ops.SharedPrefixLayout``, the attention metadata.)
+"""
+
+from __future__ import annotations
+
+import contextlib
+from dataclasses import dataclass
+from typing import Any, Callable, ContextManager, Iterable, Sequence
+
+import torch
+
+from fastrl.ops import PackedLayout
+from fastrl.ops.hf import causal_lm_logprobs
+from fastrl.train.experience import Experience
+
+__all__ = ["GroupPackedLayout", "Layout", "MicroBatch", "PaddedLayout", "make_layout"]
+
+
+@dataclass
+class MicroBatch:
+    """The rows of one forward/backward (sample indices, batch order) and the layout's own data."""
+
+    rows: torch.Tensor
+    rows_device: torch.Tensor
+    data: Any
+    """Layout-specific: ``_Padded`` or ``_Packed``."""
+
+
+@dataclass
+class _Padded:
+    cols: slice  # columns of the [B, T-1] grid the model scores
+    input_ids: torch.Tensor
+    attention_mask: torch.Tensor
+    k: int
+
+
+@dataclass
+class _Packed:
+    packed: Any  # fastrl.ops.shared_prefix_attention.PackedGroups
+    tok_rows: torch.Tensor  # grid row of each packed completion token
+    tok_cols: torch.Tensor  # grid column of each packed completion token
+    cu_seqlens: PackedLayout
+
+
+class Layout:
+    """Micro-batching by token budget over whole groups; subclasses say what a micro-batch is."""
+
+    def __init__(self, *, token_budget: int, device: torch.device, temperature: float,
+                 forward_context: Callable[[], ContextManager] = contextlib.nullcontext):
+        self.token_budget = token_budget
+        self.device = device
+        self.temperature = temperature
+        self.forward_context = forward_context
+        """Entered around every model forward (autocast, activation offload)."""
+
+    # ------------------------------------------------------------------ splitting
+    def micro_batches(self, exp: Experience, groups: Sequence[int] | None = None) -> list[MicroBatch]:
+        """Whole groups (all when None), in order, cut into micro-batches of at most
+        ``token_budget`` tokens by ``cost`` (a group larger than the budget is one micro-batch)."""
+        groups = range(exp.num_groups) if groups is None else groups
+        out: list[MicroBatch] = []
+        chunk: list[int] = []
+        for g in groups:
+            if chunk and self.cost(exp, [*chunk, g]) > self.token_budget:
+                out.append(self.make(exp, chunk))
+                chunk = []
+            chunk.append(g)
+        if chunk:
+            out.append(self.make(exp, chunk))
+        return out
+
+    def cost(self, exp: Experience, groups: Sequence[int]) -> int:
+        """Tokens one forward over ``groups`` runs."""
+        raise NotImplementedError
+
+    def make(self, exp: Experience, groups: Sequence[int]) -> MicroBatch:
+        raise NotImplementedError
+
+    # ------------------------------------------------------------------ per micro-batch
+    def logprobs(self, model: torch.nn.Module, mb: MicroBatch, *, entropy: bool) -> tuple[torch.Tensor, torch.Tensor | None]:
+        """fp32 log-probs (and entropies) of the micro-batch's scored tokens, in loss form."""
+        raise NotImplementedError
+
+    def values(self, critic: Any, mb: MicroBatch) -> torch.Tensor:
+        """fp32 critic values of the states before the scored tokens, in loss form."""
+        raise NotImplementedError
+
+    def gather(self, mb: MicroBatch, x: torch.Tensor) -> torch.Tensor:
+        """A ``[B, T-1]`` grid tensor at the micro-batch's scored tokens (loss form), or a
+        ``[B]`` tensor at its rows."""
+        raise NotImplementedError
+
+    def scatter(self, mb: MicroBatch, out: torch.Tensor, grid: torch.Tensor) -> None:
+        """Write ``out`` (loss form) into ``grid`` at the micro-batch's scored tokens."""
+        raise NotImplementedError
+
+    def cu_seqlens(self, mb: MicroBatch) -> PackedLayout | None:
+        """The loss's packed-sequence descriptor (None: padded rows)."""
+        return None
+
+    def attention(self, mb: MicroBatch, models: Iterable[torch.nn.Module]) -> ContextManager:
+        return contextlib.nullcontext()
+
+    def _micro_batch(self, exp: Experience, groups: Sequence[int], data: Any) -> MicroBatch:
+        rows = exp.rows(groups)
+        return MicroBatch(rows=rows, rows_device=rows.to(self.device), data=data)
+
+
+class PaddedLayout(Layout):
+    """Rows of the ``[B, T]`` batch; a micro-batch costs its longest row times its rows."""
+
+    def cost(self, exp: Experience, groups: Sequence[int]) -> int:
+        lengths = exp.sequence_lengths
+        G = exp.group_size
+        longest = max(lengths[r] for g in groups for r in range(g * G, (g + 1) * G))
+        return longest * G * len(groups)
+
+    def make(self, exp: Experience, groups: Sequence[int]) -> MicroBatch:
+        batch = exp.batch
+        rows = exp.rows(groups)
+        Tm = int(batch.attention_mask[rows].sum(1).max())
+        k = max(1, Tm - min(len(batch.prompt_ids[g]) for g in groups))
+        data = _Padded(cols=slice(Tm - 1 - k, Tm - 1), input_ids=batch.input_ids[rows, :Tm].to(self.device),
+                       attention_mask=batch.attention_mask[rows, :Tm].to(self.device), k=k)
+        return self._micro_batch(exp, groups, data)
+
+    def logprobs(self, model, mb, *, entropy):
+        d: _Padded = mb.data
+        with self.forward_context():
+            out = causal_lm_logprobs(model, d.input_ids, d.attention_mask, temperature=self.temperature, logits_to_keep=d.k,
+                                     return_entropy=entropy)
+        if entropy:
+            return out[0].float(), out[1].float()
+        return out.float(), None
+
+    def values(self, critic, mb):
+        d: _Padded = mb.data
+        with self.forward_context():
+            return critic.values(d.input_ids, d.attention_mask, d.k)
+
+    def gather(self, mb, x):
+        if x.dim() == 1:
+            return x[mb.rows_device]
+        return x[mb.rows_device, mb.data.cols]
+
+    def scatter(self, mb, out, grid):
+        grid[mb.rows_device, mb.data.cols] = out
+
+
+class GroupPackedLayout(Layout):
+    """Groups packed as ``[prompt | c_1 | ... | c_G]``; a micro-batch costs ``P + sum(L_i)`` per group."""
+
+    def cost(self, exp: Experience, groups: Sequence[int]) -> int:
+        batch = exp.batch
+        return sum(len(batch.prompt_ids[g]) + sum(len(c) for c in batch.completion_ids[exp.group(g)]) for g in groups)
+
+    def make(self, exp: Experience, groups: Sequence[int]) -> MicroBatch:
+        from fastrl.ops.shared_prefix_attention import PackedGroups
+
+        batch = exp.batch
+        packed = PackedGroups.from_groups([(batch.prompt_ids[g], batch.completion_ids[exp.group(g)]) for g in groups],
+                                          device=self.device)
+        mb = self._micro_batch(exp, groups, None)
+        mb.data = _Packed(packed=packed, tok_rows=mb.rows_device[packed.sample_index], tok_cols=packed.batch_pos - 1,
+                          cu_seqlens=PackedLayout.from_lengths(packed.completion_lens, device=self.device))
+        return mb
+
+    def logprobs(self, model, mb, *, entropy):
+        from fastrl.ops.hf_packed import packed_causal_lm_logprobs
+
+        with self.forward_context():
+            out = packed_causal_lm_logprobs(model, mb.data.packed, temperature=self.temperature, return_entropy=entropy)
+        if entropy:
+            return out[0].float()[None], out[1].float()[None]
+        return out.float()[None], None
+
+    def values(self, critic, mb):
+        from fastrl.ops.hf_packed import packed_causal_lm_hidden_states
+
+        with self.forward_context():
+            hidden = packed_causal_lm_hidden_states(critic.body, mb.data.packed)
+            return critic.head(hidden)[None]
+
+    def gather(self, mb, x):
+        if x.dim() == 1:
+            return x[mb.rows_device]
+        return x[mb.data.tok_rows, mb.data.tok_cols][None]
+
+    def scatter(self, mb, out, grid):
+        grid[mb.data.tok_rows, mb.data.tok_cols] = out[0]
+
+    def cu_seqlens(self, mb):
+        return mb.data.cu_seqlens
+
+    def attention(self, mb, models):
+        from fastrl.ops.hf_packed import shared_prefix_attention_enabled
+
+        stack = contextlib.ExitStack()
+        for m in models:
+            stack.enter_context(shared_prefix_attention_enabled(m))
+        return stack
+
+
+def make_layout(*, shared_prefix: bool, **kwargs: Any) -> Layout:
+    """The layout ``shared_prefix`` names (``TrainConfig.shared_prefix``)."""
+    return (GroupPackedLayout if shared_prefix else PaddedLayout)(**kwargs)
