@@ -340,3 +340,45 @@ def warm_up(cfg: TrainConfig, policy: torch.nn.Module, tokenizer: Any, rows: Seq
     if result.get("probe"):
         metrics["sft/probe_accuracy"] = float(result["probe"][-1][1])
     return metrics
+
+
+@dataclass
+class Prompts:
+    """The run's encoded prompts and the batcher over the training ones."""
+
+    train_rows: list[dict]
+    train_ids: list[list[int]]
+    eval_rows: list[dict]
+    eval_ids: list[list[int]]
+    max_length: int | None
+    """Longest sequence (prompt + completion) the run allows."""
+    dropped: int
+    """Training prompts dropped for length (``drop_long_prompts``)."""
+    batcher: Any
+
+
+def encode_prompts(cfg: TrainConfig, tokenizer: Any, policy: torch.nn.Module, train_rows: list[dict], eval_rows: list[dict], *,
+                   sharded: bool) -> Prompts:
+    """Tokenise the prompts against the model's context (``max_prompt_length`` + ``max_new_tokens``)
+    and batch the training ones (by prompt count or token budget; under torchrun no short batch)."""
+    from fastrl.train import data as data_mod
+
+    max_length = data_mod.model_context_length(policy)
+    if cfg.max_prompt_length is not None:
+        limit = cfg.max_prompt_length + cfg.max_new_tokens
+        max_length = limit if max_length is None else min(max_length, limit)
+    encode = dict(prompt_column=cfg.prompt_column, chat_template=cfg.chat_template, max_new_tokens=cfg.max_new_tokens,
+                  max_length=max_length, drop_long_prompts=cfg.drop_long_prompts)
+    train = data_mod.encode_rows(tokenizer, train_rows, **encode)
+    eval_ids: list[list[int]] = []
+    if eval_rows:
+        held_out = data_mod.encode_rows(tokenizer, eval_rows, **encode)
+        eval_rows, eval_ids = held_out.rows, held_out.prompt_ids
+    batcher = data_mod.PromptBatcher(
+        train.rows, train.prompt_ids,
+        batch_size=None if cfg.prompt_token_budget else cfg.prompts_per_step,
+        token_budget=cfg.prompt_token_budget, group_size=cfg.group_size, max_new_tokens=cfg.max_new_tokens,
+        seed=cfg.seed,
+        drop_last=sharded,  # every rank takes an equal slice of each batch: no short batch at an epoch's end
+    )
+    return Prompts(train.rows, train.prompt_ids, eval_rows, eval_ids, max_length, len(train.dropped), batcher)

@@ -150,6 +150,16 @@ class Ranks:
             return 0
         return int(self.max(count)) - count
 
+    def padded_passes(self, micro: list[T], *, spare: Callable[[], T]) -> list[tuple[T, bool]]:
+        """``(micro-batch, live)`` for each of ``micro``, then as many ``(copy, False)``
+        zero-weight passes as this rank needs to match the others (``pad_passes``): a copy of
+        the last micro-batch, or ``spare()`` when this rank has none."""
+        padding = self.pad_passes(len(micro))
+        passes = [(mb, True) for mb in micro]
+        if padding:
+            passes += [(micro[-1] if micro else spare(), False)] * padding
+        return passes
+
     def padding_metrics(self, passes: int) -> dict[str, float]:
         """Under torchrun, ``dist/padding_micro_batches``: the zero-weight passes of every rank."""
         if self.ctx is None:

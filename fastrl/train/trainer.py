@@ -34,19 +34,20 @@ from typing import Any, Callable, Sequence
 
 import torch
 
-from fastrl.ops import gae, kl_penalty, policy_loss, value_loss
-from fastrl.ops.shaping import sequence_rewards, token_rewards
-from fastrl.rollout.base import GroupRollout, RolloutBatch, SamplingConfig, merge_rollouts
-from fastrl.train import build
+from fastrl.ops import policy_loss, value_loss
+from fastrl.rollout.base import RolloutBatch, SamplingConfig
+from fastrl.train import advantages, build, seeds
 from fastrl.train import distributed as dist_mod
-from fastrl.train import seeds
-from fastrl.train.checkpoint import RunCheckpoint, check_algorithm, checkpoint_dir, resolve_resume, set_rng_state
+from fastrl.train.checkpoint import RunCheckpoint, check_algorithm, checkpoint_dir, claim_output_dir, resolve_resume, save_final, set_rng_state
+from fastrl.train.collect import Collector, rollout_sampling
 from fastrl.train.config import TrainConfig
 from fastrl.train.critic import ValueModel
 from fastrl.train.evaluate import HeldOutEvaluator
 from fastrl.train.experience import Experience
 from fastrl.train.layout import MicroBatch, make_layout
-from fastrl.train.metrics import LOSS_SHARES, MetricsLogger, SilentLogger, StageTimer, histogram, peak_memory_bytes, update_metric_name
+from fastrl.train.metrics import (
+    LOSS_SHARES, MetricsLogger, SilentLogger, StageTimer, best_and_worst, peak_memory_bytes, rollout_metrics, update_metric_name,
+)
 from fastrl.train.ranks import Ranks
 from fastrl.train.schedule import AdaptiveKLController
 from fastrl.train.score import GroupScorer
@@ -82,9 +83,6 @@ SHARED_WEIGHTS_PROBE_EVERY = 10
 """Default steps between weight-sync probes for a sampler that runs the policy module itself
 (nothing is copied, so the probe only guards against regressions); 1 for a sampler with a copy."""
 
-MONITOR_ADVANTAGE_MODE = "dr_grpo"
-"""PPO logs group statistics (how many prompts carry signal) from this group estimator."""
-
 RUN_FILES = ("metrics.jsonl", "checkpoints", "reference", "final", "samples.txt", "tensorboard", "sampler_init",
              "final_critic", "summary.json")
 """What a run writes into output_dir: a new run refuses (or with overwrite, removes) an earlier run's."""
@@ -108,7 +106,7 @@ class Trainer:
         eval_rows: Sequence[dict[str, Any]] | None = None,
         reward_functions: Sequence[Callable | str] | None = None,
     ):
-        from fastrl.train import data as data_mod
+        from fastrl.train.data import check_tokenizer_matches_model
         from fastrl.train.rewards import RewardPool
 
         self.cfg = cfg = config.resolved(model_given=model is not None)
@@ -132,38 +130,21 @@ class Trainer:
         self.resume_dir = resolve_resume(cfg.resume, cfg.output_dir) if cfg.resume else None
         self.timer = StageTimer(self.device)
         if self.resume_dir is None and self.is_main:
-            self._claim_output_dir()
+            claim_output_dir(self.out, names=RUN_FILES, overwrite=cfg.overwrite)
         ranks.barrier()  # no rank writes into output_dir before rank 0 has claimed it
 
         # ---- model, tokenizer, data
         self.builtin = model is None and cfg.model is None
         self.tokenizer, self.policy = build.load_policy(cfg, model=model, tokenizer=tokenizer, resume_dir=self.resume_dir,
                                                         device=self.device)
-        data_mod.check_tokenizer_matches_model(self.tokenizer, self.policy)
+        check_tokenizer_matches_model(self.tokenizer, self.policy)
         if cfg.shared_prefix:
             build.check_shared_prefix_support(self.policy)
-        self.train_rows, self.eval_rows = build.load_rows(cfg, train_rows, eval_rows)
-        self.max_length = data_mod.model_context_length(self.policy)
-        if cfg.max_prompt_length is not None:
-            limit = cfg.max_prompt_length + cfg.max_new_tokens
-            self.max_length = limit if self.max_length is None else min(self.max_length, limit)
-        encode = dict(prompt_column=cfg.prompt_column, chat_template=cfg.chat_template, max_new_tokens=cfg.max_new_tokens,
-                      max_length=self.max_length, drop_long_prompts=cfg.drop_long_prompts)
-        train = data_mod.encode_rows(self.tokenizer, self.train_rows, **encode)
-        self.dropped_prompts = len(train.dropped)
-        self.train_rows, self.encoded = train.rows, train.prompt_ids
-        self.eval_encoded: list[list[int]] = []
-        if self.eval_rows:
-            held_out = data_mod.encode_rows(self.tokenizer, self.eval_rows, **encode)
-            self.eval_rows, self.eval_encoded = held_out.rows, held_out.prompt_ids
-        self.batcher = data_mod.PromptBatcher(
-            self.train_rows, self.encoded,
-            batch_size=None if cfg.prompt_token_budget else cfg.prompts_per_step,
-            token_budget=cfg.prompt_token_budget, group_size=cfg.group_size, max_new_tokens=cfg.max_new_tokens,
-            seed=cfg.seed,
-            # every rank takes an equal slice of each batch: no short batch at an epoch's end
-            drop_last=ranks.sharded,
-        )
+        prompts = build.encode_prompts(cfg, self.tokenizer, self.policy, *build.load_rows(cfg, train_rows, eval_rows),
+                                       sharded=ranks.sharded)
+        self.train_rows, self.encoded, self.eval_rows, self.eval_encoded = (prompts.train_rows, prompts.train_ids,
+                                                                            prompts.eval_rows, prompts.eval_ids)
+        self.max_length, self.dropped_prompts, self.batcher = prompts.max_length, prompts.dropped, prompts.batcher
 
         # ---- a sampler that must be reached (a shared server): reachable and serving this
         # architecture before any long work
@@ -181,7 +162,9 @@ class Trainer:
         self.rewards.validate([r[cfg.prompt_column] for r in probe_rows], ["" for _ in probe_rows], self.scorer.columns(probe_rows))
 
         # ---- warm-up (not on resume: the checkpoint has the warmed-up policy)
-        self.sft_metrics = self._warm_up() if cfg.sft_steps and self.resume_dir is None else {}
+        self.sft_metrics: dict[str, float] = {}
+        if cfg.sft_steps and self.resume_dir is None:
+            self.sft_metrics = build.warm_up(cfg, self.policy, self.tokenizer, self.train_rows, score_fn=self.scorer.answer_score)
         if ranks.sharded:
             # every rank ran the same seeded warm-up; rank 0's weights make them bitwise equal
             dist_mod.broadcast_module(self.policy)
@@ -236,6 +219,7 @@ class Trainer:
         if self.spec.connect is not None:
             self._push_weights()  # the policy's weights (after warm-up or resume) before the first rollout
         self.probe_prompt = self.encoded[0]
+        self.collector = Collector(cfg=cfg, batcher=self.batcher, ranks=ranks, scorer=self.scorer)
         self.evaluator = HeldOutEvaluator(
             sampler=self.sampler, scorer=self.scorer, ranks=ranks, rows=self.eval_rows, prompt_ids=self.eval_encoded,
             max_new_tokens=cfg.max_new_tokens, pass_k=cfg.pass_k, temperature=cfg.temperature, top_p=cfg.top_p, top_k=cfg.top_k,
@@ -299,7 +283,7 @@ class Trainer:
         cfg = self.cfg
         self.timer = StageTimer(self.device)
         t_step = time.perf_counter()
-        rollout, metrics = self._collect()
+        rollout, metrics = self.collector.collect(sampler=self.sampler, step=self.step, timer=self.timer)
         exp = Experience.from_rollout(rollout.batch, group_size=cfg.group_size, rewards=rollout.rewards, device=self.device)
 
         # ---- log-probs of the behaviour and reference policies
@@ -330,7 +314,12 @@ class Trainer:
 
         self.step += 1
         # ---- metrics
-        metrics.update(self._rollout_metrics(rollout))
+        step_metrics, self._reward_histogram = rollout_metrics(rollout, self.ranks)
+        metrics.update(step_metrics)
+        if self.dropped_prompts:
+            metrics["data/dropped_long_prompts"] = float(self.dropped_prompts)
+        if self.logger is not None:  # the logged samples are this rank's (rank 0 logs)
+            self.logger.write_samples(self.step, *best_and_worst(rollout, self.tokenizer, cfg.group_size))
         metrics["time/step"] = time.perf_counter() - t_step
         for stage, s in self.timer.seconds.items():
             metrics[f"time/{stage}"] = s
@@ -356,11 +345,9 @@ class Trainer:
                 groups = mini.sort().values.tolist()
                 tokens, seqs = (ranks.sum(c) for c in exp.counts(exp.rows(groups)))  # the whole (all-rank) mini-batch's
                 micro = layout.micro_batches(exp, groups)
-                padding = ranks.pad_passes(len(micro))  # zero-weight passes that keep FSDP's collectives in step
-                padding_passes += padding
-                passes = [(mb, True) for mb in micro]
-                if padding:
-                    passes += [(micro[-1] if micro else layout.make(exp, [0]), False)] * padding
+                # (micro-batch, live): zero-weight extra passes keep FSDP's collectives in step across ranks
+                passes = ranks.padded_passes(micro, spare=lambda: layout.make(exp, [0]))
+                padding_passes += len(passes) - len(micro)
                 losses: list[torch.Tensor] = []
                 for mb, live in passes:
                     with layout.attention(mb, self._trained_models()):
@@ -393,53 +380,8 @@ class Trainer:
         return out
 
     # ================================================================== the step's stages
-    def _collect(self) -> tuple[GroupRollout, dict[str, float]]:
-        """Roll out one step's prompts; with dynamic sampling, drop all-equal groups and refill."""
-        cfg = self.cfg
-        G = cfg.group_size
-        first = self._rollout(self.ranks.shard(next(self.batcher)), salt=0)
-        info = {"dynamic/rounds": 0.0, "dynamic/dropped_groups": 0.0}
-        if not cfg.dynamic_sampling:
-            return first, info
-        target = len(first.rows)
-        kept: list[tuple[GroupRollout, list[int]]] = []
-        n_kept = dropped = 0
-        current = first
-        for round_ in range(cfg.max_resample_rounds + 1):
-            r = current.rewards.view(-1, G)
-            informative = [g for g in range(r.shape[0]) if bool((r[g] != r[g, 0]).any())]
-            dropped += r.shape[0] - len(informative)
-            kept.append((current, informative))
-            n_kept += len(informative)
-            info["dynamic/rounds"] = float(round_)
-            # under torchrun every rank takes the same decision (the batcher stays in step)
-            if self.ranks.sum(n_kept) >= self.ranks.sum(target) or round_ == cfg.max_resample_rounds:
-                break
-            current = self._rollout(self.ranks.shard(next(self.batcher)), salt=round_ + 1)
-        info["dynamic/dropped_groups"] = float(self.ranks.sum(dropped))
-        if n_kept == 0:
-            # nothing informative: train on the first batch (all advantages are 0; the step only logs)
-            return first, info
-        return merge_rollouts(kept, group_size=G, limit=target, pad_token_id=self.sampler.pad_token_id), info
-
-    def _rollout(self, shard, *, salt: int) -> GroupRollout:
-        """Sample and score ``shard = (prompt batch, index of its first prompt in the whole batch)``."""
-        G = self.cfg.group_size
-        prompt_batch, first = shard
-        with self.timer("generate"):
-            sampling = self._sampling(salt=salt)
-            prompt_seeds = self._prompt_seeds(sampling, first, len(prompt_batch.prompt_ids))
-            extra = {"prompt_seeds": prompt_seeds} if prompt_seeds is not None else {}
-            batch = self.sampler.generate(prompt_batch.prompt_ids, group_size=G, sampling=sampling, **extra)
-        with self.timer("reward"):
-            completions, result = self.scorer.score(prompt_batch.rows, batch, G)
-        return GroupRollout(batch, prompt_batch.rows, completions, result.rewards.float(), dict(result.metrics),
-                            dict(result.per_function))
-
     def _sampling(self, *, salt: int) -> SamplingConfig:
-        cfg = self.cfg
-        return SamplingConfig(temperature=cfg.temperature, top_p=cfg.top_p, top_k=cfg.top_k, max_new_tokens=cfg.max_new_tokens,
-                              seed=seeds.rollout_seed(cfg.seed, self.step, salt))
+        return rollout_sampling(self.cfg, step=self.step, salt=salt)
 
     def _prompt_seeds(self, sampling: SamplingConfig, first: int, count: int) -> list[int] | None:
         """One sampling seed per prompt from its index in the whole (all-rank) batch."""
@@ -474,40 +416,13 @@ class Trainer:
         return self._per_token(model, self._experience(exp), lambda mb: self.layout.logprobs(model, mb, entropy=False)[0])
 
     def _advantages(self, exp: Experience) -> dict[str, float]:
-        """Fill ``exp.advantages`` (and for PPO ``values``, ``token_rewards``, ``returns``):
-        ``group_advantages`` of the (optionally KL-shaped) outcome rewards, or GAE over
-        per-token rewards and critic values. KL in the reward (``kl_in_reward``): per token
-        ``-beta * KL_t`` (PPO), or ``outcome - beta * sum_t KL_t`` for group estimators;
-        ``KL_t`` is the chosen estimator between the behaviour policy (old log-probs, or the
-        sampler's) and the reference. Returns the step's advantage metrics."""
-        cfg, ranks = self.cfg, self.ranks
-        metrics: dict[str, float] = {}
-        beta = self.kl_ctl.value
-        if exp.ref_logp is not None:
-            behaviour = exp.old_logp if exp.old_logp is not None else exp.sampler_logp
-            exp.token_kl = torch.where(exp.loss_mask > 0, kl_penalty(behaviour, exp.ref_logp, estimator=cfg.kl_estimator), 0.0)
-            metrics["kl/ref_seq"] = float(ranks.sum(exp.token_kl.sum(1).sum()) / ranks.sum(exp.num_samples))
-            metrics["kl/coef"] = beta
-        shaping_kl = exp.token_kl if cfg.kl_in_reward else None
-        if cfg.uses_critic:
-            exp.token_rewards = token_rewards(exp.rewards, exp.loss_mask, token_kl=shaping_kl, kl_coef=beta)
+        """``advantages.estimate`` with the critic's no-grad pass (PPO) timed as ``values``."""
+        def critic_values(exp: Experience) -> torch.Tensor:
             with self.timer("values"):
-                exp.values = self._per_token(self.critic, exp, lambda mb: self.layout.values(self.critic, mb))
-            whiten_here = cfg.whiten_advantages and ranks.whole_batch
-            exp.advantages, exp.returns = gae(exp.token_rewards, exp.values, exp.loss_mask, gamma=cfg.gamma, lam=cfg.lam,
-                                              whiten=whiten_here)
-            if cfg.whiten_advantages and not whiten_here:
-                exp.advantages = ranks.whiten(exp.advantages, exp.loss_mask)
-            adv_stats = ranks.gather_groups(exp.rewards, exp.group_ids, mode=MONITOR_ADVANTAGE_MODE)[1]  # monitoring only
-        else:
-            shaped = sequence_rewards(exp.rewards, token_kl=shaping_kl, kl_coef=beta)
-            exp.advantages, adv_stats = ranks.gather_groups(shaped, exp.group_ids, mode=cfg.advantage_mode)
-        adv = exp.advantages
-        per_token = adv if adv.dim() == 2 else adv[:, None].expand_as(exp.loss_mask)
-        metrics["advantage/mean"], metrics["advantage/std"] = ranks.masked_mean_std(per_token, exp.loss_mask)
-        metrics["groups/frac_all_equal"] = float(adv_stats["frac_all_equal_groups"])
-        metrics["groups/effective_ratio"] = float(adv_stats["effective_group_ratio"])
-        return metrics
+                return self._per_token(self.critic, exp, lambda mb: self.layout.values(self.critic, mb))
+
+        return advantages.estimate(exp, cfg=self.cfg, ranks=self.ranks, kl_coef=self.kl_ctl.value,
+                                   critic_values=critic_values if self.critic is not None else None)
 
     def compute_advantages(self, batch: RolloutBatch, outcome: torch.Tensor, mask: torch.Tensor, *, old_logp, ref_logp, sampler_logp):
         """``_advantages`` on a bare batch (tests and notebooks): returns ``(advantages,
@@ -603,38 +518,6 @@ class Trainer:
         check_gap(gap, tolerance=self.cfg.sync_probe_tolerance, step=self.step)
         return gap
 
-    def _rollout_metrics(self, rollout: GroupRollout) -> dict[str, float]:
-        """Reward, length and rollout metrics over every rank's samples; the step's best and
-        worst samples (this rank's: rank 0 logs) to ``samples.txt``."""
-        ranks, batch = self.ranks, rollout.batch
-        metrics: dict[str, float] = {}
-        r = ranks.gather(rollout.rewards.float())
-        metrics["reward/mean"] = float(r.mean())
-        metrics["reward/std"] = float(r.std()) if r.numel() > 1 else 0.0
-        metrics["reward/min"] = float(r.min())
-        metrics["reward/max"] = float(r.max())
-        pooled = ranks.pool_reward_metrics(rollout.reward_metrics)
-        metrics.update({k if k.startswith("reward") else f"reward/{k}": v for k, v in pooled.items()})
-        lengths = ranks.gather(torch.tensor([len(c) for c in batch.completion_ids], dtype=torch.float32))
-        truncated = ranks.gather(torch.tensor([f == "length" for f in batch.finish_reasons], dtype=torch.float32))
-        metrics["response/length_mean"] = float(lengths.mean())
-        metrics["response/length_max"] = float(lengths.max())
-        metrics["response/truncated_frac"] = float(truncated.mean())
-        metrics["rollout/samples"] = float(lengths.numel())
-        metrics["rollout/generated_tokens"] = float(ranks.sum(batch.stats.generated_tokens))
-        metrics["rollout/prefill_tokens"] = float(ranks.sum(batch.stats.prefill_tokens_computed))
-        self._reward_histogram = histogram(r)
-        if self.dropped_prompts:
-            metrics["data/dropped_long_prompts"] = float(self.dropped_prompts)
-        if self.logger is not None:
-            local = rollout.rewards
-            best, worst = int(local.argmax()), int(local.argmin())
-            G = self.cfg.group_size
-            text = lambda b: self.tokenizer.decode(batch.prompt_ids[b // G], skip_special_tokens=True)  # noqa: E731
-            self.logger.write_samples(self.step, (text(best), rollout.completions[best], float(local[best])),
-                                      (text(worst), rollout.completions[worst], float(local[worst])))
-        return metrics
-
     # ================================================================== evaluation
     def evaluate(self) -> dict[str, float]:
         """Held-out greedy accuracy, mean reward and pass@k (``evaluate.HeldOutEvaluator``)."""
@@ -652,48 +535,6 @@ class Trainer:
             self.logger.log_eval(self.step, metrics)
 
     # ================================================================== setup, checkpoints, the end
-    def _claim_output_dir(self) -> None:
-        """A new run never mixes its logs or checkpoints with an earlier run's."""
-        previous = [self.out / n for n in RUN_FILES if (self.out / n).exists()]
-        if not previous:
-            return
-        if not self.cfg.overwrite:
-            raise ValueError(
-                f"output_dir {str(self.out)!r} already holds a run ({', '.join(p.name for p in previous)}): pass "
-                "resume=latest to continue it, overwrite=true to replace it, or choose another output_dir"
-            )
-        import shutil
-
-        for p in previous:
-            shutil.rmtree(p) if p.is_dir() else p.unlink()
-
-    def _warm_up(self) -> dict[str, float]:
-        """The supervised warm-up (``sft_steps``); returns its ``sft/...`` metrics."""
-        from fastrl.train.sft import sft_to_target, sft_warmup
-
-        cfg = self.cfg
-        if not all("answer" in r for r in self.train_rows):
-            raise ValueError("sft_steps > 0 needs an 'answer' column in the dataset (the warm-up targets)")
-        common = dict(steps=cfg.sft_steps, lr=cfg.sft_lr, batch_size=cfg.sft_batch_size, seed=cfg.seed, warmup_steps=cfg.sft_warmup_steps,
-                      prompt_column=cfg.prompt_column, chat_template=cfg.chat_template)
-        if cfg.sft_target_accuracy is not None:
-            common["max_steps"] = common.pop("steps")
-            result = sft_to_target(
-                self.policy, self.tokenizer, self.train_rows, score_fn=self.scorer.answer_score,
-                target_accuracy=cfg.sft_target_accuracy, check_every=cfg.sft_check_every,
-                probe_rows=cfg.sft_probe_rows, max_new_tokens=cfg.max_new_tokens, **common,
-            )
-        else:
-            result = sft_warmup(self.policy, self.tokenizer, self.train_rows, **common)
-        self.policy.train()
-        metrics = {
-            "sft/steps": float(result["steps"]), "sft/first_loss": float(result["first_loss"]),
-            "sft/final_loss": float(result["final_loss"]), "sft/seconds": float(result["seconds"]),
-        }
-        if result.get("probe"):
-            metrics["sft/probe_accuracy"] = float(result["probe"][-1][1])
-        return metrics
-
     def _write_config(self) -> None:
         import yaml
 
@@ -722,23 +563,8 @@ class Trainer:
         set_rng_state(rng)
 
     def _save_final(self, final: Path) -> None:
-        if not self.ranks.sharded:
-            self.policy.save_pretrained(final, safe_serialization=True)
-            self.tokenizer.save_pretrained(final)
-            if self.critic is not None:
-                self.critic.save(self.out / "final_critic")
-            return
-        # torchrun: the sampler's copy holds the full, synced policy; the critic is gathered
-        critic_state = dict(dist_mod.full_named_tensors(self.critic)) if self.critic is not None else None
-        if self.is_main:
-            self.sampler_model.save_pretrained(final, safe_serialization=True)
-            self.tokenizer.save_pretrained(final)
-            if critic_state is not None:
-                import copy
-
-                critic = ValueModel(copy.deepcopy(self.sampler_model))
-                critic.load_state_dict(critic_state, strict=False)
-                critic.save(self.out / "final_critic")
+        save_final(final, policy=self.policy, critic=self.critic, critic_dir=self.out / "final_critic", tokenizer=self.tokenizer,
+                   sharded=self.ranks.sharded, full_policy=self.sampler_model, is_main=self.is_main)
 
     def close(self) -> None:
         self.rewards.close()
