@@ -161,9 +161,9 @@ def merge_rollouts(kept: list[tuple[GroupRollout, list[int]]], *, group_size: in
     stats.prompts, stats.samples = len(prompts), len(comps)
     batch = RolloutBatch.from_samples(prompts, comps, logps, reasons, group_size=group_size, pad_token_id=pad_token_id, stats=stats)
     return GroupRollout(
-        batch, rows, texts, torch.cat(rewards),
-        {k: sum(v) / len(v) for k, v in metrics.items()},
-        {k: torch.cat(v) for k, v in per_fn.items()},
+        batch=batch, rows=rows, completions=texts, rewards=torch.cat(rewards),
+        reward_metrics={k: sum(v) / len(v) for k, v in metrics.items()},
+        per_function={k: torch.cat(v) for k, v in per_fn.items()},
     )
 
 

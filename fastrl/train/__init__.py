@@ -1,10 +1,13 @@
 """The lean GRPO/PPO trainer: ``Trainer(TrainConfig(...)).train()`` or ``fastrl train``.
 
-Stages (each a small module, plain tensors in and out): ``data`` (prompts, batching),
-``rewards`` (TRL-signature reward functions in a process pool with time limits), ``sft``
-(the optional supervised warm-up), ``critic`` (PPO value model), ``trainer`` (the loop),
-``checkpoint``, ``metrics``, ``schedule``; ``task`` holds the built-in task, tokenizer and
-tiny model of the embedded default.
+Rooms (each a small module): ``trainer`` (the loop) over an ``experience.Experience``;
+``layout`` (padded rows or packed groups), ``ranks`` (one process or many), ``build``
+(models, optimisers, the sampler registry), ``collect`` (rollout and dynamic sampling),
+``advantages``, ``weights`` (sync and probe), ``evaluate``, ``checkpoint``, ``metrics``,
+``seeds``, ``score``; ``data`` (prompts, batching), ``rewards`` (TRL-signature reward
+functions in a process pool with time limits), ``sft`` (the optional supervised warm-up),
+``critic`` (PPO value model), ``schedule``; ``task`` holds the built-in task, tokenizer and
+tiny model of the embedded default. ARCHITECTURE.md maps them.
 """
 
 from fastrl.train.config import ALGORITHM_PRESETS, ALGORITHMS, TrainConfig

@@ -381,4 +381,5 @@ def encode_prompts(cfg: TrainConfig, tokenizer: Any, policy: torch.nn.Module, tr
         seed=cfg.seed,
         drop_last=sharded,  # every rank takes an equal slice of each batch: no short batch at an epoch's end
     )
-    return Prompts(train.rows, train.prompt_ids, eval_rows, eval_ids, max_length, len(train.dropped), batcher)
+    return Prompts(train_rows=train.rows, train_ids=train.prompt_ids, eval_rows=eval_rows, eval_ids=eval_ids, max_length=max_length,
+                   dropped=len(train.dropped), batcher=batcher)

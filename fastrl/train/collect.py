@@ -68,5 +68,5 @@ class Collector:
             batch = sampler.generate(prompt_batch.prompt_ids, group_size=G, sampling=sampling, **extra)
         with timer("reward"):
             completions, result = self.scorer.score(prompt_batch.rows, batch, G)
-        return GroupRollout(batch, prompt_batch.rows, completions, result.rewards.float(), dict(result.metrics),
-                            dict(result.per_function))
+        return GroupRollout(batch=batch, rows=prompt_batch.rows, completions=completions, rewards=result.rewards.float(),
+                            reward_metrics=dict(result.metrics), per_function=dict(result.per_function))
