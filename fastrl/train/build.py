@@ -61,6 +61,13 @@ class SamplerSpec:
     ``SamplerContext.connected``."""
 
 
+VLLM_BLOCK_SIZE = 32
+"""KV-cache block size of the in-process vLLM engine (tokens)."""
+
+SERVER_CONNECT_TIMEOUT_S = 30.0
+"""Longest wait for a vllm-server to answer its first request (at most ``sampler_timeout``)."""
+
+
 def _hf(ctx: SamplerContext) -> GroupSampler:
     from fastrl.rollout import HFGroupSampler
 
@@ -72,13 +79,13 @@ def _vllm(ctx: SamplerContext) -> GroupSampler:
 
     init = ctx.output_dir / "sampler_init"
     ctx.policy.save_pretrained(init, safe_serialization=True)
-    return VLLMGroupSampler(str(init), block_size=32, max_model_len=ctx.max_length, seed=ctx.cfg.seed)
+    return VLLMGroupSampler(str(init), block_size=VLLM_BLOCK_SIZE, max_model_len=ctx.max_length, seed=ctx.cfg.seed)
 
 
 def _connect_server(cfg: TrainConfig) -> GroupSampler:
     from fastrl.rollout.remote import VLLMServerSampler
 
-    return VLLMServerSampler(cfg.sampler_url, timeout=cfg.sampler_timeout, connect_timeout=min(30.0, cfg.sampler_timeout))
+    return VLLMServerSampler(cfg.sampler_url, timeout=cfg.sampler_timeout, connect_timeout=min(SERVER_CONNECT_TIMEOUT_S, cfg.sampler_timeout))
 
 
 SAMPLERS: dict[str, SamplerSpec] = {
