@@ -49,7 +49,8 @@ import numpy as np
 import torch
 
 import fastrl.ops as _ops
-from fastrl.config import PolicyLossConfig
+from fastrl.config import LOSS_AGGS, PolicyLossConfig
+from fastrl.ops.aggregation import global_count_for
 
 __all__ = [
     "SUPPORTED_VERL",
@@ -85,31 +86,32 @@ def _as_float(x: Any) -> float:
     return float(x.item()) if isinstance(x, torch.Tensor) else float(x)
 
 
-def _global_counts(loss_agg_mode: str, dp_size: int, batch_num_tokens, global_batch_size):
-    """verl's (dp_size, batch_num_tokens, global_batch_size) -> fastrl's loss_agg and denominators.
+_TOKEN_SUM = "token-sum"  # verl's mode without a fastrl loss_agg of its own (token-mean with a count of 1)
+_COUNT_ARGUMENT = {"tokens": "(global) batch_num_tokens", "sequences": "global_batch_size"}  # verl's names
+
+
+def _global_counts(loss_agg_mode: str, dp_size: int, batch_num_tokens, global_batch_size) -> tuple[str, _ops.GlobalCounts]:
+    """verl's (dp_size, batch_num_tokens, global_batch_size) -> fastrl's loss_agg and global counts.
 
     verl divides by the global count and multiplies by ``dp_size`` (DDP/FSDP average the
     gradients over ranks); fastrl divides by the count it is given, so the count is global/dp.
-    ``token-sum`` (verl: masked sum * dp_size) is token-mean with a count of 1/dp_size.
+    ``token-sum`` (verl: masked sum * dp_size) is token-mean with a count of 1/dp_size. Which
+    count a mode uses is fastrl's aggregation rule (``fastrl.ops.aggregation.global_count_for``);
+    with ``dp_size > 1`` that count is required.
     """
-    gtc = gsc = None
-    if loss_agg_mode == "token-mean":
-        if batch_num_tokens is None:
-            if dp_size > 1:
-                raise ValueError("(global) batch_num_tokens is required when dp_size > 1")
-        else:
-            gtc = batch_num_tokens / dp_size
-        return "token-mean", gtc, gsc
-    if loss_agg_mode == "token-sum":
-        return "token-mean", 1.0 / dp_size, None
-    if loss_agg_mode in ("seq-mean-token-sum", "seq-mean-token-sum-norm", "seq-mean-token-mean"):
-        if global_batch_size is None:
-            if dp_size > 1:
-                raise ValueError("global_batch_size is required when dp_size > 1")
-        else:
-            gsc = global_batch_size / dp_size
-        return loss_agg_mode, gtc, gsc
-    raise ValueError(f"Invalid loss_agg_mode: {loss_agg_mode}")
+    if loss_agg_mode == _TOKEN_SUM:
+        return "token-mean", _ops.GlobalCounts(tokens=1.0 / dp_size)
+    if loss_agg_mode not in LOSS_AGGS:
+        raise ValueError(f"Invalid loss_agg_mode: {loss_agg_mode}")
+
+    def per_rank(count):
+        return None if count is None else count / dp_size
+
+    counts = _ops.GlobalCounts(tokens=per_rank(batch_num_tokens), sequences=per_rank(global_batch_size))
+    field, count = global_count_for(loss_agg_mode, counts)
+    if count is None and dp_size > 1:
+        raise ValueError(f"{_COUNT_ARGUMENT[field]} is required when dp_size > 1")
+    return loss_agg_mode, counts
 
 
 def _norm_length(agg: str, loss_scale_factor: float | None, response_mask: torch.Tensor) -> float | None:
@@ -226,21 +228,21 @@ def agg_loss(
     Plain tensor sums (there is nothing to fuse); the denominators are those fastrl's loss
     ops use, mapped from verl's global batch information.
     """
-    agg, gtc, gsc = _global_counts(loss_agg_mode, dp_size, batch_num_tokens, global_batch_size)
+    agg, counts = _global_counts(loss_agg_mode, dp_size, batch_num_tokens, global_batch_size)
     return _ops.aggregate_loss(loss_mat, loss_mask, loss_agg=agg, norm_length=_norm_length(agg, loss_scale_factor, loss_mask),
-                               global_token_count=gtc, global_seq_count=gsc)
+                               global_counts=counts)
 
 
 def _policy_loss(old_log_prob, log_prob, advantages, response_mask, loss_agg_mode, config, weights, cfg):
     info = dict(_get(config, "global_batch_info", None) or {})
-    agg, gtc, gsc = _global_counts(
+    agg, counts = _global_counts(
         loss_agg_mode, info.get("dp_size", 1), info.get("batch_num_tokens"), info.get("global_batch_size")
     )
     cfg = cfg.replace(loss_agg=agg, norm_length=_norm_length(agg, info.get("loss_scale_factor"), response_mask))
     return _ops.policy_loss(
         log_prob, old_log_prob, advantages, response_mask, is_weight=None if weights is None else weights.detach(),
         config=cfg,
-        global_token_count=gtc, global_seq_count=gsc,
+        global_counts=counts,
     )
 
 
@@ -362,11 +364,11 @@ def compute_value_loss(
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """verl's clipped value loss: 0.5 * agg(max((v - R)^2, (clip(v, v_old +- c) - R)^2)).
     Returns ``(vf_loss, vf_clipfrac)``."""
-    agg, gtc, gsc = _global_counts(loss_agg_mode, dp_size, batch_num_tokens, global_batch_size)
+    agg, counts = _global_counts(loss_agg_mode, dp_size, batch_num_tokens, global_batch_size)
     loss, metrics = _ops.value_loss(
         vpreds, values, returns, response_mask, clip=cliprange_value, loss_agg=agg,
         norm_length=_norm_length(agg, loss_scale_factor, response_mask),
-        global_token_count=gtc, global_seq_count=gsc,
+        global_counts=counts,
     )
     return loss, metrics["vf_clip_frac"]
 

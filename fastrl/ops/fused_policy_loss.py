@@ -23,16 +23,14 @@ import torch
 import fastrl.ops.logprobs as _lp  # shared helpers, looked up at call time (one definition, patchable)
 from fastrl._checks import (
     check_float,
-    check_global_count,
     check_int,
     check_is_weight,
     check_mask,
     check_same_device,
     resolve_backend,
-    select_global_count,
 )
 from fastrl.config import PolicyLossConfig
-from fastrl.ops.aggregation import aggregation_weights
+from fastrl.ops.aggregation import GlobalCounts, aggregation_weights, resolve_global_count
 from fastrl.ops.logprobs import linear_logprobs
 from fastrl.ops.policy_loss import policy_loss
 
@@ -64,6 +62,7 @@ def fused_linear_policy_loss(
     entropy: bool = False,
     global_token_count: torch.Tensor | float | None = None,
     global_seq_count: torch.Tensor | float | None = None,
+    global_counts: GlobalCounts | None = None,
     process_group: Any = None,
     backend: str = "auto",
     tiles: dict[str, dict[str, int]] | None = None,
@@ -81,7 +80,7 @@ def fused_linear_policy_loss(
         weight, bias: LM head [V, H] and optional [V] (a vocab shard with ``process_group``).
         targets: [B, T] sampled token ids.
         old_logp, advantages, mask, ref_logp, rollout_logp, is_weight, config, global_token_count,
-            global_seq_count: as in ``fastrl.ops.policy_loss`` (every ``PolicyLossConfig``
+            global_seq_count, global_counts: as in ``fastrl.ops.policy_loss`` (every ``PolicyLossConfig``
             option, including sequence-level ratios and global-token normalisation).
         temperature: sampling temperature the logits are divided by.
         entropy: compute the entropy (metrics) even when ``config.entropy_coef == 0``.
@@ -124,12 +123,13 @@ def fused_linear_policy_loss(
     if _eager_applies(hidden, weight, bias, rollout_logp, config, process_group, backend):
         _lp._validate(hidden, weight, targets_eff, bias, temperature, _IGNORE)
         _lp._check_target_range(targets_eff.reshape(-1), _IGNORE, weight.shape[0])
-        count_name, count = select_global_count(config.loss_agg, global_token_count, global_seq_count)
-        global_count = check_global_count(count_name, count, hidden.device)
+        global_count = resolve_global_count(config.loss_agg, hidden.device, global_counts=global_counts,
+                                            global_token_count=global_token_count, global_seq_count=global_seq_count)
         return _fused_eager_torch(
             hidden, weight, bias, targets_eff, keep, old_logp, advantages, mask, ref_logp=ref_logp,
             rollout_logp=rollout_logp, is_weight=is_weight, config=config, temperature=float(temperature),
-            with_entropy=with_entropy, global_count=global_count, global_token_count=global_token_count, global_seq_count=global_seq_count,
+            with_entropy=with_entropy, global_count=global_count,
+            counts=dict(global_counts=global_counts, global_token_count=global_token_count, global_seq_count=global_seq_count),
         )
     out = linear_logprobs(
         hidden, weight, targets_eff, bias=bias, temperature=temperature, return_entropy=with_entropy,
@@ -139,7 +139,7 @@ def fused_linear_policy_loss(
     return policy_loss(
         logp, old_logp, advantages, mask, ref_logp=ref_logp, entropy=ent, rollout_logp=rollout_logp,
         is_weight=is_weight, config=config, global_token_count=global_token_count, global_seq_count=global_seq_count,
-        backend=backend,
+        global_counts=global_counts, backend=backend,
     )
 
 
@@ -199,7 +199,7 @@ class _PrecomputedGrads(torch.autograd.Function):
 
 def _fused_eager_torch(
     hidden, weight, bias, targets_eff, keep, old_logp, advantages, mask, *, ref_logp, rollout_logp, is_weight, config,
-    temperature, with_entropy, global_count, global_token_count, global_seq_count,
+    temperature, with_entropy, global_count, counts,
 ):
     """fused_linear_policy_loss on CPU with the gradients formed in the same pass as the logits.
 
@@ -320,7 +320,7 @@ def _fused_eager_torch(
     with torch.no_grad():
         loss, metrics = policy_loss(logp, old_logp, advantages, mask, ref_logp=ref_logp, entropy=ent,
                                     rollout_logp=rollout_logp, is_weight=is_weight, config=config, backend="torch",
-                                    global_token_count=global_token_count, global_seq_count=global_seq_count)
+                                    **counts)
     if gh_full is not None:
         gh_full = gh_full.reshape(B, T, hd)
     loss = _PrecomputedGrads.apply(loss, hidden, weight, bias, gh_full, gw, gb)

@@ -24,12 +24,10 @@ from fastrl._checks import (
     check_mask,
     check_nonempty,
     check_same_device,
-    check_global_count,
     resolve_backend,
-    select_global_count,
 )
 from fastrl.config import PolicyLossConfig
-from fastrl.ops.aggregation import aggregation_weights
+from fastrl.ops.aggregation import GlobalCounts, aggregation_weights, resolve_global_count
 from fastrl.ops.kl import k3_expm1
 from fastrl.ops.packing import PackedLayout, packed_to_rows
 from fastrl.ops.surrogates import FOLDS_ROLLOUT_WEIGHT, METRIC_NAME, SURROGATES, THROUGH_RATIO, surrogate_params
@@ -281,6 +279,7 @@ def policy_loss(
     config: PolicyLossConfig = PolicyLossConfig(),
     global_token_count: torch.Tensor | float | None = None,
     global_seq_count: torch.Tensor | float | None = None,
+    global_counts: GlobalCounts | None = None,
     backend: str = "auto",
     cu_seqlens: PackedLayout | torch.Tensor | Sequence[int] | None = None,
 ) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
@@ -313,6 +312,10 @@ def policy_loss(
             Either count: a number >= 0 or a 1-element tensor on the inputs' device (read on
             the device, no host sync); 0 is taken as 1, so a fully masked batch has loss 0.
             The rule is ``fastrl._checks.check_global_count``, shared by every loss op.
+        global_counts: ``fastrl.ops.GlobalCounts(tokens, sequences)``, the whole batch's
+            counts (gradient accumulation / data parallel); the aggregation rule uses the
+            one ``config.loss_agg`` needs (``fastrl.ops.aggregation.global_count_for``).
+            The alternative to the explicit ``global_token_count`` / ``global_seq_count``.
         backend: ``"auto"`` (Triton on CUDA, PyTorch otherwise), ``"triton"`` or ``"torch"``.
         cu_seqlens: packed inputs: the per-token tensors are ``[N]`` or ``[1, N]`` (``S``
             sequences back to back) and this is their ``fastrl.ops.PackedLayout`` or host
@@ -353,8 +356,8 @@ def policy_loss(
     device = check_same_device(logp=logp, old_logp=old_logp, advantages=advantages, mask=mask,
                                ref_logp=ref_logp, entropy=entropy, rollout_logp=rollout_logp,
                                is_weight=is_weight)
-    count_name, count = select_global_count(config.loss_agg, global_token_count, global_seq_count)
-    global_count = check_global_count(count_name, count, device)
+    global_count = resolve_global_count(config.loss_agg, device, global_counts=global_counts,
+                                        global_token_count=global_token_count, global_seq_count=global_seq_count)
     impl = resolve_backend(backend, device)
 
     kw = dict(

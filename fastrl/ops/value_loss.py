@@ -17,15 +17,13 @@ from fastrl._checks import (
     check_mask,
     check_nonempty,
     check_same_device,
-    check_global_count,
     check_scalar,
     resolve_backend,
-    select_global_count,
 )
 from fastrl.config import LOSS_AGGS, NORM_LENGTH_REQUIRED
 from fastrl.ops._segments import kernel_mask
 from fastrl.ops.packing import PackedLayout, packed_to_rows
-from fastrl.ops.aggregation import aggregation_weights
+from fastrl.ops.aggregation import GlobalCounts, aggregation_weights, resolve_global_count
 
 __all__ = ["value_loss"]
 
@@ -135,6 +133,7 @@ def value_loss(
     norm_length: float | None = None,
     global_token_count: float | torch.Tensor | None = None,
     global_seq_count: float | torch.Tensor | None = None,
+    global_counts: GlobalCounts | None = None,
     backend: str = "auto",
     cu_seqlens: PackedLayout | torch.Tensor | Sequence[int] | None = None,
 ) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
@@ -159,6 +158,8 @@ def value_loss(
             Either count: a number >= 0 or a 1-element tensor on the inputs' device (no host
             sync); 0 is taken as 1. The rule is ``fastrl._checks.check_global_count``, the
             same as ``policy_loss``'s.
+        global_counts: ``fastrl.ops.GlobalCounts(tokens, sequences)`` instead of the explicit
+            count: the aggregation rule uses the one ``loss_agg`` needs.
         backend: ``auto`` | ``triton`` | ``torch``.
         cu_seqlens: packed inputs: every tensor is ``[N]`` or ``[1, N]`` (``S`` sequences
             back to back) and this is their ``fastrl.ops.PackedLayout`` or host
@@ -195,8 +196,8 @@ def value_loss(
         raise ValueError(f"norm_length is only used by loss_agg='seq-mean-token-sum-norm', got loss_agg={loss_agg!r}")
     if norm_length is None and loss_agg == "seq-mean-token-sum-norm":
         raise ValueError(NORM_LENGTH_REQUIRED)
-    count_name, count = select_global_count(loss_agg, global_token_count, global_seq_count)
-    global_count = check_global_count(count_name, count, device)
+    global_count = resolve_global_count(loss_agg, device, global_counts=global_counts,
+                                        global_token_count=global_token_count, global_seq_count=global_seq_count)
     impl = resolve_backend(backend, device)
 
     with torch.no_grad():

@@ -65,7 +65,7 @@ CPU_ONLY_READS = [(lp_mod, "_check_target_range"), (adv_mod, "_check_step_layout
                   (adv_mod, "_check_finite_rewards")] + [
     # a global count given as a CPU tensor is range-checked on the host (fastrl._checks.check_global_count)
     (importlib.import_module(f"fastrl.ops.{name}"), "check_global_count")
-    for name in ("policy_loss", "value_loss", "logprobs", "fused_policy_loss")
+    for name in ("policy_loss", "value_loss", "logprobs", "fused_policy_loss", "aggregation")
     if hasattr(importlib.import_module(f"fastrl.ops.{name}"), "check_global_count")
 ]
 
