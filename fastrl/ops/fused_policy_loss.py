@@ -36,12 +36,6 @@ from fastrl.ops.policy_loss import policy_loss
 
 __all__ = ["fused_linear_policy_loss"]
 
-# The PyTorch path on CPU computes the gradients in the forward pass (3 GEMMs per token
-# chunk: logits, grad_hidden, grad_weight) instead of recomputing the logits in backward
-# (4 GEMMs), when the loss gradient of a token depends only on that token (token-level
-# ratio and importance weights). Set False to always compose policy_loss(linear_logprobs(...)).
-EAGER_TORCH_LOSS = True
-
 _IGNORE = -100  # the ignore_index given to linear_logprobs for tokens outside the mask
 
 
@@ -66,6 +60,7 @@ def fused_linear_policy_loss(
     process_group: Any = None,
     backend: str = "auto",
     tiles: dict[str, dict[str, int]] | None = None,
+    one_pass: bool = True,
 ) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
     """The policy loss of ``fastrl.ops.policy_loss`` computed from hidden states.
 
@@ -86,6 +81,12 @@ def fused_linear_policy_loss(
         entropy: compute the entropy (metrics) even when ``config.entropy_coef == 0``.
         process_group: tensor-parallel vocabulary, see ``linear_logprobs``.
         backend: for both the log-probs and the loss.
+        tiles: Triton tile sizes of the log-probs kernels (see ``linear_logprobs``).
+        one_pass: PyTorch on CPU, where it applies (token-level ratio and importance
+            weight, not VESPO, no tensor parallelism): form the gradients in the same pass as
+            the logits (3 GEMMs per token chunk instead of 4, see "Memory" below). False
+            always composes ``policy_loss(linear_logprobs(...))``. Loss, metrics and
+            gradients are the same either way (the tests compare the two paths).
 
     Returns:
         ``(loss, metrics)`` as ``policy_loss``; ``loss`` is differentiable wrt ``hidden``,
@@ -97,7 +98,7 @@ def fused_linear_policy_loss(
     once the loss has given d loss / d logp and d loss / d entropy per token (4 GEMM passes).
     PyTorch on CPU with token-level ratios: each token chunk's logits are computed once and
     turned into grad_hidden / grad_weight in the same pass (3 GEMM passes, like the logits
-    path); those gradients are held until backward (``EAGER_TORCH_LOSS`` switches it off).
+    path); those gradients are held until backward (``one_pass=False`` switches it off).
     The PyTorch token chunks hold at most ``fastrl.ops.logprobs.chunk_rows(V)`` rows.
     """
     check_float("hidden", hidden, ndim=3)
@@ -120,7 +121,7 @@ def fused_linear_policy_loss(
     keep = mask if mask.dtype == torch.bool else mask != 0
     targets_eff = torch.where(keep, targets.to(torch.int64), torch.full_like(targets, _IGNORE, dtype=torch.int64))
     with_entropy = bool(entropy) or config.entropy_coef != 0
-    if _eager_applies(hidden, weight, bias, rollout_logp, config, process_group, backend):
+    if one_pass and _eager_applies(hidden, weight, bias, rollout_logp, config, process_group, backend):
         _lp._validate(hidden, weight, targets_eff, bias, temperature, _IGNORE)
         _lp._check_target_range(targets_eff.reshape(-1), _IGNORE, weight.shape[0])
         global_count = resolve_global_count(config.loss_agg, hidden.device, global_counts=global_counts,
@@ -147,7 +148,7 @@ def fused_linear_policy_loss(
 
 
 def _eager_applies(hidden, weight, bias, rollout_logp, config, process_group, backend) -> bool:
-    if not EAGER_TORCH_LOSS or process_group is not None or hidden.device.type != "cpu":
+    if process_group is not None or hidden.device.type != "cpu":
         return False
     if resolve_backend(backend, hidden.device) != "torch":
         return False

@@ -231,15 +231,18 @@ def _torch_bwd(grad_out, out, rowcoef, g, mask, logp, old_logp, entropy, *,
 
 class _PolicyLossFn(torch.autograd.Function):
     @staticmethod
-    def forward(ctx, logp, entropy, old_logp, advantages, mask, ref_logp, rollout_logp, is_weight, global_count, kw, backend):  # type: ignore[override]
+    def forward(ctx, logp, entropy, old_logp, advantages, mask, ref_logp, rollout_logp, is_weight, global_count, kw, backend, tiles):  # type: ignore[override]
         write_grad = ctx.needs_input_grad[0]
+        launch = {}
         if backend == "triton":
             from csrc_triton.policy_loss import policy_loss_fwd as fwd
+
+            launch = {"tiles": tiles}
         else:
             fwd = _torch_fwd
         out, rowcoef, g = fwd(logp, old_logp, advantages, mask, ref_logp, entropy, rollout_logp, is_weight,
-                              global_count=global_count, write_grad=write_grad, **kw)
-        ctx.kw, ctx.backend = kw, backend
+                              global_count=global_count, write_grad=write_grad, **kw, **launch)
+        ctx.kw, ctx.backend, ctx.launch = kw, backend, launch
         ctx.save_for_backward(out, rowcoef, g, mask, logp, old_logp, entropy)
         return out
 
@@ -256,8 +259,9 @@ class _PolicyLossFn(torch.autograd.Function):
             bwd = _torch_bwd
         glogp, gent = bwd(grad_out.contiguous(), out, rowcoef, g, mask, logp, old_logp, entropy,
                           seq_ratio=kw["seq_ratio"], log_ratio_clamp=kw["log_ratio_clamp"],
-                          entropy_coef=kw["entropy_coef"], need_logp=need_logp, need_entropy=need_entropy)
-        return glogp, gent, None, None, None, None, None, None, None, None, None
+                          entropy_coef=kw["entropy_coef"], need_logp=need_logp, need_entropy=need_entropy,
+                          **ctx.launch)
+        return glogp, gent, None, None, None, None, None, None, None, None, None, None
 
 
 def _unit_col(x: torch.Tensor | None) -> torch.Tensor | None:
@@ -282,6 +286,7 @@ def policy_loss(
     global_counts: GlobalCounts | None = None,
     backend: str = "auto",
     cu_seqlens: PackedLayout | torch.Tensor | Sequence[int] | None = None,
+    tiles: dict[str, int] | None = None,
 ) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
     """Policy-gradient loss (``config.surrogate``: PPO clip, CISPO, SAPO, VESPO) with KL and
     entropy terms, and its metrics.
@@ -322,6 +327,11 @@ def policy_loss(
             ``cu_seqlens`` (``[S + 1]``); ``advantages`` may be per sequence ``[S]``. Loss,
             metrics and gradients equal those of the padded ``[S, T]`` rows
             (``fastrl.ops.packing``).
+        tiles: Triton launch tiles, any of ``block_t`` (tokens per program), ``block_b``
+            (rows per finalize step), ``block_c`` (chunk partials per step); powers of two,
+            defaults ``csrc_triton.policy_loss.DEFAULT_TILES``. Results do not depend on
+            them (tests use small tiles so a row spans several programs); ignored by the
+            PyTorch backend.
 
     Returns:
         ``(loss, metrics)``: the 0-dim fp32 loss and a dict of 0-dim fp32 tensors: pg_loss,
@@ -359,6 +369,10 @@ def policy_loss(
     global_count = resolve_global_count(config.loss_agg, device, global_counts=global_counts,
                                         global_token_count=global_token_count, global_seq_count=global_seq_count)
     impl = resolve_backend(backend, device)
+    if impl == "triton" and tiles:
+        from csrc_triton.policy_loss import resolve_tiles
+
+        tiles = resolve_tiles(tiles)  # bad names/values fail here, before any work
 
     kw = dict(
         surrogate=config.surrogate,
@@ -387,7 +401,7 @@ def policy_loss(
     if is_weight is not None:
         is_weight = is_weight.detach()
     out = _PolicyLossFn.apply(logp, entropy, old_logp, advantages, mask, ref_logp, rollout_logp, is_weight,
-                              global_count, kw, impl)
+                              global_count, kw, impl, tiles)
     loss = out[0]
     od = out.detach()
     metrics = {k: od[OUT[k]] for k in ("pg_loss", "approx_kl", "ratio_mean", "ratio_min", "ratio_max")}
