@@ -36,7 +36,7 @@ from fastrl._checks import (
     check_scalar,
     effective_count,
 )
-from fastrl.config import LOSS_AGGS, NORM_LENGTH_REQUIRED
+from fastrl.config import LOSS_AGGS, NORM_LENGTH_REQUIRED, LossAgg
 
 Count = torch.Tensor | float | int
 """A global count: a Python number >= 0 or a 1-element tensor on the inputs' device
@@ -137,7 +137,7 @@ def aggregate_loss(
     loss_mat: torch.Tensor,
     mask: torch.Tensor,
     *,
-    loss_agg: str = "token-mean",
+    loss_agg: LossAgg = "token-mean",
     norm_length: float | None = None,
     global_token_count: torch.Tensor | float | None = None,
     global_seq_count: torch.Tensor | float | None = None,

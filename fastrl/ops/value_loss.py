@@ -20,7 +20,7 @@ from fastrl._checks import (
     check_scalar,
     resolve_backend,
 )
-from fastrl.config import LOSS_AGGS, NORM_LENGTH_REQUIRED
+from fastrl.config import LOSS_AGGS, NORM_LENGTH_REQUIRED, LossAgg
 from fastrl.ops._segments import kernel_mask
 from fastrl.ops.packing import PackedLayout, packed_to_rows
 from fastrl.ops.aggregation import GlobalCounts, aggregation_weights, resolve_global_count
@@ -129,7 +129,7 @@ def value_loss(
     mask: torch.Tensor,
     *,
     clip: float | None = None,
-    loss_agg: str = "token-mean",
+    loss_agg: LossAgg = "token-mean",
     norm_length: float | None = None,
     global_token_count: float | torch.Tensor | None = None,
     global_seq_count: float | torch.Tensor | None = None,
@@ -148,8 +148,8 @@ def value_loss(
         returns: [B, T] float, the regression targets R (no gradient).
         mask: [B, T] response mask (0/1, any dtype).
         clip: value clip range (> 0) or None.
-        loss_agg: ``token-mean`` | ``seq-mean-token-mean`` | ``seq-mean-token-sum`` |
-            ``seq-mean-token-sum-norm``, as in ``PolicyLossConfig.loss_agg``.
+        loss_agg: a ``fastrl.config.LossAgg`` name, as in ``PolicyLossConfig.loss_agg``
+            (the aggregation rule of ``fastrl.ops.aggregation``).
         norm_length: constant of ``seq-mean-token-sum-norm``, required by (and only for) that
             mode (see ``PolicyLossConfig.norm_length``).
         global_token_count: replaces the local masked-token count (``token-mean`` only),

@@ -17,6 +17,10 @@ from dataclasses import dataclass, field
 from typing import Literal, Optional
 
 from fastrl.config import KLEstimator, LossAgg, PolicyLossConfig, Surrogate
+from fastrl.reference.advantages import GroupMode
+
+AdvantageMode = Literal[GroupMode, "gae"]
+"""``TrainConfig.advantage_mode``: a ``group_advantages`` mode, or ``gae`` (critic + GAE)."""
 
 
 @dataclass(frozen=True)
@@ -187,8 +191,9 @@ class TrainConfig:
     """Policy-gradient surrogate (``PolicyLossConfig.surrogate``; the choices are
     ``fastrl.config.Surrogate``), with that config's default hyperparameters; None: the
     algorithm's, PPO clip."""
-    advantage_mode: Optional[str] = None
-    """grpo | dr_grpo | batch_std | group_mean_batch_std_floor | rloo | reinforce_pp | gae (None: preset)."""
+    advantage_mode: Optional[AdvantageMode] = None
+    """A ``group_advantages`` mode (``fastrl.reference.advantages.GroupMode``) or ``gae``
+    (critic + GAE); None: preset."""
     kl_coef: Optional[float] = None
     """KL weight beta to the frozen reference policy (None: preset; 0 skips the reference model)."""
     kl_estimator: KLEstimator = "k3"
