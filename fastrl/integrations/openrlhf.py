@@ -33,6 +33,9 @@ __all__ = ["PolicyLoss", "SUPPORTED_OPENRLHF", "ValueLoss"]
 SUPPORTED_OPENRLHF = ">=0.11,<0.12"
 """OpenRLHF releases whose loss semantics these modules reproduce (tested with 0.11.2)."""
 
+_PPO_LOG_RATIO_CLAMP = 20.0  # OpenRLHF clamps the PPO log-ratio to [-20, 20] before exp
+_PROB_CLAMP = 1e-6  # OpenRLHF's gates clamp token probabilities to [1e-6, 1 - 1e-6] before the KL / TV statistic
+
 
 
 def _masked_mean(x: torch.Tensor, mask: Optional[torch.Tensor], dim: Optional[int] = None) -> torch.Tensor:
@@ -109,8 +112,8 @@ class PolicyLoss(nn.Module):
             stat = _masked_mean(is_log_ratio, action_mask, dim=-1).unsqueeze(-1) if seq_level else is_log_ratio
             stat = stat.exp()
         else:
-            p = rollout_log_probs.detach().exp().clamp(1e-6, 1 - 1e-6)
-            q = old_log_probs.detach().exp().clamp(1e-6, 1 - 1e-6)
+            p = rollout_log_probs.detach().exp().clamp(_PROB_CLAMP, 1 - _PROB_CLAMP)
+            q = old_log_probs.detach().exp().clamp(_PROB_CLAMP, 1 - _PROB_CLAMP)
             if self.is_correction_gating == "binary_kl":
                 stat = p * (p / q).log() + (1 - p) * ((1 - p) / (1 - q)).log()
             else:
@@ -151,7 +154,7 @@ class PolicyLoss(nn.Module):
             dual_clip=self.dual_clip,
             loss_agg=agg,
             ratio_level="token" if self.policy_loss_type == "ppo" else "sequence",
-            log_ratio_clamp=20.0 if self.policy_loss_type == "ppo" else None,
+            log_ratio_clamp=_PPO_LOG_RATIO_CLAMP if self.policy_loss_type == "ppo" else None,
         )
         old = old_log_probs
         if self.policy_loss_type == "gspo" and self.is_correction_level != "off":

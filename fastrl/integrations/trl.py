@@ -190,7 +190,8 @@ def trl_loss_config(
     )
 
 
-_LOG_1E8 = math.log(1e-8)
+_LOG_1E8 = math.log(1e-8)  # TRL's VESPO clamps each log importance ratio to [log 1e-8, 20]
+_VESPO_LOG_RATIO_MAX = 20.0
 
 
 def _add_hidden_states_forward(model: nn.Module) -> None:
@@ -402,7 +403,7 @@ class FastRLGRPOTrainer(_TRLGRPOTrainer):
             common = dict(common, config=common["config"].replace(kl_coef=0.0))
         rollout = None
         if vespo_is is not None:  # TRL: log w += sum_t clamp(log ratio_t, log 1e-8, 20)
-            rollout = old_logp - torch.log(vespo_is.to(torch.float32)).clamp(_LOG_1E8, 20.0)
+            rollout = old_logp - torch.log(vespo_is.to(torch.float32)).clamp(_LOG_1E8, _VESPO_LOG_RATIO_MAX)
         loss, metrics = _ops.policy_loss(
             logp, old_logp, advantages, mask, ref_logp=None if bias_kl else ref_logp,
             entropy=entropy.detach(), rollout_logp=rollout, is_weight=weight_pg, **common,

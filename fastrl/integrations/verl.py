@@ -70,6 +70,10 @@ SUPPORTED_VERL = ">=0.9,<0.10"
 """verl releases whose semantics these functions reproduce (tested with 0.9.1)."""
 
 _GSPO_LOG_RATIO_CLAMP = 10.0  # verl clamps the GSPO log-ratio at 10 from above
+_PPO_LOG_RATIO_CLAMP = 20.0  # verl's vanilla PPO clamps the log-ratio to [-20, 20] (loss and ppo_kl metric)
+_LOW_VAR_KL_CLAMP = 10.0  # verl clamps its k3 (low_var_kl) estimate to [-10, 10]
+_MASKED_MEAN_EPS = 1e-8  # verl's masked_mean: sum / (count + eps)
+_WHITEN_EPS = 1e-8  # verl's masked_whiten: eps inside the square root
 
 
 # ----------------------------------------------------------------------------- helpers
@@ -126,7 +130,7 @@ def _norm_length(agg: str, loss_scale_factor: float | None, response_mask: torch
 def _masked_mean(x: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
     """verl's ``masked_mean``: sum over mask / (count + 1e-8)."""
     valid = torch.where(mask.bool(), x, torch.zeros_like(x))
-    return (valid * mask).sum() / (mask.sum() + 1e-8)
+    return (valid * mask).sum() / (mask.sum() + _MASKED_MEAN_EPS)
 
 
 def _get(config: Any, name: str, default: Any = None) -> Any:
@@ -155,7 +159,7 @@ def compute_gae_advantage_return(
         adv, returns = _ops.gae(
             token_level_rewards, values, response_mask, gamma=_as_float(gamma), lam=_as_float(lam)
         )
-        adv = _ops.masked_whiten(adv, response_mask, shift_mean=True, eps=1e-8)
+        adv = _ops.masked_whiten(adv, response_mask, shift_mean=True, eps=_WHITEN_EPS)
     return adv, returns
 
 
@@ -209,7 +213,7 @@ def compute_reinforce_plus_plus_outcome_advantage(
     assert config is not None
     with torch.no_grad():
         returns = _ops.discounted_returns(token_level_rewards, response_mask, gamma=_as_float(config.gamma))
-        adv = _ops.masked_whiten(returns, response_mask, shift_mean=True, eps=1e-8)
+        adv = _ops.masked_whiten(returns, response_mask, shift_mean=True, eps=_WHITEN_EPS)
     return adv.to(token_level_rewards.dtype), returns.to(token_level_rewards.dtype)
 
 
@@ -268,11 +272,11 @@ def compute_policy_loss_vanilla(
     high = _get(config, "clip_ratio_high") if _get(config, "clip_ratio_high") is not None else clip_ratio
     clip_c = _get(config, "clip_ratio_c", 3.0)
     assert clip_c > 1.0, f"The lower bound of the clip_ratio_c for dual-clip PPO should be greater than 1.0, got {clip_c}"
-    cfg = PolicyLossConfig(clip_low=low, clip_high=high, dual_clip=clip_c, log_ratio_clamp=20.0)
+    cfg = PolicyLossConfig(clip_low=low, clip_high=high, dual_clip=clip_c, log_ratio_clamp=_PPO_LOG_RATIO_CLAMP)
     loss, m = _policy_loss(old_log_prob, log_prob, advantages, response_mask, loss_agg_mode, config,
                            rollout_is_weights, cfg)
     with torch.no_grad():
-        neg_kl = torch.clamp(log_prob.detach().float() - old_log_prob.float(), min=-20.0, max=20.0)
+        neg_kl = torch.clamp(log_prob.detach().float() - old_log_prob.float(), min=-_PPO_LOG_RATIO_CLAMP, max=_PPO_LOG_RATIO_CLAMP)
         ppo_kl = _masked_mean(-neg_kl, response_mask)
     metrics = {
         "actor/pg_clipfrac": (m["clip_frac_low"] + m["clip_frac_high"]).item(),
@@ -346,7 +350,7 @@ def _kl_forward(logprob: torch.Tensor, ref_logprob: torch.Tensor, name: str) -> 
     if name in ("low_var_kl", "k3"):
         # verl also clamps ref - logp to [-20, 20] before exp; outside that range k3 exceeds 10 and is
         # clamped to 10 (zero gradient) either way, so clamping the estimate is enough.
-        return _ops.kl_penalty(logprob, ref_logprob, estimator="k3", clamp=10.0)
+        return _ops.kl_penalty(logprob, ref_logprob, estimator="k3", clamp=_LOW_VAR_KL_CLAMP)
     raise NotImplementedError
 
 
