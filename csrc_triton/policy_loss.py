@@ -70,11 +70,28 @@ _O_INV_DENOMINATOR = tl.constexpr(OUT["inv_denominator"])
 # every kernel here compile again as the padded length changed from step to step. 1024 fp32
 # per input per program keeps enough bytes in flight for these memory-bound passes; rows
 # shorter than a block only mask lanes (masked lanes issue no memory traffic, and the ALU
-# work they waste is idle in a memory-bound kernel anyway). Tests lower it to exercise
-# several chunks per row.
+# work they waste is idle in a memory-bound kernel anyway).
 MAX_BLOCK_T = 1024
 BLOCK_B = 32  # rows per step of the finalize loop
 BLOCK_C = 8  # chunks per step of the loops over a row's chunk partials (a runtime count)
+DEFAULT_TILES: dict[str, int] = {"block_t": MAX_BLOCK_T, "block_b": BLOCK_B, "block_c": BLOCK_C}
+"""The launch tiles of ``policy_loss_fwd``/``policy_loss_bwd`` (``tiles=`` overrides any of
+them; each a power of two). Results do not depend on them: tests pass small tiles so that
+rows span several programs and the loops over partials take several steps."""
+
+
+def resolve_tiles(tiles: dict[str, int] | None) -> dict[str, int]:
+    """``DEFAULT_TILES`` with the given overrides; unknown names or values that are not
+    positive powers of two are a ``ValueError``."""
+    if not tiles:
+        return DEFAULT_TILES
+    unknown = set(tiles) - set(DEFAULT_TILES)
+    if unknown:
+        raise ValueError(f"tiles: unknown names {sorted(unknown)}; known: {sorted(DEFAULT_TILES)}")
+    for name, v in tiles.items():
+        if isinstance(v, bool) or not isinstance(v, int) or v < 1 or v & (v - 1):
+            raise ValueError(f"tiles[{name!r}] must be a positive power of two, got {v!r}")
+    return {**DEFAULT_TILES, **tiles}
 
 
 # NC (and B) are runtime counts, exempt from the JIT's integer specialisation (== 1, % 16):
@@ -450,9 +467,9 @@ def _mask_arg(mask: torch.Tensor) -> torch.Tensor:
     return mask.view(torch.uint8) if mask.dtype == torch.bool else mask
 
 
-def _blocks(T: int) -> tuple[int, int]:
+def _blocks(T: int, block_t: int) -> tuple[int, int]:
     """(tokens per program, programs per row): a fixed block, so no compile key follows T."""
-    return MAX_BLOCK_T, triton.cdiv(T, MAX_BLOCK_T)
+    return block_t, triton.cdiv(T, block_t)
 
 
 def policy_loss_fwd(
@@ -482,18 +499,20 @@ def policy_loss_fwd(
     norm_length: float,
     global_count: torch.Tensor | float | None,
     write_grad: bool,
+    tiles: dict[str, int] | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor | None]:
     """Forward of the policy loss.
 
     All ``[B, T]`` inputs (``is_weight`` too) need a unit column stride; ``advantages`` is
     ``[B, T]`` or ``[B]``. ``surrogate`` names the fused variant (``SURROGATE_IDS``) and
-    ``sur_params`` its scalars.
+    ``sur_params`` its scalars; ``tiles`` overrides ``DEFAULT_TILES``.
     Returns ``out`` (``[len(OUT_KEYS)]`` fp32: loss, metrics, 1/D), ``rowcoef`` (``[B, 2]``: f_b,
     K_b) and ``g`` (``[B, T]`` fp32, or None when not needed) for ``policy_loss_bwd``.
     """
     B, T = logp.shape
     dev = logp.device
-    block, nc = _blocks(T)
+    tiles = resolve_tiles(tiles)
+    block, nc = _blocks(T, tiles["block_t"])
     mask = _mask_arg(mask)
     has_is = rollout_logp is not None
     seq_is = seq_is and has_is
@@ -536,7 +555,7 @@ def policy_loss_fwd(
         SURROGATE=sur_id, SEQ_RATIO=seq_ratio, SEQ_IS=seq_is, HAS_DUAL=dual_clip is not None,
         HAS_LR_CLAMP=log_ratio_clamp is not None, HAS_REF=has_ref, KL_EST=KL_ESTIMATOR_IDS[kl_estimator],
         HAS_KL_CLAMP=kl_clamp is not None, HAS_ENT=has_ent, HAS_IS=has_is, HAS_IS_CAP=is_cap is not None,
-        HAS_ISW=has_isw, KL_GRAD=has_ref and kl_coef != 0, WRITE_GRAD=write_g, BLOCK_C=BLOCK_C, BLOCK=block,
+        HAS_ISW=has_isw, KL_GRAD=has_ref and kl_coef != 0, WRITE_GRAD=write_g, BLOCK_C=tiles["block_c"], BLOCK=block,
     )
     out = torch.empty(NOUT, dtype=torch.float32, device=dev)
     rowcoef = torch.empty((B, 2), dtype=torch.float32, device=dev)
@@ -547,7 +566,7 @@ def policy_loss_fwd(
         float(norm_length), float(kl_coef), float(entropy_coef),
         AGG=AGG_IDS[loss_agg], HAS_GPTR=g_is_ptr, HAS_GVAL=global_count is not None and not g_is_ptr,
         USE_KL=has_ref and kl_coef != 0, USE_ENT=has_ent and entropy_coef != 0,
-        BLOCK_B=BLOCK_B, BLOCK_C=BLOCK_C,
+        BLOCK_B=tiles["block_b"], BLOCK_C=tiles["block_c"],
     )
     return out, rowcoef, g
 
@@ -567,10 +586,12 @@ def policy_loss_bwd(
     entropy_coef: float,
     need_logp: bool,
     need_entropy: bool,
+    tiles: dict[str, int] | None = None,
 ) -> tuple[torch.Tensor | None, torch.Tensor | None]:
-    """Gradients wrt ``logp`` and ``entropy`` (in their dtypes) from ``policy_loss_fwd``'s outputs."""
+    """Gradients wrt ``logp`` and ``entropy`` (in their dtypes) from ``policy_loss_fwd``'s outputs
+    (``tiles``: the same as the forward's)."""
     B, T = logp.shape
-    block, nc = _blocks(T)
+    block, nc = _blocks(T, resolve_tiles(tiles)["block_t"])
     mask = _mask_arg(mask)
     glogp = torch.empty((B, T), dtype=logp.dtype, device=logp.device) if need_logp else None
     gent = torch.empty((B, T), dtype=entropy.dtype, device=logp.device) if need_entropy else None

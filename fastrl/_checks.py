@@ -152,25 +152,13 @@ def resolve_backend(backend: str, device: torch.device) -> Literal["triton", "to
     return "triton"
 
 
-def select_global_count(loss_agg: str, global_token_count: object, global_seq_count: object) -> tuple[str, object]:
-    """The global denominator that applies to ``loss_agg``: the token count for
-    ``token-mean``, the sequence count for the ``seq-*`` modes. Passing the other one is
-    an error (it would be silently ignored). Returns ``(name, value)``; value may be None."""
-    if loss_agg == "token-mean":
-        name, value, other, other_value = "global_token_count", global_token_count, "global_seq_count", global_seq_count
-    else:
-        name, value, other, other_value = "global_seq_count", global_seq_count, "global_token_count", global_token_count
-    if other_value is not None:
-        raise ValueError(f"{other} does not apply to loss_agg={loss_agg!r}: pass {name}")
-    return name, value
-
-
 def check_global_count(name: str, value: object, device: torch.device) -> torch.Tensor | float | None:
     """A global token/sequence count (the loss denominator of a whole batch split into
     micro-batches or ranks), validated one way for every loss op.
 
     The rule, shared by ``policy_loss``, ``value_loss`` and ``fused_linear_policy_loss``
-    and their references:
+    and their references (which count applies to which ``loss_agg`` is decided by
+    ``fastrl.ops.aggregation.global_count_for``):
 
     - ``None``: the local count is used.
     - a Python ``int``/``float`` (not ``bool``): finite and >= 0, else ``ValueError``.

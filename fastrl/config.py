@@ -8,11 +8,13 @@ from __future__ import annotations
 
 import dataclasses
 from dataclasses import dataclass
-from typing import Literal
+from typing import Literal, get_args
 
 from fastrl._checks import check_choice, check_scalar
 
+# One list per vocabulary: each Literal is the list; the tuples below are derived from it.
 RatioLevel = Literal["token", "sequence"]
+IsLevel = Literal["token", "sequence"]
 KLEstimator = Literal["k1", "k2", "k3"]
 Surrogate = Literal["ppo_clip", "cispo", "sapo", "vespo"]
 LossAgg = Literal["token-mean", "seq-mean-token-mean", "seq-mean-token-sum", "seq-mean-token-sum-norm"]
@@ -23,11 +25,11 @@ NORM_LENGTH_REQUIRED = (
     "its own padded length would make gradient accumulation differ from the full-batch update"
 )
 
-RATIO_LEVELS = ("token", "sequence")
-KL_ESTIMATORS = ("k1", "k2", "k3")
-LOSS_AGGS = ("token-mean", "seq-mean-token-mean", "seq-mean-token-sum", "seq-mean-token-sum-norm")
-IS_LEVELS = ("token", "sequence")
-SURROGATES = ("ppo_clip", "cispo", "sapo", "vespo")
+RATIO_LEVELS: tuple[str, ...] = get_args(RatioLevel)
+KL_ESTIMATORS: tuple[str, ...] = get_args(KLEstimator)
+LOSS_AGGS: tuple[str, ...] = get_args(LossAgg)
+IS_LEVELS: tuple[str, ...] = get_args(IsLevel)
+SURROGATES: tuple[str, ...] = get_args(Surrogate)
 
 
 @dataclass(frozen=True)
@@ -137,7 +139,7 @@ class PolicyLossConfig:
     means no truncation. (With ``surrogate="vespo"`` the log-weight enters VESPO's sequence
     weight instead of multiplying the loss, and ``is_cap`` must be None.)"""
 
-    is_level: Literal["token", "sequence"] = "token"
+    is_level: IsLevel = "token"
     """``token``: one weight per token. ``sequence``: one weight per row,
     exp(sum of the masked token log-differences), truncated at ``is_cap``."""
 

@@ -33,6 +33,9 @@ __all__ = ["PolicyLoss", "SUPPORTED_OPENRLHF", "ValueLoss"]
 SUPPORTED_OPENRLHF = ">=0.11,<0.12"
 """OpenRLHF releases whose loss semantics these modules reproduce (tested with 0.11.2)."""
 
+_PPO_LOG_RATIO_CLAMP = 20.0  # OpenRLHF clamps the PPO log-ratio to [-20, 20] before exp
+_PROB_CLAMP = 1e-6  # OpenRLHF's gates clamp token probabilities to [1e-6, 1 - 1e-6] before the KL / TV statistic
+
 
 
 def _masked_mean(x: torch.Tensor, mask: Optional[torch.Tensor], dim: Optional[int] = None) -> torch.Tensor:
@@ -42,10 +45,15 @@ def _masked_mean(x: torch.Tensor, mask: Optional[torch.Tensor], dim: Optional[in
     return (x * mask).sum(dim=dim) / mask.sum(dim=dim)
 
 
-def _counts(token_level_loss: bool, dp_size: int, batch_num_tokens, global_batch_size):
-    if token_level_loss:
-        return "token-mean", (None if batch_num_tokens is None else batch_num_tokens / dp_size), None
-    return "seq-mean-token-mean", None, (None if global_batch_size is None else global_batch_size / dp_size)
+def _counts(token_level_loss: bool, dp_size: int, batch_num_tokens, global_batch_size) -> tuple[str, _ops.GlobalCounts]:
+    """OpenRLHF's ``token_level_loss`` -> fastrl's ``loss_agg``, and its global counts (each
+    divided by ``dp_size``: OpenRLHF multiplies the loss by it, DDP averages over ranks); the
+    aggregation rule picks the count ``loss_agg`` uses."""
+    def per_rank(count):
+        return None if count is None else count / dp_size
+
+    agg = "token-mean" if token_level_loss else "seq-mean-token-mean"
+    return agg, _ops.GlobalCounts(tokens=per_rank(batch_num_tokens), sequences=per_rank(global_batch_size))
 
 
 class PolicyLoss(nn.Module):
@@ -104,8 +112,8 @@ class PolicyLoss(nn.Module):
             stat = _masked_mean(is_log_ratio, action_mask, dim=-1).unsqueeze(-1) if seq_level else is_log_ratio
             stat = stat.exp()
         else:
-            p = rollout_log_probs.detach().exp().clamp(1e-6, 1 - 1e-6)
-            q = old_log_probs.detach().exp().clamp(1e-6, 1 - 1e-6)
+            p = rollout_log_probs.detach().exp().clamp(_PROB_CLAMP, 1 - _PROB_CLAMP)
+            q = old_log_probs.detach().exp().clamp(_PROB_CLAMP, 1 - _PROB_CLAMP)
             if self.is_correction_gating == "binary_kl":
                 stat = p * (p / q).log() + (1 - p) * ((1 - p) / (1 - q)).log()
             else:
@@ -139,14 +147,14 @@ class PolicyLoss(nn.Module):
     ):
         """Returns ``(loss, clip_ratio, ppo_kl, vllm_kl, is_filter_ratio)`` like OpenRLHF."""
         mask = torch.ones_like(log_probs) if action_mask is None else action_mask
-        agg, gtc, gsc = _counts(self.token_level_loss, dp_size, batch_num_tokens, global_batch_size)
+        agg, counts = _counts(self.token_level_loss, dp_size, batch_num_tokens, global_batch_size)
         cfg = PolicyLossConfig(
             clip_low=self.clip_eps_low,
             clip_high=self.clip_eps_high,
             dual_clip=self.dual_clip,
             loss_agg=agg,
             ratio_level="token" if self.policy_loss_type == "ppo" else "sequence",
-            log_ratio_clamp=20.0 if self.policy_loss_type == "ppo" else None,
+            log_ratio_clamp=_PPO_LOG_RATIO_CLAMP if self.policy_loss_type == "ppo" else None,
         )
         old = old_log_probs
         if self.policy_loss_type == "gspo" and self.is_correction_level != "off":
@@ -158,7 +166,7 @@ class PolicyLoss(nn.Module):
             is_weight = coef.detach().to(torch.float32).expand_as(log_probs)
         loss, metrics = _ops.policy_loss(
             log_probs, old.detach(), advantages, mask, is_weight=is_weight, config=cfg,
-            global_token_count=gtc, global_seq_count=gsc, backend=self.backend,
+            global_counts=counts, backend=self.backend,
         )
         clip_ratio = metrics["clip_frac_low"] + metrics["clip_frac_high"]
         ppo_kl = _masked_mean(-(log_probs - old_log_probs).detach(), action_mask, dim=None)
@@ -185,9 +193,9 @@ class ValueLoss(nn.Module):
         global_batch_size: Optional[float] = None,
     ) -> torch.Tensor:
         mask = torch.ones_like(values) if action_mask is None else action_mask
-        agg, gtc, gsc = _counts(self.token_level_loss, dp_size, batch_num_tokens, global_batch_size)
+        agg, counts = _counts(self.token_level_loss, dp_size, batch_num_tokens, global_batch_size)
         loss, _ = _ops.value_loss(
             values, old_values, returns, mask, clip=self.clip_eps, loss_agg=agg,
-            global_token_count=gtc, global_seq_count=gsc, backend=self.backend,
+            global_counts=counts, backend=self.backend,
         )
         return loss

@@ -190,7 +190,8 @@ def trl_loss_config(
     )
 
 
-_LOG_1E8 = math.log(1e-8)
+_LOG_1E8 = math.log(1e-8)  # TRL's VESPO clamps each log importance ratio to [log 1e-8, 20]
+_VESPO_LOG_RATIO_MAX = 20.0
 
 
 def _add_hidden_states_forward(model: nn.Module) -> None:
@@ -319,15 +320,16 @@ class FastRLGRPOTrainer(_TRLGRPOTrainer):
         ga = self.current_gradient_accumulation_steps if mode == "train" else 1
         n_rows = completion_ids.size(0)
         cfg = self._fastrl_loss_config()
-        gtc = gsc = None
+        gtc = None  # the token count of the loss types that normalise by tokens (TRL's own counts)
         if self.loss_type == "bnpo":
             gtc = mask.sum().to(torch.float32).clamp(min=1.0) * ga
         elif self.loss_type in _TOKEN_COUNT_TYPES:
             gtc = inputs["num_items_in_batch"].to(torch.float32).clamp(min=1.0) / self.accelerator.num_processes
             if mode == "train":
                 gtc = gtc * self.current_gradient_accumulation_steps / self.args.steps_per_generation
-        else:  # grpo, sapo, dr_grpo, luspo: mean over all rows of the micro-batch (empty rows count), / GA
-            gsc = float(n_rows * ga)
+        # grpo, sapo, dr_grpo, luspo: mean over all rows of the micro-batch (empty rows count), / GA;
+        # the aggregation rule picks the count cfg.loss_agg uses
+        counts = _ops.GlobalCounts(tokens=gtc, sequences=float(n_rows * ga))
 
         advantages = inputs["advantages"]
         old_logp = inputs.get("old_per_token_logps")
@@ -339,7 +341,7 @@ class FastRLGRPOTrainer(_TRLGRPOTrainer):
         # loss type multiplies its policy term by it
         weight_pg = None if is_ratio is None or self.loss_type == "vespo" else is_ratio.to(torch.float32)
         vespo_is = is_ratio if self.loss_type == "vespo" else None
-        common = dict(config=cfg, global_token_count=gtc, global_seq_count=gsc, backend=self.fastrl_backend)
+        common = dict(config=cfg, global_counts=counts, backend=self.fastrl_backend)
 
         if not self._fastrl_needs_logp():
             if old_logp is None:  # on-policy: TRL uses the current log-probs, detached
@@ -367,7 +369,7 @@ class FastRLGRPOTrainer(_TRLGRPOTrainer):
                 em = self.get_high_entropy_mask(entropy.detach(), mask, 1 - self.top_entropy_quantile)
                 weight_pg = em.to(torch.float32) if weight_pg is None else weight_pg * em
             loss, metrics = self._fastrl_two_stage_loss(
-                logp, old_logp, advantages, mask, ref_logp, entropy, weight_pg, vespo_is, common, gtc, ga, n_rows
+                logp, old_logp, advantages, mask, ref_logp, entropy, weight_pg, vespo_is, common
             )
             metrics["entropy_mean"] = (entropy.detach() * mask).sum() / mask.sum().clamp(min=1)
             if self._entropy_bonus_enabled:
@@ -393,7 +395,7 @@ class FastRLGRPOTrainer(_TRLGRPOTrainer):
         return ((log_ratio * m).sum(-1) / m.sum(-1).clamp(min=1.0)).unsqueeze(-1)
 
     def _fastrl_two_stage_loss(
-        self, logp, old_logp, advantages, mask, ref_logp, entropy, weight_pg, vespo_is, common, gtc, ga, n_rows
+        self, logp, old_logp, advantages, mask, ref_logp, entropy, weight_pg, vespo_is, common
     ):
         """The loss on given log-probs: ``policy_loss`` (any surrogate), plus the bias-corrected KL."""
         bias_kl = self.beta != 0.0 and self.args.use_bias_correction_kl
@@ -401,14 +403,14 @@ class FastRLGRPOTrainer(_TRLGRPOTrainer):
             common = dict(common, config=common["config"].replace(kl_coef=0.0))
         rollout = None
         if vespo_is is not None:  # TRL: log w += sum_t clamp(log ratio_t, log 1e-8, 20)
-            rollout = old_logp - torch.log(vespo_is.to(torch.float32)).clamp(_LOG_1E8, 20.0)
+            rollout = old_logp - torch.log(vespo_is.to(torch.float32)).clamp(_LOG_1E8, _VESPO_LOG_RATIO_MAX)
         loss, metrics = _ops.policy_loss(
             logp, old_logp, advantages, mask, ref_logp=None if bias_kl else ref_logp,
             entropy=entropy.detach(), rollout_logp=rollout, is_weight=weight_pg, **common,
         )
         if bias_kl:
             kl = self._fastrl_kl(logp, old_logp, ref_logp, mask)
-            loss = loss + self.beta * self._fastrl_aggregate(kl, mask, gtc, ga, n_rows)
+            loss = loss + self.beta * self._fastrl_aggregate(kl, mask, common["global_counts"])
             metrics["kl_ref_mean"] = (kl.detach() * mask).sum() / mask.sum().clamp(min=1)
         if self.loss_type == "vespo":  # TRL logs phi once per row: recompute the row weights (no grad)
             metrics["vespo/phi_seq_mean"] = self._fastrl_vespo_row_phi(logp, old_logp, advantages, mask, rollout)
@@ -423,15 +425,11 @@ class FastRLGRPOTrainer(_TRLGRPOTrainer):
         adv = advantages.float().reshape(advantages.shape[0], -1)
         return _vespo_phi(lr, adv, m, log_is, _surrogate_params(self._fastrl_loss_config()))
 
-    def _fastrl_aggregate(self, x: torch.Tensor, mask: torch.Tensor, gtc, ga: int, n_rows: int) -> torch.Tensor:
+    def _fastrl_aggregate(self, x: torch.Tensor, mask: torch.Tensor, counts: "_ops.GlobalCounts") -> torch.Tensor:
         """TRL's loss-type normalisation of a per-token term ([B, T] or [B, 1]): the house rule
         (``fastrl.ops.aggregate_loss``) with the global counts of ``_compute_loss``."""
         cfg = self._fastrl_loss_config()
-        token = cfg.loss_agg == "token-mean"
-        return _ops.aggregate_loss(
-            x, mask, loss_agg=cfg.loss_agg, norm_length=cfg.norm_length,
-            global_token_count=gtc if token else None, global_seq_count=None if token else float(n_rows * ga),
-        )
+        return _ops.aggregate_loss(x, mask, loss_agg=cfg.loss_agg, norm_length=cfg.norm_length, global_counts=counts)
 
     def _fastrl_entropy_bonus(self, loss, entropy, keep, mode: str, ga: int) -> torch.Tensor:
         """TRL 1.16's entropy bonus: ``loss - coef * mean(entropy over keep) / GA`` (the same for every

@@ -49,7 +49,8 @@ import numpy as np
 import torch
 
 import fastrl.ops as _ops
-from fastrl.config import PolicyLossConfig
+from fastrl.config import LOSS_AGGS, PolicyLossConfig
+from fastrl.ops.aggregation import global_count_for
 
 __all__ = [
     "SUPPORTED_VERL",
@@ -69,6 +70,10 @@ SUPPORTED_VERL = ">=0.9,<0.10"
 """verl releases whose semantics these functions reproduce (tested with 0.9.1)."""
 
 _GSPO_LOG_RATIO_CLAMP = 10.0  # verl clamps the GSPO log-ratio at 10 from above
+_PPO_LOG_RATIO_CLAMP = 20.0  # verl's vanilla PPO clamps the log-ratio to [-20, 20] (loss and ppo_kl metric)
+_LOW_VAR_KL_CLAMP = 10.0  # verl clamps its k3 (low_var_kl) estimate to [-10, 10]
+_MASKED_MEAN_EPS = 1e-8  # verl's masked_mean: sum / (count + eps)
+_WHITEN_EPS = 1e-8  # verl's masked_whiten: eps inside the square root
 
 
 # ----------------------------------------------------------------------------- helpers
@@ -85,31 +90,32 @@ def _as_float(x: Any) -> float:
     return float(x.item()) if isinstance(x, torch.Tensor) else float(x)
 
 
-def _global_counts(loss_agg_mode: str, dp_size: int, batch_num_tokens, global_batch_size):
-    """verl's (dp_size, batch_num_tokens, global_batch_size) -> fastrl's loss_agg and denominators.
+_TOKEN_SUM = "token-sum"  # verl's mode without a fastrl loss_agg of its own (token-mean with a count of 1)
+_COUNT_ARGUMENT = {"tokens": "(global) batch_num_tokens", "sequences": "global_batch_size"}  # verl's names
+
+
+def _global_counts(loss_agg_mode: str, dp_size: int, batch_num_tokens, global_batch_size) -> tuple[str, _ops.GlobalCounts]:
+    """verl's (dp_size, batch_num_tokens, global_batch_size) -> fastrl's loss_agg and global counts.
 
     verl divides by the global count and multiplies by ``dp_size`` (DDP/FSDP average the
     gradients over ranks); fastrl divides by the count it is given, so the count is global/dp.
-    ``token-sum`` (verl: masked sum * dp_size) is token-mean with a count of 1/dp_size.
+    ``token-sum`` (verl: masked sum * dp_size) is token-mean with a count of 1/dp_size. Which
+    count a mode uses is fastrl's aggregation rule (``fastrl.ops.aggregation.global_count_for``);
+    with ``dp_size > 1`` that count is required.
     """
-    gtc = gsc = None
-    if loss_agg_mode == "token-mean":
-        if batch_num_tokens is None:
-            if dp_size > 1:
-                raise ValueError("(global) batch_num_tokens is required when dp_size > 1")
-        else:
-            gtc = batch_num_tokens / dp_size
-        return "token-mean", gtc, gsc
-    if loss_agg_mode == "token-sum":
-        return "token-mean", 1.0 / dp_size, None
-    if loss_agg_mode in ("seq-mean-token-sum", "seq-mean-token-sum-norm", "seq-mean-token-mean"):
-        if global_batch_size is None:
-            if dp_size > 1:
-                raise ValueError("global_batch_size is required when dp_size > 1")
-        else:
-            gsc = global_batch_size / dp_size
-        return loss_agg_mode, gtc, gsc
-    raise ValueError(f"Invalid loss_agg_mode: {loss_agg_mode}")
+    if loss_agg_mode == _TOKEN_SUM:
+        return "token-mean", _ops.GlobalCounts(tokens=1.0 / dp_size)
+    if loss_agg_mode not in LOSS_AGGS:
+        raise ValueError(f"Invalid loss_agg_mode: {loss_agg_mode}")
+
+    def per_rank(count):
+        return None if count is None else count / dp_size
+
+    counts = _ops.GlobalCounts(tokens=per_rank(batch_num_tokens), sequences=per_rank(global_batch_size))
+    field, count = global_count_for(loss_agg_mode, counts)
+    if count is None and dp_size > 1:
+        raise ValueError(f"{_COUNT_ARGUMENT[field]} is required when dp_size > 1")
+    return loss_agg_mode, counts
 
 
 def _norm_length(agg: str, loss_scale_factor: float | None, response_mask: torch.Tensor) -> float | None:
@@ -124,7 +130,7 @@ def _norm_length(agg: str, loss_scale_factor: float | None, response_mask: torch
 def _masked_mean(x: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
     """verl's ``masked_mean``: sum over mask / (count + 1e-8)."""
     valid = torch.where(mask.bool(), x, torch.zeros_like(x))
-    return (valid * mask).sum() / (mask.sum() + 1e-8)
+    return (valid * mask).sum() / (mask.sum() + _MASKED_MEAN_EPS)
 
 
 def _get(config: Any, name: str, default: Any = None) -> Any:
@@ -153,7 +159,7 @@ def compute_gae_advantage_return(
         adv, returns = _ops.gae(
             token_level_rewards, values, response_mask, gamma=_as_float(gamma), lam=_as_float(lam)
         )
-        adv = _ops.masked_whiten(adv, response_mask, shift_mean=True, eps=1e-8)
+        adv = _ops.masked_whiten(adv, response_mask, shift_mean=True, eps=_WHITEN_EPS)
     return adv, returns
 
 
@@ -207,7 +213,7 @@ def compute_reinforce_plus_plus_outcome_advantage(
     assert config is not None
     with torch.no_grad():
         returns = _ops.discounted_returns(token_level_rewards, response_mask, gamma=_as_float(config.gamma))
-        adv = _ops.masked_whiten(returns, response_mask, shift_mean=True, eps=1e-8)
+        adv = _ops.masked_whiten(returns, response_mask, shift_mean=True, eps=_WHITEN_EPS)
     return adv.to(token_level_rewards.dtype), returns.to(token_level_rewards.dtype)
 
 
@@ -226,21 +232,21 @@ def agg_loss(
     Plain tensor sums (there is nothing to fuse); the denominators are those fastrl's loss
     ops use, mapped from verl's global batch information.
     """
-    agg, gtc, gsc = _global_counts(loss_agg_mode, dp_size, batch_num_tokens, global_batch_size)
+    agg, counts = _global_counts(loss_agg_mode, dp_size, batch_num_tokens, global_batch_size)
     return _ops.aggregate_loss(loss_mat, loss_mask, loss_agg=agg, norm_length=_norm_length(agg, loss_scale_factor, loss_mask),
-                               global_token_count=gtc, global_seq_count=gsc)
+                               global_counts=counts)
 
 
 def _policy_loss(old_log_prob, log_prob, advantages, response_mask, loss_agg_mode, config, weights, cfg):
     info = dict(_get(config, "global_batch_info", None) or {})
-    agg, gtc, gsc = _global_counts(
+    agg, counts = _global_counts(
         loss_agg_mode, info.get("dp_size", 1), info.get("batch_num_tokens"), info.get("global_batch_size")
     )
     cfg = cfg.replace(loss_agg=agg, norm_length=_norm_length(agg, info.get("loss_scale_factor"), response_mask))
     return _ops.policy_loss(
         log_prob, old_log_prob, advantages, response_mask, is_weight=None if weights is None else weights.detach(),
         config=cfg,
-        global_token_count=gtc, global_seq_count=gsc,
+        global_counts=counts,
     )
 
 
@@ -266,11 +272,11 @@ def compute_policy_loss_vanilla(
     high = _get(config, "clip_ratio_high") if _get(config, "clip_ratio_high") is not None else clip_ratio
     clip_c = _get(config, "clip_ratio_c", 3.0)
     assert clip_c > 1.0, f"The lower bound of the clip_ratio_c for dual-clip PPO should be greater than 1.0, got {clip_c}"
-    cfg = PolicyLossConfig(clip_low=low, clip_high=high, dual_clip=clip_c, log_ratio_clamp=20.0)
+    cfg = PolicyLossConfig(clip_low=low, clip_high=high, dual_clip=clip_c, log_ratio_clamp=_PPO_LOG_RATIO_CLAMP)
     loss, m = _policy_loss(old_log_prob, log_prob, advantages, response_mask, loss_agg_mode, config,
                            rollout_is_weights, cfg)
     with torch.no_grad():
-        neg_kl = torch.clamp(log_prob.detach().float() - old_log_prob.float(), min=-20.0, max=20.0)
+        neg_kl = torch.clamp(log_prob.detach().float() - old_log_prob.float(), min=-_PPO_LOG_RATIO_CLAMP, max=_PPO_LOG_RATIO_CLAMP)
         ppo_kl = _masked_mean(-neg_kl, response_mask)
     metrics = {
         "actor/pg_clipfrac": (m["clip_frac_low"] + m["clip_frac_high"]).item(),
@@ -344,7 +350,7 @@ def _kl_forward(logprob: torch.Tensor, ref_logprob: torch.Tensor, name: str) -> 
     if name in ("low_var_kl", "k3"):
         # verl also clamps ref - logp to [-20, 20] before exp; outside that range k3 exceeds 10 and is
         # clamped to 10 (zero gradient) either way, so clamping the estimate is enough.
-        return _ops.kl_penalty(logprob, ref_logprob, estimator="k3", clamp=10.0)
+        return _ops.kl_penalty(logprob, ref_logprob, estimator="k3", clamp=_LOW_VAR_KL_CLAMP)
     raise NotImplementedError
 
 
@@ -362,11 +368,11 @@ def compute_value_loss(
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """verl's clipped value loss: 0.5 * agg(max((v - R)^2, (clip(v, v_old +- c) - R)^2)).
     Returns ``(vf_loss, vf_clipfrac)``."""
-    agg, gtc, gsc = _global_counts(loss_agg_mode, dp_size, batch_num_tokens, global_batch_size)
+    agg, counts = _global_counts(loss_agg_mode, dp_size, batch_num_tokens, global_batch_size)
     loss, metrics = _ops.value_loss(
         vpreds, values, returns, response_mask, clip=cliprange_value, loss_agg=agg,
         norm_length=_norm_length(agg, loss_scale_factor, response_mask),
-        global_token_count=gtc, global_seq_count=gsc,
+        global_counts=counts,
     )
     return loss, metrics["vf_clip_frac"]
 

@@ -4,7 +4,7 @@ Each op takes ``backend="auto" | "triton" | "torch"``: auto runs the Triton kern
 CUDA tensors and the PyTorch path otherwise.
 """
 
-from fastrl.ops.aggregation import aggregate_loss
+from fastrl.ops.aggregation import GlobalCounts, aggregate_loss
 from fastrl.ops.advantages import group_advantages, step_advantages
 from fastrl.ops.decode_attention import shared_prefix_decode_attention
 from fastrl.ops.fused_policy_loss import fused_linear_policy_loss
@@ -18,6 +18,7 @@ from fastrl.ops.value_loss import value_loss
 from fastrl.ops.whiten import masked_whiten
 
 __all__ = [
+    "GlobalCounts",
     "aggregate_loss",
     "discounted_returns",
     "fused_linear_policy_loss",

@@ -29,11 +29,6 @@ from fastrl.reference.advantages import BATCH_STD_FLOOR, GROUP_MODES
 __all__ = ["group_advantages", "step_advantages", "GROUP_MODES"]
 
 
-CPU_HOST_PATH = True
-"""On CPU the torch path ranks the ids with host reads (free there, and faster than the
-sync-free sort). Tests set it False to run the sync-free path, the one CUDA uses, on CPU."""
-
-
 def _batch_mean_std(r: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     """Mean and unbiased std (0 for one element) of a flat tensor, in its dtype."""
     mean = r.mean()
@@ -162,6 +157,7 @@ def group_advantages(
     mode: str = "grpo",
     eps: float = 1e-6,
     backend: str = "auto",
+    cpu_host_path: bool = True,
 ) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
     """Advantages of N outcome rewards relative to their group (e.g. the G samples of a prompt).
 
@@ -181,6 +177,10 @@ def group_advantages(
             A group of one member gets 0 (it has no baseline).
         eps: added to the standard deviation (> 0).
         backend: ``auto`` | ``triton`` | ``torch``.
+        cpu_host_path: the PyTorch path on CPU tensors ranks the ids with host reads (free
+            on CPU, and faster there than the sync-free sort). False runs the sync-free path
+            that CUDA tensors take, on CPU (how the tests check that path without a GPU).
+            The advantages are the same either way; ignored on CUDA and by Triton.
 
     Precision: group and batch statistics are computed in float64 (PyTorch paths) or in
     fp32 with a shifted sum / fp64 for fp64 rewards (Triton), never below the input
@@ -232,7 +232,7 @@ def group_advantages(
             r = rewards.detach().to(torch.float64).contiguous()
             reward_mean, batch_std = _batch_mean_std(r)
             _check_finite_rewards(rewards, reward_mean)
-            if device.type == "cpu" and CPU_HOST_PATH:
+            if device.type == "cpu" and cpu_host_path:
                 adv, n_distinct, num_groups = _group_adv_host(
                     r, group_ids, batch_std, mode, eps, exact_sums=rewards.dtype != torch.float64
                 )

@@ -23,26 +23,18 @@ import torch
 import fastrl.ops.logprobs as _lp  # shared helpers, looked up at call time (one definition, patchable)
 from fastrl._checks import (
     check_float,
-    check_global_count,
     check_int,
     check_is_weight,
     check_mask,
     check_same_device,
     resolve_backend,
-    select_global_count,
 )
 from fastrl.config import PolicyLossConfig
-from fastrl.ops.aggregation import aggregation_weights
+from fastrl.ops.aggregation import GlobalCounts, aggregation_weights, resolve_global_count
 from fastrl.ops.logprobs import linear_logprobs
 from fastrl.ops.policy_loss import policy_loss
 
 __all__ = ["fused_linear_policy_loss"]
-
-# The PyTorch path on CPU computes the gradients in the forward pass (3 GEMMs per token
-# chunk: logits, grad_hidden, grad_weight) instead of recomputing the logits in backward
-# (4 GEMMs), when the loss gradient of a token depends only on that token (token-level
-# ratio and importance weights). Set False to always compose policy_loss(linear_logprobs(...)).
-EAGER_TORCH_LOSS = True
 
 _IGNORE = -100  # the ignore_index given to linear_logprobs for tokens outside the mask
 
@@ -64,9 +56,11 @@ def fused_linear_policy_loss(
     entropy: bool = False,
     global_token_count: torch.Tensor | float | None = None,
     global_seq_count: torch.Tensor | float | None = None,
+    global_counts: GlobalCounts | None = None,
     process_group: Any = None,
     backend: str = "auto",
     tiles: dict[str, dict[str, int]] | None = None,
+    one_pass: bool = True,
 ) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
     """The policy loss of ``fastrl.ops.policy_loss`` computed from hidden states.
 
@@ -81,12 +75,18 @@ def fused_linear_policy_loss(
         weight, bias: LM head [V, H] and optional [V] (a vocab shard with ``process_group``).
         targets: [B, T] sampled token ids.
         old_logp, advantages, mask, ref_logp, rollout_logp, is_weight, config, global_token_count,
-            global_seq_count: as in ``fastrl.ops.policy_loss`` (every ``PolicyLossConfig``
+            global_seq_count, global_counts: as in ``fastrl.ops.policy_loss`` (every ``PolicyLossConfig``
             option, including sequence-level ratios and global-token normalisation).
         temperature: sampling temperature the logits are divided by.
         entropy: compute the entropy (metrics) even when ``config.entropy_coef == 0``.
         process_group: tensor-parallel vocabulary, see ``linear_logprobs``.
         backend: for both the log-probs and the loss.
+        tiles: Triton tile sizes of the log-probs kernels (see ``linear_logprobs``).
+        one_pass: PyTorch on CPU, where it applies (token-level ratio and importance
+            weight, not VESPO, no tensor parallelism): form the gradients in the same pass as
+            the logits (3 GEMMs per token chunk instead of 4, see "Memory" below). False
+            always composes ``policy_loss(linear_logprobs(...))``. Loss, metrics and
+            gradients are the same either way (the tests compare the two paths).
 
     Returns:
         ``(loss, metrics)`` as ``policy_loss``; ``loss`` is differentiable wrt ``hidden``,
@@ -98,7 +98,7 @@ def fused_linear_policy_loss(
     once the loss has given d loss / d logp and d loss / d entropy per token (4 GEMM passes).
     PyTorch on CPU with token-level ratios: each token chunk's logits are computed once and
     turned into grad_hidden / grad_weight in the same pass (3 GEMM passes, like the logits
-    path); those gradients are held until backward (``EAGER_TORCH_LOSS`` switches it off).
+    path); those gradients are held until backward (``one_pass=False`` switches it off).
     The PyTorch token chunks hold at most ``fastrl.ops.logprobs.chunk_rows(V)`` rows.
     """
     check_float("hidden", hidden, ndim=3)
@@ -121,15 +121,16 @@ def fused_linear_policy_loss(
     keep = mask if mask.dtype == torch.bool else mask != 0
     targets_eff = torch.where(keep, targets.to(torch.int64), torch.full_like(targets, _IGNORE, dtype=torch.int64))
     with_entropy = bool(entropy) or config.entropy_coef != 0
-    if _eager_applies(hidden, weight, bias, rollout_logp, config, process_group, backend):
+    if one_pass and _eager_applies(hidden, weight, bias, rollout_logp, config, process_group, backend):
         _lp._validate(hidden, weight, targets_eff, bias, temperature, _IGNORE)
         _lp._check_target_range(targets_eff.reshape(-1), _IGNORE, weight.shape[0])
-        count_name, count = select_global_count(config.loss_agg, global_token_count, global_seq_count)
-        global_count = check_global_count(count_name, count, hidden.device)
+        global_count = resolve_global_count(config.loss_agg, hidden.device, global_counts=global_counts,
+                                            global_token_count=global_token_count, global_seq_count=global_seq_count)
         return _fused_eager_torch(
             hidden, weight, bias, targets_eff, keep, old_logp, advantages, mask, ref_logp=ref_logp,
             rollout_logp=rollout_logp, is_weight=is_weight, config=config, temperature=float(temperature),
-            with_entropy=with_entropy, global_count=global_count, global_token_count=global_token_count, global_seq_count=global_seq_count,
+            with_entropy=with_entropy, global_count=global_count,
+            counts=dict(global_counts=global_counts, global_token_count=global_token_count, global_seq_count=global_seq_count),
         )
     out = linear_logprobs(
         hidden, weight, targets_eff, bias=bias, temperature=temperature, return_entropy=with_entropy,
@@ -139,7 +140,7 @@ def fused_linear_policy_loss(
     return policy_loss(
         logp, old_logp, advantages, mask, ref_logp=ref_logp, entropy=ent, rollout_logp=rollout_logp,
         is_weight=is_weight, config=config, global_token_count=global_token_count, global_seq_count=global_seq_count,
-        backend=backend,
+        global_counts=global_counts, backend=backend,
     )
 
 
@@ -147,7 +148,7 @@ def fused_linear_policy_loss(
 
 
 def _eager_applies(hidden, weight, bias, rollout_logp, config, process_group, backend) -> bool:
-    if not EAGER_TORCH_LOSS or process_group is not None or hidden.device.type != "cpu":
+    if process_group is not None or hidden.device.type != "cpu":
         return False
     if resolve_backend(backend, hidden.device) != "torch":
         return False
@@ -199,7 +200,7 @@ class _PrecomputedGrads(torch.autograd.Function):
 
 def _fused_eager_torch(
     hidden, weight, bias, targets_eff, keep, old_logp, advantages, mask, *, ref_logp, rollout_logp, is_weight, config,
-    temperature, with_entropy, global_count, global_token_count, global_seq_count,
+    temperature, with_entropy, global_count, counts,
 ):
     """fused_linear_policy_loss on CPU with the gradients formed in the same pass as the logits.
 
@@ -320,7 +321,7 @@ def _fused_eager_torch(
     with torch.no_grad():
         loss, metrics = policy_loss(logp, old_logp, advantages, mask, ref_logp=ref_logp, entropy=ent,
                                     rollout_logp=rollout_logp, is_weight=is_weight, config=config, backend="torch",
-                                    global_token_count=global_token_count, global_seq_count=global_seq_count)
+                                    **counts)
     if gh_full is not None:
         gh_full = gh_full.reshape(B, T, hd)
     loss = _PrecomputedGrads.apply(loss, hidden, weight, bias, gh_full, gw, gb)

@@ -151,6 +151,7 @@ def causal_lm_policy_loss(
     entropy: bool = False,
     global_token_count: Any = None,
     global_seq_count: Any = None,
+    global_counts: Any = None,
     backend: str = "auto",
     **model_kwargs: Any,
 ) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
@@ -175,5 +176,6 @@ def causal_lm_policy_loss(
     return fused_linear_policy_loss(
         hidden, weight, targets, old_logp, advantages, completion_mask,
         bias=bias, ref_logp=ref_logp, rollout_logp=rollout_logp, config=config, temperature=temperature / mult,
-        entropy=entropy, global_token_count=global_token_count, global_seq_count=global_seq_count, backend=backend,
+        entropy=entropy, global_token_count=global_token_count, global_seq_count=global_seq_count,
+        global_counts=global_counts, backend=backend,
     )

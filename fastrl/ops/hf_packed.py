@@ -195,6 +195,7 @@ def packed_causal_lm_policy_loss(
     entropy: bool = False,
     global_token_count: Any = None,
     global_seq_count: Any = None,
+    global_counts: Any = None,
     backend: str = "auto",
     attention_backend: str = "auto",
     **model_kwargs: Any,
@@ -229,5 +230,6 @@ def packed_causal_lm_policy_loss(
     return fused_linear_policy_loss(
         hidden_bl, weight, targets, old_logp, advantages, mask,
         bias=bias, ref_logp=ref_logp, rollout_logp=rollout_logp, config=config, temperature=temperature / mult,
-        entropy=entropy, global_token_count=global_token_count, global_seq_count=global_seq_count, backend=backend,
+        entropy=entropy, global_token_count=global_token_count, global_seq_count=global_seq_count,
+        global_counts=global_counts, backend=backend,
     )

@@ -9,7 +9,8 @@ chunk (PyTorch, ``chunk_rows(V)`` tokens at a time) to form the gradients of ``h
 ``weight`` and ``bias``.
 
 The policy loss from hidden states, ``fused_linear_policy_loss``, lives in
-``fastrl.ops.fused_policy_loss`` (it is also importable from here, as before).
+``fastrl.ops.fused_policy_loss`` (import it from there or from ``fastrl.ops``: this module
+does not import it, so the dependency runs one way).
 """
 
 from __future__ import annotations
@@ -413,13 +414,3 @@ def linear_logprobs(
     if return_entropy:
         return logp, ent.reshape(targets.shape)
     return logp
-
-
-def __getattr__(name: str) -> Any:
-    # ``from fastrl.ops.logprobs import fused_linear_policy_loss`` keeps working; the op
-    # lives in fastrl.ops.fused_policy_loss (imported lazily: that module imports this one)
-    if name == "fused_linear_policy_loss":
-        from fastrl.ops.fused_policy_loss import fused_linear_policy_loss
-
-        return fused_linear_policy_loss
-    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")

@@ -24,12 +24,10 @@ from fastrl._checks import (
     check_mask,
     check_nonempty,
     check_same_device,
-    check_global_count,
     resolve_backend,
-    select_global_count,
 )
 from fastrl.config import PolicyLossConfig
-from fastrl.ops.aggregation import aggregation_weights
+from fastrl.ops.aggregation import GlobalCounts, aggregation_weights, resolve_global_count
 from fastrl.ops.kl import k3_expm1
 from fastrl.ops.packing import PackedLayout, packed_to_rows
 from fastrl.ops.surrogates import FOLDS_ROLLOUT_WEIGHT, METRIC_NAME, SURROGATES, THROUGH_RATIO, surrogate_params
@@ -233,15 +231,18 @@ def _torch_bwd(grad_out, out, rowcoef, g, mask, logp, old_logp, entropy, *,
 
 class _PolicyLossFn(torch.autograd.Function):
     @staticmethod
-    def forward(ctx, logp, entropy, old_logp, advantages, mask, ref_logp, rollout_logp, is_weight, global_count, kw, backend):  # type: ignore[override]
+    def forward(ctx, logp, entropy, old_logp, advantages, mask, ref_logp, rollout_logp, is_weight, global_count, kw, backend, tiles):  # type: ignore[override]
         write_grad = ctx.needs_input_grad[0]
+        launch = {}
         if backend == "triton":
             from csrc_triton.policy_loss import policy_loss_fwd as fwd
+
+            launch = {"tiles": tiles}
         else:
             fwd = _torch_fwd
         out, rowcoef, g = fwd(logp, old_logp, advantages, mask, ref_logp, entropy, rollout_logp, is_weight,
-                              global_count=global_count, write_grad=write_grad, **kw)
-        ctx.kw, ctx.backend = kw, backend
+                              global_count=global_count, write_grad=write_grad, **kw, **launch)
+        ctx.kw, ctx.backend, ctx.launch = kw, backend, launch
         ctx.save_for_backward(out, rowcoef, g, mask, logp, old_logp, entropy)
         return out
 
@@ -258,8 +259,9 @@ class _PolicyLossFn(torch.autograd.Function):
             bwd = _torch_bwd
         glogp, gent = bwd(grad_out.contiguous(), out, rowcoef, g, mask, logp, old_logp, entropy,
                           seq_ratio=kw["seq_ratio"], log_ratio_clamp=kw["log_ratio_clamp"],
-                          entropy_coef=kw["entropy_coef"], need_logp=need_logp, need_entropy=need_entropy)
-        return glogp, gent, None, None, None, None, None, None, None, None, None
+                          entropy_coef=kw["entropy_coef"], need_logp=need_logp, need_entropy=need_entropy,
+                          **ctx.launch)
+        return glogp, gent, None, None, None, None, None, None, None, None, None, None
 
 
 def _unit_col(x: torch.Tensor | None) -> torch.Tensor | None:
@@ -281,8 +283,10 @@ def policy_loss(
     config: PolicyLossConfig = PolicyLossConfig(),
     global_token_count: torch.Tensor | float | None = None,
     global_seq_count: torch.Tensor | float | None = None,
+    global_counts: GlobalCounts | None = None,
     backend: str = "auto",
     cu_seqlens: PackedLayout | torch.Tensor | Sequence[int] | None = None,
+    tiles: dict[str, int] | None = None,
 ) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
     """Policy-gradient loss (``config.surrogate``: PPO clip, CISPO, SAPO, VESPO) with KL and
     entropy terms, and its metrics.
@@ -313,12 +317,21 @@ def policy_loss(
             Either count: a number >= 0 or a 1-element tensor on the inputs' device (read on
             the device, no host sync); 0 is taken as 1, so a fully masked batch has loss 0.
             The rule is ``fastrl._checks.check_global_count``, shared by every loss op.
+        global_counts: ``fastrl.ops.GlobalCounts(tokens, sequences)``, the whole batch's
+            counts (gradient accumulation / data parallel); the aggregation rule uses the
+            one ``config.loss_agg`` needs (``fastrl.ops.aggregation.global_count_for``).
+            The alternative to the explicit ``global_token_count`` / ``global_seq_count``.
         backend: ``"auto"`` (Triton on CUDA, PyTorch otherwise), ``"triton"`` or ``"torch"``.
         cu_seqlens: packed inputs: the per-token tensors are ``[N]`` or ``[1, N]`` (``S``
             sequences back to back) and this is their ``fastrl.ops.PackedLayout`` or host
             ``cu_seqlens`` (``[S + 1]``); ``advantages`` may be per sequence ``[S]``. Loss,
             metrics and gradients equal those of the padded ``[S, T]`` rows
             (``fastrl.ops.packing``).
+        tiles: Triton launch tiles, any of ``block_t`` (tokens per program), ``block_b``
+            (rows per finalize step), ``block_c`` (chunk partials per step); powers of two,
+            defaults ``csrc_triton.policy_loss.DEFAULT_TILES``. Results do not depend on
+            them (tests use small tiles so a row spans several programs); ignored by the
+            PyTorch backend.
 
     Returns:
         ``(loss, metrics)``: the 0-dim fp32 loss and a dict of 0-dim fp32 tensors: pg_loss,
@@ -353,9 +366,13 @@ def policy_loss(
     device = check_same_device(logp=logp, old_logp=old_logp, advantages=advantages, mask=mask,
                                ref_logp=ref_logp, entropy=entropy, rollout_logp=rollout_logp,
                                is_weight=is_weight)
-    count_name, count = select_global_count(config.loss_agg, global_token_count, global_seq_count)
-    global_count = check_global_count(count_name, count, device)
+    global_count = resolve_global_count(config.loss_agg, device, global_counts=global_counts,
+                                        global_token_count=global_token_count, global_seq_count=global_seq_count)
     impl = resolve_backend(backend, device)
+    if impl == "triton" and tiles:
+        from csrc_triton.policy_loss import resolve_tiles
+
+        tiles = resolve_tiles(tiles)  # bad names/values fail here, before any work
 
     kw = dict(
         surrogate=config.surrogate,
@@ -384,7 +401,7 @@ def policy_loss(
     if is_weight is not None:
         is_weight = is_weight.detach()
     out = _PolicyLossFn.apply(logp, entropy, old_logp, advantages, mask, ref_logp, rollout_logp, is_weight,
-                              global_count, kw, impl)
+                              global_count, kw, impl, tiles)
     loss = out[0]
     od = out.detach()
     metrics = {k: od[OUT[k]] for k in ("pg_loss", "approx_kl", "ratio_mean", "ratio_min", "ratio_max")}

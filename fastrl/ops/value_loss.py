@@ -17,15 +17,13 @@ from fastrl._checks import (
     check_mask,
     check_nonempty,
     check_same_device,
-    check_global_count,
     check_scalar,
     resolve_backend,
-    select_global_count,
 )
-from fastrl.config import LOSS_AGGS, NORM_LENGTH_REQUIRED
+from fastrl.config import LOSS_AGGS, NORM_LENGTH_REQUIRED, LossAgg
 from fastrl.ops._segments import kernel_mask
 from fastrl.ops.packing import PackedLayout, packed_to_rows
-from fastrl.ops.aggregation import aggregation_weights
+from fastrl.ops.aggregation import GlobalCounts, aggregation_weights, resolve_global_count
 
 __all__ = ["value_loss"]
 
@@ -131,10 +129,11 @@ def value_loss(
     mask: torch.Tensor,
     *,
     clip: float | None = None,
-    loss_agg: str = "token-mean",
+    loss_agg: LossAgg = "token-mean",
     norm_length: float | None = None,
     global_token_count: float | torch.Tensor | None = None,
     global_seq_count: float | torch.Tensor | None = None,
+    global_counts: GlobalCounts | None = None,
     backend: str = "auto",
     cu_seqlens: PackedLayout | torch.Tensor | Sequence[int] | None = None,
 ) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
@@ -149,8 +148,8 @@ def value_loss(
         returns: [B, T] float, the regression targets R (no gradient).
         mask: [B, T] response mask (0/1, any dtype).
         clip: value clip range (> 0) or None.
-        loss_agg: ``token-mean`` | ``seq-mean-token-mean`` | ``seq-mean-token-sum`` |
-            ``seq-mean-token-sum-norm``, as in ``PolicyLossConfig.loss_agg``.
+        loss_agg: a ``fastrl.config.LossAgg`` name, as in ``PolicyLossConfig.loss_agg``
+            (the aggregation rule of ``fastrl.ops.aggregation``).
         norm_length: constant of ``seq-mean-token-sum-norm``, required by (and only for) that
             mode (see ``PolicyLossConfig.norm_length``).
         global_token_count: replaces the local masked-token count (``token-mean`` only),
@@ -159,6 +158,8 @@ def value_loss(
             Either count: a number >= 0 or a 1-element tensor on the inputs' device (no host
             sync); 0 is taken as 1. The rule is ``fastrl._checks.check_global_count``, the
             same as ``policy_loss``'s.
+        global_counts: ``fastrl.ops.GlobalCounts(tokens, sequences)`` instead of the explicit
+            count: the aggregation rule uses the one ``loss_agg`` needs.
         backend: ``auto`` | ``triton`` | ``torch``.
         cu_seqlens: packed inputs: every tensor is ``[N]`` or ``[1, N]`` (``S`` sequences
             back to back) and this is their ``fastrl.ops.PackedLayout`` or host
@@ -195,8 +196,8 @@ def value_loss(
         raise ValueError(f"norm_length is only used by loss_agg='seq-mean-token-sum-norm', got loss_agg={loss_agg!r}")
     if norm_length is None and loss_agg == "seq-mean-token-sum-norm":
         raise ValueError(NORM_LENGTH_REQUIRED)
-    count_name, count = select_global_count(loss_agg, global_token_count, global_seq_count)
-    global_count = check_global_count(count_name, count, device)
+    global_count = resolve_global_count(loss_agg, device, global_counts=global_counts,
+                                        global_token_count=global_token_count, global_seq_count=global_seq_count)
     impl = resolve_backend(backend, device)
 
     with torch.no_grad():

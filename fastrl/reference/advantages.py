@@ -16,9 +16,13 @@ tight comparisons).
 
 from __future__ import annotations
 
+from typing import Literal, get_args
+
 import torch
 
-GROUP_MODES = ("grpo", "dr_grpo", "batch_std", "group_mean_batch_std_floor", "rloo", "reinforce_pp")
+GroupMode = Literal["grpo", "dr_grpo", "batch_std", "group_mean_batch_std_floor", "rloo", "reinforce_pp"]
+"""The ``group_advantages`` modes (one list; ``GROUP_MODES`` is derived from it)."""
+GROUP_MODES: tuple[str, ...] = get_args(GroupMode)
 
 BATCH_STD_FLOOR = 0.1
 """``group_mean_batch_std_floor`` divides by max(std_g, BATCH_STD_FLOOR * std_B)."""

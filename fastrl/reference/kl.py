@@ -16,7 +16,7 @@ from __future__ import annotations
 
 import torch
 
-KL_ESTIMATORS = ("k1", "k2", "k3")
+from fastrl.config import KL_ESTIMATORS  # the one list of estimator names
 
 
 def kl_penalty_reference(

@@ -16,10 +16,11 @@ import dataclasses
 from dataclasses import dataclass, field
 from typing import Literal, Optional
 
-from fastrl.config import PolicyLossConfig
+from fastrl.config import KLEstimator, LossAgg, PolicyLossConfig, Surrogate
+from fastrl.reference.advantages import GroupMode
 
-Algorithm = Literal["grpo", "dr_grpo", "dapo", "gspo", "rloo", "reinforce_pp", "ppo"]
-ALGORITHMS: tuple[str, ...] = ("grpo", "dr_grpo", "dapo", "gspo", "rloo", "reinforce_pp", "ppo")
+AdvantageMode = Literal[GroupMode, "gae"]
+"""``TrainConfig.advantage_mode``: a ``group_advantages`` mode, or ``gae`` (critic + GAE)."""
 
 
 @dataclass(frozen=True)
@@ -30,11 +31,15 @@ class AlgorithmPreset:
     """``PolicyLossConfig.preset`` name."""
     advantage: str
     """A ``group_advantages`` mode, or ``gae`` (critic + GAE)."""
-    kl_coef: float = 0.0
-    """Default KL weight to the reference policy."""
     dynamic_sampling: bool = False
     """Drop groups whose rewards are all equal and refill the batch (DAPO)."""
     citation: str = ""
+
+    @property
+    def kl_coef(self) -> float:
+        """Default KL weight to the reference policy: the loss preset's (one default, kept in
+        ``PolicyLossConfig.preset``; e.g. GRPO's 0.04)."""
+        return float(PolicyLossConfig.preset_settings(self.loss_preset).get("kl_coef", PolicyLossConfig.kl_coef))
 
 
 def _default_task():
@@ -44,7 +49,7 @@ def _default_task():
 
 
 ALGORITHM_PRESETS: dict[str, AlgorithmPreset] = {
-    "grpo": AlgorithmPreset("grpo", "grpo", kl_coef=0.04, citation="Shao et al. 2024, arXiv:2402.03300"),
+    "grpo": AlgorithmPreset("grpo", "grpo", citation="Shao et al. 2024, arXiv:2402.03300"),
     "dr_grpo": AlgorithmPreset("dr_grpo", "dr_grpo", citation="Liu et al. 2025, arXiv:2503.20783"),
     "dapo": AlgorithmPreset("dapo", "grpo", dynamic_sampling=True, citation="Yu et al. 2025, arXiv:2503.14476"),
     "gspo": AlgorithmPreset("gspo", "grpo", citation="Zheng et al. 2025, arXiv:2507.18071"),
@@ -52,6 +57,9 @@ ALGORITHM_PRESETS: dict[str, AlgorithmPreset] = {
     "reinforce_pp": AlgorithmPreset("ppo", "reinforce_pp", citation="Hu 2025, arXiv:2501.03262"),
     "ppo": AlgorithmPreset("ppo", "gae", citation="Schulman et al. 2017; Ouyang et al. 2022"),
 }
+ALGORITHMS: tuple[str, ...] = tuple(ALGORITHM_PRESETS)
+"""The algorithm names: the presets' keys (one list)."""
+Algorithm = Literal[ALGORITHMS]  # type: ignore[valid-type]  (the CLI's choices, derived from the presets)
 
 
 @dataclass
@@ -176,16 +184,19 @@ class TrainConfig:
     """PPO clip epsilon_high (None: preset; DAPO 0.28)."""
     dual_clip: Optional[float] = None
     """Dual-clip constant c > 1 for negative advantages (None: off)."""
-    loss_agg: Optional[str] = None
-    """token-mean | seq-mean-token-mean | seq-mean-token-sum | seq-mean-token-sum-norm (None: preset)."""
-    surrogate: Optional[str] = None
-    """Policy-gradient surrogate: ppo_clip | cispo | sapo | vespo (``PolicyLossConfig.surrogate``,
-    with that config's default hyperparameters; None: the algorithm's, PPO clip)."""
-    advantage_mode: Optional[str] = None
-    """grpo | dr_grpo | batch_std | group_mean_batch_std_floor | rloo | reinforce_pp | gae (None: preset)."""
+    loss_agg: Optional[LossAgg] = None
+    """How per-token losses become one number (``PolicyLossConfig.loss_agg``; the choices are
+    ``fastrl.config.LossAgg``; None: preset)."""
+    surrogate: Optional[Surrogate] = None
+    """Policy-gradient surrogate (``PolicyLossConfig.surrogate``; the choices are
+    ``fastrl.config.Surrogate``), with that config's default hyperparameters; None: the
+    algorithm's, PPO clip."""
+    advantage_mode: Optional[AdvantageMode] = None
+    """A ``group_advantages`` mode (``fastrl.reference.advantages.GroupMode``) or ``gae``
+    (critic + GAE); None: preset."""
     kl_coef: Optional[float] = None
     """KL weight beta to the frozen reference policy (None: preset; 0 skips the reference model)."""
-    kl_estimator: Literal["k1", "k2", "k3"] = "k3"
+    kl_estimator: KLEstimator = "k3"
     """KL estimator (Schulman 2020)."""
     kl_in_reward: bool = False
     """Put the KL in the reward (PPO-RLHF: -beta * KL per token, outcome on the last token)

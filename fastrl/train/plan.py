@@ -614,7 +614,7 @@ def build_measured_step(*, arch: str, model: dict, algorithm: str, precision: st
     P, L, G = prompt_len, response_len, group_size
     T = P + L
     cfg = _hf_config(arch, **model)
-    loss_cfg = PolicyLossConfig(kl_coef=0.04 if algorithm != "grpo_noref" else 0.0)
+    loss_cfg = PolicyLossConfig(kl_coef=PolicyLossConfig.preset("grpo").kl_coef if algorithm != "grpo_noref" else 0.0)
 
     def policy_logp(policy, ids, mask):
         if fused:

@@ -232,32 +232,21 @@ def tiny_model(
 class DefaultTask:
     """What ``fastrl train`` runs with no arguments (the embedded default).
 
-    How it was chosen (2-core shared CPU, ``torch.set_num_threads(1)``, load average 10-16
-    from other sessions, so the seconds below are pessimistic; a throwaway GRPO loop built
-    from ``HFGroupSampler``, ``group_advantages`` and ``causal_lm_policy_loss``, on-policy,
-    one AdamW step per batch, 16 prompts x 8 samples, temperature 1, token-mean loss):
+    Contract: a run with these settings needs nothing but this machine (no download) and
+    learns within a CPU budget: 2-digit addition with chat-formatted prompts
+    (``<bos><|user|>37+58=<|assistant|>``, at most 9 tokens) and answers of 1-3 digits +
+    ``<eos>``, on a 4-layer, 64-wide tiny Llama.
 
-    - 2-digit addition, chat-formatted prompts (``<bos><|user|>37+58=<|assistant|>``,
-      at most 9 tokens), answers of 1-3 digits + ``<eos>``.
-    - A 2-layer, 64-wide Llama plateaus near 5-10% greedy accuracy (SFT loss ~0.8) for
-      1000 SFT steps on 2 of 3 seeds: it does not find the carry, and GRPO from there does
-      not improve (or collapses to 0 reward at lr 1e-3). 4 layers (64 wide, ~245K
-      parameters) find it: greedy held-out accuracy jumps from ~5% to 40% around SFT step
-      400 (seed 1; 75% by step 600), probe accuracy 29% at step 850 (seed 2), still ~6% at
-      step 850 (seed 0): when the jump happens varies with the seed, hence the adaptive stop
-      below and a 1500-step cap.
-    - GRPO helps once the model has the procedure but still errs: from 36-40% greedy
-      (pass@8 ~65-70%) it reached 50-60% within 60-80 steps at lr 1e-3 (2 layers, seed 0:
-      36% -> 58% at step 80; 4 layers, seed 1: 40% -> 50% at step 80 but 38.5% at step 100,
-      while sampled accuracy rose 16% -> 28% and pass@8 63% -> 71%: greedy accuracy is
-      noisy at lr 1e-3); at lr 5e-4 (4 layers, seed 2, warm-up stopped at step 900 with
-      39% held-out greedy) it rose steadily: 39 -> 41 -> 56 -> 59 -> 68% at GRPO steps
-      0/20/40/60/80, sampled accuracy 26% -> 48%, pass@8 77% -> 84%. From 5-10% (seed 0
-      after 1000 SFT steps; 2-layer runs) it did not move in 80-150 steps. So the warm-up is *adaptive*: SFT until greedy accuracy on
-      ``sft_probe_rows`` training problems reaches ``sft_target_accuracy`` (checked every
-      ``sft_check_every`` steps), at most ``sft_max_steps`` steps.
-    - Cost: an SFT step ~50 ms on an idle core (~0.5 s at load 16); a GRPO step ~0.35 s
-      idle (~3 s at load 16), of which generation is ~40%.
+    Why these values: GRPO only improves a model that already has the procedure but still
+    errs (from a model that gets almost nothing right, the groups are all wrong and carry
+    no signal), and how long the SFT warm-up needs to reach that point varies with the
+    seed. So the warm-up is *adaptive*: SFT until greedy accuracy on ``sft_probe_rows``
+    training problems reaches ``sft_target_accuracy`` (checked every ``sft_check_every``
+    steps), at most ``sft_max_steps`` steps; 2 layers rarely learn the carry in that budget.
+    The exploratory measurements behind these choices (per-seed accuracies, learning rates
+    tried, step costs) are recorded in ``benchmarks/results/default_task_selection_notes.md``;
+    the held-out accuracy of the default run over 3 seeds is in
+    ``benchmarks/results/default_train_3seeds_cpu.json``.
     """
 
     task: ArithmeticTask = field(default_factory=lambda: ArithmeticTask(digits=2, operations="+", num_train=5000, num_heldout=200))
@@ -286,12 +275,13 @@ class DefaultTask:
     sft_warmup_steps: int = 20
     """Linear learning-rate warm-up of the SFT stage."""
     sft_batch_size: int = 64
-    """Problems per SFT step (64 rather than 32: seed 0 reached the 30% probe target at step
-    1350 with 64, and had not by step 1000 with 32)."""
+    """Problems per SFT step (64 rather than 32: the probe target is reached in fewer steps;
+    see ``benchmarks/results/default_task_selection_notes.md``)."""
     max_new_tokens: int = 6
     """Completion budget: the longest answer (3 digits) plus ``<eos>`` and 2 tokens of slack."""
     grpo_lr: float = 5e-4
-    """GRPO AdamW learning rate (5e-4 rose steadily; 1e-3 rose but noisily; 3e-3 collapsed)."""
+    """GRPO AdamW learning rate (the largest of those tried that rose steadily; see
+    ``benchmarks/results/default_task_selection_notes.md``)."""
     grpo_prompts_per_step: int = 16
     """Prompts per GRPO step."""
     grpo_group_size: int = 8

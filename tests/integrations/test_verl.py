@@ -237,6 +237,16 @@ def test_dp_without_global_counts_raises_like_verl():
         fv.agg_loss(torch.zeros(B, T), mask, "nope")
 
 
+@pytest.mark.parametrize("agg", ["seq-mean-token-mean", "seq-mean-token-sum", "seq-mean-token-sum-norm"])
+def test_dp_needs_the_count_its_mode_uses(agg):
+    # the count a mode uses is fastrl's aggregation rule; the other one does not stand in for it
+    mask = _mask()
+    with pytest.raises(ValueError, match="global_batch_size is required"):
+        fv.agg_loss(torch.zeros(B, T), mask, agg, dp_size=2, batch_num_tokens=97, loss_scale_factor=16)
+    with pytest.raises(ValueError, match="batch_num_tokens"):
+        fv.agg_loss(torch.zeros(B, T), mask, "token-mean", dp_size=2, global_batch_size=17)
+
+
 def test_register_puts_fastrl_functions_into_verl_registries(monkeypatch):
     monkeypatch.setattr(core_algos, "compute_gae_advantage_return", core_algos.compute_gae_advantage_return)
     monkeypatch.setattr(core_algos, "compute_grpo_outcome_advantage", core_algos.compute_grpo_outcome_advantage)

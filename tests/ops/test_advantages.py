@@ -298,7 +298,8 @@ def _sync_free_calls(device, backend):
     v = torch.randn(3, 9, device=device, requires_grad=True)
     mask = torch.rand(3, 9, device=device) > 0.3
     modes = GROUP_MODES if backend == "torch" else ("grpo", "reinforce_pp")  # the interpreter is slow
-    calls = [lambda mode=mode: group_advantages(r, ids, mode=mode, backend=backend) for mode in modes]
+    # cpu_host_path=False: on CPU, the path CUDA runs (ignored on CUDA)
+    calls = [lambda mode=mode: group_advantages(r, ids, mode=mode, backend=backend, cpu_host_path=False) for mode in modes]
     calls.append(lambda: value_loss(v, v.detach() + 0.1, torch.randn(3, 9, device=device), mask, clip=0.2,
                                     loss_agg="seq-mean-token-mean", backend=backend)[0].backward())
     calls.append(lambda: masked_whiten(v, mask, backend=backend).sum().backward())
@@ -324,8 +325,7 @@ def test_no_host_sync(backend, device, monkeypatch):
     # (step_advantages is left out on CPU: there it deliberately reads the step indices
     # to validate the layout, which costs no device sync. Likewise group_advantages reads
     # the id range and checks the rewards on the host on CPU: here it runs the path CUDA
-    # runs, whose reward check is a device-side assert.)
-    monkeypatch.setattr(adv_ops, "CPU_HOST_PATH", False)
+    # runs (cpu_host_path=False in _sync_free_calls), whose reward check is a device-side assert.)
     monkeypatch.setattr(adv_ops, "_check_finite_rewards", lambda *args: None)
 
     def forbidden(*args, **kwargs):
@@ -363,7 +363,7 @@ def test_group_of_a_million_rewards_with_an_offset_torch():
 
 
 @pytest.mark.parametrize("backend", BACKENDS + ["torch-sync-free"])
-def test_group_with_a_large_offset_small_spread(backend, device, monkeypatch):
+def test_group_with_a_large_offset_small_spread(backend, device):
     """The large-offset case at a size the interpreter runs (the kernel launches one program
     per possible group, N of them): 96 rewards at 1000 + 0.001 z, 16 fp32 ulps of spread.
     A group mean rounded to fp32 is off by up to 1/32 of a std; the result must match the
@@ -373,24 +373,24 @@ def test_group_with_a_large_offset_small_spread(backend, device, monkeypatch):
     n = 96
     rewards = (1000.0 + 0.001 * torch.randn(n, generator=g)).to(device)
     ids = torch.randint(0, 2, (n,), generator=g).to(device)
+    kw = {}
     if backend == "torch-sync-free":
-        monkeypatch.setattr(adv_ops, "CPU_HOST_PATH", False)
-        backend = "torch"
-    adv, _ = group_advantages(rewards, ids, mode="grpo", backend=backend)
+        kw, backend = {"cpu_host_path": False}, "torch"
+    adv, _ = group_advantages(rewards, ids, mode="grpo", backend=backend, **kw)
     ref, _ = group_advantages_reference(rewards.double().cpu(), ids.cpu(), mode="grpo")
     torch.testing.assert_close(adv.double().cpu(), ref, rtol=0, atol=2e-4)
     assert abs(adv.double().mean().item()) < 1e-4
 
 
 @pytest.mark.parametrize("backend", BACKENDS + ["torch-sync-free"])
-def test_group_float64_rewards_keep_their_precision(backend, device, monkeypatch):
+def test_group_float64_rewards_keep_their_precision(backend, device):
     """Rewards 1 and 1 + 1e-9 in float64 are a group with signal (fp32 would round both to 1)."""
+    kw = {}
     if backend == "torch-sync-free":
-        monkeypatch.setattr(adv_ops, "CPU_HOST_PATH", False)
-        backend = "torch"
+        kw, backend = {"cpu_host_path": False}, "torch"
     rewards = torch.tensor([1.0, 1.0 + 1e-9, 2.0, 2.0, 5.0], dtype=torch.float64, device=device)
     ids = torch.tensor([0, 0, 1, 1, 2], device=device)
-    adv, stats = group_advantages(rewards, ids, mode="grpo", eps=1e-12, backend=backend)
+    adv, stats = group_advantages(rewards, ids, mode="grpo", eps=1e-12, backend=backend, **kw)
     ref, ref_stats = group_advantages_reference(rewards.cpu(), ids.cpu(), mode="grpo", eps=1e-12)
     assert adv.dtype == torch.float32
     assert adv[0] < 0 < adv[1]
@@ -411,22 +411,20 @@ def test_group_non_finite_reward_is_an_error(backend, bad):
 @pytest.mark.parametrize("mode", GROUP_MODES)
 @pytest.mark.parametrize("dtype", [torch.float32, torch.float64, torch.bfloat16])
 @pytest.mark.parametrize("ids_kind", ["dense", "sparse"])
-def test_group_cpu_paths_match_reference(mode, dtype, ids_kind, monkeypatch):
+def test_group_cpu_paths_match_reference(mode, dtype, ids_kind):
     """The CPU host path (id range -> bincount, or torch.unique for sparse ids) and the
     sync-free sort path (what CUDA runs without Triton) both match the reference."""
     rewards, ids = _rewards_and_ids(57, torch.device("cpu"), dtype=dtype, seed=3)
     if ids_kind == "dense":
         ids = torch.remainder(ids, 11) - 4
     for host in (True, False):
-        monkeypatch.setattr(adv_ops, "CPU_HOST_PATH", host)
-        adv, stats = group_advantages(rewards, ids, mode=mode, backend="torch")
+        adv, stats = group_advantages(rewards, ids, mode=mode, backend="torch", cpu_host_path=host)
         _check_group(adv, stats, rewards, ids, mode)
 
 
 def test_sync_free_torch_path_reads_no_tensor_value(monkeypatch):
     """The torch path CUDA uses never reads a tensor value on the host (checked on CPU)."""
     rewards, ids = _rewards_and_ids(40, torch.device("cpu"), seed=4)
-    monkeypatch.setattr(adv_ops, "CPU_HOST_PATH", False)
     monkeypatch.setattr(adv_ops, "_check_finite_rewards", lambda *args: None)  # the CUDA check is a device assert
 
     def forbidden(*args, **kwargs):
@@ -435,4 +433,4 @@ def test_sync_free_torch_path_reads_no_tensor_value(monkeypatch):
     for name in ("item", "tolist", "numpy", "__bool__", "__int__", "__float__", "__index__"):
         monkeypatch.setattr(torch.Tensor, name, forbidden)
     for mode in GROUP_MODES:
-        group_advantages(rewards, ids, mode=mode, backend="torch")
+        group_advantages(rewards, ids, mode=mode, backend="torch", cpu_host_path=False)

@@ -125,22 +125,19 @@ def test_bad_input():
 
 
 @pytest.mark.parametrize("entropy_coef", [0.0, 0.05])
-def test_one_pass_cpu_path_equals_composition(monkeypatch, entropy_coef):
+def test_one_pass_cpu_path_equals_composition(entropy_coef):
     # the CPU path forms the gradients during the forward pass; it must match the composed path
-    import fastrl.ops.fused_policy_loss as fused_mod
-
     cfg = PolicyLossConfig(clip_high=0.28, dual_clip=2.5, kl_coef=0.1, log_ratio_clamp=1.0,
                            entropy_coef=entropy_coef, loss_agg="seq-mean-token-mean")
     h, w, b, y, mask, old, ref, roll, adv = _data(3)
     adv_tok = adv[:, None] + 0.1 * torch.randn(B, T)
     results = []
     for eager in (True, False):
-        monkeypatch.setattr(fused_mod, "EAGER_TORCH_LOSS", eager)
         hh, ww = h.clone().requires_grad_(), w.clone().requires_grad_()
         bb = b.clone()  # bias without gradient
         loss, metrics = fused_linear_policy_loss(hh, ww, y, old, adv_tok, mask, bias=bb, ref_logp=ref,
                                                  rollout_logp=roll, config=cfg.replace(is_cap=1.5),
-                                                 temperature=1.3, entropy=True, backend="torch")
+                                                 temperature=1.3, entropy=True, backend="torch", one_pass=eager)
         (2.0 * loss).backward()
         results.append((loss, metrics, hh.grad, ww.grad))
     (l1, m1, gh1, gw1), (l2, m2, gh2, gw2) = results
@@ -152,20 +149,17 @@ def test_one_pass_cpu_path_equals_composition(monkeypatch, entropy_coef):
 
 
 @pytest.mark.parametrize("surrogate", ["cispo", "sapo", "vespo"])
-def test_surrogates_and_is_weight_one_pass_equals_composition(monkeypatch, surrogate):
+def test_surrogates_and_is_weight_one_pass_equals_composition(surrogate):
     # every surrogate and a per-sequence is_weight: the one-pass CPU path (vespo: never taken, its
     # weight needs the whole row) equals the composed path
-    import fastrl.ops.fused_policy_loss as fused_mod
-
     cfg = PolicyLossConfig(surrogate=surrogate, cispo_max=1.1, kl_coef=0.1, loss_agg="seq-mean-token-mean")
     h, w, b, y, mask, old, ref, roll, adv = _data(4)
     is_weight = torch.tensor([0.5, 0.0, 1.5])
     results = []
     for eager in (True, False):
-        monkeypatch.setattr(fused_mod, "EAGER_TORCH_LOSS", eager)
         hh = h.clone().requires_grad_()
         loss, metrics = fused_linear_policy_loss(hh, w, y, old, adv, mask, bias=b, ref_logp=ref, rollout_logp=roll,
-                                                 is_weight=is_weight, config=cfg, backend="torch")
+                                                 is_weight=is_weight, config=cfg, backend="torch", one_pass=eager)
         loss.backward()
         results.append((loss, metrics, hh.grad))
     (l1, m1, g1), (l2, m2, g2) = results

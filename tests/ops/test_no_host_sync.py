@@ -65,7 +65,7 @@ CPU_ONLY_READS = [(lp_mod, "_check_target_range"), (adv_mod, "_check_step_layout
                   (adv_mod, "_check_finite_rewards")] + [
     # a global count given as a CPU tensor is range-checked on the host (fastrl._checks.check_global_count)
     (importlib.import_module(f"fastrl.ops.{name}"), "check_global_count")
-    for name in ("policy_loss", "value_loss", "logprobs", "fused_policy_loss")
+    for name in ("policy_loss", "value_loss", "logprobs", "fused_policy_loss", "aggregation")
     if hasattr(importlib.import_module(f"fastrl.ops.{name}"), "check_global_count")
 ]
 
@@ -140,9 +140,6 @@ def no_host_sync(monkeypatch, device: torch.device):
         monkeypatch.setattr(torch.Tensor, name, _python_read(guard, name, getattr(torch.Tensor, name)))
     for module, name in CPU_ONLY_READS:
         monkeypatch.setattr(module, name, _paused(guard, getattr(module, name)))
-    # group_advantages' CPU fast path reads the id range on the host by design; the
-    # sync-free path (the one CUDA runs) is what must not sync
-    monkeypatch.setattr(adv_mod, "CPU_HOST_PATH", False)
     if device.type == "cpu":
         from triton.runtime.interpreter import InterpretedFunction
 
@@ -215,8 +212,12 @@ def _calls(device, backend):
         "value_loss": lambda: loss_backward(value_loss(values.requires_grad_(), values.detach() + 0.1, rewards, mask,
                                                        clip=0.2, loss_agg="seq-mean-token-mean", backend=backend)),
         "masked_whiten": lambda: masked_whiten(logp, mask, backend=backend).sum().backward(),
-        "group_advantages": lambda: group_advantages(rewards[:, 0], ids, mode="grpo", backend=backend),
-        "group_advantages rloo": lambda: group_advantages(rewards[:, 0], ids, mode="rloo", backend=backend),
+        # cpu_host_path=False: group_advantages' CPU fast path reads the id range on the host by
+        # design; the sync-free path (the one CUDA runs) is what must not sync
+        "group_advantages": lambda: group_advantages(rewards[:, 0], ids, mode="grpo", backend=backend,
+                                                     cpu_host_path=False),
+        "group_advantages rloo": lambda: group_advantages(rewards[:, 0], ids, mode="rloo", backend=backend,
+                                                          cpu_host_path=False),
         "step_advantages": lambda: step_advantages(sr, end, ids, mask, backend=backend),
     }
     if backend == "triton" or device.type == "cuda":

@@ -14,7 +14,6 @@ from __future__ import annotations
 import pytest
 import torch
 
-import csrc_triton.policy_loss as policy_kernels
 from fastrl import PolicyLossConfig
 from fastrl.ops import PackedLayout, discounted_returns, gae, policy_loss, value_loss
 
@@ -44,11 +43,8 @@ POLICY_CONFIGS = {
 TRITON_POLICY = ("token-mean", "seq-mean-token-sum-norm", "gspo", "gspo_seq_is")
 
 
-@pytest.fixture(autouse=True)
-def small_blocks(monkeypatch):
-    """8-token chunks: the longer sequences span several Triton programs."""
-    monkeypatch.setattr(policy_kernels, "MAX_BLOCK_T", 8)
-    monkeypatch.setattr(policy_kernels, "BLOCK_B", 4)
+SMALL_TILES = {"block_t": 8, "block_b": 4}
+"""8-token chunks: the longer sequences span several Triton programs."""
 
 
 def cu_of(lengths: list[int]) -> list[int]:
@@ -110,7 +106,8 @@ def _policy(b, cfg, backend, *, per_seq_adv, cu_seqlens=None, **kw):
     ent = b["entropy"].clone().requires_grad_()
     adv = b["seq_advantages"] if per_seq_adv else b["advantages"]
     loss, metrics = policy_loss(logp, b["old_logp"], adv, b["mask"], ref_logp=b["ref_logp"], entropy=ent,
-                                rollout_logp=b["rollout_logp"], config=cfg, backend=backend, cu_seqlens=cu_seqlens, **kw)
+                                rollout_logp=b["rollout_logp"], config=cfg, backend=backend, cu_seqlens=cu_seqlens,
+                                tiles=SMALL_TILES, **kw)
     glogp, gent = torch.autograd.grad(loss, [logp, ent], allow_unused=True)
     return loss.detach(), {k: v.detach() for k, v in metrics.items()}, glogp, gent
 
@@ -349,7 +346,7 @@ def test_no_host_sync_with_a_prebuilt_layout(backend, monkeypatch):
     seqs = torch.tensor(6.0, device=DEVICE)
     with no_host_sync(monkeypatch, DEVICE) as guard:
         loss, _ = policy_loss(logp, b["old_logp"], b["seq_advantages"], b["mask"], ref_logp=b["ref_logp"], config=cfg,
-                              global_seq_count=seqs, backend=backend, cu_seqlens=layout)
+                              global_seq_count=seqs, backend=backend, cu_seqlens=layout, tiles=SMALL_TILES)
         vloss, _ = value_loss(values, b["old_values"], b["returns"], b["mask"], clip=0.2, backend=backend, cu_seqlens=layout)
         (loss + vloss).backward()
         gae(b["rewards"], b["values"], b["mask"], gamma=0.9, lam=0.9, backend=backend, cu_seqlens=layout)

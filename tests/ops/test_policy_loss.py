@@ -14,7 +14,6 @@ import torch
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
-import csrc_triton.policy_loss as kernels
 from fastrl import PolicyLossConfig
 from fastrl.ops import policy_loss
 from fastrl.reference.policy_loss import policy_loss_reference
@@ -26,13 +25,9 @@ DEVICE = torch.device("cuda" if torch.cuda.is_available() else "cpu")
 CONTRACT_KEYS = {"pg_loss", "clip_frac_low", "clip_frac_high", "clip_frac", "approx_kl", "ratio_mean", "ratio_min", "ratio_max"}
 
 
-@pytest.fixture(autouse=True)
-def small_blocks(monkeypatch):
-    """32-token chunks: rows of T=37 span two programs, the second one partial; the loops over
-    a row's chunk partials (forward pre-pass sums, finalize) take one chunk per step."""
-    monkeypatch.setattr(kernels, "MAX_BLOCK_T", 32)
-    monkeypatch.setattr(kernels, "BLOCK_B", 4)
-    monkeypatch.setattr(kernels, "BLOCK_C", 1)
+SMALL_TILES = {"block_t": 32, "block_b": 4, "block_c": 1}
+"""32-token chunks: rows of T=37 span two programs, the second one partial; the loops over
+a row's chunk partials (forward pre-pass sums, finalize) take one chunk per step."""
 
 
 def make_batch(B=5, T=37, *, dtype=torch.float32, per_row_adv=False, spread=0.3, seed=0, lengths=None):
@@ -62,7 +57,7 @@ def run(impl, batch, cfg, *, use=("ref_logp", "entropy", "rollout_logp"), grad_o
     if impl == "ref":
         loss, metrics = policy_loss_reference(logp, config=cfg, **b, **kw)
     else:
-        loss, metrics = policy_loss(logp, config=cfg, backend=impl, **b, **kw)
+        loss, metrics = policy_loss(logp, config=cfg, backend=impl, **{"tiles": SMALL_TILES, **b, **kw})
     inputs = [logp] + ([b["entropy"]] if "entropy" in b else [])
     grads = torch.autograd.grad(loss * grad_out, inputs, allow_unused=True)
     return loss.detach(), {k: v.detach() for k, v in metrics.items()}, grads
@@ -306,7 +301,7 @@ def test_global_counts_make_micro_batches_add_up(backend, agg, count_kw):
 def test_without_grad_and_unused_entropy_grad(backend):
     cfg = PolicyLossConfig(kl_coef=0.1)  # entropy given (metrics) but entropy_coef = 0
     batch = make_batch()
-    loss, metrics = policy_loss(**batch, config=cfg, backend=backend)  # nothing requires grad
+    loss, metrics = policy_loss(**batch, config=cfg, backend=backend, tiles=SMALL_TILES)  # nothing requires grad
     assert not loss.requires_grad
     rloss, rmetrics, _ = run("ref", batch, cfg)
     torch.testing.assert_close(loss, rloss.float(), rtol=1e-5, atol=1e-7)
@@ -330,18 +325,24 @@ def test_chunk_partials_summed_over_several_partial_steps(cfg):
     """Rows of 37 tokens in 8-token programs (5 chunks), chunk partials read 2 at a time: the
     loops over a row's partials (forward's sequence sums, finalize) take 3 steps, the last one
     half masked, and 9 rows take 3 steps of 4 rows."""
-    kernels.MAX_BLOCK_T, kernels.BLOCK_C = 8, 2
     cfg = PolicyLossConfig(**cfg)
     batch = make_batch(B=9, spread=0.05, lengths=[37, 1, 0, 18, 32, 9, 37, 36, 17])
-    assert_matches(run("triton", batch, cfg, grad_out=1.3), run("ref", batch, cfg, grad_out=1.3))
+    tiles = {"block_t": 8, "block_b": 4, "block_c": 2}
+    assert_matches(run("triton", batch, cfg, grad_out=1.3, tiles=tiles), run("ref", batch, cfg, grad_out=1.3))
 
 
 def test_default_block_single_chunk():
-    """Without the small-block fixture's effect: T=37 fits in one program."""
-    kernels.MAX_BLOCK_T = 1024
+    """The default tiles (tiles=None): T=37 fits in one program."""
     cfg = PolicyLossConfig.preset("gspo", kl_coef=0.05)
     batch = make_batch(per_row_adv=True, spread=0.01)
-    assert_matches(run("triton", batch, cfg, use=("ref_logp",)), run("ref", batch, cfg, use=("ref_logp",)))
+    assert_matches(run("triton", batch, cfg, use=("ref_logp",), tiles=None), run("ref", batch, cfg, use=("ref_logp",)))
+
+
+@pytest.mark.parametrize(("tiles", "match"), [({"block_x": 8}, "unknown names"), ({"block_t": 12}, "power of two"),
+                                              ({"block_c": 0}, "power of two")])
+def test_bad_tiles_are_errors(tiles, match):
+    with pytest.raises(ValueError, match=match):
+        run("triton", make_batch(), PolicyLossConfig(), tiles=tiles)
 
 
 # ----------------------------------------------------------------------------------------
@@ -476,7 +477,7 @@ def test_presets_match_trainer_losses(backend, name):
         expected, _ = BASELINES[name](x)
     (g_exp,) = torch.autograd.grad(expected, [lp])
     loss, _ = policy_loss(lp, x["old_logp"], x["advantages"], x["mask"],
-                          ref_logp=x["ref_logp"] if cfg.kl_coef else None, config=cfg, backend=backend)
+                          ref_logp=x["ref_logp"] if cfg.kl_coef else None, config=cfg, backend=backend, tiles=SMALL_TILES)
     (g,) = torch.autograd.grad(loss, [lp])
     torch.testing.assert_close(loss, expected, rtol=1e-5, atol=1e-7)
     torch.testing.assert_close(g, g_exp, rtol=1e-4, atol=1e-8)

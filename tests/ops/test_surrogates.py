@@ -25,11 +25,8 @@ DEVICE = torch.device("cuda" if torch.cuda.is_available() else "cpu")
 BACKENDS = ["torch", "triton"]
 
 
-@pytest.fixture(autouse=True)
-def small_blocks(monkeypatch):
-    """8-token chunks: rows of T=13 span two programs, the second one partial."""
-    monkeypatch.setattr(kernels, "MAX_BLOCK_T", 8)
-    monkeypatch.setattr(kernels, "BLOCK_B", 2)
+SMALL_TILES = {"block_t": 8, "block_b": 2}
+"""8-token chunks: rows of T=13 span two programs, the second one partial."""
 
 
 def make_batch(B=4, T=13, *, seed=0, spread=0.4, per_row_adv=True):
@@ -54,7 +51,7 @@ def _run(impl, batch, cfg, **kw):
     if impl == "ref":
         loss, metrics = policy_loss_reference(logp, config=cfg, **b, **kw)
     else:
-        loss, metrics = policy_loss(logp, config=cfg, backend=impl, **b, **kw)
+        loss, metrics = policy_loss(logp, config=cfg, backend=impl, tiles=SMALL_TILES, **b, **kw)
     (grad,) = torch.autograd.grad(loss, logp)
     return loss.detach(), {k: v.detach() for k, v in metrics.items()}, grad
 

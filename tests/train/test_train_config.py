@@ -104,3 +104,28 @@ def test_semantic_errors_from_the_command_line_exit_cleanly(capsys):
         parse_train_args(["--rollout_correction", "bypass", "--ppo_epochs", "2"])
     assert e.value.code == 2
     assert "bypass" in capsys.readouterr().err
+
+
+def test_each_vocabulary_has_one_list():
+    """Algorithm names come from the presets; the loss options' choices are the op-level Literals."""
+    import typing
+
+    from fastrl.config import KL_ESTIMATORS, LOSS_AGGS, SURROGATES, KLEstimator, LossAgg, Surrogate
+    from fastrl.reference.advantages import GROUP_MODES
+    from fastrl.train.config import Algorithm
+
+    assert typing.get_args(Algorithm) == ALGORITHMS == tuple(ALGORITHM_PRESETS)
+    assert (LOSS_AGGS, SURROGATES, KL_ESTIMATORS) == tuple(typing.get_args(t) for t in (LossAgg, Surrogate, KLEstimator))
+    hints = typing.get_type_hints(TrainConfig)
+    assert hints["loss_agg"] == typing.Optional[LossAgg]
+    assert hints["surrogate"] == typing.Optional[Surrogate]
+    assert hints["kl_estimator"] == KLEstimator
+    assert typing.get_args(typing.get_args(hints["advantage_mode"])[0]) == (*GROUP_MODES, "gae")
+
+
+def test_kl_coef_default_is_the_loss_presets():
+    # GRPO's 0.04 is written once, in PolicyLossConfig.preset("grpo")
+    for name, preset in ALGORITHM_PRESETS.items():
+        want = PolicyLossConfig.preset_settings(preset.loss_preset).get("kl_coef", PolicyLossConfig().kl_coef)
+        assert TrainConfig(algorithm=name).resolved().kl_coef == want, name
+    assert TrainConfig(algorithm="grpo").resolved().kl_coef == PolicyLossConfig.preset("grpo").kl_coef > 0
