@@ -33,6 +33,7 @@ from typing import Sequence
 
 import torch
 
+from fastrl.ops.aggregation import GlobalCounts
 from fastrl.rollout.base import RolloutBatch
 
 __all__ = ["Experience"]
@@ -116,11 +117,11 @@ class Experience:
         mine = self.segments[self.segments[:, 0] == b]
         return [(int(s), int(e)) for _, s, e in mine.tolist()]
 
-    def counts(self, rows: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-        """``(tokens, sequences)`` trained on among ``rows`` (0-dim, on the device): this
-        rank's part of a mini-batch's global counts."""
+    def counts(self, rows: torch.Tensor) -> GlobalCounts:
+        """Tokens and sequences trained on among ``rows`` (0-dim, on the device): this
+        rank's part of a mini-batch's global counts (``Ranks.global_counts``)."""
         mask = self.loss_mask[rows.to(self.device)]
-        return mask.sum(), (mask.sum(1) > 0).sum()
+        return GlobalCounts(tokens=mask.sum(), sequences=(mask.sum(1) > 0).sum())
 
     @property
     def trained_tokens(self) -> torch.Tensor:

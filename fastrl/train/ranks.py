@@ -19,6 +19,7 @@ from typing import Any, Callable, Iterable, Sequence, TypeVar
 import torch
 
 from fastrl.ops import group_advantages, masked_whiten
+from fastrl.ops.aggregation import GlobalCounts
 from fastrl.ops.stats import explained_variance, masked_mean_std, pooled_mean_std
 from fastrl.train import distributed as dist_mod
 
@@ -103,6 +104,10 @@ class Ranks:
         if isinstance(value, torch.Tensor):
             return t
         return type(value)(t.item())
+
+    def global_counts(self, local: GlobalCounts) -> GlobalCounts:
+        """Every rank's counts summed: the denominators of the whole (all-rank) batch."""
+        return GlobalCounts(tokens=self.sum(local.tokens), sequences=self.sum(local.sequences))
 
     def gather(self, tensor: torch.Tensor) -> torch.Tensor:
         """Every rank's ``tensor`` concatenated along dim 0 in rank order (= batch order)."""

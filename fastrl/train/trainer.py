@@ -34,7 +34,7 @@ from typing import Any, Callable, Sequence
 
 import torch
 
-from fastrl.ops import policy_loss, value_loss
+from fastrl.ops import GlobalCounts, policy_loss, value_loss
 from fastrl.rollout.base import RolloutBatch, SamplingConfig
 from fastrl.train import advantages, build, seeds
 from fastrl.train import distributed as dist_mod
@@ -343,7 +343,7 @@ class Trainer:
             order = torch.randperm(exp.num_groups, generator=g) if cfg.mini_batches > 1 else torch.arange(exp.num_groups)
             for mini in ranks.split(order, cfg.mini_batches):
                 groups = mini.sort().values.tolist()
-                tokens, seqs = (ranks.sum(c) for c in exp.counts(exp.rows(groups)))  # the whole (all-rank) mini-batch's
+                counts = ranks.global_counts(exp.counts(exp.rows(groups)))  # the whole (all-rank) mini-batch's
                 micro = layout.micro_batches(exp, groups)
                 # (micro-batch, live): zero-weight extra passes keep FSDP's collectives in step across ranks
                 passes = ranks.padded_passes(micro, spare=lambda: layout.make(exp, [0]))
@@ -351,7 +351,7 @@ class Trainer:
                 losses: list[torch.Tensor] = []
                 for mb, live in passes:
                     with layout.attention(mb, self._trained_models()):
-                        loss, lm = self._micro_batch_loss(mb, exp, tokens=tokens, seqs=seqs, live=live)
+                        loss, lm = self._micro_batch_loss(mb, exp, counts=counts, live=live)
                     if live:
                         losses.append(loss)
                         weight = float(layout.gather(mb, exp.loss_mask).sum())
@@ -435,7 +435,7 @@ class Trainer:
         metrics = self._advantages(exp)
         return exp.advantages, exp.returns, exp.values, exp.token_kl, metrics
 
-    def _micro_batch_loss(self, mb: MicroBatch, exp: Experience, *, tokens: torch.Tensor, seqs: torch.Tensor,
+    def _micro_batch_loss(self, mb: MicroBatch, exp: Experience, *, counts: GlobalCounts,
                           live: bool) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
         """Forward + backward of one micro-batch; returns its (detached) share of the policy
         loss and its metrics. ``live=False``: a zero-weight pass (zero loss and gradient)."""
@@ -454,7 +454,7 @@ class Trainer:
             entropy=entropy,
             rollout_logp=take(exp.sampler_logp) if cfg.rollout_correction == "is" else None,
             config=loss_config,
-            **_global_count(self.loss_config.loss_agg, tokens=tokens, sequences=seqs),
+            global_counts=counts,
             cu_seqlens=cu_seqlens,
         )
         total = loss
@@ -462,7 +462,7 @@ class Trainer:
             values = self.layout.values(self.critic, mb)
             vloss, vm = value_loss(
                 values.float(), take(exp.values), take(exp.returns), mask,
-                clip=cfg.value_clip, loss_agg="token-mean", global_token_count=tokens, cu_seqlens=cu_seqlens,
+                clip=cfg.value_clip, loss_agg="token-mean", global_counts=counts, cu_seqlens=cu_seqlens,
             )
             total = loss + vloss
             metrics = {**metrics, **{f"critic_{k}": v for k, v in vm.items()}, "critic_loss": vloss.detach()}
@@ -577,13 +577,6 @@ class Trainer:
 
     def __exit__(self, *exc) -> None:
         self.close()
-
-
-def _global_count(loss_agg: str, *, tokens: torch.Tensor, sequences: torch.Tensor) -> dict[str, torch.Tensor]:
-    """The mini-batch's denominator for the loss's aggregation, so micro-batches add up to it."""
-    if loss_agg == "token-mean":
-        return {"global_token_count": tokens}
-    return {"global_seq_count": sequences}
 
 
 def _budget_spent(cfg: TrainConfig, *, seconds: float, generated_tokens: float) -> str | None:
