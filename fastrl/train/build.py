@@ -59,6 +59,9 @@ class SamplerSpec:
     connect: Callable[[TrainConfig], Any] | None = None
     """Reached before any long work (a server: is it up, what does it serve); its result is
     ``SamplerContext.connected``."""
+    push_on_start: bool = False
+    """Its weights come from elsewhere (a server started from a model folder): the trainer
+    pushes the policy's (after warm-up or resume) before the first rollout."""
 
 
 VLLM_BLOCK_SIZE = 32
@@ -98,7 +101,8 @@ SAMPLERS: dict[str, SamplerSpec] = {
                  "share one engine through `fastrl vllm-server` (--sampler vllm-server URL), or each samples with sampler=hf",
     ),
     # one `fastrl vllm-server` shared by every rank; rank 0 uploads the weights
-    "vllm-server": SamplerSpec(build=lambda ctx: ctx.connected, own_weights=True, needs_url=True, connect=_connect_server),
+    "vllm-server": SamplerSpec(build=lambda ctx: ctx.connected, own_weights=True, needs_url=True, connect=_connect_server,
+                               push_on_start=True),
 }
 
 

@@ -114,7 +114,7 @@ class Trainer:
             torch.set_num_threads(cfg.threads)
         # torchrun: join the process group and refuse what data parallel cannot run, on every rank
         self.ranks = ranks = Ranks.join(cfg.device, local_device=build.device_of)
-        if ranks.ctx is not None:
+        if ranks.sharded:
             build.check_distributed(cfg, ranks.ctx)
         self.device = ranks.device
         self.is_main = ranks.is_main
@@ -216,7 +216,7 @@ class Trainer:
         ))
         self.sampler_shares_weights = not self.spec.own_weights and self.sampler_model is None
         """The sampler runs the policy module itself: nothing to push, the probe is a guard."""
-        if self.spec.connect is not None:
+        if self.spec.push_on_start:
             self._push_weights()  # the policy's weights (after warm-up or resume) before the first rollout
         self.probe_prompt = self.encoded[0]
         self.collector = Collector(cfg=cfg, batcher=self.batcher, ranks=ranks, scorer=self.scorer)

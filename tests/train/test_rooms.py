@@ -101,6 +101,7 @@ def test_one_list_of_sampler_names_and_what_each_declares():
     assert not sampler_spec("hf").own_weights and sampler_spec("hf").torchrun is None
     assert sampler_spec("vllm").own_weights and "single-process only" in sampler_spec("vllm").torchrun
     server = sampler_spec("vllm-server")
-    assert server.own_weights and server.needs_url and server.connect is not None and server.torchrun is None
+    assert server.own_weights and server.needs_url and server.connect is not None and server.push_on_start
+    assert server.torchrun is None
     with pytest.raises(ValueError, match="sampler must be one of"):
         sampler_spec("nope")
