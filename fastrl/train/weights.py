@@ -18,7 +18,7 @@ from fastrl.ops.hf import causal_lm_logprobs
 from fastrl.rollout.base import SamplingConfig
 from fastrl.train import distributed as dist_mod
 
-__all__ = ["WeightSyncError", "probe_gap", "push_weights"]
+__all__ = ["WeightSyncError", "check_gap", "probe_gap", "push_weights"]
 
 FAILED_UPLOAD = -(1 << 40)
 """The version rank 0 contributes when its upload failed: the summed version is then negative on every rank."""
