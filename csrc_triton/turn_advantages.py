@@ -20,7 +20,8 @@ import triton
 import triton.language as tl
 
 
-@triton.jit
+# K only addresses the episode advantages: exempt from the JIT's integer specialisation.
+@triton.jit(do_not_specialize=["K"])
 def _turn_combine_kernel(
     g_ptr, valid_ptr, rank_ptr, mean_ptr, mean_lo_ptr, std_ptr, count_ptr, ae_ptr, out_ptr,
     N, K, c_ep, c_rel, eps,
