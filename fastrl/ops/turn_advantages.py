@@ -42,6 +42,8 @@ groups of two or more. No GiGPO code of ROLL or Trinity-RFT was found in the sto
 
 from __future__ import annotations
 
+from typing import Sequence
+
 import torch
 
 from fastrl._checks import (
@@ -57,10 +59,13 @@ from fastrl._checks import (
 )
 from fastrl.ops._segments import DenseGroups, dense_groups, kernel_mask
 from fastrl.ops.advantages import group_advantages
+from fastrl.ops.packing import PackedLayout, packed_to_rows
 from fastrl.ops.scans import discounted_returns, gae
 from fastrl.reference.turn_advantages import NORMS, TURN_ADVANTAGE_MODES
 
 __all__ = ["turn_advantages", "turn_gae", "TURN_ADVANTAGE_MODES", "NORMS"]
+
+Packed = "PackedLayout | torch.Tensor | Sequence[int] | None"
 
 _EPISODE_MODE = {"std": "grpo", "none": "dr_grpo"}  # group_advantages mode of each norm
 
@@ -186,6 +191,7 @@ def turn_advantages(
     norm: str = "std",
     eps: float = 1e-6,
     backend: Backend = "auto",
+    cu_seqlens: Packed = None,
 ) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
     """Per-token advantages of agent trajectories from per-turn and outcome rewards.
 
@@ -209,6 +215,11 @@ def turn_advantages(
         norm: ``std`` (F_norm = std + eps) or ``none`` (F_norm = 1), at both levels.
         eps: added to every std (> 0).
         backend: ``auto`` | ``triton`` | ``torch``.
+        cu_seqlens: packed trajectories: ``turn_index`` and ``loss_mask`` are ``[N]`` or
+            ``[1, N]`` (S trajectories back to back) and this is their
+            ``fastrl.ops.PackedLayout`` or host ``cu_seqlens`` ``[S + 1]``; the per-turn and
+            per-trajectory tensors keep their ``[S, K]`` / ``[S]`` shapes. The advantages come
+            back packed like ``loss_mask`` and equal those of the padded ``[S, T]`` rows.
 
     On CPU the layout is checked (``ValueError`` for a policy token outside its row's turns,
     or ``num_turns`` outside [0, K]); on a GPU that would need a host sync, so such a token
@@ -218,6 +229,12 @@ def turn_advantages(
         ``(advantages [B, T] float32, stats)``: 0 off the loss mask, no autograd graph; stats
         are 0-dim float32 tensors (keys in the reference's docstring).
     """
+    if cu_seqlens is not None:  # packed trajectories: this op on their padded [S, T] view
+        layout, (lm, ti) = packed_to_rows(cu_seqlens, loss_mask=loss_mask, turn_index=turn_index)
+        adv, stats = turn_advantages(ti, lm, turn_rewards, num_turns, outcome_rewards, group_ids, mode=mode,
+                                     state_keys=state_keys, gamma=gamma, step_coef=step_coef, turn_coef=turn_coef,
+                                     outcome_coef=outcome_coef, norm=norm, eps=eps, backend=backend)
+        return layout.to_packed(adv, shape=loss_mask.shape), stats
     B, K, T = _validate_layout(turn_index, loss_mask, turn_rewards, num_turns)
     check_float("outcome_rewards", outcome_rewards, shape=(B,))
     check_int("group_ids", group_ids, shape=(B,))
@@ -299,11 +316,18 @@ def place_turn_rewards(
     *,
     outcome_rewards: torch.Tensor | None = None,
     token_rewards: torch.Tensor | None = None,
+    cu_seqlens: Packed = None,
 ) -> torch.Tensor:
     """[B, T] float32 token rewards of PPO on agents (placement rule in the reference):
     turn k's reward on the last policy token of the latest turn <= k that has one, the
     outcome on the row's last loss-mask token, ``token_rewards`` added on policy tokens.
-    Torch ops on [B, K] and [B, T] (scatter-max, cummax, scatter-add): no loop, no sync."""
+    Torch ops on [B, K] and [B, T] (scatter-max, cummax, scatter-add): no loop, no sync.
+    ``cu_seqlens``: packed token tensors, as in ``turn_advantages``."""
+    if cu_seqlens is not None:
+        layout, (lm, ti, tok) = packed_to_rows(cu_seqlens, loss_mask=loss_mask, turn_index=turn_index,
+                                               token_rewards=token_rewards)
+        rows = place_turn_rewards(ti, lm, turn_rewards, num_turns, outcome_rewards=outcome_rewards, token_rewards=tok)
+        return layout.to_packed(rows, shape=loss_mask.shape)
     B, K, T = _validate_layout(turn_index, loss_mask, turn_rewards, num_turns)
     if outcome_rewards is not None:
         check_float("outcome_rewards", outcome_rewards, shape=(B,))
@@ -351,14 +375,24 @@ def turn_gae(
     token_rewards: torch.Tensor | None = None,
     whiten: bool = False,
     backend: Backend = "auto",
+    cu_seqlens: Packed = None,
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """PPO on agents: per-turn rewards placed by ``place_turn_rewards``, then GAE over the
     policy tokens only (verl's convention: the recursion steps from one policy token to the
     next policy token, environment tokens skipped; ``fastrl.ops.gae`` with ``loss_mask``).
     ``values`` [B, T] float are the critic's values, read at policy tokens only.
 
+    ``cu_seqlens``: packed token tensors (``values`` too), as in ``turn_advantages``; the
+    recursion stops at each trajectory's end.
+
     Returns ``(advantages, returns)`` [B, T] float32, 0 off the loss mask, no grad.
     """
+    if cu_seqlens is not None:
+        layout, (lm, ti, v, tok) = packed_to_rows(cu_seqlens, loss_mask=loss_mask, turn_index=turn_index, values=values,
+                                                  token_rewards=token_rewards)
+        adv, ret = turn_gae(ti, lm, turn_rewards, num_turns, v, gamma=gamma, lam=lam, outcome_rewards=outcome_rewards,
+                            token_rewards=tok, whiten=whiten, backend=backend)
+        return layout.to_packed(adv, shape=loss_mask.shape), layout.to_packed(ret, shape=loss_mask.shape)
     rewards = place_turn_rewards(turn_index, loss_mask, turn_rewards, num_turns,
                                  outcome_rewards=outcome_rewards, token_rewards=token_rewards)
     check_float("values", values, shape=tuple(loss_mask.shape))

@@ -228,6 +228,35 @@ def test_expand_kernel_reads_only_present_turns(device):
     torch.testing.assert_close(out.cpu(), torch.tensor([[1.0, 2.0, 0, 0, 0], [6.0, 5.0, 4.0, 0, 0]]))
 
 
+@pytest.mark.parametrize("backend", BACKENDS)
+def test_packed_equals_padded(backend, device):
+    x = _batch(device, seed=13)
+    lm, ti = x["loss_mask"], x["turn_index"]
+    lengths = [lm.shape[1]] * lm.shape[0]  # full rows ...
+    lengths = [max(1, n - b % 3) for b, n in enumerate(lengths)]  # ... trimmed to different lengths
+    T = lm.shape[1]
+    keep = torch.arange(T, device=device)[None] < torch.tensor(lengths, device=device)[:, None]
+    lm = lm & keep
+    cu = [0]
+    for n in lengths:
+        cu.append(cu[-1] + n)
+    pack = lambda t: torch.cat([t[b, :n] for b, n in enumerate(lengths)])[None]  # noqa: E731  [1, N]
+    for mode in TURN_ADVANTAGE_MODES:
+        kw = _mode_kwargs(mode, x)
+        rows, s1 = turn_advantages(ti, lm, *_op_args(x)[2:], backend=backend, **kw)
+        packed, s2 = turn_advantages(pack(ti), pack(lm), *_op_args(x)[2:], backend=backend, cu_seqlens=cu, **kw)
+        torch.testing.assert_close(packed, pack(rows), rtol=0, atol=0)
+        for k in s1:
+            torch.testing.assert_close(s1[k], s2[k], rtol=0, atol=0)
+    args = (x["turn_rewards"], x["num_turns"])
+    a1, r1 = turn_gae(ti, lm, *args, x["values"], gamma=0.9, lam=0.9, outcome_rewards=x["outcome_rewards"],
+                      backend=backend)
+    a2, r2 = turn_gae(pack(ti), pack(lm), *args, pack(x["values"]), gamma=0.9, lam=0.9,
+                      outcome_rewards=x["outcome_rewards"], backend=backend, cu_seqlens=cu)
+    torch.testing.assert_close(a2, pack(a1), rtol=1e-6, atol=1e-6)
+    torch.testing.assert_close(r2, pack(r1), rtol=1e-6, atol=1e-6)
+
+
 def test_input_errors():
     x = _batch(torch.device("cpu"), seed=12)
     args = _op_args(x)
