@@ -289,3 +289,15 @@ def test_input_errors():
         turn_advantages(x["turn_index"].float(), *args[1:])
     with pytest.raises(ValueError, match="values must have shape"):
         turn_gae(*args[:4], x["values"][:, :2], gamma=0.9, lam=0.9)
+
+
+def test_bench_loop_baseline_equals_the_op():
+    # the benchmark's Python-loop baseline computes what the op computes
+    from fastrl.bench.cases_turn_advantages import _trajectories, turn_loop_gigpo
+
+    T, ti, lm, r, keys, out, ids, spans = _trajectories(16, 3, 2, 1, group=4)
+    loop = turn_loop_gigpo(spans, r.tolist(), keys.tolist(), out.tolist(), ids.tolist(), gamma=0.9, omega=0.5, T=T)
+    op, _ = turn_advantages(ti, lm, r, torch.full((16,), 3), out, ids, mode="gigpo", state_keys=keys, gamma=0.9,
+                            step_coef=0.5, backend="torch")
+    torch.testing.assert_close(op, loop, rtol=1e-5, atol=1e-5)
+    assert op.abs().sum() > 0
