@@ -12,7 +12,9 @@ How
    ``"none"``).
 2. Turn returns ``G[b, k]``: ``discounted_returns`` over the ``[B, K]`` turn rewards with the
    present turns as mask (one reverse scan; the Triton backend runs the chunked scan kernel
-   of ``csrc_triton.scans``).
+   of ``csrc_triton.scans``). Float64 rewards: the float64 torch scan on both backends, and
+   float64 group statistics (``segment_stats`` accumulates float64 values in float64), so
+   returns 1 and 1 + 1e-9 still differ.
 3. Turn groups (GiGPO's (group id, state key) step groups, or (group id, turn index)):
    a lexicographic sort of the pairs (two stable sorts), boundaries and a cumulative sum give
    dense ranks without ``torch.unique``; absent turns sort behind every present one into
@@ -60,7 +62,7 @@ from fastrl._checks import (
 from fastrl.ops._segments import DenseGroups, dense_groups, kernel_mask
 from fastrl.ops.advantages import group_advantages
 from fastrl.ops.packing import PackedLayout, packed_to_rows
-from fastrl.ops.scans import discounted_returns, gae
+from fastrl.ops.scans import _discounted_torch, discounted_returns, gae
 from fastrl.reference.turn_advantages import NORMS, TURN_ADVANTAGE_MODES
 
 __all__ = ["turn_advantages", "turn_gae", "TURN_ADVANTAGE_MODES", "NORMS"]
@@ -268,7 +270,11 @@ def turn_advantages(
             present = _present(n, K)
             _check_finite("turn_rewards", turn_rewards, present)
             r = torch.where(present, turn_rewards.detach(), 0.0)
-            G = discounted_returns(r, present, gamma=gamma, backend=impl)  # [B, K] float32
+            if r.dtype == torch.float64:
+                # float64 returns keep float64 precision (the scan kernel is fp32); [B, K] is small
+                G = _discounted_torch(r, present, gamma)
+            else:
+                G = discounted_returns(r, present, gamma=gamma, backend=impl)  # [B, K] float32
             keys = state_keys if mode == "gigpo" else torch.arange(K, device=device).expand(B, K)
             g = _turn_groups(group_ids, keys, present)
             c_ep, c_rel = (1.0, step_coef) if mode == "gigpo" else (outcome_coef, turn_coef)

@@ -257,6 +257,25 @@ def test_packed_equals_padded(backend, device):
     torch.testing.assert_close(r2, pack(r1), rtol=1e-6, atol=1e-6)
 
 
+@pytest.mark.parametrize("backend", BACKENDS)
+@pytest.mark.parametrize("mode", ["gigpo", "turn_discounted"])
+def test_float64_returns_keep_float64_precision(backend, mode, device):
+    # two trajectories whose only turn returns differ by 1e-9 (lost in float32)
+    ti = torch.tensor([[0, 0, -1], [0, -1, -1]], device=device)
+    lm = ti >= 0
+    r = torch.tensor([[1.0], [1.0 + 1e-9]], dtype=torch.float64, device=device)
+    n, out, ids = torch.tensor([1, 1], device=device), torch.zeros(2, dtype=torch.float64, device=device), \
+        torch.tensor([0, 0], device=device)
+    kw = dict(mode=mode, eps=1e-15, state_keys=torch.zeros(2, 1, dtype=torch.int64, device=device) if mode == "gigpo"
+              else None)
+    adv, stats = turn_advantages(ti, lm, r, n, out, ids, backend=backend, **kw)
+    ref, _ = turn_advantages_reference(ti.cpu(), lm.cpu(), r.cpu(), n.cpu(), out.cpu(), ids.cpu(),
+                                       **dict(kw, state_keys=None if kw["state_keys"] is None else kw["state_keys"].cpu()))
+    assert abs(float(ref[1, 0])) > 0.5
+    torch.testing.assert_close(adv.double().cpu(), ref, rtol=1e-5, atol=1e-6)
+    assert float(stats["frac_all_equal_turn_groups"]) == 0.0
+
+
 def test_input_errors():
     x = _batch(torch.device("cpu"), seed=12)
     args = _op_args(x)
