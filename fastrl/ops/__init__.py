@@ -14,7 +14,7 @@ from fastrl.ops.packing import PackedLayout
 from fastrl.ops.policy_loss import policy_loss
 from fastrl.ops.scans import discounted_returns, gae
 from fastrl.ops.shared_prefix_attention import PackedGroups, SharedPrefixLayout, shared_prefix_attention
-from fastrl.ops.turn_advantages import place_turn_rewards, turn_advantages, turn_gae
+from fastrl.ops.turn_advantages import place_turn_rewards, turn_advantages, turn_gae, turn_index_from_spans
 from fastrl.ops.value_loss import value_loss
 from fastrl.ops.whiten import masked_whiten
 
@@ -33,6 +33,7 @@ __all__ = [
     "turn_advantages",
     "turn_gae",
     "place_turn_rewards",
+    "turn_index_from_spans",
     "value_loss",
 ]
 __all__ += ["PackedLayout", "PackedGroups", "SharedPrefixLayout", "shared_prefix_attention"]

@@ -65,7 +65,7 @@ from fastrl.ops.packing import PackedLayout, packed_to_rows
 from fastrl.ops.scans import _discounted_torch, discounted_returns, gae
 from fastrl.reference.turn_advantages import NORMS, TURN_ADVANTAGE_MODES
 
-__all__ = ["turn_advantages", "turn_gae", "TURN_ADVANTAGE_MODES", "NORMS"]
+__all__ = ["turn_advantages", "turn_gae", "place_turn_rewards", "turn_index_from_spans", "TURN_ADVANTAGE_MODES", "NORMS"]
 
 Packed = "PackedLayout | torch.Tensor | Sequence[int] | None"
 
@@ -138,6 +138,60 @@ def _dense_pairs(a: torch.Tensor, b: torch.Tensor) -> DenseGroups:
     torch.logical_or(sa[1:] != sa[:-1], sb[1:] != sb[:-1], out=is_first[1:])
     rank_sorted = torch.cumsum(is_first, 0) - 1
     return DenseGroups(perm, rank_sorted, is_first, is_first.sum())
+
+
+def _check_spans(turn_start: torch.Tensor, turn_end: torch.Tensor, num_turns: torch.Tensor, T: int) -> None:
+    """Value checks of a segment table. Read only for CPU tensors (a host sync on a GPU;
+    there overlapping or unsorted spans give the later turn's index where they meet)."""
+    if turn_start.device.type != "cpu":
+        return
+    K = turn_start.shape[1]
+    lo, hi = int(num_turns.min()), int(num_turns.max())
+    if lo < 0 or hi > K:
+        raise ValueError(f"num_turns must be in [0, {K}] (K = turn_start.shape[1]), got values in [{lo}, {hi}]")
+    present = _present(num_turns, K)
+    s, e = turn_start.to(torch.int64), turn_end.to(torch.int64)
+    prev_end = torch.nn.functional.pad(e[:, :-1], (1, 0))
+    bad = present & ((s < prev_end) | (e < s) | (e > T) | (s < 0))
+    if bool(bad.any()):
+        b, k = (int(v) for v in bad.nonzero()[0])
+        raise ValueError(
+            f"turn span {k} of row {b} is [{int(s[b, k])}, {int(e[b, k])}): spans must satisfy "
+            f"0 <= start <= end <= T = {T}, sorted and not overlapping (start >= the previous turn's end)")
+
+
+def turn_index_from_spans(
+    turn_start: torch.Tensor, turn_end: torch.Tensor, num_turns: torch.Tensor, *, seq_len: int
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """Per-token turn index from a segment table (each policy turn's [start, end) token span).
+
+    ``turn_start``/``turn_end`` [B, K] integer (end exclusive; read for k < num_turns[b]),
+    ``num_turns`` [B] integer, ``seq_len`` T. Returns ``(turn_index [B, T] int64, -1 outside
+    every span; in_turn [B, T] bool)``, the ``turn_index`` of :func:`turn_advantages` (AND
+    ``in_turn`` with a loss mask if some span tokens are not trained). A scatter of the span
+    starts and a cumulative sum: no loop, no host sync. On CPU an unsorted, overlapping or
+    out-of-range span raises ``ValueError``.
+    """
+    check_int("turn_start", turn_start, ndim=2)
+    check_nonempty("turn_start", turn_start)
+    B, K = turn_start.shape
+    check_int("turn_end", turn_end, shape=(B, K))
+    check_int("num_turns", num_turns, shape=(B,))
+    if isinstance(seq_len, bool) or not isinstance(seq_len, int) or seq_len < 1:
+        raise ValueError(f"seq_len must be a positive int (the padded length T), got {seq_len!r}")
+    T = seq_len
+    device = check_same_device(turn_start=turn_start, turn_end=turn_end, num_turns=num_turns)
+    _check_spans(turn_start, turn_end, num_turns, T)
+    with torch.no_grad():
+        n = num_turns.to(torch.int64).clamp(0, K)
+        present = _present(n, K)
+        s = turn_start.to(torch.int64).clamp(0, T)
+        marks = torch.zeros(B, T + 1, dtype=torch.int64, device=device)
+        marks.scatter_add_(1, torch.where(present, s, T), present.to(torch.int64))
+        k = torch.cumsum(marks[:, :T], 1) - 1  # the latest turn starting at or before t
+        end = torch.gather(torch.where(present, turn_end.to(torch.int64), 0), 1, k.clamp(0, K - 1))
+        in_turn = (k >= 0) & (torch.arange(T, device=device)[None] < end)
+        return torch.where(in_turn, k, -1), in_turn
 
 
 def _turn_groups(group_ids: torch.Tensor, keys: torch.Tensor, present: torch.Tensor) -> DenseGroups:

@@ -119,6 +119,18 @@ def episode_advantages_reference(outcome_rewards, group_ids, *, norm: str = "std
     return out
 
 
+def turn_index_from_spans_reference(turn_start, turn_end, num_turns, T: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """Per-token turn index from a segment table: token t of row b belongs to turn k when
+    turn_start[b, k] <= t < turn_end[b, k] (k < n_b; spans sorted, not overlapping, inside
+    [0, T]). Returns (turn_index [B, T] int64, -1 outside every span; in_turn [B, T] bool)."""
+    B = turn_start.shape[0]
+    ti = torch.full((B, T), -1, dtype=torch.int64)
+    for b in range(B):
+        for k in range(int(num_turns[b])):
+            ti[b, int(turn_start[b, k]) : int(turn_end[b, k])] = k
+    return ti, ti >= 0
+
+
 def turn_returns_reference(turn_rewards, num_turns, *, gamma: float) -> torch.Tensor:
     """G[b, k] = sum_{j=k}^{n_b-1} gamma^(j-k) r[b, j]; 0 at absent turns."""
     dt = _dtype(turn_rewards)

@@ -44,6 +44,7 @@ from fastrl.ops import (
     step_advantages,
     turn_advantages,
     turn_gae,
+    turn_index_from_spans,
     value_loss,
 )
 
@@ -65,7 +66,8 @@ SYNCING_OPS = {
 }
 # (module, function): validations documented to read values only for CPU tensors.
 CPU_ONLY_READS = [(lp_mod, "_check_target_range"), (adv_mod, "_check_step_layout"),
-                  (adv_mod, "_check_finite_rewards"), (turn_mod, "_check_layout"), (turn_mod, "_check_finite")] + [
+                  (adv_mod, "_check_finite_rewards"), (turn_mod, "_check_layout"), (turn_mod, "_check_finite"),
+                  (turn_mod, "_check_spans")] + [
     # a global count given as a CPU tensor is range-checked on the host (fastrl._checks.check_global_count)
     (importlib.import_module(f"fastrl.ops.{name}"), "check_global_count")
     for name in ("policy_loss", "value_loss", "logprobs", "fused_policy_loss")
@@ -195,6 +197,7 @@ def _calls(device, backend):
     ids = torch.tensor([5, -2, 5], device=device)
     # agent trajectories: 4 turns, policy tokens of turn t * 4 // T (every token index < num_turns)
     nt = torch.tensor([4, 3, 4], device=device)
+    spans = torch.tensor([[0, 3], [1, 5], [2, 4]], device=device)  # a segment table: [start, start + 2)
     ti = torch.minimum(torch.arange(T, device=device) * 4 // T, nt[:, None] - 1).expand(B, T).contiguous()
     Hq, Hkv, D, G = 4, 2, 16, 3
     att = dict(q=torch.randn(G, Hq, D, device=device), prefix_k=torch.randn(Hkv, 9, D, device=device),
@@ -229,6 +232,7 @@ def _calls(device, backend):
         "turn_advantages turn_discounted": lambda: turn_advantages(ti, mask, sr, nt, rewards[:, 1], ids,
                                                                    mode="turn_discounted", backend=backend),
         "turn_advantages broadcast": lambda: turn_advantages(ti, mask, sr, nt, rewards[:, 1], ids, backend=backend),
+        "turn_index_from_spans": lambda: turn_index_from_spans(spans, spans + 2, nt - 2, seq_len=T),
         "turn_gae": lambda: turn_gae(ti, mask, sr, nt, values, gamma=0.99, lam=0.95, outcome_rewards=rewards[:, 1],
                                      backend=backend),
     }
@@ -249,7 +253,8 @@ def _calls(device, backend):
 
 BACKENDS = ["torch", "triton"]
 ALL_OPS = ["policy_loss", "kl_penalty", "gae", "discounted_returns", "value_loss", "masked_whiten",
-           "group_advantages", "step_advantages", "turn_advantages", "turn_gae", "linear_logprobs",
+           "group_advantages", "step_advantages", "turn_advantages", "turn_gae", "turn_index_from_spans",
+           "linear_logprobs",
            "fused_linear_policy_loss", "decode_attention"]
 
 

@@ -7,11 +7,12 @@ import torch
 
 from csrc_triton.turn_advantages import expand_turn_advantages
 from fastrl.ops import gae, group_advantages
-from fastrl.ops.turn_advantages import place_turn_rewards, turn_advantages, turn_gae
+from fastrl.ops.turn_advantages import place_turn_rewards, turn_advantages, turn_gae, turn_index_from_spans
 from fastrl.reference.turn_advantages import (
     NORMS,
     TURN_ADVANTAGE_MODES,
     place_turn_rewards_reference,
+    turn_index_from_spans_reference,
     turn_advantages_reference,
     turn_gae_reference,
 )
@@ -320,3 +321,41 @@ def test_bench_loop_baseline_equals_the_op():
                             step_coef=0.5, backend="torch")
     torch.testing.assert_close(op, loop, rtol=1e-5, atol=1e-5)
     assert op.abs().sum() > 0
+
+
+def test_turn_index_from_spans(device):
+    # hand case: row 0 = [P0 P0 E P1 . .], row 1 has an empty turn 1 and a turn 2 at the end
+    start = torch.tensor([[0, 3, 99], [1, 2, 4]], device=device)  # 99: absent turn (ignored)
+    end = torch.tensor([[2, 4, -5], [2, 2, 6]], device=device)
+    ti, on = turn_index_from_spans(start, end, torch.tensor([2, 3], device=device), seq_len=6)
+    assert ti.cpu().tolist() == [[0, 0, -1, 1, -1, -1], [-1, 0, -1, -1, 2, 2]]
+    assert torch.equal(on, ti >= 0)
+    # random tables vs the reference loop; the index drives turn_advantages like the batch's own
+    x = _batch(device, seed=14)
+    lm, tix = x["loss_mask"].cpu(), x["turn_index"].cpu()
+    B, K = x["turn_rewards"].shape
+    st = torch.zeros(B, K, dtype=torch.int64)
+    en = torch.zeros(B, K, dtype=torch.int64)
+    for b in range(B):
+        for k in range(int(x["num_turns"][b])):
+            pos = ((tix[b] == k) & lm[b]).nonzero()[:, 0]
+            st[b, k], en[b, k] = int(pos[0]), int(pos[-1]) + 1
+    T = lm.shape[1]
+    got, on = turn_index_from_spans(st.to(device), en.to(device), x["num_turns"], seq_len=T)
+    ref, ref_on = turn_index_from_spans_reference(st, en, x["num_turns"].cpu(), T)
+    assert torch.equal(got.cpu(), ref) and torch.equal(on.cpu(), ref_on)
+    assert torch.equal(on.cpu(), lm)
+    kw = _mode_kwargs("gigpo", x)
+    a, _ = turn_advantages(got, on, *_op_args(x)[2:], **kw)
+    b, _ = turn_advantages(*_op_args(x), **kw)
+    torch.testing.assert_close(a, b, rtol=0, atol=0)
+
+
+def test_turn_index_from_spans_errors():
+    n = torch.tensor([2])
+    with pytest.raises(ValueError, match="turn span 1 of row 0"):
+        turn_index_from_spans(torch.tensor([[0, 1]]), torch.tensor([[2, 3]]), n, seq_len=4)  # overlap
+    with pytest.raises(ValueError, match="turn span 1 of row 0"):
+        turn_index_from_spans(torch.tensor([[0, 2]]), torch.tensor([[1, 9]]), n, seq_len=4)  # past T
+    with pytest.raises(ValueError, match="seq_len"):
+        turn_index_from_spans(torch.tensor([[0, 2]]), torch.tensor([[1, 3]]), n, seq_len=0)
