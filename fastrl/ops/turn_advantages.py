@@ -65,9 +65,10 @@ from fastrl.ops.packing import PackedLayout, packed_to_rows
 from fastrl.ops.scans import _discounted_torch, discounted_returns, gae
 from fastrl.reference.turn_advantages import NORMS, TURN_ADVANTAGE_MODES
 
-__all__ = ["turn_advantages", "turn_gae", "place_turn_rewards", "turn_index_from_spans", "TURN_ADVANTAGE_MODES", "NORMS"]
+__all__ = ["turn_advantages", "turn_gae", "place_turn_rewards", "turn_index_from_spans", "TURN_ADVANTAGE_MODES",
+           "NORMS"]
 
-Packed = "PackedLayout | torch.Tensor | Sequence[int] | None"
+Packed = PackedLayout | torch.Tensor | Sequence[int] | None  # cu_seqlens: a layout or host offsets
 
 _EPISODE_MODE = {"std": "grpo", "none": "dr_grpo"}  # group_advantages mode of each norm
 
@@ -112,7 +113,8 @@ def _validate_layout(turn_index, loss_mask, turn_rewards, num_turns):
     if not isinstance(loss_mask, torch.Tensor):
         raise TypeError(f"loss_mask must be a torch.Tensor, got {type(loss_mask).__name__}")
     if loss_mask.dim() != 2 or loss_mask.shape[0] != B:
-        raise ValueError(f"loss_mask must have shape ({B}, T) (one row per row of turn_rewards), got {tuple(loss_mask.shape)}")
+        raise ValueError(f"loss_mask must have shape ({B}, T) (one row per row of turn_rewards), "
+                         f"got {tuple(loss_mask.shape)}")
     check_mask("loss_mask", loss_mask, tuple(loss_mask.shape))
     check_nonempty("loss_mask", loss_mask)
     check_int("turn_index", turn_index, shape=tuple(loss_mask.shape))
@@ -298,7 +300,8 @@ def turn_advantages(
     check_choice("norm", norm, NORMS)
     if mode == "gigpo":
         if state_keys is None:
-            raise ValueError("mode='gigpo' needs state_keys ([B, K] int64 hashes of the environment state at each turn)")
+            raise ValueError("mode='gigpo' needs state_keys ([B, K] int64 hashes of the environment state at "
+                             "each turn)")
         check_int("state_keys", state_keys, shape=(B, K))
     elif state_keys is not None:
         raise ValueError(f"state_keys is only read by mode='gigpo', got mode={mode!r}")

@@ -43,7 +43,8 @@ def _batch(device, *, seed=0, B=7, K=4, env=2, dtype=torch.float32, garbage=Fals
     present = torch.arange(K)[None] < num_turns[:, None]
     rewards = torch.randint(0, 3, (B, K), generator=g).to(torch.float64) * 0.5
     keys = torch.randint(0, 3, (B, K), generator=g) * 1_000_000_007 - 2**40
-    outcome = torch.randint(0, 2, (B,), generator=g).to(torch.float64) + 0.25 * torch.rand(B, generator=g, dtype=torch.float64)
+    outcome = torch.randint(0, 2, (B,), generator=g).to(torch.float64)
+    outcome = outcome + 0.25 * torch.rand(B, generator=g, dtype=torch.float64)
     ids = torch.tensor([10**12, 5, -3, 5, -3, 10**12, 42][:B])  # 42: a singleton group
     values = torch.randn(B, T, generator=g, dtype=torch.float64)
     if garbage:
@@ -270,8 +271,9 @@ def test_float64_returns_keep_float64_precision(backend, mode, device):
     kw = dict(mode=mode, eps=1e-15, state_keys=torch.zeros(2, 1, dtype=torch.int64, device=device) if mode == "gigpo"
               else None)
     adv, stats = turn_advantages(ti, lm, r, n, out, ids, backend=backend, **kw)
+    keys = None if kw["state_keys"] is None else kw["state_keys"].cpu()
     ref, _ = turn_advantages_reference(ti.cpu(), lm.cpu(), r.cpu(), n.cpu(), out.cpu(), ids.cpu(),
-                                       **dict(kw, state_keys=None if kw["state_keys"] is None else kw["state_keys"].cpu()))
+                                       **dict(kw, state_keys=keys))
     assert abs(float(ref[1, 0])) > 0.5
     torch.testing.assert_close(adv.double().cpu(), ref, rtol=1e-5, atol=1e-6)
     assert float(stats["frac_all_equal_turn_groups"]) == 0.0

@@ -110,8 +110,8 @@ def _gigpo_paper(traj_rewards, traj_keys, outcomes, gamma, omega, eps):
 
 def test_gigpo_matches_paper_formulas_on_random_group():
     g = torch.Generator().manual_seed(3)
-    lengths = [[1 + int(torch.randint(0, 3, (1,), generator=g)) for _ in range(int(torch.randint(1, 5, (1,), generator=g)))]
-               for _ in range(5)]
+    rand = lambda lo, hi: int(torch.randint(lo, hi, (1,), generator=g))  # noqa: E731
+    lengths = [[rand(1, 4) for _ in range(rand(1, 5))] for _ in range(5)]
     K = max(len(x) for x in lengths)
     ti, lm, n = _layout(lengths)
     rewards = torch.full((5, K), float("nan"), dtype=torch.float64)
@@ -205,7 +205,8 @@ def test_place_turn_rewards_hand_case():
     lm = torch.tensor([[1, 1, 0, 0, 1, 0, 1, 0], [1, 1, 0, 0, 1, 1, 0, 0]])
     rewards = torch.tensor([[1.0, 2.0, 4.0], [1.0, 2.0, 4.0]], dtype=torch.float64)
     n = torch.tensor([3, 3])
-    r = place_turn_rewards_reference(ti, lm, rewards, n, outcome_rewards=torch.tensor([10.0, 20.0], dtype=torch.float64))
+    outcome = torch.tensor([10.0, 20.0], dtype=torch.float64)
+    r = place_turn_rewards_reference(ti, lm, rewards, n, outcome_rewards=outcome)
     expect = torch.zeros(2, 8, dtype=torch.float64)
     expect[0, 1], expect[0, 4], expect[0, 6] = 1.0, 2.0, 4.0 + 10.0
     expect[1, 1], expect[1, 5] = 1.0 + 2.0, 4.0 + 20.0
