@@ -38,8 +38,16 @@ takes the episode mean/std over all step samples of the group, so long trajector
 more (here: one value per trajectory, the paper's Eq. 3). Its default ``mode="mean_norm"``
 is ``norm="none"`` here. A verl-style adapter (stored ``gigpo`` estimator registering
 ``compute_gigpo_advantage`` on top of verl's GRPO advantage) also applies the std only to
-groups of two or more. No GiGPO code of ROLL or Trinity-RFT was found in the stored sources
-(Trinity-RFT's ``advantage_fn`` has GRPO/multi-step GRPO, no GiGPO), so they are not compared.
+groups of two or more. ROLL (``roll/pipeline/agentic/utils.py``: ``compute_discounted_returns``,
+``build_state_group``, ``grouped_reward_norm``) groups steps by (trajectory group, state hash)
+as here, includes the current reward in the step return, uses the unbiased std with eps =
+1e-6 and gives a singleton group 0, but (a) also gives 0 to a group whose std is <= 1e-6
+(here such a group gets its tiny differences divided by std + eps) and (b) normalises the
+episode scores over the step samples, like verl-agent. No GiGPO estimator was found in the
+stored Trinity-RFT sources (its ``advantage_fn`` has GRPO and multi-step GRPO), so it is not
+compared. With ``norm="none"`` and trajectories of equal turn counts the cross-step episode
+mean equals the per-trajectory one, and this op reproduces the step-sample formulation of
+verl-agent / ROLL exactly (``tests/ops/test_turn_advantages.py``).
 """
 
 from __future__ import annotations

@@ -361,3 +361,46 @@ def test_turn_index_from_spans_errors():
         turn_index_from_spans(torch.tensor([[0, 2]]), torch.tensor([[1, 9]]), n, seq_len=4)  # past T
     with pytest.raises(ValueError, match="seq_len"):
         turn_index_from_spans(torch.tensor([[0, 2]]), torch.tensor([[1, 3]]), n, seq_len=0)
+
+
+def _step_sample_gigpo(rows, gamma, omega):
+    """GiGPO in the step-sample formulation of verl-agent / ROLL, mean-only normalisation
+    (their ``mean_norm`` / ``mean`` method), written independently: one sample per (trajectory,
+    turn) carrying its trajectory's outcome; the episode mean is over the samples of the
+    prompt group, the step mean over the samples of a (prompt group, state) cluster; a
+    singleton cluster's mean is its own return (advantage 0)."""
+    samples = []
+    for b, (gid, outcome, rewards, keys) in enumerate(rows):
+        run, rets = 0.0, []
+        for r in reversed(rewards):
+            run = r + gamma * run
+            rets.append(run)
+        for k, (ret, key) in enumerate(zip(reversed(rets), keys)):
+            samples.append(dict(b=b, k=k, gid=gid, outcome=outcome, ret=ret, key=(gid, key)))
+    out = {}
+    for s_ in samples:
+        ep = [o["outcome"] for o in samples if o["gid"] == s_["gid"]]
+        st = [o["ret"] for o in samples if o["key"] == s_["key"]]
+        ep_adv = 0.0 if len(ep) == 1 else s_["outcome"] - sum(ep) / len(ep)
+        out[(s_["b"], s_["k"])] = ep_adv + omega * (s_["ret"] - sum(st) / len(st))
+    return out
+
+
+@pytest.mark.parametrize("backend", BACKENDS)
+def test_gigpo_equals_the_step_sample_formulation_with_mean_norm(backend, device):
+    g = torch.Generator().manual_seed(15)
+    B, K = 8, 3  # equal turn counts: the cross-step episode mean is the per-trajectory mean
+    ti = (torch.arange(K * 3) // 3).expand(B, K * 3).contiguous()
+    lm = (torch.arange(K * 3) % 3 < 2).expand(B, K * 3).contiguous()
+    r = torch.randint(0, 3, (B, K), generator=g).double()
+    keys = torch.randint(0, 2, (B, K), generator=g)
+    out = torch.randint(0, 2, (B,), generator=g).double()
+    ids = torch.tensor([2, 2, 2, 9, 9, 9, 9, 4])
+    adv, _ = turn_advantages(ti.to(device), lm.to(device), r.to(device), torch.full((B,), K, device=device),
+                             out.to(device), ids.to(device), mode="gigpo", state_keys=keys.to(device), gamma=0.9,
+                             step_coef=0.5, norm="none", backend=backend)
+    rows = [(int(ids[b]), float(out[b]), r[b].tolist(), keys[b].tolist()) for b in range(B)]
+    expect = _step_sample_gigpo(rows, 0.9, 0.5)
+    for (b, k), v in expect.items():
+        sel = (ti[b] == k) & lm[b]
+        torch.testing.assert_close(adv[b].cpu()[sel], torch.full((int(sel.sum()),), v, dtype=torch.float32))
