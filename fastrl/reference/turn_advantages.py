@@ -55,8 +55,11 @@ Discounted turn return (includes the turn's own reward):
   2505.11821) is ``gamma=0``, ``turn_coef=lambda``, ``outcome_coef=1`` with the final
   turn's reward 0: non-final turns get A^O + lambda * A^T, the final turn A^O (the
   authors' code, SiliangZeng/Multi-Turn-RL-Agent ``mt_grpo_env_trainer._assign_advantages``,
-  puts lambda (``turn_advantage_coef``) on the turn term and uses eps = 1e-4; a form with
-  lambda on the outcome term is ``turn_coef=1, outcome_coef=lambda``).
+  puts lambda (``turn_advantage_coef``) on the turn term and uses eps = 1e-4, std unbiased;
+  a form with lambda on the outcome term is ``turn_coef=1, outcome_coef=lambda``). Only the
+  paper's abstract and its authors' code could be read here, not its equation; the mapping
+  above follows the code (their trainer has two turns; with K turns every non-final turn k
+  gets A^O + lambda * A^T_k, A^T_k normalised per turn index).
 
 Token expansion: A[b, t] = A[b, turn_index[b, t]] where loss_mask[b, t] != 0 and the
 index is a present turn, else 0.
