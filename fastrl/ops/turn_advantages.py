@@ -36,7 +36,9 @@ so 0), but (a) gives a singleton *episode* group mean 0 / std 1, i.e. the raw ou
 its advantage (here 0: no baseline), and (b) by default (``compute_mean_std_cross_steps``)
 takes the episode mean/std over all step samples of the group, so long trajectories weigh
 more (here: one value per trajectory, the paper's Eq. 3). Its default ``mode="mean_norm"``
-is ``norm="none"`` here. A verl-style adapter (stored ``gigpo`` estimator registering
+is ``norm="none"`` here. ``episode_over="turns"`` switches (a) and (b) to verl-agent's
+behaviour; with ``norm`` and ``eps`` set as there the op then reproduces verl-agent's numbers
+(test: ``test_episode_over_turns_reproduces_verl_agent``). A verl-style adapter (stored ``gigpo`` estimator registering
 ``compute_gigpo_advantage`` on top of verl's GRPO advantage) also applies the std only to
 groups of two or more. ROLL (``roll/pipeline/agentic/utils.py``: ``compute_discounted_returns``,
 ``build_state_group``, ``grouped_reward_norm``) groups steps by (trajectory group, state hash)
@@ -71,7 +73,7 @@ from fastrl.ops._segments import DenseGroups, dense_groups, kernel_mask
 from fastrl.ops.advantages import group_advantages
 from fastrl.ops.packing import PackedLayout, packed_to_rows
 from fastrl.ops.scans import _discounted_torch, discounted_returns, gae
-from fastrl.reference.turn_advantages import NORMS, TURN_ADVANTAGE_MODES
+from fastrl.reference.turn_advantages import EPISODE_OVER, NORMS, TURN_ADVANTAGE_MODES
 
 __all__ = ["turn_advantages", "turn_gae", "place_turn_rewards", "turn_index_from_spans", "TURN_ADVANTAGE_MODES",
            "NORMS"]
@@ -214,6 +216,27 @@ def _turn_groups(group_ids: torch.Tensor, keys: torch.Tensor, present: torch.Ten
     return _dense_pairs(primary, secondary)
 
 
+def _episode_over_turns(R: torch.Tensor, group_ids: torch.Tensor, n: torch.Tensor, norm: str, eps: float):
+    """A^E [B] float32 with verl-agent's cross-step statistics: trajectory b weighs n_b, a group
+    of one sample gets mean 0 / std 1. [B]-sized index_add sums in float64: no loop, no sync."""
+    B = R.numel()
+    r = R.to(torch.float64)
+    w = n.to(torch.float64)
+    rank = dense_groups(group_ids).rank()
+    zeros = torch.zeros(B, dtype=torch.float64, device=R.device)
+    cnt = zeros.index_add(0, rank, w)
+    pivot = torch.zeros_like(zeros).scatter_(0, rank, r)  # one member's value per group
+    d0 = r - pivot[rank]
+    mean = pivot + zeros.index_add(0, rank, w * d0) / cnt.clamp(min=1.0)
+    d = r - mean[rank]
+    std = torch.sqrt(zeros.index_add(0, rank, w * d * d) / (cnt - 1.0).clamp(min=1.0))
+    single = (cnt == 1.0)[rank]
+    d = torch.where(single, r, d)
+    s = torch.where(single, 1.0, std[rank])
+    a = d / (s + eps) if norm == "std" else d
+    return torch.where(cnt[rank] > 0, a, 0.0).float()
+
+
 def _turn_stats_torch(G: torch.Tensor, present: torch.Tensor, g: DenseGroups, norm: str, eps: float):
     """Relative turn advantages [B, K] (float64) and (groups, singleton groups, all-equal
     groups) counts, the torch way: float64 sums shifted by each group's first member."""
@@ -256,6 +279,7 @@ def turn_advantages(
     outcome_coef: float = 0.0,
     norm: str = "std",
     eps: float = 1e-6,
+    episode_over: str = "trajectories",
     backend: Backend = "auto",
     cu_seqlens: Packed = None,
 ) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
@@ -280,6 +304,10 @@ def turn_advantages(
         turn_coef, outcome_coef: the ``turn_discounted`` mix (finite).
         norm: ``std`` (F_norm = std + eps) or ``none`` (F_norm = 1), at both levels.
         eps: added to every std (> 0).
+        episode_over: ``trajectories`` (the paper's Eq. 3: one value per trajectory) or
+            ``turns`` (verl-agent's default cross-step episode statistics: trajectory b
+            weighs num_turns[b], a one-sample group gets mean 0 / std 1; with ``norm`` and
+            ``eps`` as there this reproduces verl-agent's GiGPO numbers).
         backend: ``auto`` | ``triton`` | ``torch``.
         cu_seqlens: packed trajectories: ``turn_index`` and ``loss_mask`` are ``[N]`` or
             ``[1, N]`` (S trajectories back to back) and this is their
@@ -299,13 +327,15 @@ def turn_advantages(
         layout, (lm, ti) = packed_to_rows(cu_seqlens, loss_mask=loss_mask, turn_index=turn_index)
         adv, stats = turn_advantages(ti, lm, turn_rewards, num_turns, outcome_rewards, group_ids, mode=mode,
                                      state_keys=state_keys, gamma=gamma, step_coef=step_coef, turn_coef=turn_coef,
-                                     outcome_coef=outcome_coef, norm=norm, eps=eps, backend=backend)
+                                     outcome_coef=outcome_coef, norm=norm, eps=eps, episode_over=episode_over,
+                                     backend=backend)
         return layout.to_packed(adv, shape=loss_mask.shape), stats
     B, K, T = _validate_layout(turn_index, loss_mask, turn_rewards, num_turns)
     check_float("outcome_rewards", outcome_rewards, shape=(B,))
     check_int("group_ids", group_ids, shape=(B,))
     check_choice("mode", mode, TURN_ADVANTAGE_MODES)
     check_choice("norm", norm, NORMS)
+    check_choice("episode_over", episode_over, EPISODE_OVER)
     if mode == "gigpo":
         if state_keys is None:
             raise ValueError("mode='gigpo' needs state_keys ([B, K] int64 hashes of the environment state at "
@@ -329,6 +359,8 @@ def turn_advantages(
         AE, ep_stats = group_advantages(outcome_rewards.detach(), group_ids, mode=_EPISODE_MODE[norm], eps=eps,
                                         backend=impl)
         stats = {k: ep_stats[k] for k in ("frac_all_equal_groups", "reward_mean", "reward_std")}
+        if episode_over == "turns":
+            AE = _episode_over_turns(outcome_rewards.detach(), group_ids, n, norm, eps)
         if mode == "broadcast":
             A_turn = AE[:, None]
         else:

@@ -29,6 +29,12 @@ Episode advantage (GRPO, Shao et al. 2024), over the trajectories g of a group:
 
     A^E_b = norm(R_b; {R_j : j in group(b)})
 
+With ``episode_over="turns"`` (verl-agent's ``episode_norm_reward`` with
+``compute_mean_std_cross_steps=True``, its default) the episode statistics are instead over
+the group's *turn samples*: trajectory b counts n_b times (mean and unbiased std of the
+multiset {R_j repeated n_j times}), and a group with a single sample gets mean 0, std 1, i.e.
+A^E_b = R_b / (1 + eps) (``"none"``: R_b), as verl-agent does.
+
 Discounted turn return (includes the turn's own reward):
 
     G[b, k] = sum_{j=k}^{n_b - 1} gamma^(j - k) r[b, j]
@@ -92,6 +98,7 @@ from fastrl.reference.advantages import group_advantages_reference
 
 TURN_ADVANTAGE_MODES = ("broadcast", "gigpo", "turn_discounted")
 NORMS = ("std", "none")
+EPISODE_OVER = ("trajectories", "turns")
 
 
 def _dtype(*xs: torch.Tensor | None) -> torch.dtype:
@@ -109,16 +116,31 @@ def _normalise(vals: list[torch.Tensor], norm: str, eps: float) -> list[torch.Te
     return list(d)
 
 
-def episode_advantages_reference(outcome_rewards, group_ids, *, norm: str = "std", eps: float = 1e-6) -> torch.Tensor:
-    """A^E_b = norm(R_b; outcomes of b's group), [B] in the working dtype."""
+def episode_advantages_reference(
+    outcome_rewards, group_ids, *, norm: str = "std", eps: float = 1e-6, num_turns=None, over: str = "trajectories"
+) -> torch.Tensor:
+    """A^E_b = norm(R_b; outcomes of b's group), [B] in the working dtype (``over="turns"``:
+    the statistics of the group's turn samples, see the module docstring)."""
     dt = _dtype(outcome_rewards)
     R = outcome_rewards.to(dt)
     ids = [int(i) for i in group_ids]
     out = torch.zeros_like(R)
     for g in set(ids):
         members = [b for b in range(len(ids)) if ids[b] == g]
-        for b, a in zip(members, _normalise([R[b] for b in members], norm, eps)):
-            out[b] = a
+        if over == "trajectories":
+            for b, a in zip(members, _normalise([R[b] for b in members], norm, eps)):
+                out[b] = a
+            continue
+        samples = [R[b] for b in members for _ in range(int(num_turns[b]))]
+        if not samples:
+            continue
+        if len(samples) == 1:
+            mean, std = torch.zeros((), dtype=dt), torch.ones((), dtype=dt)
+        else:
+            s = torch.stack(samples)
+            mean, std = s.mean(), s.std(unbiased=True)
+        for b in members:
+            out[b] = (R[b] - mean) / (std + eps) if norm == "std" else R[b] - mean
     return out
 
 
@@ -178,6 +200,7 @@ def turn_advantages_reference(
     outcome_coef: float = 0.0,
     norm: str = "std",
     eps: float = 1e-6,
+    episode_over: str = "trajectories",
 ) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
     """Per-token advantages [B, T] of the module's modes (see the module docstring) and
     0-dim float32 statistics:
@@ -194,7 +217,8 @@ def turn_advantages_reference(
         raise ValueError(f"mode must be one of {TURN_ADVANTAGE_MODES}, got {mode!r}")
     dt = _dtype(turn_rewards, outcome_rewards)
     B, K = turn_rewards.shape
-    AE = episode_advantages_reference(outcome_rewards.to(dt), group_ids, norm=norm, eps=eps)
+    AE = episode_advantages_reference(outcome_rewards.to(dt), group_ids, norm=norm, eps=eps, num_turns=num_turns,
+                                      over=episode_over)
     _, ep = group_advantages_reference(outcome_rewards.to(dt), group_ids, mode="grpo")
     stats = {k: ep[k] for k in EPISODE_STAT_KEYS}
     if mode == "broadcast":

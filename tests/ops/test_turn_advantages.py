@@ -290,6 +290,8 @@ def test_input_errors():
         turn_advantages(*args, mode="ppo")
     with pytest.raises(ValueError, match="norm must be one of"):
         turn_advantages(*args, norm="mad")
+    with pytest.raises(ValueError, match="episode_over must be one of"):
+        turn_advantages(*args, episode_over="steps")
     with pytest.raises(ValueError, match="gamma"):
         turn_advantages(*args, mode="turn_discounted", gamma=1.5)
     bad = dict(x)
@@ -404,3 +406,59 @@ def test_gigpo_equals_the_step_sample_formulation_with_mean_norm(backend, device
     for (b, k), v in expect.items():
         sel = (ti[b] == k) & lm[b]
         torch.testing.assert_close(adv[b].cpu()[sel], torch.full((int(sel.sum()),), v, dtype=torch.float32))
+
+
+def _verl_agent_style_gigpo(rows, gamma, omega, norm, eps):
+    """GiGPO as verl-agent computes it (``compute_gigpo_outcome_advantage`` with its defaults:
+    episode statistics across step samples), our own code in its structure: one sample per
+    (trajectory, turn); a one-sample group has mean 0 / std 1 at the episode level, mean =
+    its own value / std 1 at the step level; std unbiased, eps added to it."""
+    samples = []
+    for b, (gid, outcome, rewards, keys) in enumerate(rows):
+        run, rets = 0.0, []
+        for r in reversed(rewards):
+            run = r + gamma * run
+            rets.append(run)
+        for k, (ret, key) in enumerate(zip(reversed(rets), keys)):
+            samples.append(dict(b=b, k=k, gid=gid, outcome=outcome, ret=ret, key=(gid, key)))
+
+    def stats(vals, single_mean):
+        t = torch.tensor(vals, dtype=torch.float64)
+        return (single_mean, 1.0) if len(vals) == 1 else (float(t.mean()), float(t.std()))
+
+    def normed(x, mean, std):
+        return (x - mean) / (std + eps) if norm == "std" else x - mean
+
+    out = {}
+    for s_ in samples:
+        ep = [o["outcome"] for o in samples if o["gid"] == s_["gid"]]
+        st = [o["ret"] for o in samples if o["key"] == s_["key"]]
+        a_e = normed(s_["outcome"], *stats(ep, 0.0))
+        a_s = normed(s_["ret"], *stats(st, s_["ret"]))
+        out[(s_["b"], s_["k"])] = a_e + omega * a_s
+    return out
+
+
+@pytest.mark.parametrize("backend", BACKENDS)
+@pytest.mark.parametrize("norm", NORMS)
+def test_episode_over_turns_reproduces_verl_agent(backend, norm, device):
+    x = _batch(device, seed=16)  # unequal turn counts, a row without turns, a singleton group
+    x["num_turns"][6] = 1  # the singleton group's trajectory has one turn: verl-agent's mean 0 / std 1 case
+    x["loss_mask"][6] &= x["turn_index"][6] == 0
+    kw = dict(mode="gigpo", state_keys=x["state_keys"], gamma=0.9, step_coef=0.5, norm=norm, eps=1e-6,
+              episode_over="turns")
+    adv, _ = turn_advantages(*_op_args(x), backend=backend, **kw)
+    ref, _ = turn_advantages_reference(*_ref_args(x), **dict(kw, state_keys=x["state_keys"].cpu()))
+    torch.testing.assert_close(adv.double().cpu(), ref, rtol=1e-5, atol=1e-5)
+    c = {k: v.cpu() for k, v in x.items()}
+    rows = []
+    for b in range(len(c["group_ids"])):
+        n = int(c["num_turns"][b])
+        rows.append((int(c["group_ids"][b]), float(c["outcome_rewards"][b]), c["turn_rewards"][b, :n].tolist(),
+                     c["state_keys"][b, :n].tolist()))
+    expect = _verl_agent_style_gigpo(rows, 0.9, 0.5, norm, 1e-6)
+    assert abs(expect[(6, 0)] - float(c["outcome_rewards"][6]) / (1 + 1e-6 if norm == "std" else 1.0)) < 1e-9
+    for (b, k), v in expect.items():
+        sel = (c["turn_index"][b] == k) & c["loss_mask"][b]
+        torch.testing.assert_close(adv[b].cpu()[sel], torch.full((int(sel.sum()),), v, dtype=torch.float32),
+                                   rtol=1e-5, atol=1e-5)
