@@ -282,6 +282,7 @@ def turn_advantages(
     episode_over: str = "trajectories",
     backend: Backend = "auto",
     cu_seqlens: Packed = None,
+    cpu_host_path: bool = True,
 ) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
     """Per-token advantages of agent trajectories from per-turn and outcome rewards.
 
@@ -309,6 +310,9 @@ def turn_advantages(
             weighs num_turns[b], a one-sample group gets mean 0 / std 1; with ``norm`` and
             ``eps`` as there this reproduces verl-agent's GiGPO numbers).
         backend: ``auto`` | ``triton`` | ``torch``.
+        cpu_host_path: passed to ``group_advantages`` for the episode advantage (its CPU
+            tensors' fast path reads the group ids on the host; ``False`` keeps every path
+            sync-free, as on a GPU).
         cu_seqlens: packed trajectories: ``turn_index`` and ``loss_mask`` are ``[N]`` or
             ``[1, N]`` (S trajectories back to back) and this is their
             ``fastrl.ops.PackedLayout`` or host ``cu_seqlens`` ``[S + 1]``; the per-turn and
@@ -357,7 +361,7 @@ def turn_advantages(
     with torch.no_grad():
         n = num_turns.to(torch.int64).clamp(0, K)
         AE, ep_stats = group_advantages(outcome_rewards.detach(), group_ids, mode=_EPISODE_MODE[norm], eps=eps,
-                                        backend=impl)
+                                        backend=impl, cpu_host_path=cpu_host_path)
         stats = {k: ep_stats[k] for k in ("frac_all_equal_groups", "reward_mean", "reward_std")}
         if episode_over == "turns":
             AE = _episode_over_turns(outcome_rewards.detach(), group_ids, n, norm, eps)
