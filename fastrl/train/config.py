@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import dataclasses
 import math
+import os
 import typing
 from dataclasses import dataclass, field
 from typing import Literal, Optional
@@ -453,6 +454,9 @@ class TrainConfig:
         for name in ("output_dir", "prompt_column", "dataset_split"):
             if not getattr(self, name):
                 raise InputError(f"{name} must be a non-empty string, got {getattr(self, name)!r}")
+        for name, kind in (("model", "directory"), ("tokenizer", "directory"), ("critic_init", "directory"),
+                           ("dataset", "file or directory"), ("eval_dataset", "file or directory")):
+            _check_local_source(name, getattr(self, name), kind)
         if self.resume is not None and not self.resume:
             raise InputError("resume must be 'latest' or a checkpoint directory, got ''")
         if self.device != "auto":
@@ -527,3 +531,22 @@ def _type_problem(value: object, annotation: object) -> str | None:
     if annotation is str:
         return None if isinstance(value, str) else "a string"
     return None
+
+
+def _looks_like_a_path(source: str) -> bool:
+    """A source spelled as a path (``/x``, ``./x``, ``~/x``, ``a/b/c``), not a hub id (``name`` or ``org/name``)."""
+    return source.startswith((".", "/", "~")) or source.count("/") > 1 or "\\" in source
+
+
+def _check_local_source(name: str, source: str | None, kind: str) -> None:
+    """A source given as a path must exist: say so, rather than let it be read as a hub id."""
+    if source is None:
+        return
+    if not source:
+        raise InputError(f"{name} must be a local {kind} or a hub id, got ''")
+    path = os.path.expanduser(source)
+    if _looks_like_a_path(source) and not os.path.exists(path):
+        raise InputError(
+            f"{name} {source!r}: the {kind} does not exist (a path is read locally, never downloaded; a hub id is "
+            "written 'org/name')"
+        )

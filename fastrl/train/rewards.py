@@ -29,7 +29,10 @@ to idle workers. ``timeout_s`` bounds one task (one function on one chunk), meas
 its dispatch. A task whose function raises, hangs past the limit, kills its process
 (``os._exit``, a segfault, the OOM killer) or returns something that is not one number or
 ``None`` per sample gives every sample of its chunk 0 for that function; a non-finite value
-(NaN, inf) gives that sample 0. Each kind is counted, in samples, in the metrics
+(NaN, inf) or one beyond float32's range gives that sample 0. The weighted sum over
+functions is taken in float64; a sample whose total does not fit float32 (two functions
+returning 3e38 each) scores 0 and is left out of ``scored``: it is treated as a failed
+reward rather than stopping the run, and counted in ``reward/non_finite_total``. Each kind is counted, in samples, in the metrics
 (``reward/<name>/raised``, ``/timeout``, ``/crashed``, ``/invalid``; ``/none`` counts
 ``None`` values). A hung or dead worker is killed, reaped and replaced before the next
 task is dispatched; the call itself never raises because of reward code and returns within
@@ -91,6 +94,7 @@ from typing import Any, Callable, Literal, Sequence
 import torch
 
 from fastrl import workers
+from fastrl.errors import InputError
 
 __all__ = [
     "BUILTIN_REWARDS",
@@ -348,7 +352,7 @@ class RegexFormatReward:
         try:
             self.regex = re.compile(pattern, flags)
         except re.error as error:
-            raise ValueError(f"format reward: invalid regular expression {pattern!r}: {error}") from None
+            raise InputError(f"format reward: invalid regular expression {pattern!r}: {error}") from None
         self.__name__ = "format"
 
     def __call__(self, prompts: list[str], completions: list[str], **kwargs: Any) -> list[float]:
@@ -388,7 +392,7 @@ def _callable_name(function: Callable) -> str:
 
 def _load_file_module(path: str, spec: str) -> Any:
     if not os.path.isfile(path):
-        raise ValueError(f"reward {spec!r}: file {path!r} does not exist")
+        raise InputError(f"reward {spec!r}: file {path!r} does not exist")
     module_name = "fastrl_reward_" + re.sub(r"\W", "_", os.path.abspath(path))
     if module_name in sys.modules:
         return sys.modules[module_name]
@@ -399,7 +403,7 @@ def _load_file_module(path: str, spec: str) -> Any:
         module_spec.loader.exec_module(module)
     except Exception as error:
         del sys.modules[module_name]
-        raise ValueError(f"reward {spec!r}: importing {path!r} failed: {type(error).__name__}: {error}") from error
+        raise InputError(f"reward {spec!r}: importing {path!r} failed: {type(error).__name__}: {error}") from error
     return module
 
 
@@ -415,7 +419,7 @@ def resolve_reward(spec: str | Callable) -> tuple[str, RewardFunction]:
     if callable(spec):
         return _callable_name(spec), spec
     if not isinstance(spec, str):
-        raise ValueError(f"a reward must be a callable or a string, got {type(spec).__name__}")
+        raise InputError(f"a reward must be a callable or a string, got {type(spec).__name__}")
     forms = _SPEC_FORMS.format(names=", ".join(BUILTIN_REWARDS))
     if spec in BUILTIN_REWARDS:
         if spec == "math":
@@ -425,21 +429,21 @@ def resolve_reward(spec: str | Callable) -> tuple[str, RewardFunction]:
         return "format", RegexFormatReward(spec[len("format=") :])
     location, colon, attribute = spec.rpartition(":")
     if not colon or not location or not attribute:
-        raise ValueError(f"unknown reward {spec!r}: expected {forms}")
+        raise InputError(f"unknown reward {spec!r}: expected {forms}")
     if location.endswith(".py"):
         module = _load_file_module(location, spec)
     else:
         try:
             module = importlib.import_module(location)
         except ImportError as error:
-            raise ValueError(f"reward {spec!r}: cannot import module {location!r}: {error}") from error
+            raise InputError(f"reward {spec!r}: cannot import module {location!r}: {error}") from error
     target: Any = module
     for part in attribute.split("."):
         if not hasattr(target, part):
-            raise ValueError(f"reward {spec!r}: {location!r} has no attribute {attribute!r}")
+            raise InputError(f"reward {spec!r}: {location!r} has no attribute {attribute!r}")
         target = getattr(target, part)
     if not callable(target):
-        raise ValueError(f"reward {spec!r}: {attribute!r} is a {type(target).__name__}, not a function")
+        raise InputError(f"reward {spec!r}: {attribute!r} is a {type(target).__name__}, not a function")
     return attribute.rsplit(".", 1)[-1], target
 
 
@@ -448,6 +452,9 @@ def resolve_reward(spec: str | Callable) -> tuple[str, RewardFunction]:
 # ---------------------------------------------------------------------------------------
 
 _OK, _RAISED, _INVALID, _TIMEOUT, _CRASHED = "ok", "raised", "invalid", "timeout", "crashed"
+_FLOAT32_MAX = float(torch.finfo(torch.float32).max)
+NON_FINITE_TOTAL_METRIC = "reward/non_finite_total"
+"""Samples whose weighted reward sum does not fit float32 (scored 0, like a failed reward)."""
 _FAILURE_KINDS = (_RAISED, _TIMEOUT, _CRASHED, _INVALID)
 # The worker pool's statuses that are reward failures, by the name the metrics count them under.
 _WORKER_STATUS = {workers.RAISED: _RAISED, workers.TIMEOUT: _TIMEOUT, workers.CRASHED: _CRASHED}
@@ -488,7 +495,7 @@ def _coerce_rewards(output: Any, count: int) -> tuple[list[float | None] | None,
             number = float(value)
         except (TypeError, ValueError):
             return None, f"value {index} is a {type(value).__name__}; expected a float or None"
-        values.append(number if math.isfinite(number) else math.nan)
+        values.append(number if math.isfinite(number) and abs(number) <= _FLOAT32_MAX else math.nan)
     return values, ""
 
 
@@ -544,7 +551,8 @@ class RewardResult:
     """Rewards of one batch of N completions."""
 
     rewards: torch.Tensor
-    """``[N]`` float32: the weighted sum over functions; failed or ``None`` values count 0."""
+    """``[N]`` float32: the weighted sum over functions (taken in float64); failed or ``None``
+    values count 0, and a total beyond float32's range is 0 (``reward/non_finite_total``)."""
     per_function: dict[str, torch.Tensor]
     """name -> ``[N]`` float32 raw values of that function (failed or ``None`` -> 0)."""
     scored: torch.Tensor
@@ -594,28 +602,28 @@ class RewardPool:
         if isinstance(functions, (str, bytes)) or callable(functions):
             functions = [functions]
         if len(functions) == 0:
-            raise ValueError("RewardPool needs at least one reward function")
+            raise InputError("RewardPool needs at least one reward function")
         resolved = [resolve_reward(spec) for spec in functions]
         self.functions: list[RewardFunction] = [function for _, function in resolved]
         self.names = self._unique_names([name for name, _ in resolved] if names is None else list(names))
         if weights is None:
             weights = [1.0] * len(self.functions)
         if len(weights) != len(self.functions):
-            raise ValueError(f"weights has {len(weights)} entries for {len(self.functions)} reward functions {self.names}")
+            raise InputError(f"weights has {len(weights)} entries for {len(self.functions)} reward functions {self.names}")
         self.weights = [float(weight) for weight in weights]
         if not all(math.isfinite(weight) for weight in self.weights):
-            raise ValueError(f"weights must be finite, got {list(weights)}")
+            raise InputError(f"weights must be finite, got {list(weights)}")
         if not (isinstance(timeout_s, (int, float)) and math.isfinite(timeout_s) and timeout_s > 0):
-            raise ValueError(f"timeout_s must be a finite number > 0, got {timeout_s!r}")
+            raise InputError(f"timeout_s must be a finite number > 0, got {timeout_s!r}")
         if isinstance(num_workers, bool) or not isinstance(num_workers, int) or num_workers < 0:
-            raise ValueError(f"num_workers must be an int >= 0, got {num_workers!r}")
+            raise InputError(f"num_workers must be an int >= 0, got {num_workers!r}")
         self.timeout_s = float(timeout_s)
         self.num_workers = num_workers
         methods = multiprocessing.get_all_start_methods()
         if start_method is None:
             start_method = "fork" if "fork" in methods else "spawn"
         if start_method not in methods:
-            raise ValueError(f"start_method must be one of {methods}, got {start_method!r}")
+            raise InputError(f"start_method must be one of {methods}, got {start_method!r}")
         self.start_method = start_method
         self._closed = False
         self._warned: set[tuple[str, ...]] = set()
@@ -635,14 +643,14 @@ class RewardPool:
             except workers.WorkerStartError as error:
                 raise ValueError(f"reward worker for {self.names} could not start: {error}") from error
             except ValueError as error:  # the functions could not be shipped to spawned workers
-                raise ValueError(f"reward functions {self.names}: {error}") from error
+                raise InputError(f"reward functions {self.names}: {error}") from error
 
     # ------------------------------------------------------------------ setup helpers
     def _unique_names(self, names: list[str]) -> list[str]:
         if len(names) != len(self.functions):
-            raise ValueError(f"names has {len(names)} entries for {len(self.functions)} reward functions")
+            raise InputError(f"names has {len(names)} entries for {len(self.functions)} reward functions")
         if any(not isinstance(name, str) or not name for name in names):
-            raise ValueError(f"reward names must be non-empty strings, got {names}")
+            raise InputError(f"reward names must be non-empty strings, got {names}")
         unique: list[str] = []
         for name in names:
             candidate, suffix = name, 2
@@ -701,7 +709,7 @@ class RewardPool:
         """
         count = len(completions)
         if count == 0:
-            raise ValueError("validate needs at least one row to probe the reward functions with")
+            raise InputError("validate needs at least one row to probe the reward functions with")
         kwargs = self._call_kwargs(prompts, completions, completion_ids, columns, trainer_state)
         probe_arguments = dict(prompts=prompts, completions=completions, log_metric=None, log_extra=None, **kwargs)
         for name, function in zip(self.names, self.functions):
@@ -712,7 +720,7 @@ class RewardPool:
             try:
                 signature.bind(**probe_arguments)
             except TypeError as error:
-                raise ValueError(
+                raise InputError(
                     f"reward function {name!r} cannot be called as {name}(prompts, completions, **kwargs) with the "
                     f"keyword arguments {sorted(probe_arguments)}: {error}. Reward functions use TRL's signature "
                     "fn(prompts, completions, **kwargs) -> list[float | None]."
@@ -723,7 +731,7 @@ class RewardPool:
                 if outcome.status != _OK:
                     slow = outcome.status == _TIMEOUT
                     hint = f" (raise timeout_s above {self.timeout_s:g} s if it is just slow)" if slow else ""
-                    raise ValueError(
+                    raise InputError(
                         f"reward function {name!r} failed on a probe call with {count} dataset rows "
                         f"({outcome.status}){hint}: {outcome.message}"
                     )
@@ -774,7 +782,7 @@ class RewardPool:
             if name in _DROPPED_COLUMNS:
                 continue
             if name in _RESERVED_KWARGS:
-                raise ValueError(f"dataset column {name!r} clashes with the reward keyword argument of that name")
+                raise InputError(f"dataset column {name!r} clashes with the reward keyword argument of that name")
             if not hasattr(values, "__len__") or len(values) != count:
                 raise ValueError(
                     f"dataset column {name!r} must hold one value per completion ({count}), "
@@ -873,6 +881,14 @@ class RewardPool:
             per_function[name] = values.to(torch.float32)
             rewards += weight * values
             scored |= valid
+        # The weighted sum is taken in float64; a total that float32 cannot hold (two rewards of
+        # 3e38 each) is a failed reward: 0, left out of ``scored``, counted.
+        overflow = ~(torch.isfinite(rewards) & (rewards.abs() <= _FLOAT32_MAX))
+        rewards[overflow] = 0.0
+        scored &= ~overflow
+        metrics[NON_FINITE_TOTAL_METRIC] = float(overflow.sum())
+        for index in overflow.nonzero().flatten().tolist()[:1]:
+            errors.append(f"total: invalid on samples {index}:{index + 1}: the weighted sum of the rewards overflows float32")
         for line in errors:  # the first failure of each function and kind is a warning, repeats are debug
             key = tuple(line.split(" ", 2)[:2])
             logger.log(logging.DEBUG if key in self._warned else logging.WARNING, "reward %s", line)
