@@ -14,6 +14,7 @@ import json
 import logging
 import os
 import random
+import re
 import shutil
 from pathlib import Path
 from typing import Any
@@ -52,7 +53,8 @@ def list_checkpoints(output_dir: str | os.PathLike) -> list[Path]:
     root = Path(output_dir) / "checkpoints"
     if not root.is_dir():
         return []
-    done = [p for p in root.iterdir() if p.is_dir() and p.name.startswith("step-") and (p / STATE_FILE).exists()]
+    # ``step-NNNNNN`` only: a ``.tmp`` directory is a checkpoint still (or never completely) being written
+    done = [p for p in root.iterdir() if p.is_dir() and re.fullmatch(r"step-\d+", p.name) and (p / STATE_FILE).exists()]
     return sorted(done, key=lambda p: p.name)
 
 

@@ -59,6 +59,32 @@ CONFIGS = {
 COMPARED = ("loss/total", "grad_norm", "loss/pg", "loss/entropy", "reward/mean", "reward/std", "advantage/mean",
             "advantage/std", "response/length_mean", "kl/approx_old", "ratio/max")
 
+# How far two float32 computations of one metric may differ when only the order of their sums
+# differs (two ranks, each summing its half, then an all-reduce): a relative part for the
+# metric's own size, and a part for the size of its *summands*, which can be much larger than
+# the result when terms cancel. The policy-gradient loss is a mean of advantage x ratio terms
+# of size ~advantage/std; advantages are centred, so the loss itself can be ~1e-8 while each
+# term is ~1, and its rounding error is that of the terms. Log-prob-derived metrics (entropy,
+# KL to the old policy) sum log-probs of a few nats. NOISE_ULPS: float32 epsilons of the
+# summands' scale that a reordered sum over a step's ~10^2 tokens can move the result by.
+RTOL = 1e-5
+FLOAT32_EPS = float(torch.finfo(torch.float32).eps)
+NOISE_ULPS = 64
+NAT = 1.0  # the scale of a log-prob term
+
+
+def summand_scale(key: str, step: dict) -> float:
+    """The size of the terms metric ``key`` is summed from, at this step."""
+    if key in ("loss/total", "loss/pg", "advantage/mean"):
+        return abs(step["advantage/std"]) + abs(step.get("loss/entropy", 0.0))
+    if key in ("loss/entropy", "kl/approx_old"):
+        return NAT
+    return 0.0  # rewards, lengths, norms, ratios: sums of same-signed terms, the relative part bounds them
+
+
+def tolerance(key: str, step: dict) -> float:
+    return RTOL * abs(step[key]) + NOISE_ULPS * FLOAT32_EPS * summand_scale(key, step)
+
 
 def config_args(name: str) -> list[str]:
     return [SERVER["url"] if a == "{server}" else a for a in CONFIGS[name]]
@@ -127,8 +153,7 @@ def assert_same_run(one: Path, two: Path, *, first_step: int = 1) -> dict[str, f
             assert key in y, key
             diff = abs(x[key] - y[key])
             worst[key] = max(worst.get(key, 0.0), diff / abs(x[key]) if x[key] else diff)
-            # relative, with an absolute floor for quantities that are 0 up to rounding (mean advantage)
-            assert diff <= 1e-5 * abs(x[key]) + 1e-7, (key, x["step"], x[key], y[key])
+            assert diff <= tolerance(key, x), (key, x["step"], x[key], y[key], tolerance(key, x))
     p1 = load_file(one / "final" / "model.safetensors")
     p2 = load_file(two / "final" / "model.safetensors")
     abs_diff, rel_diff = max_diffs(p1, p2)

@@ -320,7 +320,7 @@ def test_stale_sampler_weights_fail_loudly(tmp_path):
 def test_hanging_and_raising_rewards_score_zero_and_the_run_goes_on(tmp_path):
     def hangs_on_real_completions(prompts, completions, **kwargs):
         if any(completions):  # the validation probe passes empty completions
-            time.sleep(60)
+            time.sleep(3600)  # an hour: the run finishing at all shows it never waited
         return [0.0] * len(completions)
 
     def raises(prompts, completions, **kwargs):
@@ -328,10 +328,8 @@ def test_hanging_and_raising_rewards_score_zero_and_the_run_goes_on(tmp_path):
             raise RuntimeError("reward bug")
         return [0.0] * len(completions)
 
-    t0 = time.perf_counter()
     trainer, result = run(tiny(tmp_path, steps=2, reward_workers=1, reward_timeout=1.0),
                           reward_functions=["exact_match", hangs_on_real_completions, raises])
-    assert time.perf_counter() - t0 < 55  # never waited for the sleeping reward
     step = read_metrics(result.output_dir)[-1]
     assert step["reward/hangs_on_real_completions/timeout"] > 0
     assert step["reward/raises/raised"] > 0
