@@ -49,6 +49,7 @@ from fastrl.train.checkpoint import (
 from fastrl.train.config import TrainConfig
 from fastrl.train.critic import ValueModel, explained_variance
 from fastrl.train.metrics import MetricsLogger, histogram, peak_memory_bytes
+from fastrl.errors import InputError
 from fastrl.train.rundir import lock_run_directory
 from fastrl.train.faults import TrainingDivergedError, divergence_message
 from fastrl.train.schedule import AdaptiveKLController, warmup_cosine
@@ -314,7 +315,7 @@ class Trainer:
         if not previous:
             return
         if not self.cfg.overwrite:
-            raise ValueError(
+            raise InputError(
                 f"output_dir {str(self.out)!r} already holds a run ({', '.join(p.name for p in previous)}): pass "
                 "resume=latest to continue it, overwrite=true to replace it, or choose another output_dir"
             )
@@ -380,10 +381,10 @@ class Trainer:
                 evals = [train[i] for i in order[:n_eval]]
                 train = [train[i] for i in order[n_eval:]]
         if not train:
-            raise ValueError("the training dataset is empty")
+            raise InputError("the training dataset is empty")
         for i, r in enumerate(train[:1] + evals[:1]):
             if cfg.prompt_column not in r:
-                raise ValueError(f"dataset rows have no {cfg.prompt_column!r} column (columns: {sorted(r)})")
+                raise InputError(f"dataset rows have no {cfg.prompt_column!r} column (columns: {sorted(r)})")
         return train, evals[: cfg.eval_prompts]
 
     def _load_reference(self) -> torch.nn.Module:

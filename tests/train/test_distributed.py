@@ -34,7 +34,7 @@ def base_args(root: Path) -> list[str]:
         "--task_train_size", "16", "--task_eval_size", "4", "--model_hidden_size", "32", "--model_layers", "2",
         "--sft_steps", "0", "--steps", "2", "--prompts_per_step", "4", "--group_size", "4", "--max_new_tokens", "5",
         "--eval_every", "0", "--reward_workers", "0", "--progress", "false", "--tensorboard", "false", "--threads", "1",
-        "--lr", "1e-3", "--entropy_coef", "0.01", "--rewards", f"[{root / 'reward.py'}:digit_share]",
+        "--lr", str(LR), "--entropy_coef", "0.01", "--rewards", f"[{root / 'reward.py'}:digit_share]",
     ]
 
 
@@ -68,6 +68,9 @@ COMPARED = ("loss/total", "grad_norm", "loss/pg", "loss/entropy", "reward/mean",
 # KL to the old policy) sum log-probs of a few nats. NOISE_ULPS: float32 epsilons of the
 # summands' scale that a reordered sum over a step's ~10^2 tokens can move the result by.
 RTOL = 1e-5
+LR = 1e-3  # base_args' --lr
+MAX_UPDATES = 4  # the most optimizer steps a config takes (2 steps x 2 epochs)
+MAX_NOISY_SHARE = 1e-3  # coordinates whose ~0 gradient Adam may amplify; a real difference moves most
 FLOAT32_EPS = float(torch.finfo(torch.float32).eps)
 NOISE_ULPS = 64
 NAT = 1.0  # the scale of a log-prob term
@@ -157,8 +160,16 @@ def assert_same_run(one: Path, two: Path, *, first_step: int = 1) -> dict[str, f
     p1 = load_file(one / "final" / "model.safetensors")
     p2 = load_file(two / "final" / "model.safetensors")
     abs_diff, rel_diff = max_diffs(p1, p2)
-    print(f"{one.name}: params max abs diff {abs_diff:.3g}, rel {rel_diff:.3g}; metrics worst rel {worst}")
-    assert rel_diff <= 1e-5, (abs_diff, rel_diff)
+    scale = max(float(p1[k].abs().max()) for k in p1)
+    moved = sum(int(((p1[k] - p2[k]).abs() > RTOL * scale).sum()) for k in p1)
+    share = moved / sum(p1[k].numel() for k in p1)
+    print(f"{one.name}: params max abs diff {abs_diff:.3g}, rel {rel_diff:.3g}, share beyond {RTOL:g} x max|p|: "
+          f"{share:.2g}; metrics worst rel {worst}")
+    # Adam normalises each coordinate's step to about lr: float noise in a gradient that is ~0
+    # can turn into a step of up to lr either way, so a few coordinates may differ by ~lr per
+    # update. Every coordinate stays within that bound, and all but a few agree to RTOL.
+    assert abs_diff <= 2 * LR * MAX_UPDATES, (abs_diff, rel_diff)
+    assert share <= MAX_NOISY_SHARE, (share, abs_diff, rel_diff)
     # the parameters moved: the comparison is not between two untouched initialisations
     init = steps(one)[0]["grad_norm"]
     assert init > 0

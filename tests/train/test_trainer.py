@@ -335,8 +335,12 @@ def test_hanging_and_raising_rewards_score_zero_and_the_run_goes_on(tmp_path):
     assert step["reward/raises/raised"] > 0
 
 
-@pytest.mark.parametrize("problem", ["no_prompt_column", "reward_signature", "reward_count", "too_long", "vocab"])
+@pytest.mark.parametrize("problem", ["no_prompt_column", "reward_signature", "reward_count", "too_long", "vocab",
+                                     "empty_dataset", "reward_spec"])
 def test_bad_input_fails_before_the_first_step(tmp_path, problem):
+    """Each is the user's mistake: an InputError (the command line prints it as one line, exit 2)."""
+    from fastrl.errors import InputError
+
     kwargs = {}
     cfg = tiny(tmp_path)
     rows = [{"prompt": "1+2=", "answer": "3"}] * 8
@@ -352,11 +356,17 @@ def test_bad_input_fails_before_the_first_step(tmp_path, problem):
     elif problem == "too_long":
         kwargs = dict(train_rows=[{"prompt": "1+2=" * 20, "answer": "3"}] * 8)
         match = "context|longer"
+    elif problem == "empty_dataset":
+        kwargs = dict(train_rows=[])
+        match = "dataset is empty"
+    elif problem == "reward_spec":
+        kwargs = dict(train_rows=rows, reward_functions=["no_such_module_xyz:reward"])
+        match = "cannot import module"
     else:
         tok = char_tokenizer()
         small = tiny_model(tok, hidden_size=32, layers=1)
         small.resize_token_embeddings(50)
         kwargs = dict(model=small, tokenizer=tok)
         match = "tokenizer has"
-    with pytest.raises(ValueError, match=match):
+    with pytest.raises(InputError, match=match):
         Trainer(cfg, **kwargs)
