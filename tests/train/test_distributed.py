@@ -198,6 +198,12 @@ def test_two_process_checkpoint_resumes_in_one_process(two_process_runs, tmp_pat
     assert (checkpoint / "dcp").is_dir() and (checkpoint / "rng-rank1.pt").exists()
     state = json.loads((checkpoint / "trainer_state.json").read_text())
     assert state["world_size"] == 2 and state["step"] == 1
+    # the manifest covers every rank's shards, so a damaged shard is caught before a resume
+    from fastrl.train.manifest import MANIFEST_FILE, verify_checkpoint
+
+    recorded = json.loads((checkpoint / MANIFEST_FILE).read_text())["files"]
+    assert {"rng-rank0.pt", "rng-rank1.pt"} <= set(recorded) and any(name.startswith("dcp/") for name in recorded)
+    assert verify_checkpoint(checkpoint) is None
     resumed = one_process(root, "batch_std", tmp_path / "resumed", "--resume", str(checkpoint))
     # step 2 in one process from the 2-process step-1 checkpoint = step 2 of the 2-process run
     assert_same_run(resumed, two, first_step=2)
