@@ -49,13 +49,12 @@ from fastrl.train.checkpoint import (
 from fastrl.train.config import TrainConfig
 from fastrl.train.critic import ValueModel, explained_variance
 from fastrl.train.metrics import MetricsLogger, histogram, peak_memory_bytes
+from fastrl.errors import InputError
+from fastrl.train.rundir import lock_run_directory
+from fastrl.train.faults import TrainingDivergedError, divergence_message
 from fastrl.train.schedule import AdaptiveKLController, warmup_cosine
 
 __all__ = ["Trainer", "TrainResult", "TrainingDivergedError", "WeightSyncError"]
-
-
-class TrainingDivergedError(RuntimeError):
-    """A non-finite loss or gradient norm: the optimizer step was not taken."""
 
 
 class WeightSyncError(RuntimeError):
@@ -167,6 +166,7 @@ class Trainer:
         self.device = self.dist.device if self.dist is not None else _device(cfg.device)
         self.is_main = self.dist is None or self.dist.is_main
         self.out = Path(cfg.output_dir)
+        self.run_lock = lock_run_directory(self.out) if self.is_main else None  # one run per output_dir
         self.out.mkdir(parents=True, exist_ok=True)
         self.loss_config = cfg.policy_loss_config()
         self.autocast_dtype = None
@@ -315,7 +315,7 @@ class Trainer:
         if not previous:
             return
         if not self.cfg.overwrite:
-            raise ValueError(
+            raise InputError(
                 f"output_dir {str(self.out)!r} already holds a run ({', '.join(p.name for p in previous)}): pass "
                 "resume=latest to continue it, overwrite=true to replace it, or choose another output_dir"
             )
@@ -381,10 +381,10 @@ class Trainer:
                 evals = [train[i] for i in order[:n_eval]]
                 train = [train[i] for i in order[n_eval:]]
         if not train:
-            raise ValueError("the training dataset is empty")
+            raise InputError("the training dataset is empty")
         for i, r in enumerate(train[:1] + evals[:1]):
             if cfg.prompt_column not in r:
-                raise ValueError(f"dataset rows have no {cfg.prompt_column!r} column (columns: {sorted(r)})")
+                raise InputError(f"dataset rows have no {cfg.prompt_column!r} column (columns: {sorted(r)})")
         return train, evals[: cfg.eval_prompts]
 
     def _load_reference(self) -> torch.nn.Module:
@@ -1089,14 +1089,14 @@ class Trainer:
 
     def _diverged(self, batch: RolloutBatch, what: str, loss: float, grad_norm: float) -> None:
         rank = f"-rank{self.dist.rank}" if self.dist is not None else ""
-        path = self.out / f"diverged-step-{self.step:06d}{rank}.pt"
+        path = self.out / f"diverged-step-{self.step + 1:06d}{rank}.pt"  # the step being taken, as the metrics number it
         torch.save({"input_ids": batch.input_ids, "attention_mask": batch.attention_mask, "response_mask": batch.response_mask,
                     "completion_ids": batch.completion_ids, "prompt_ids": batch.prompt_ids}, path)
         self.optimizer.zero_grad(set_to_none=True)
-        raise TrainingDivergedError(
-            f"step {self.step}: non-finite {what} (loss {loss}, grad norm {grad_norm}); the optimizer step was not taken. "
-            f"Batch saved to {path}; last good checkpoint: {self.last_checkpoint or 'none yet (save_every=0)'}"
-        )
+        raise TrainingDivergedError(divergence_message(
+            step=self.step + 1, what=what, loss=loss, grad_norm=grad_norm, batch_path=path,
+            last_checkpoint=self.last_checkpoint, save_every=self.cfg.save_every,
+        ))
 
     @torch.no_grad()
     def _sync_weights(self) -> float | None:
@@ -1376,6 +1376,8 @@ class Trainer:
             self.logger.log_eval(self.step, metrics)
 
     def close(self) -> None:
+        if self.run_lock is not None:
+            self.run_lock.release()
         self.rewards.close()
         if hasattr(self.sampler, "close"):
             self.sampler.close()
