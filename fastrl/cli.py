@@ -22,6 +22,7 @@ BENCH_CASES = {
     "advantages": ("cases_advantages", "group advantages, value loss, masked whitening vs loop/eager baselines"),
     "rollout": ("cases_rollout", "shared-prefix HF group sampling vs model.generate on G prompt copies"),
     "scans": ("cases_scans", "GAE and discounted returns vs the Python loop over time"),
+    "turns": ("cases_turn_advantages", "GiGPO turn advantages vs a Python loop over turns and step groups"),
     "logprobs": ("cases_logprobs", "GRPO loss from hidden states vs logits + log_softmax, TRL, Liger (time, peak memory)"),
 }
 BENCH_MODULES = tuple(module for module, _ in BENCH_CASES.values())

@@ -337,6 +337,22 @@ def cases_advantages(rec: Recorder, full: bool) -> None:
                                    meta(16, 1000, dtype=torch.uint8), eps=1e-6)
 
 
+def cases_turn_advantages(rec: Recorder, full: bool) -> None:
+    from csrc_triton.turn_advantages import expand_turn_advantages, turn_combine
+
+    B, K, T = 16, 8, 1000
+    for use_std in (False, True):
+        for stats in (torch.float32, torch.float64):  # float64 group statistics for float64 returns
+            rec.label = f"turn advantages combine std={use_std} stats={str(stats)[6:]}"
+            turn_combine(meta(B, K), meta(B * K, dtype=torch.uint8), meta(B * K, dtype=torch.int64),
+                         meta(B * K, dtype=stats), meta(B * K, dtype=stats), meta(B * K, dtype=stats), meta(B * K),
+                         meta(B), c_ep=1.0, c_rel=0.5, use_std=use_std, eps=1e-6)
+    for use_turn in (False, True):
+        rec.label = f"turn advantages expand use_turn={use_turn}"
+        expand_turn_advantages(meta(B, K if use_turn else 1), meta(B, T, dtype=torch.int64),
+                               meta(B, T, dtype=torch.uint8), meta(B, dtype=torch.int64), use_turn=use_turn)
+
+
 CASES = {
     "logprobs": cases_logprobs,
     "decode_attention": cases_decode_attention,
@@ -346,6 +362,7 @@ CASES = {
     "whiten": cases_whiten,
     "scans": cases_scans,
     "advantages": cases_advantages,
+    "turn_advantages": cases_turn_advantages,
 }
 
 

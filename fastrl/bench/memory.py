@@ -9,6 +9,12 @@ before the first call is the "peak extra memory" of the implementation:
 - otherwise a sampling thread's maximum of ``/proc/self/statm`` RSS (every 1 ms), since
   ``ru_maxrss`` cannot be reset and the setup may already have peaked higher.
 
+With ``cpu_method="allocator"`` the CPU peak is instead torch's own accounting of its
+allocations: every tensor allocation and free is recorded (``torch.profiler`` with
+``profile_memory``) and the peak is the highest running sum of those bytes above what was
+allocated before the first call. That is exact and independent of sampling, page reuse and
+machine load, but counts only torch tensors (not GEMM packing buffers or Python objects).
+
 CUDA: ``torch.cuda.max_memory_allocated`` above the allocation before the first call
 (also in a fresh process so caches of other cases do not interfere).
 
@@ -76,11 +82,37 @@ def _resolve(target: str):
     return getattr(importlib.import_module(module), name)
 
 
-def measure_here(target: str, kwargs: dict[str, Any], *, repeats: int = 1) -> dict[str, Any]:
+CPU_METHODS = ("rss", "allocator")
+
+
+def allocator_peak_bytes(fn: Any, repeats: int) -> tuple[int, list[float]]:
+    """Peak of torch's CPU tensor allocations (running sum of allocated - freed bytes, in
+    allocation order) while calling ``fn`` ``repeats`` times, above the level at the start."""
+    from torch.profiler import ProfilerActivity, profile
+
+    times = []
+    with profile(activities=[ProfilerActivity.CPU], profile_memory=True) as profiler:
+        for _ in range(repeats):
+            t0 = time.perf_counter()
+            fn()
+            times.append(time.perf_counter() - t0)
+    events = [event for event in profiler.profiler.kineto_results.events() if event.name() == "[memory]"]
+    events.sort(key=lambda event: event.start_ns())
+    level = peak = 0
+    for event in events:
+        level += event.nbytes()
+        peak = max(peak, level)
+    return peak, times
+
+
+def measure_here(target: str, kwargs: dict[str, Any], *, repeats: int = 1, cpu_method: str = "rss") -> dict[str, Any]:
     """Build with ``target(**kwargs)`` and measure its callable in *this* process.
 
-    Use through ``measure_in_subprocess`` so that the process is fresh.
+    Use through ``measure_in_subprocess`` so that the process is fresh. ``cpu_method``:
+    ``"rss"`` (resident memory) or ``"allocator"`` (torch's tensor allocations).
     """
+    if cpu_method not in CPU_METHODS:
+        raise ValueError(f"cpu_method must be one of {CPU_METHODS}, got {cpu_method!r}")
     import gc
 
     import torch
@@ -101,6 +133,9 @@ def measure_here(target: str, kwargs: dict[str, Any], *, repeats: int = 1) -> di
             times.append(time.perf_counter() - t0)
         peak_extra = torch.cuda.max_memory_allocated(device) - base
         how = "cuda.max_memory_allocated"
+    elif cpu_method == "allocator":
+        peak_extra, times = allocator_peak_bytes(fn, repeats)
+        how = "torch allocator (profile_memory)"
     else:
         base = current_rss_bytes()
         ru_before = max_rss_bytes()
@@ -132,13 +167,14 @@ def measure_in_subprocess(
     timeout_s: float | None = None,
     mem_limit_gb: float | None = None,
     env: dict[str, str] | None = None,
+    cpu_method: str = "rss",
 ) -> dict[str, Any]:
     """Run ``measure_here`` in a fresh Python process and return its result dict.
 
     On failure the dict has ``error`` (and ``oom: True`` for an allocation failure).
     """
     cmd = [sys.executable, "-m", "fastrl.bench.memory", "--target", target, "--kwargs", json.dumps(kwargs),
-           "--repeats", str(repeats)]
+           "--repeats", str(repeats), "--cpu-method", cpu_method]
     if mem_limit_gb is not None:
         cmd += ["--mem-limit-gb", str(mem_limit_gb)]
     child_env = {**os.environ, **(env or {})}
@@ -162,13 +198,14 @@ def _main(argv: list[str] | None = None) -> int:
     p.add_argument("--target", required=True, help="module:function returning a zero-argument callable")
     p.add_argument("--kwargs", default="{}", help="JSON keyword arguments for the builder")
     p.add_argument("--repeats", type=int, default=1)
+    p.add_argument("--cpu-method", choices=CPU_METHODS, default="rss", help="rss (resident memory) or allocator (torch's)")
     p.add_argument("--mem-limit-gb", type=float, default=None, help="address-space limit (RLIMIT_AS) for this process")
     args = p.parse_args(argv)
     if args.mem_limit_gb is not None:
         lim = int(args.mem_limit_gb * 2**30)
         resource.setrlimit(resource.RLIMIT_AS, (lim, lim))
     try:
-        result = measure_here(args.target, json.loads(args.kwargs), repeats=args.repeats)
+        result = measure_here(args.target, json.loads(args.kwargs), repeats=args.repeats, cpu_method=args.cpu_method)
     except (MemoryError, RuntimeError) as e:
         msg = str(e).splitlines()[0] if str(e) else type(e).__name__
         oom = isinstance(e, MemoryError) or "allocate" in msg or "out of memory" in msg.lower()

@@ -14,6 +14,7 @@ from fastrl.ops.packing import PackedLayout
 from fastrl.ops.policy_loss import policy_loss
 from fastrl.ops.scans import discounted_returns, gae
 from fastrl.ops.shared_prefix_attention import PackedGroups, SharedPrefixLayout, shared_prefix_attention
+from fastrl.ops.turn_advantages import place_turn_rewards, turn_advantages, turn_gae, turn_index_from_spans
 from fastrl.ops.value_loss import value_loss
 from fastrl.ops.whiten import masked_whiten
 
@@ -30,6 +31,10 @@ __all__ = [
     "policy_loss",
     "shared_prefix_decode_attention",
     "step_advantages",
+    "turn_advantages",
+    "turn_gae",
+    "place_turn_rewards",
+    "turn_index_from_spans",
     "value_loss",
 ]
 __all__ += ["PackedLayout", "PackedGroups", "SharedPrefixLayout", "shared_prefix_attention"]

@@ -18,6 +18,8 @@ from typing import Any, Callable, Sequence
 
 import torch
 
+from fastrl.errors import InputError
+
 from fastrl.rollout.base import GroupSampler
 from fastrl.train.config import TrainConfig
 from fastrl.train.critic import ValueModel
@@ -204,10 +206,10 @@ def load_rows(cfg: TrainConfig, train_rows: Sequence[dict] | None, eval_rows: Se
             evals = [train[i] for i in order[:n_eval]]
             train = [train[i] for i in order[n_eval:]]
     if not train:
-        raise ValueError("the training dataset is empty")
+        raise InputError("the training dataset is empty")
     for r in train[:1] + evals[:1]:
         if cfg.prompt_column not in r:
-            raise ValueError(f"dataset rows have no {cfg.prompt_column!r} column (columns: {sorted(r)})")
+            raise InputError(f"dataset rows have no {cfg.prompt_column!r} column (columns: {sorted(r)})")
     return train, evals[: cfg.eval_prompts]
 
 

@@ -2,14 +2,19 @@
 data position and step.
 
 A checkpoint is written to ``<dir>.tmp`` and renamed into place, so a run killed while
-saving never leaves a half-written checkpoint that ``latest`` would pick up.
+saving never leaves a half-written checkpoint that ``latest`` would pick up. Its last file is
+a manifest of sizes and hashes (:mod:`fastrl.train.manifest`), verified before a resume; a
+checkpoint whose weights are not finite is never written, and a disk that fills while
+saving is reported as such (:mod:`fastrl.train.faults`), the partial checkpoint removed.
 """
 
 from __future__ import annotations
 
 import json
+import logging
 import os
 import random
+import re
 import shutil
 from pathlib import Path
 from typing import Any
@@ -17,7 +22,12 @@ from typing import Any
 import numpy as np
 import torch
 
+from fastrl.errors import InputError
+from fastrl.train import manifest
+from fastrl.train.faults import NonFiniteWeightsError, disk_full_errno, disk_full_error
+
 STATE_FILE = "trainer_state.json"
+logger = logging.getLogger(__name__)
 
 
 def rng_state() -> dict[str, Any]:
@@ -43,21 +53,53 @@ def list_checkpoints(output_dir: str | os.PathLike) -> list[Path]:
     root = Path(output_dir) / "checkpoints"
     if not root.is_dir():
         return []
-    done = [p for p in root.iterdir() if p.is_dir() and p.name.startswith("step-") and (p / STATE_FILE).exists()]
+    # ``step-NNNNNN`` only: a ``.tmp`` directory is a checkpoint still (or never completely) being written
+    done = [p for p in root.iterdir() if p.is_dir() and re.fullmatch(r"step-\d+", p.name) and (p / STATE_FILE).exists()]
     return sorted(done, key=lambda p: p.name)
 
 
 def resolve_resume(resume: str, output_dir: str | os.PathLike) -> Path:
-    """``latest`` -> the newest complete checkpoint in ``output_dir``; else the given directory."""
+    """``latest`` -> the newest checkpoint in ``output_dir`` that verifies against its manifest
+    (each newer one skipped is logged with the reason); else the given directory, verified."""
     if resume == "latest":
         found = list_checkpoints(output_dir)
         if not found:
-            raise ValueError(f"resume=latest: no complete checkpoint under {Path(output_dir) / 'checkpoints'}")
-        return found[-1]
+            raise InputError(f"resume=latest: no complete checkpoint under {Path(output_dir) / 'checkpoints'}")
+        chosen, skipped = manifest.choose_checkpoint(found)
+        for reason in skipped:
+            logger.warning("resume=latest: skipped %s", reason)
+        if chosen is None:
+            raise InputError("resume=latest: no checkpoint verifies: " + "; ".join(skipped))
+        if skipped:
+            logger.warning("resume=latest: resuming from %s", chosen)
+        return chosen
     path = Path(resume)
     if not (path / STATE_FILE).exists():
-        raise ValueError(f"resume: {str(path)!r} is not a fastrl checkpoint (no {STATE_FILE})")
+        raise InputError(f"resume: {str(path)!r} is not a fastrl checkpoint (no {STATE_FILE})")
+    problem = manifest.verify_checkpoint(path)
+    if problem is not None:
+        raise InputError(f"resume: {problem}")
     return path
+
+
+def _refuse_non_finite(models: dict[str, Any], step: int) -> None:
+    for name, model in models.items():
+        bad = manifest.first_non_finite(model.state_dict().items())
+        if bad is not None:
+            raise NonFiniteWeightsError(
+                f"step {step}: the {name} weights are not finite ({bad} holds NaN or inf); no checkpoint was written, "
+                "the checkpoints already on disk are kept"
+            )
+
+
+def _written_or_reported(tmp: Path, directory: Path, error: BaseException) -> BaseException:
+    """After a failed write: the partial checkpoint removed, and the error to raise (a full disk named as such)."""
+    shutil.rmtree(tmp, ignore_errors=True)
+    code = disk_full_errno(error, tmp)
+    if code is None:
+        return error
+    earlier = [path for path in list_checkpoints(directory.parent.parent) if path != directory]
+    return disk_full_error(directory, code, error, last_checkpoint=earlier[-1] if earlier else None)
 
 
 def save_checkpoint(
@@ -74,20 +116,28 @@ def save_checkpoint(
     ``models``: name -> object with ``save_pretrained`` or ``save`` (critic). ``objects``:
     name -> anything with ``state_dict()`` (optimizers, schedulers), saved with torch.save.
     """
+    _refuse_non_finite(models, int(state["step"]))
     tmp = directory.with_name(directory.name + ".tmp")
     if tmp.exists():
         shutil.rmtree(tmp)
-    tmp.mkdir(parents=True)
-    for name, model in models.items():
-        if hasattr(model, "save_pretrained"):
-            model.save_pretrained(tmp / name, safe_serialization=True)
-        else:
-            model.save(tmp / name)
-    if tokenizer is not None:
-        tokenizer.save_pretrained(tmp / "policy")
-    torch.save({name: obj.state_dict() for name, obj in objects.items()}, tmp / "optim.pt")
-    torch.save(rng_state(), tmp / "rng.pt")
-    (tmp / STATE_FILE).write_text(json.dumps(state, indent=1))
+    try:
+        tmp.mkdir(parents=True)
+        for name, model in models.items():
+            if hasattr(model, "save_pretrained"):
+                model.save_pretrained(tmp / name, safe_serialization=True)
+            else:
+                model.save(tmp / name)
+        if tokenizer is not None:
+            tokenizer.save_pretrained(tmp / "policy")
+        torch.save({name: obj.state_dict() for name, obj in objects.items()}, tmp / "optim.pt")
+        torch.save(rng_state(), tmp / "rng.pt")
+        (tmp / STATE_FILE).write_text(json.dumps(state, indent=1))
+        manifest.write_manifest(tmp, step=int(state["step"]))
+    except Exception as error:
+        reported = _written_or_reported(tmp, directory, error)
+        if reported is error:
+            raise
+        raise reported from error
     if directory.exists():
         shutil.rmtree(directory)
     os.replace(tmp, directory)
@@ -163,6 +213,7 @@ def save_distributed_checkpoint(
     barrier()  # every rank's files are in place before the state file makes the checkpoint complete
     if rank == 0:
         (tmp / STATE_FILE).write_text(json.dumps(state, indent=1))
+        manifest.write_manifest(tmp, step=int(state["step"]))  # every rank's shards included
         if directory.exists():
             shutil.rmtree(directory)
         os.replace(tmp, directory)
@@ -289,7 +340,7 @@ def claim_output_dir(out: Path, *, names: tuple[str, ...], overwrite: bool) -> N
     if not previous:
         return
     if not overwrite:
-        raise ValueError(
+        raise InputError(
             f"output_dir {str(out)!r} already holds a run ({', '.join(p.name for p in previous)}): pass "
             "resume=latest to continue it, overwrite=true to replace it, or choose another output_dir"
         )

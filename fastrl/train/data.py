@@ -22,7 +22,10 @@ from typing import Any, Iterator, Sequence
 
 import numpy as np
 
+from fastrl.errors import InputError
+
 __all__ = [
+    "DatasetNotFoundError",
     "load_rows",
     "encode_prompt",
     "encode_rows",
@@ -34,6 +37,10 @@ __all__ = [
 ]
 
 _FILE_SUFFIXES = (".jsonl", ".json", ".parquet")
+
+
+class DatasetNotFoundError(InputError, FileNotFoundError):
+    """A dataset path that does not exist (an ``InputError`` and a ``FileNotFoundError``)."""
 
 
 # ---------------------------------------------------------------------------- loading
@@ -48,9 +55,9 @@ def _read_jsonl(path: Path) -> list[dict]:
             try:
                 row = json.loads(line)
             except json.JSONDecodeError as e:
-                raise ValueError(f"{path}: line {line_no} is not valid JSON ({e.msg})") from None
+                raise InputError(f"{path}: line {line_no} is not valid JSON ({e.msg})") from None
             if not isinstance(row, dict):
-                raise ValueError(f"{path}: line {line_no} is a JSON {type(row).__name__}, expected an object (one row)")
+                raise InputError(f"{path}: line {line_no} is a JSON {type(row).__name__}, expected an object (one row)")
             rows.append(row)
     return rows
 
@@ -60,23 +67,23 @@ def _read_json(path: Path, split: str) -> list[dict]:
         try:
             data = json.load(f)
         except json.JSONDecodeError as e:
-            raise ValueError(f"{path} is not valid JSON ({e.msg}); JSON Lines files must end in .jsonl") from None
+            raise InputError(f"{path} is not valid JSON ({e.msg}); JSON Lines files must end in .jsonl") from None
     if isinstance(data, dict):
         if split in data and isinstance(data[split], list):  # {"train": [...], "test": [...]}
             data = data[split]
         elif data and all(isinstance(v, list) for v in data.values()):  # columns: {"prompt": [...], ...}
             lengths = {len(v) for v in data.values()}
             if len(lengths) != 1:
-                raise ValueError(f"{path}: the columns have different lengths {sorted(lengths)}")
+                raise InputError(f"{path}: the columns have different lengths {sorted(lengths)}")
             keys = list(data)
             data = [dict(zip(keys, values)) for values in zip(*data.values())]
         else:
-            raise ValueError(
+            raise InputError(
                 f"{path}: expected a list of row objects, an object of equal-length columns, or an object with a "
                 f"{split!r} list; got an object with keys {sorted(data)[:10]}"
             )
     if not isinstance(data, list) or not all(isinstance(r, dict) for r in data):
-        raise ValueError(f"{path}: expected a list of row objects")
+        raise InputError(f"{path}: expected a list of row objects")
     return data
 
 
@@ -107,7 +114,7 @@ def _need_datasets(what: str):
 def _pick_split(dataset: Any, split: str, source: str) -> Any:
     if isinstance(dataset, dict):  # DatasetDict: one dataset per split
         if split not in dataset:
-            raise ValueError(f"{source} has no split {split!r}; splits: {sorted(dataset.keys())}")
+            raise InputError(f"{source} has no split {split!r}; splits: {sorted(dataset.keys())}")
         return dataset[split]
     return dataset
 
@@ -152,11 +159,11 @@ def load_rows(source: str | Path, *, split: str = "train", prompt_column: str = 
         elif suffix == ".parquet":
             rows = _read_parquet(path)
         else:
-            raise ValueError(f"{path}: unsupported file type {suffix!r}; expected one of {', '.join(_FILE_SUFFIXES)}")
+            raise InputError(f"{path}: unsupported file type {suffix!r}; expected one of {', '.join(_FILE_SUFFIXES)}")
     elif path.is_dir():
         rows = _read_directory(path, split)
     elif path.suffix.lower() in _FILE_SUFFIXES or text.startswith((".", "/", "~")):
-        raise FileNotFoundError(f"dataset file {text} does not exist")
+        raise DatasetNotFoundError(f"dataset file {text} does not exist")
     else:
         datasets = _need_datasets(f"loading the hub dataset {text!r}")
         rows = [dict(r) for r in _pick_split(datasets.load_dataset(text, split=split), split, text)]
@@ -166,21 +173,21 @@ def load_rows(source: str | Path, *, split: str = "train", prompt_column: str = 
 
 def _check_messages(prompt: list, where: str) -> None:
     if not prompt:
-        raise ValueError(f"{where}: the prompt is an empty list of messages")
+        raise InputError(f"{where}: the prompt is an empty list of messages")
     for j, m in enumerate(prompt):
         if not isinstance(m, dict) or not isinstance(m.get("role"), str) or not isinstance(m.get("content"), str):
-            raise ValueError(f"{where}: message {j} must be a dict with string 'role' and 'content', got {m!r:.200}")
+            raise InputError(f"{where}: message {j} must be a dict with string 'role' and 'content', got {m!r:.200}")
 
 
 def check_rows(rows: Sequence[dict], *, prompt_column: str = "prompt", source: str = "dataset") -> None:
     """ValueError unless every row is a dict with a usable ``prompt_column``."""
     if len(rows) == 0:
-        raise ValueError(f"{source} has no rows")
+        raise InputError(f"{source} has no rows")
     for i, row in enumerate(rows):
         if not isinstance(row, dict):
-            raise ValueError(f"{source}: row {i} is a {type(row).__name__}, expected a dict")
+            raise InputError(f"{source}: row {i} is a {type(row).__name__}, expected a dict")
         if prompt_column not in row:
-            raise ValueError(
+            raise InputError(
                 f"{source}: row {i} has no prompt column {prompt_column!r}; its columns are {sorted(row)}"
                 " (choose the prompt column with prompt_column=...)"
             )
@@ -188,11 +195,11 @@ def check_rows(rows: Sequence[dict], *, prompt_column: str = "prompt", source: s
         where = f"{source}: row {i}, column {prompt_column!r}"
         if isinstance(prompt, str):
             if not prompt:
-                raise ValueError(f"{where}: the prompt is an empty string")
+                raise InputError(f"{where}: the prompt is an empty string")
         elif isinstance(prompt, (list, tuple)):
             _check_messages(list(prompt), where)
         else:
-            raise ValueError(f"{where}: the prompt must be a string or a list of chat messages, got {type(prompt).__name__}")
+            raise InputError(f"{where}: the prompt must be a string or a list of chat messages, got {type(prompt).__name__}")
 
 
 # ---------------------------------------------------------------------------- encoding
@@ -210,24 +217,24 @@ def encode_prompt(tokenizer: Any, prompt: str | Sequence[dict], *, chat_template
     has_template = bool(getattr(tokenizer, "chat_template", None))
     use_template = has_template if chat_template is None else bool(chat_template)
     if use_template and not has_template:
-        raise ValueError("chat_template=True but the tokenizer has no chat template")
+        raise InputError("chat_template=True but the tokenizer has no chat template")
     if isinstance(prompt, str):
         messages = [{"role": "user", "content": prompt}]
     elif isinstance(prompt, (list, tuple)):
         _check_messages(list(prompt), "prompt")
         messages = [dict(m) for m in prompt]
     else:
-        raise ValueError(f"prompt must be a string or a list of chat messages, got {type(prompt).__name__}")
+        raise InputError(f"prompt must be a string or a list of chat messages, got {type(prompt).__name__}")
     if use_template:
         text = tokenizer.apply_chat_template(messages, add_generation_prompt=True, tokenize=False)
         ids = tokenizer(text, add_special_tokens=False)["input_ids"]
     else:
         if not isinstance(prompt, str):
-            raise ValueError("chat-message prompts need a tokenizer with a chat template (or chat_template=True)")
+            raise InputError("chat-message prompts need a tokenizer with a chat template (or chat_template=True)")
         ids = tokenizer(prompt)["input_ids"]
     ids = [int(t) for t in ids]
     if not ids:
-        raise ValueError(f"prompt {prompt!r:.100} encodes to no tokens")
+        raise InputError(f"prompt {prompt!r:.100} encodes to no tokens")
     return ids
 
 
@@ -270,7 +277,7 @@ def encode_rows(
     """
     check_rows(rows, prompt_column=prompt_column)
     if not isinstance(max_new_tokens, int) or max_new_tokens < 0:
-        raise ValueError(f"max_new_tokens must be an int >= 0, got {max_new_tokens!r}")
+        raise InputError(f"max_new_tokens must be an int >= 0, got {max_new_tokens!r}")
     kept_rows, kept_ids, dropped = [], [], []
     for i, row in enumerate(rows):
         ids = encode_prompt(tokenizer, row[prompt_column], chat_template=chat_template)
@@ -278,7 +285,7 @@ def encode_rows(
             if drop_long_prompts:
                 dropped.append(i)
                 continue
-            raise ValueError(
+            raise InputError(
                 f"row {i}: the prompt has {len(ids)} tokens; with max_new_tokens={max_new_tokens} that is "
                 f"{len(ids) + max_new_tokens} > the model's context length {max_length} "
                 f"(prompt starts {str(row[prompt_column])[:80]!r}); shorten it, lower max_new_tokens, or set "
@@ -287,7 +294,7 @@ def encode_rows(
         kept_rows.append(row)
         kept_ids.append(ids)
     if not kept_rows:
-        raise ValueError(f"every one of the {len(rows)} prompts is longer than the context length {max_length} allows")
+        raise InputError(f"every one of the {len(rows)} prompts is longer than the context length {max_length} allows")
     return EncodedRows(rows=kept_rows, prompt_ids=kept_ids, dropped=dropped)
 
 
@@ -298,17 +305,17 @@ def check_tokenizer_matches_model(tokenizer: Any, model: Any) -> None:
     rows = int(embedding.weight.shape[0])
     vocab = len(tokenizer)
     if vocab > rows:
-        raise ValueError(
+        raise InputError(
             f"the tokenizer has {vocab} tokens but the model's input embedding has only {rows} rows: "
             f"token ids >= {rows} would index out of range; use the model's own tokenizer or resize its embeddings"
         )
     head = model.get_output_embeddings() if hasattr(model, "get_output_embeddings") else None
     if head is not None and hasattr(head, "weight") and int(head.weight.shape[0]) < vocab:
-        raise ValueError(f"the tokenizer has {vocab} tokens but the model's output layer scores only {int(head.weight.shape[0])}")
+        raise InputError(f"the tokenizer has {vocab} tokens but the model's output layer scores only {int(head.weight.shape[0])}")
     for name in ("bos_token_id", "eos_token_id", "pad_token_id"):
         value = getattr(tokenizer, name, None)
         if value is not None and not 0 <= int(value) < rows:
-            raise ValueError(f"tokenizer.{name} = {value} is outside the model's vocabulary [0, {rows})")
+            raise InputError(f"tokenizer.{name} = {value} is outside the model's vocabulary [0, {rows})")
 
 
 # ---------------------------------------------------------------------------- batching

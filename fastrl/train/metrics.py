@@ -3,6 +3,14 @@ progress bar with the headline numbers, and the best/worst completions of each s
 
 Metric names are ``area/name`` (``reward/mean``, ``loss/clip_frac``, ``time/generate``, ...);
 values are Python floats (the trainer converts 0-dim tensors once per step, never per op).
+
+**One record per step.** A logger opened at ``start_step`` (a resumed run: the checkpoint's
+step) first drops whatever a killed run logged after that step, so ``metrics.jsonl`` and
+``samples.txt`` hold each step once and in order, and tells TensorBoard to discard events
+past it (``purge_step``). The files are rewritten atomically (a temporary file renamed over
+the old one). In ``samples.txt`` the cut is at the first ``=== step N`` header with
+``N > start_step``: a completion that itself contains such a header line moves the cut
+earlier (some samples of kept steps are lost, never a step duplicated).
 """
 
 from __future__ import annotations
@@ -11,6 +19,7 @@ import contextlib
 import json
 import math
 import os
+import re
 import resource
 import sys
 import time
@@ -48,6 +57,8 @@ class MetricsLogger:
         self.dir = Path(output_dir)
         self.dir.mkdir(parents=True, exist_ok=True)
         _drop_torn_last_line(self.dir / "metrics.jsonl")  # a run killed mid-write, resumed here
+        _drop_records_after(self.dir / "metrics.jsonl", start_step)  # steps a killed run logged past its checkpoint
+        _drop_samples_after(self.dir / "samples.txt", start_step)
         self.jsonl = open(self.dir / "metrics.jsonl", "a", buffering=1)
         self.samples = open(self.dir / "samples.txt", "a", buffering=1)
         self.tb = None
@@ -55,7 +66,8 @@ class MetricsLogger:
             try:
                 from torch.utils.tensorboard import SummaryWriter
 
-                self.tb = SummaryWriter(str(self.dir / "tensorboard"))
+                # purge_step: TensorBoard discards the earlier events from this step on
+                self.tb = SummaryWriter(str(self.dir / "tensorboard"), purge_step=start_step + 1 if start_step else None)
             except Exception:  # tensorboard not installed: JSONL only
                 self.tb = None
         self.bar = None
@@ -115,6 +127,44 @@ def _drop_torn_last_line(path: Path) -> None:
     data = path.read_bytes()
     if data and not data.endswith(b"\n"):
         path.write_bytes(data[: data.rfind(b"\n") + 1])
+
+
+def _rewrite(path: Path, data: bytes) -> None:
+    partial = path.with_name(path.name + ".partial")
+    partial.write_bytes(data)
+    os.replace(partial, path)
+
+
+def _drop_records_after(path: Path, step: int) -> None:
+    """Keep the records of ``metrics.jsonl`` up to ``step`` (a record without a step is kept)."""
+    if not path.exists():
+        return
+    data = path.read_bytes()
+    kept = []
+    for line in data.splitlines(keepends=True):
+        try:
+            record_step = json.loads(line).get("step")
+        except (ValueError, AttributeError):
+            record_step = None
+        if isinstance(record_step, (int, float)) and record_step > step:
+            break  # records are in step order: everything from here on is after the checkpoint
+        kept.append(line)
+    if len(kept) != len(data.splitlines()):
+        _rewrite(path, b"".join(kept))
+
+
+_SAMPLE_HEADER = re.compile(rb"^=== step (\d+) (?:best|worst) \(reward [^\n]*\)$", re.MULTILINE)
+
+
+def _drop_samples_after(path: Path, step: int) -> None:
+    """Cut ``samples.txt`` at the first sample header of a step after ``step``."""
+    if not path.exists():
+        return
+    data = path.read_bytes()
+    for header in _SAMPLE_HEADER.finditer(data):
+        if int(header.group(1)) > step:
+            _rewrite(path, data[: header.start()])
+            return
 
 
 def _jsonable(v: Any) -> Any:

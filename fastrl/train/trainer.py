@@ -44,20 +44,18 @@ from fastrl.train.config import TrainConfig
 from fastrl.train.critic import ValueModel
 from fastrl.train.evaluate import HeldOutEvaluator
 from fastrl.train.experience import Experience
+from fastrl.train.faults import TrainingDivergedError, divergence_message
 from fastrl.train.layout import MicroBatch, make_layout
 from fastrl.train.metrics import (
     LOSS_SHARES, MetricsLogger, SilentLogger, StageTimer, best_and_worst, peak_memory_bytes, rollout_metrics, update_metric_name,
 )
 from fastrl.train.ranks import Ranks
+from fastrl.train.rundir import lock_run_directory
 from fastrl.train.schedule import AdaptiveKLController
 from fastrl.train.score import GroupScorer
 from fastrl.train.weights import WeightSyncError, check_gap, probe_gap, push_weights
 
 __all__ = ["Trainer", "TrainResult", "TrainingDivergedError", "WeightSyncError"]
-
-
-class TrainingDivergedError(RuntimeError):
-    """A non-finite loss or gradient norm: the optimizer step was not taken."""
 
 
 @dataclass
@@ -120,6 +118,7 @@ class Trainer:
         self.is_main = ranks.is_main
         self.spec = build.sampler_spec(cfg.sampler)
         self.out = Path(cfg.output_dir)
+        self.run_lock = lock_run_directory(self.out) if self.is_main else None  # one run per output_dir
         self.out.mkdir(parents=True, exist_ok=True)
         self.loss_config = cfg.policy_loss_config()
         self.autocast_dtype = None
@@ -490,14 +489,14 @@ class Trainer:
 
     def _diverged(self, batch: RolloutBatch, what: str, loss: float, grad_norm: float) -> None:
         rank = f"-rank{self.ranks.rank}" if self.ranks.sharded else ""
-        path = self.out / f"diverged-step-{self.step:06d}{rank}.pt"
+        path = self.out / f"diverged-step-{self.step + 1:06d}{rank}.pt"  # the step being taken, as the metrics number it
         torch.save({"input_ids": batch.input_ids, "attention_mask": batch.attention_mask, "response_mask": batch.response_mask,
                     "completion_ids": batch.completion_ids, "prompt_ids": batch.prompt_ids}, path)
         self.optimizer.zero_grad(set_to_none=True)
-        raise TrainingDivergedError(
-            f"step {self.step}: non-finite {what} (loss {loss}, grad norm {grad_norm}); the optimizer step was not taken. "
-            f"Batch saved to {path}; last good checkpoint: {self.last_checkpoint or 'none yet (save_every=0)'}"
-        )
+        raise TrainingDivergedError(divergence_message(
+            step=self.step + 1, what=what, loss=loss, grad_norm=grad_norm, batch_path=path,
+            last_checkpoint=self.last_checkpoint, save_every=self.cfg.save_every,
+        ))
 
     def _push_weights(self) -> None:
         # one process: a sampler that runs the policy module itself needs nothing. torchrun:
@@ -567,6 +566,8 @@ class Trainer:
                    sharded=self.ranks.sharded, full_policy=self.sampler_model, is_main=self.is_main)
 
     def close(self) -> None:
+        if self.run_lock is not None:
+            self.run_lock.release()
         self.rewards.close()
         if hasattr(self.sampler, "close"):
             self.sampler.close()

@@ -62,6 +62,8 @@ KEY_BOUNDS = {
     "advantages._segment_stats_kernel": 1,
     "advantages._group_adv_kernel": 3,
     "advantages._step_adv_kernel": 3,
+    "turn_advantages._turn_combine_kernel": 3,
+    "turn_advantages._expand_kernel": 3,
 }
 
 
@@ -112,6 +114,7 @@ def walk(rec) -> None:
     from csrc_triton.kl import kl_bwd, kl_fwd
     from csrc_triton.scans import discounted_returns_fwd, gae_fwd
     from csrc_triton.shared_prefix_attention import shared_prefix_attention_bwd, shared_prefix_attention_fwd
+    from csrc_triton.turn_advantages import expand_turn_advantages, turn_combine
     from csrc_triton.value_loss import value_loss_fused
     from csrc_triton.whiten import whiten_backward, whiten_forward
 
@@ -145,6 +148,12 @@ def walk(rec) -> None:
             S = 1 + (n + B) % 64
             step_advantages_tokens(meta(B, S), meta(B, S, dtype=i64), meta(B, dtype=i64), meta(B), meta(B), meta(B),
                                    meta(B, T, dtype=torch.uint8), eps=1e-6)
+            rec.label = "turn advantages"  # agent trajectories: up to 16 turns per row
+            K = 1 + (n + B) % 16
+            turn_combine(meta(B, K), meta(B * K, dtype=torch.uint8), meta(B * K, dtype=i64), meta(B * K), meta(B * K),
+                         meta(B * K), meta(B * K), meta(B), c_ep=1.0, c_rel=1.0, use_std=True, eps=1e-6)
+            expand_turn_advantages(meta(B, K), meta(B, T, dtype=i64), meta(B, T, dtype=torch.uint8),
+                                   meta(B, dtype=i64), use_turn=True)
         # n samples in n // 8 + 1 groups
         G = n // 8 + 1
         segment_stats(meta(n), meta(n, dtype=i64), meta(G, dtype=i64), meta(G, dtype=i64))

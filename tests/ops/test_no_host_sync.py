@@ -42,10 +42,14 @@ from fastrl.ops import (
     policy_loss,
     shared_prefix_decode_attention,
     step_advantages,
+    turn_advantages,
+    turn_gae,
+    turn_index_from_spans,
     value_loss,
 )
 
 aten = torch.ops.aten
+turn_mod = importlib.import_module("fastrl.ops.turn_advantages")  # (the package exports a function of that name)
 
 # Ops that block the host on a GPU whatever their arguments.
 SYNCING_OPS = {
@@ -62,7 +66,8 @@ SYNCING_OPS = {
 }
 # (module, function): validations documented to read values only for CPU tensors.
 CPU_ONLY_READS = [(lp_mod, "_check_target_range"), (adv_mod, "_check_step_layout"),
-                  (adv_mod, "_check_finite_rewards")] + [
+                  (adv_mod, "_check_finite_rewards"), (turn_mod, "_check_layout"), (turn_mod, "_check_finite"),
+                  (turn_mod, "_check_spans")] + [
     # a global count given as a CPU tensor is range-checked on the host (fastrl._checks.check_global_count)
     (importlib.import_module(f"fastrl.ops.{name}"), "check_global_count")
     for name in ("policy_loss", "value_loss", "logprobs", "fused_policy_loss", "aggregation")
@@ -187,6 +192,10 @@ def _calls(device, backend):
     sr = torch.randn(B, 4, device=device)
     end = torch.tensor([[1, 3, 6, -1], [0, 2, -1, -1], [6, -1, -1, -1]], device=device)
     ids = torch.tensor([5, -2, 5], device=device)
+    # agent trajectories: 4 turns, policy tokens of turn t * 4 // T (every token index < num_turns)
+    nt = torch.tensor([4, 3, 4], device=device)
+    spans = torch.tensor([[0, 3], [1, 5], [2, 4]], device=device)  # a segment table: [start, start + 2)
+    ti = torch.minimum(torch.arange(T, device=device) * 4 // T, nt[:, None] - 1).expand(B, T).contiguous()
     Hq, Hkv, D, G = 4, 2, 16, 3
     att = dict(q=torch.randn(G, Hq, D, device=device), prefix_k=torch.randn(Hkv, 9, D, device=device),
                prefix_v=torch.randn(Hkv, 9, D, device=device),
@@ -219,6 +228,21 @@ def _calls(device, backend):
         "group_advantages rloo": lambda: group_advantages(rewards[:, 0], ids, mode="rloo", backend=backend,
                                                           cpu_host_path=False),
         "step_advantages": lambda: step_advantages(sr, end, ids, mask, backend=backend),
+        "turn_advantages gigpo": lambda: turn_advantages(ti, mask, sr, nt, rewards[:, 1], ids, mode="gigpo",
+                                                         state_keys=end, gamma=0.9, backend=backend,
+                                                         cpu_host_path=False),
+        "turn_advantages gigpo verl-agent": lambda: turn_advantages(ti, mask, sr, nt, rewards[:, 1], ids, mode="gigpo",
+                                                                    state_keys=end, episode_over="turns",
+                                                                    norm="none", backend=backend,
+                                                                    cpu_host_path=False),
+        "turn_advantages turn_discounted": lambda: turn_advantages(ti, mask, sr, nt, rewards[:, 1], ids,
+                                                                   mode="turn_discounted", backend=backend,
+                                                                   cpu_host_path=False),
+        "turn_advantages broadcast": lambda: turn_advantages(ti, mask, sr, nt, rewards[:, 1], ids, backend=backend,
+                                                             cpu_host_path=False),
+        "turn_index_from_spans": lambda: turn_index_from_spans(spans, spans + 2, nt - 2, seq_len=T),
+        "turn_gae": lambda: turn_gae(ti, mask, sr, nt, values, gamma=0.99, lam=0.95, outcome_rewards=rewards[:, 1],
+                                     backend=backend),
     }
     if backend == "triton" or device.type == "cuda":
         # on CPU the torch backend of these takes paths made for the CPU (see the module doc)
@@ -237,7 +261,9 @@ def _calls(device, backend):
 
 BACKENDS = ["torch", "triton"]
 ALL_OPS = ["policy_loss", "kl_penalty", "gae", "discounted_returns", "value_loss", "masked_whiten",
-           "group_advantages", "step_advantages", "linear_logprobs", "fused_linear_policy_loss", "decode_attention"]
+           "group_advantages", "step_advantages", "turn_advantages", "turn_gae", "turn_index_from_spans",
+           "linear_logprobs",
+           "fused_linear_policy_loss", "decode_attention"]
 
 
 def test_every_op_is_covered(device):

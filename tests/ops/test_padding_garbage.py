@@ -22,6 +22,8 @@ from fastrl.ops import (
     masked_whiten,
     policy_loss,
     step_advantages,
+    turn_advantages,
+    turn_gae,
     value_loss,
 )
 from fastrl.reference import scans as scans_ref
@@ -29,6 +31,7 @@ from fastrl.reference.advantages import step_advantages_reference
 from fastrl.reference.kl import kl_penalty_reference
 from fastrl.reference.logprobs import linear_logprobs_reference
 from fastrl.reference.policy_loss import policy_loss_reference
+from fastrl.reference.turn_advantages import turn_advantages_reference, turn_gae_reference
 from fastrl.reference.value_loss import value_loss_reference
 from fastrl.reference.whiten import masked_whiten_reference
 
@@ -174,6 +177,43 @@ def _step_adv_case(backend, kind):
     return {"advantages": step_advantages(r, end, ids, m, backend=backend)}
 
 
+def _turn_layout(kind):
+    """Agent trajectories on ``_mask(9)``: each run of policy tokens is one turn; K = 4 turns
+    (absent ones hold garbage), turn_index off the policy tokens is garbage too."""
+    m = _mask(9)
+    starts = m & ~torch.nn.functional.pad(m, (1, 0))[:, :-1]
+    ti = torch.cumsum(starts.long(), 1) - 1
+    nt = starts.sum(1)
+    ti = torch.where(m, ti, -1 if kind is None else 10**9)
+    present = torch.arange(4)[None] < nt[:, None]
+    return m, ti, nt, present
+
+
+def _turn_case(backend, kind, mode):
+    m, ti, nt, present = _turn_layout(kind)
+    r = _fill(_rand(B, 4, seed=1).round(), present, kind)
+    outcome = _rand(B, seed=2)
+    keys = torch.where(present, torch.tensor([[1, 2, 1, 2]]).expand(B, 4), 0 if kind is None else 2**61)
+    ids = torch.tensor([7, 7, 3, 7])
+    kw = dict(mode=mode, gamma=0.9, outcome_coef=0.5, state_keys=keys if mode == "gigpo" else None)
+    if backend == "reference":
+        adv, stats = turn_advantages_reference(ti, m, r, nt, outcome, ids, **kw)
+    else:
+        adv, stats = turn_advantages(ti, m, r, nt, outcome, ids, backend=backend, **kw)
+    return {"advantages": adv.float(), **stats}
+
+
+def _turn_gae_case(backend, kind):
+    m, ti, nt, present = _turn_layout(kind)
+    r = _fill(_rand(B, 4, seed=1), present, kind)
+    v = _fill(_rand(B, T, seed=3), m, kind)
+    tok = _fill(0.1 * _rand(B, T, seed=4), m, kind)
+    fn = turn_gae_reference if backend == "reference" else turn_gae
+    kw = {} if backend == "reference" else {"backend": backend}
+    adv, ret = fn(ti, m, r, nt, v, gamma=0.9, lam=0.95, outcome_rewards=_rand(B, seed=2), token_rewards=tok, **kw)
+    return {"advantages": adv.float(), "returns": ret.float()}
+
+
 def _kl_case(backend, kind, estimator):
     """No mask: garbage at some elements must stay there (values and gradients elsewhere unchanged)."""
     keep = _mask(6)
@@ -233,6 +273,9 @@ CASES = {
     "masked_whiten": lambda b, k: _whiten_case(b, k, True),
     "masked_whiten[scale_only]": lambda b, k: _whiten_case(b, k, False),
     "step_advantages": _step_adv_case,
+    "turn_advantages[gigpo]": lambda b, k: _turn_case(b, k, "gigpo"),
+    "turn_advantages[turn_discounted]": lambda b, k: _turn_case(b, k, "turn_discounted"),
+    "turn_gae": _turn_gae_case,
     "kl_penalty[k3]": lambda b, k: _kl_case(b, k, "k3"),
     "kl_penalty[k2]": lambda b, k: _kl_case(b, k, "k2"),
     "linear_logprobs": _logprobs_case,
