@@ -685,7 +685,9 @@ class ComparePlan:
 
 
 def build_compare_parser() -> argparse.ArgumentParser:
-    parser = argparse.ArgumentParser(
+    from fastrl.cli_style import ArgumentParser
+
+    parser = ArgumentParser(
         prog="fastrl compare",
         allow_abbrev=False,  # `--seed` must not abbreviate `--seeds`: unknown options go to `fastrl train`
         formatter_class=argparse.RawDescriptionHelpFormatter,
