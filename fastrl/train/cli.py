@@ -152,8 +152,7 @@ def run_train(argv: list[str]) -> int:
     config = parse_train_args(argv)
     if os.environ.get("RANK", "0") == "0":
         print(describe_run(config), file=sys.stderr, flush=True)
-    if config.progress:
-        quiet_hf_progress_bars()
+    quiet_hf_progress_bars()  # transformers' shard-writing bars would interleave with fastrl's lines
     from fastrl.rollout.remote import ServerError, ServerTimeout, ServerUnavailable
     from fastrl.train.trainer import Trainer, TrainingDivergedError, WeightSyncError
 

@@ -81,7 +81,8 @@ class MetricsLogger:
             for k, v in metrics.items():
                 self.tb.add_scalar(k, v, step)
         if self.bar is not None:
-            self.bar.write(f"held-out evaluation at RL step {step}: " + "  ".join(f"{k} {v:.3f}" for k, v in metrics.items()))
+            title = "warm-up done" if all(k.startswith("sft/") for k in metrics) else f"held-out evaluation at RL step {step}"
+            self.bar.write(f"{title}: " + "  ".join(f"{k} {v:.4g}" for k, v in metrics.items() if k != "step"))
 
     def write_samples(self, step: int, best: tuple[str, str, float], worst: tuple[str, str, float]) -> None:
         for tag, (prompt, completion, reward) in (("best", best), ("worst", worst)):

@@ -3,9 +3,9 @@ bar for the supervised warm-up and one for the RL steps, each value labelled.
 
 On a terminal the bars are tqdm bars; when the output is piped or written to a file (not a
 TTY) every bar prints plain lines instead (the first step, every ``PLAIN_LINE_EVERY``-th and
-the last), so logs carry no carriage returns or cursor-movement codes. While fastrl shows
-its bars, transformers' and huggingface_hub's own bars (shard writing when a model is
-saved) are switched off, so they cannot interleave with fastrl's.
+the last), so logs carry no carriage returns or cursor-movement codes. While ``fastrl train``
+runs, transformers' and huggingface_hub's own bars (shard writing when a model is saved) are
+switched off (``quiet_hf_progress_bars``), so they cannot interleave with fastrl's lines.
 """
 
 from __future__ import annotations
@@ -23,8 +23,10 @@ STEP_LABELS: dict[str, str] = {
     "loss/clip_frac": "clipped",
     "time/step": "s_per_step",
 }
-# Without a terminal: one plain line at the first step, every this many steps, and the last.
+# Without a terminal: one plain line at the first step, every PLAIN_LINE_EVERY-th step (or
+# every total/PLAIN_LINES_PER_BAR-th, whichever is rarer) and the last.
 PLAIN_LINE_EVERY = 10
+PLAIN_LINES_PER_BAR = 20
 
 
 def algorithm_label(cfg: Any) -> str:
@@ -71,6 +73,7 @@ class Progress:
                  terminal: bool | None = None):
         self.stream = sys.stderr if stream is None else stream
         self.total, self.desc, self.unit, self.n = total, desc, unit, initial
+        self.every = max(PLAIN_LINE_EVERY, total // PLAIN_LINES_PER_BAR)
         self.bar = None
         if is_terminal(self.stream) if terminal is None else terminal:
             try:
@@ -87,7 +90,7 @@ class Progress:
         if self.bar is not None:
             self.bar.set_postfix(shown, refresh=False)
             self.bar.update(1)
-        elif self.n == 1 or self.n % PLAIN_LINE_EVERY == 0 or self.n == self.total:
+        elif self.n == 1 or self.n % self.every == 0 or self.n == self.total:
             self.write(f"{self.desc}: {self.unit} {self.n}/{self.total}" + "".join(f"  {k} {v}" for k, v in shown.items()))
 
     def write(self, text: str) -> None:
