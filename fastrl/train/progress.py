@@ -55,6 +55,13 @@ def describe_run(cfg: Any) -> str:
     return f"fastrl train: {resume}" + ", ".join(parts) + f"; output in {where}"
 
 
+def describe_evaluation(cfg: Any, prompts: int, step: int) -> str:
+    """The line shown when a held-out evaluation starts (it generates for every prompt)."""
+    sampled = f" + {cfg.pass_k} samples each for pass@{cfg.pass_k}" if cfg.pass_k > 1 else ""
+    return (f"held-out evaluation at RL step {step}: {prompts} prompts, greedy{sampled}, "
+            f"up to {cfg.max_new_tokens} new tokens ...")
+
+
 def is_terminal(stream: TextIO) -> bool:
     try:
         return stream.isatty()

@@ -50,6 +50,7 @@ from fastrl.train.checkpoint import (
 from fastrl.train.config import TrainConfig
 from fastrl.train.critic import ValueModel, explained_variance
 from fastrl.train.metrics import MetricsLogger, histogram, peak_memory_bytes
+from fastrl.train.progress import describe_evaluation
 from fastrl.train.schedule import AdaptiveKLController, warmup_cosine
 
 __all__ = ["Trainer", "TrainResult", "TrainingDivergedError", "WeightSyncError"]
@@ -1374,6 +1375,8 @@ class Trainer:
     def _run_eval(self) -> None:
         if not self.eval_rows:
             return
+        if self.logger is not None:  # an evaluation can take a while: say what runs now
+            self.logger.message(describe_evaluation(self.cfg, len(self.eval_rows), self.step))
         metrics = self.evaluate()
         metrics["step"] = float(self.step)
         if not self.eval_history or self.eval_history[-1].get("step") != float(self.step):

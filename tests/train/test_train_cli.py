@@ -324,3 +324,15 @@ def test_progress_without_a_terminal_prints_plain_labelled_lines():
     silent = io.StringIO()
     WarmupProgress(5, target_accuracy=None, enabled=False, stream=silent).on_step(1, 1.0)
     assert silent.getvalue() == ""
+
+
+def test_a_dataset_run_evaluates_fewer_prompts_by_default_and_says_when_it_evaluates():
+    from fastrl.train.config import DATASET_EVAL_PROMPTS, TrainConfig
+    from fastrl.train.progress import describe_evaluation
+
+    assert TrainConfig().resolved().eval_prompts == 200                       # the built-in task's held-out set
+    real = TrainConfig(model="some/model", dataset="train.jsonl").resolved()
+    assert real.eval_prompts == DATASET_EVAL_PROMPTS < 200 and real.max_new_tokens == 256
+    assert TrainConfig(model="m", eval_prompts=300).resolved().eval_prompts == 300
+    assert describe_evaluation(real, 64, 0) == ("held-out evaluation at RL step 0: 64 prompts, greedy + 4 samples each "
+                                                "for pass@4, up to 256 new tokens ...")
