@@ -1375,7 +1375,7 @@ class Trainer:
     def _run_eval(self) -> None:
         if not self.eval_rows:
             return
-        if self.logger is not None:  # an evaluation can take a while: say what runs now
+        if self.logger is not None and self.cfg.progress:  # an evaluation can take a while: say what runs now
             self.logger.message(describe_evaluation(self.cfg, len(self.eval_rows), self.step))
         metrics = self.evaluate()
         metrics["step"] = float(self.step)
