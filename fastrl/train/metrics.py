@@ -41,7 +41,8 @@ def histogram(values: torch.Tensor, bins: int = 10) -> dict[str, list[float]]:
 class MetricsLogger:
     """Writes ``metrics.jsonl``, ``samples.txt`` and TensorBoard events under ``output_dir``."""
 
-    def __init__(self, output_dir: str | os.PathLike, *, total_steps: int, tensorboard: bool = True, progress: bool = True, start_step: int = 0):
+    def __init__(self, output_dir: str | os.PathLike, *, total_steps: int, tensorboard: bool = True, progress: bool = True, start_step: int = 0,
+                 progress_desc: str = "RL"):
         self.dir = Path(output_dir)
         self.dir.mkdir(parents=True, exist_ok=True)
         _drop_torn_last_line(self.dir / "metrics.jsonl")  # a run killed mid-write, resumed here
@@ -59,7 +60,7 @@ class MetricsLogger:
         if progress:
             from fastrl.train.progress import Progress
 
-            self.bar = Progress(total=total_steps, initial=start_step, desc="RL", unit="step")
+            self.bar = Progress(total=total_steps, initial=start_step, desc=progress_desc, unit="step")
 
     def log(self, step: int, metrics: dict[str, Any], *, extra: dict[str, Any] | None = None) -> None:
         record = {"step": step, "time": time.time(), **{k: _jsonable(v) for k, v in metrics.items()}}

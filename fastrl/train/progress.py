@@ -117,9 +117,9 @@ def step_values(metrics: dict[str, Any]) -> dict[str, float]:
     return {label: float(metrics[key]) for key, label in STEP_LABELS.items() if key in metrics}
 
 
-def rl_progress(cfg: Any, *, initial: int = 0, stream: TextIO | None = None, terminal: bool | None = None) -> Progress:
-    return Progress(total=cfg.steps, initial=initial, desc=f"{algorithm_label(cfg)} (RL)", unit="step",
-                    stream=stream, terminal=terminal)
+def rl_progress_label(cfg: Any) -> str:
+    """The RL bar's label: the algorithm, e.g. ``GRPO (RL)``."""
+    return f"{algorithm_label(cfg)} (RL)"
 
 
 def warmup_progress(total: int, *, stream: TextIO | None = None, terminal: bool | None = None) -> Progress:

@@ -50,7 +50,7 @@ from fastrl.train.checkpoint import (
 from fastrl.train.config import TrainConfig
 from fastrl.train.critic import ValueModel, explained_variance
 from fastrl.train.metrics import MetricsLogger, histogram, peak_memory_bytes
-from fastrl.train.progress import describe_evaluation
+from fastrl.train.progress import describe_evaluation, rl_progress_label
 from fastrl.train.schedule import AdaptiveKLController, warmup_cosine
 
 __all__ = ["Trainer", "TrainResult", "TrainingDivergedError", "WeightSyncError"]
@@ -1314,7 +1314,7 @@ class Trainer:
         out_of_budget: str | None = None
         if self.is_main:
             self.logger = MetricsLogger(self.out, total_steps=cfg.steps, tensorboard=cfg.tensorboard, progress=cfg.progress,
-                                        start_step=self.step)
+                                        start_step=self.step, progress_desc=rl_progress_label(cfg))
         else:  # under torchrun rank 0 writes the logs (its metrics are already over every rank)
             self.logger = _SilentLogger()
         try:

@@ -134,9 +134,9 @@ def test_fastrl_train_with_another_surrogate(local_model_and_data, tmp_path):
     assert not any("dual_clip_frac" in key for key in step)
 
 
-def test_unknown_surrogate_is_an_error_before_any_work(tmp_path):
-    with pytest.raises((ValueError, SystemExit)):
-        main(["train", "--output_dir", str(tmp_path / "run"), "--surrogate", "ppo_clipp"])
+def test_unknown_surrogate_is_an_error_before_any_work(tmp_path, capsys):
+    assert main(["train", "--output_dir", str(tmp_path / "run"), "--surrogate", "ppo_clipp"]) == 2  # one line
+    assert "surrogate must be one of" in capsys.readouterr().err
     assert not (tmp_path / "run" / "metrics.jsonl").exists()
 
 
@@ -336,3 +336,20 @@ def test_a_dataset_run_evaluates_fewer_prompts_by_default_and_says_when_it_evalu
     assert TrainConfig(model="m", eval_prompts=300).resolved().eval_prompts == 300
     assert describe_evaluation(real, 64, 0) == ("held-out evaluation at RL step 0: 64 prompts, greedy + 4 samples each "
                                                 "for pass@4, up to 256 new tokens ...")
+
+
+def test_progress_on_a_terminal_is_a_labelled_bar():
+    import io
+
+    from fastrl.train.progress import Progress, step_values
+
+    pytest.importorskip("tqdm")
+    stream = io.StringIO()
+    bar = Progress(total=3, desc="GRPO (RL)", unit="step", stream=stream, terminal=True)
+    for _ in range(3):
+        bar.advance(step_values({"reward/mean": 0.25, "eval/accuracy": 0.5}))
+    bar.write("a line between bars")
+    bar.close()
+    text = stream.getvalue()
+    assert "\r" in text and "GRPO (RL)" in text and "3/3" in text and "reward=0.25" in text and "heldout_acc=0.5" in text
+    assert "a line between bars\n" in text
