@@ -84,6 +84,98 @@ def headline() -> str:
     return _rows(["what (CPU, torch path)", "fastrl", "what you would run instead", "ratio"], rows)
 
 
+def benchmarks_cpu() -> str:
+    """The benchmarks page: every measured op and step beside its baseline, with its command."""
+    ops = _load("bench-cpu-full-scans-advantages.json")["results"]
+
+    def op(name, shape, impl):
+        return _bench_row(ops, name, shape, impl)["best_ms"]
+
+    gae = op("gae", "B=64 T=8192", "fastrl")
+    ret = op("discounted_returns", "B=64 T=8192", "fastrl")
+    adv = op("group_advantages", "N=65536 G=16", "fastrl")
+    vl = op("value_loss fwd+bwd", "B=64 T=4096 clip=0.2", "fastrl")
+    lp = {r["impl"]: r for r in _load("logprobs-memory-cpu-20261129-211224.json")["results"]}
+    hf256 = _load("rollout-hf-cpu-quick-20261129-214426.json")["rows"]
+    hf64 = _load("rollout-hf-cpu-quick-20261129-214313.json")["rows"]
+    h256 = next(r for r in hf256 if (r["P"], r["G"], r["L"]) == (2048, 8, 64))
+    h64 = next(r for r in hf64 if (r["P"], r["G"], r["L"]) == (2048, 8, 64))
+    vrows = {r["mode"]: r for r in _load("rollout_vllm_cpu.json")["rows"] if (r["P"], r["G"], r["L"]) == (2048, 16, 64)}
+    srv = _load("vllm_server_cpu.json")
+    sb, sr = srv["seconds_best"], srv["ratios"]
+    trl = _load("trl_memory_cpu.json")["results"]
+    lt = _load("long_trajectory_cpu.json")
+    lt_fastrl = max((r for r in lt["results"] if r["impl"] == "fastrl" and r["ok"]), key=lambda r: r["trajectory_tokens"])
+    lt_sum, KiB = lt["summary"], 1024
+    naive_oom = int(re.search(r"at (\d+) tokens", lt_sum["naive"]["stopped"]).group(1))
+    prefix = _load("shared_prefix_cpu_4096x512_interleaved.json")["results"][0]
+    shared, repeated = prefix["interleaved"]["min_time_s"]["shared"], prefix["interleaved"]["min_time_s"]["repeated"]
+    step_file = _load("trainer_vs_trl_cpu.json")
+    step, shapes = step_file["fixed_steps"]["best"], step_file["shapes"]
+    f, t = step["fastrl-grpo"], step["trl-grpo"]
+    rows = [
+        ["GAE, B=64 T=8192", f"{gae:.1f} ms",
+         f"Python loop over T, verl-style carry: {op('gae', 'B=64 T=8192', 'loop (verl-style carry)'):.0f} ms",
+         f"{op('gae', 'B=64 T=8192', 'loop (verl-style carry)') / gae:.0f}x", "`fastrl bench --only scans`"],
+        ["", "", f"Python loop, OpenRLHF-style (no carry across holes): {op('gae', 'B=64 T=8192', 'loop (OpenRLHF-style)'):.0f} ms",
+         f"{op('gae', 'B=64 T=8192', 'loop (OpenRLHF-style)') / gae:.0f}x", ""],
+        ["discounted returns, B=64 T=8192", f"{ret:.1f} ms", f"Python loop: {op('discounted_returns', 'B=64 T=8192', 'loop'):.0f} ms",
+         f"{op('discounted_returns', 'B=64 T=8192', 'loop') / ret:.0f}x", ""],
+        ["group advantages (grpo), N=65536", f"{adv:.1f} ms",
+         f"Python dict loop over samples (verl): {op('group_advantages', 'N=65536 G=16', 'dict_loop'):.0f} ms",
+         f"{op('group_advantages', 'N=65536 G=16', 'dict_loop') / adv:.0f}x", "`fastrl bench --only advantages`"],
+        ["", "", f"unique + scatter (eager): {op('group_advantages', 'N=65536 G=16', 'unique_scatter'):.1f} ms",
+         f"{op('group_advantages', 'N=65536 G=16', 'unique_scatter') / adv:.2f}x (the eager baseline is faster here)", ""],
+        ["value loss fwd+bwd, 64x4096", f"{vl:.1f} ms", f"eager multi-op: {op('value_loss fwd+bwd', 'B=64 T=4096 clip=0.2', 'eager'):.1f} ms",
+         f"{op('value_loss fwd+bwd', 'B=64 T=4096 clip=0.2', 'eager') / vl:.1f}x", ""],
+        [f"GRPO loss from hidden states, {lp['fastrl']['tokens']} tokens x {lp['fastrl']['vocab']} vocab (H={lp['fastrl']['hidden']}, fp32)",
+         f"{lp['fastrl']['peak_extra_mb']:.0f} MB peak extra, {lp['fastrl']['min_time_s']:.1f} s",
+         f"naive logits + log_softmax: {lp['naive']['peak_extra_mb']:.0f} MB, {lp['naive']['min_time_s']:.1f} s",
+         f"{lp['fastrl']['mem_vs_naive']:.3f}x memory, {lp['fastrl']['time_vs_naive']:.2f}x time",
+         "`python benchmarks/bench_logprobs_memory.py --shapes 8192:256:151936`"],
+        ["", "", f"Liger fused GRPO loss: {lp['liger']['peak_extra_mb']:.0f} MB, {lp['liger']['min_time_s']:.1f} s", "", ""],
+        ["HF group sampling, P=2048 G=8 L=64, tiny Llama (hidden 64 / 256)",
+         f"prefill {h256['prefill_tokens_shared']} tokens, KV {h256['kv_shared_over_ideal']:.3f}x of P+G*L slots",
+         f"`model.generate` on G prompt copies: {h256['prefill_tokens_duplicated']} tokens",
+         f"{h64['speedup']:.1f}x / {h256['speedup']:.1f}x wall",
+         "`python benchmarks/bench_rollout.py --quick --threads 1 [--hidden 256 --layers 4]`"],
+        ["vLLM n=G with prefix cache, P=2048 G=16 L=64",
+         f"{vrows['shared']['prefill_tokens_computed']} prefill tokens, hit rate {vrows['shared']['prefix_cache_hit_rate']:.2f}",
+         f"duplicated prompts, no cache: {vrows['duplicated']['prefill_tokens_computed']}",
+         f"{vrows['duplicated']['seconds'] / vrows['shared']['seconds']:.1f}x wall", "`python benchmarks/bench_rollout_vllm.py`"],
+        [f"`fastrl vllm-server`, {srv['shape']['prompts']} prompts x G={srv['shape']['group_size']}, "
+         f"P={srv['shape']['prompt_len']} L={srv['shape']['gen_len']} (best of 3)",
+         f"rollout {sb['generate_server']:.2f} s (2 clients at once: {sb['generate_server_2_clients']:.2f} s, one engine call); "
+         f"weight push {sb['update_server']:.2f} s over HTTP, {sb['update_server_file']:.2f} s as files in `--weights_dir`",
+         f"the same engine in-process: {sb['generate_in_process']:.2f} s; push {sb['update_in_process']:.3f} s",
+         f"{sr['generate_server_over_in_process']:.2f}x rollout; push {sr['update_server_over_in_process']:.1f}x / "
+         f"{sr['update_server_file_over_in_process']:.1f}x", f"`OMP_NUM_THREADS=1 {srv['command']}`"],
+        ["TRL GRPOTrainer dapo loss step (vocab 32768, 16x128 tokens)",
+         f"{trl['fastrl']['step_peak_mib']:.0f} MiB, {trl['fastrl']['step_time_s']:.2f} s",
+         f"TRL 1.16: {trl['trl']['step_peak_mib']:.0f} MiB, {trl['trl']['step_time_s']:.2f} s",
+         f"{trl['fastrl']['step_peak_mib'] / trl['trl']['step_peak_mib']:.2f}x memory", "`python benchmarks/bench_trl_memory.py`"],
+        ["GRPO training step vs trajectory length (Qwen2 hidden 256, 4 layers, vocab 151936; G=8)",
+         f"shared prefix + fused loss + checkpointing: {lt_fastrl['trajectory_tokens'] // 1024}K tokens in "
+         f"{lt_fastrl['peak_extra_mib']:.0f} MiB, slope {lt_sum['fastrl']['memory_slope_bytes_per_token'] / KiB:.1f} KiB/token",
+         f"naive logits: {lt_sum['naive']['memory_slope_bytes_per_token'] / KiB:.0f} KiB/token, out of memory at "
+         f"{naive_oom // 1024}K; TRL loss path "
+         f"{lt_sum['trl']['memory_slope_bytes_per_token'] / KiB:.0f} KiB/token (to {lt_sum['trl']['max_trajectory_tokens'] // 1024}K)",
+         f"1/{lt['ratios']['slope_naive_over_fastrl']:.0f} memory slope", "`python benchmarks/bench_long_trajectory.py`"],
+        [f"shared vs repeated prefix, fwd+bwd, P={prefix['prompt_len']} L={prefix['completion_len']} G={prefix['group_size']}",
+         f"{shared:.1f} s, {prefix['shared']['peak_extra_mb']:.0f} MiB",
+         f"repeated prefix: {repeated:.1f} s, {prefix['repeated']['peak_extra_mb']:.0f} MiB",
+         f"{repeated / shared:.2f}x time, 1/{prefix['memory_ratio_repeated_over_shared']:.1f} memory",
+         "`OMP_NUM_THREADS=1 python benchmarks/bench_shared_prefix.py --shapes 4096x512 --threads 1 --interleaved-rounds 2`"],
+        [f"whole training step, tiny Llama ({shapes['parameters'] / 1000:.0f}K params, vocab {shapes['vocab_size']}), "
+         f"{shapes['prompts_per_step']}x{shapes['group_size']} samples",
+         f"{f['step_s_median']:.2f} s/step, {f['peak_rss_mib']:.0f} MiB",
+         f"TRL GRPOTrainer: {t['step_s_median']:.2f} s/step, {t['peak_rss_mib']:.0f} MiB",
+         f"{t['step_s_median'] / f['step_s_median']:.2f}x speed, {f['peak_rss_mib'] / t['peak_rss_mib']:.2f}x memory",
+         "`python benchmarks/bench_trainer_vs_trl.py`"],
+    ]
+    return _rows(["what", "fastrl", "baseline", "ratio", "command"], rows)
+
+
 def compare_default() -> str:
     """`fastrl compare` on its defaults: one row per verdict axis, mean +- std over seeds."""
     data = _load("compare_default_cpu/compare.json")
@@ -102,7 +194,7 @@ def compare_default() -> str:
 
 
 TABLES: dict[str, Callable[[], str]] = {"default_train_seeds": default_train_seeds, "headline": headline,
-                                        "compare_default": compare_default}
+                                        "compare_default": compare_default, "benchmarks_cpu": benchmarks_cpu}
 
 
 def pages() -> list[Path]:

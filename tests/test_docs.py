@@ -33,7 +33,7 @@ def test_tables_agree_with_the_results_json():
     assert proc.returncode == 0, proc.stderr
     pages = [ROOT / "README.md", *(ROOT / "docs").glob("*.md")]
     names = {m for p in pages for m in re.findall(r"<!-- table:([a-z_]+) -->", p.read_text())}
-    assert {"headline", "default_train_seeds", "compare_default"} <= names
+    assert {"headline", "default_train_seeds", "compare_default", "benchmarks_cpu"} <= names
 
 
 def test_a_changed_result_makes_the_check_fail(tmp_path):
