@@ -260,7 +260,7 @@ class MemoryPlan:
         """A printable table of components and phases (GiB)."""
         o = self.options
         lines = [
-            f"fastrl plan: {self.model} ({self.params / 1e9:.2f}B params), {o['algorithm']}, {o['precision']}, "
+            f"fastrl plan: {self.model} ({_count(self.params)} params), {o['algorithm']}, {o['precision']}, "
             f"{o['optimizer']}{' (offloaded)' if o['optimizer_offload'] else ''}, "
             f"P={o['prompt_len']} L={o['response_len']} G={o['group_size']} x{o['prompts_per_micro_batch']} prompt(s)/micro-batch",
             f"  head: {'fused log-probs' if o['fused_logprobs'] else 'naive logits'}; attention: {o['attention']}; "
@@ -280,6 +280,11 @@ class MemoryPlan:
         lines.append(f"  {'TOTAL (peak)':<34}{self.total / GiB:>10.2f}{self.total / 1e9:>10.2f}")
         lines += [f"  note: {n}" for n in self.notes]
         return "\n".join(lines)
+
+
+def _count(n: int) -> str:
+    """A parameter count as 0.49B, 245K, ..."""
+    return f"{n / 1e9:.2f}B" if n >= 1e8 else (f"{n / 1e6:.1f}M" if n >= 1e6 else f"{n / 1e3:.0f}K")
 
 
 def _elem(precision: str) -> tuple[int, int, int, int]:
