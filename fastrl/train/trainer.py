@@ -31,6 +31,7 @@ from typing import Any, Callable, Sequence
 
 import torch
 
+from fastrl.errors import InputError
 from fastrl.ops import PackedLayout, gae, group_advantages, kl_penalty, masked_whiten, policy_loss, value_loss
 from fastrl.ops.hf import causal_lm_logprobs
 from fastrl.rollout import HFGroupSampler, SamplingConfig
@@ -48,10 +49,10 @@ from fastrl.train.checkpoint import (
 )
 from fastrl.train.config import TrainConfig
 from fastrl.train.critic import ValueModel, explained_variance
-from fastrl.train.metrics import MetricsLogger, histogram, peak_memory_bytes
-from fastrl.errors import InputError
-from fastrl.train.rundir import lock_run_directory
 from fastrl.train.faults import TrainingDivergedError, divergence_message
+from fastrl.train.metrics import MetricsLogger, histogram, peak_memory_bytes
+from fastrl.train.progress import describe_evaluation, rl_progress_label
+from fastrl.train.rundir import lock_run_directory
 from fastrl.train.schedule import AdaptiveKLController, warmup_cosine
 
 __all__ = ["Trainer", "TrainResult", "TrainingDivergedError", "WeightSyncError"]
@@ -231,17 +232,21 @@ class Trainer:
 
             if not all("answer" in r for r in self.train_rows):
                 raise ValueError("sft_steps > 0 needs an 'answer' column in the dataset (the warm-up targets)")
+            from fastrl.train.progress import WarmupProgress
+
+            warm = WarmupProgress(sft_steps, target_accuracy=cfg.sft_target_accuracy, enabled=cfg.progress and self.is_main)
             common = dict(steps=sft_steps, lr=cfg.sft_lr, batch_size=cfg.sft_batch_size, seed=cfg.seed, warmup_steps=cfg.sft_warmup_steps,
-                          prompt_column=cfg.prompt_column, chat_template=cfg.chat_template)
+                          prompt_column=cfg.prompt_column, chat_template=cfg.chat_template, on_step=warm.on_step)
             if cfg.sft_target_accuracy is not None:
                 common["max_steps"] = common.pop("steps")
                 result = sft_to_target(
                     self.policy, self.tokenizer, self.train_rows, score_fn=self._answer_score,
                     target_accuracy=cfg.sft_target_accuracy, check_every=cfg.sft_check_every,
-                    probe_rows=cfg.sft_probe_rows, max_new_tokens=cfg.max_new_tokens, **common,
+                    probe_rows=cfg.sft_probe_rows, max_new_tokens=cfg.max_new_tokens, on_probe=warm.on_probe, **common,
                 )
             else:
                 result = sft_warmup(self.policy, self.tokenizer, self.train_rows, **common)
+            warm.close()
             self.policy.train()
             self.sft_metrics = {
                 "sft/steps": float(result["steps"]), "sft/first_loss": float(result["first_loss"]),
@@ -316,8 +321,9 @@ class Trainer:
             return
         if not self.cfg.overwrite:
             raise InputError(
-                f"output_dir {str(self.out)!r} already holds a run ({', '.join(p.name for p in previous)}): pass "
-                "resume=latest to continue it, overwrite=true to replace it, or choose another output_dir"
+                f"output_dir {str(self.out)!r} already holds a run ({', '.join(p.name for p in previous)}): rerun with "
+                "--resume latest to continue it, --overwrite true to replace it, or another --output_dir "
+                "(from Python: resume='latest', overwrite=True, output_dir=...)"
             )
         import shutil
 
@@ -1307,7 +1313,7 @@ class Trainer:
         out_of_budget: str | None = None
         if self.is_main:
             self.logger = MetricsLogger(self.out, total_steps=cfg.steps, tensorboard=cfg.tensorboard, progress=cfg.progress,
-                                        start_step=self.step)
+                                        start_step=self.step, progress_desc=rl_progress_label(cfg))
         else:  # under torchrun rank 0 writes the logs (its metrics are already over every rank)
             self.logger = _SilentLogger()
         try:
@@ -1368,6 +1374,8 @@ class Trainer:
     def _run_eval(self) -> None:
         if not self.eval_rows:
             return
+        if self.logger is not None and self.cfg.progress:  # an evaluation can take a while: say what runs now
+            self.logger.message(describe_evaluation(self.cfg, len(self.eval_rows), self.step))
         metrics = self.evaluate()
         metrics["step"] = float(self.step)
         if not self.eval_history or self.eval_history[-1].get("step") != float(self.step):
