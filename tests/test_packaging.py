@@ -158,7 +158,7 @@ def test_the_blocker_really_hides_triton(tmp_path):
 
 def _install_hints() -> list[tuple[str, str]]:
     hints = []
-    files = [ROOT / "README.md", *ROOT.glob("fastrl/**/*.py"), *ROOT.glob("tests/**/*.py"), *ROOT.glob("benchmarks/*.py")]
+    files = [ROOT / "README.md", *ROOT.glob("docs/*.md"), *ROOT.glob("fastrl/**/*.py"), *ROOT.glob("tests/**/*.py"), *ROOT.glob("benchmarks/*.py")]
     for path in files:
         if path.resolve() == Path(__file__).resolve():
             continue

@@ -126,12 +126,21 @@ def _shapes(device: torch.device, quick: bool) -> list[tuple[int, int, int]]:
     return [(2048, 256, 32000), (2048, 256, 151936)]
 
 
-def available_impls() -> tuple[str, ...]:
-    """IMPLS whose packages are installed (TRL and Liger-Kernel are optional baselines)."""
+# The optional baselines and the package each needs.
+OPTIONAL_BASELINES = {"trl_selective": "trl", "liger": "liger_kernel"}
+
+
+def missing_baselines() -> dict[str, str]:
+    """Baseline rows this run cannot have -> the package that is not installed."""
     import importlib.util
 
-    need = {"trl_selective": "trl", "liger": "liger_kernel"}
-    return tuple(i for i in IMPLS if i not in need or importlib.util.find_spec(need[i]) is not None)
+    return {impl: pkg for impl, pkg in OPTIONAL_BASELINES.items() if importlib.util.find_spec(pkg) is None}
+
+
+def available_impls() -> tuple[str, ...]:
+    """IMPLS whose packages are installed (TRL and Liger-Kernel are optional baselines)."""
+    missing = missing_baselines()
+    return tuple(i for i in IMPLS if i not in missing)
 
 
 def cases(device: torch.device, quick: bool) -> list[BenchCase]:

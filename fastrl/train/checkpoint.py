@@ -341,8 +341,9 @@ def claim_output_dir(out: Path, *, names: tuple[str, ...], overwrite: bool) -> N
         return
     if not overwrite:
         raise InputError(
-            f"output_dir {str(out)!r} already holds a run ({', '.join(p.name for p in previous)}): pass "
-            "resume=latest to continue it, overwrite=true to replace it, or choose another output_dir"
+            f"output_dir {str(out)!r} already holds a run ({', '.join(p.name for p in previous)}): rerun with "
+            "--resume latest to continue it, --overwrite true to replace it, or another --output_dir "
+            "(from Python: resume='latest', overwrite=True, output_dir=...)"
         )
     for p in previous:
         shutil.rmtree(p) if p.is_dir() else p.unlink()

@@ -22,16 +22,90 @@ warm-up, then GRPO; held-out accuracy before and after is printed.
 With --model and --dataset: any Hugging Face causal LM and a jsonl/parquet/hub dataset.
 Algorithms: """ + ", ".join(f"{k} ({v.citation})" for k, v in ALGORITHM_PRESETS.items())
 
+EPILOG = """Options are spelled with underscores (--group_size 8), as in a --config YAML file; the
+dashed spelling (--group-size 8) is accepted too. Booleans take a value: --overwrite true.
+--debug (or FASTRL_DEBUG=1) shows the traceback of an input error."""
+
+
+# `fastrl train --help` shows the options in these groups, in this order; every TrainConfig
+# field is in exactly one (tests/train/test_train_cli.py checks it).
+HELP_GROUPS: dict[str, tuple[str, ...]] = {
+    "model": ("model", "tokenizer", "dtype", "device", "model_hidden_size", "model_layers", "threads"),
+    "data": ("dataset", "dataset_split", "eval_dataset", "eval_fraction", "prompt_column", "chat_template",
+             "max_prompt_length", "drop_long_prompts", "task_digits", "task_operations", "task_train_size",
+             "task_eval_size"),
+    "warm-up (supervised, before RL)": ("sft_steps", "sft_target_accuracy", "sft_warmup_steps", "sft_probe_rows",
+                                        "sft_check_every", "sft_lr", "sft_batch_size"),
+    "algorithm": ("algorithm", "clip_low", "clip_high", "dual_clip", "loss_agg", "surrogate", "advantage_mode",
+                  "kl_coef", "kl_estimator", "kl_in_reward", "kl_target", "kl_horizon", "entropy_coef",
+                  "rollout_correction", "is_cap", "is_level", "critic_init", "critic_lr", "value_clip", "gamma",
+                  "lam", "whiten_advantages"),
+    "rewards": ("rewards", "reward_weights", "reward_timeout", "reward_workers"),
+    "rollout": ("sampler", "sampler_url", "sampler_timeout", "group_size", "prompts_per_step",
+                "prompt_token_budget", "max_new_tokens", "temperature", "top_p", "top_k", "dynamic_sampling",
+                "max_resample_rounds", "sync_probe_every", "sync_probe_tolerance"),
+    "optimisation": ("steps", "max_seconds", "max_generated_tokens", "ppo_epochs", "mini_batches", "shared_prefix",
+                     "activation_checkpointing", "offload_activations", "micro_batch_tokens", "lr", "weight_decay",
+                     "adam_betas", "warmup_steps", "min_lr_ratio", "grad_clip", "seed"),
+    "logging and evaluation": ("eval_every", "eval_prompts", "pass_k", "tensorboard", "progress"),
+    "output and checkpoints": ("output_dir", "save_every", "keep_checkpoints", "overwrite", "resume"),
+}
+
+
+def _parser_class():
+    from jsonargparse import ArgumentParser
+
+    from fastrl import cli_style
+
+    class TrainArgumentParser(ArgumentParser):
+        """jsonargparse's parser with fastrl's CLI convention (fastrl/cli_style.py)."""
+
+        def parse_args(self, args=None, namespace=None, **kwargs):
+            args = sys.argv[1:] if args is None else list(args)
+            return super().parse_args(cli_style.normalize_spelling(args, self._option_string_actions), namespace, **kwargs)
+
+        def error(self, message, ex=None):
+            cli_style.print_usage_error(self.prog, message, self._option_string_actions)
+            self.exit(cli_style.USAGE_ERROR_STATUS)
+
+    return TrainArgumentParser
+
+
+def _group_help(parser) -> None:
+    """Move each TrainConfig option into its HELP_GROUPS section of --help."""
+    flat = parser._action_groups[1]  # argparse's "options" group, where add_class_arguments put them
+    by_dest = {a.dest: a for a in flat._group_actions}
+    for title, names in HELP_GROUPS.items():
+        group = parser.add_argument_group(title)
+        for name in names:
+            for dest in (name, f"{name}+"):  # list fields also get an append action
+                action = by_dest.get(dest)
+                if action is not None:
+                    flat._group_actions.remove(action)
+                    group._group_actions.append(action)
+
 
 def build_train_parser():
-    from jsonargparse import ActionConfigFile, ArgumentParser, set_parsing_settings
+    from jsonargparse import ActionConfigFile, set_parsing_settings
 
     # field docstrings become the --help text of each option
     set_parsing_settings(docstring_parse_attribute_docstrings=True)
-    parser = ArgumentParser(prog="fastrl train", description=DESCRIPTION, exit_on_error=True)
+    parser = _parser_class()(prog="fastrl train", usage="%(prog)s [--config FILE] [OPTIONS]", description=DESCRIPTION, exit_on_error=True, allow_abbrev=False,
+                             epilog=EPILOG, formatter_class=_formatter())
     parser.add_argument("--config", action=ActionConfigFile, help="A YAML file of options (any field below).")
     parser.add_class_arguments(TrainConfig, None, as_group=False)
+    _group_help(parser)
     return parser
+
+
+def _formatter():
+    from jsonargparse import DefaultHelpFormatter
+
+    class Formatter(DefaultHelpFormatter):
+        def _fill_text(self, text, width, indent):  # keep the description's and epilog's line breaks
+            return "".join(indent + line for line in text.splitlines(keepends=True))
+
+    return Formatter
 
 
 def expand_sampler_url(argv: list[str]) -> list[str]:
@@ -56,19 +130,29 @@ def expand_sampler_url(argv: list[str]) -> list[str]:
 
 
 def parse_train_args(argv: list[str]) -> TrainConfig:
+    """The resolved ``TrainConfig`` of a ``fastrl train`` command line. A parse error exits
+    with status 2 (usage line + error); an invalid combination raises ``InputError``."""
+    from fastrl.errors import InputError
+
     parser = build_train_parser()
     ns = parser.parse_args(expand_sampler_url(argv))
     values = {f.name: getattr(ns, f.name) for f in dataclasses.fields(TrainConfig)}
     config = TrainConfig(**values)
     try:
         return config.resolved()
-    except ValueError as e:
-        parser.error(str(e))
-        raise  # unreachable: error() exits
+    except InputError:
+        raise
+    except ValueError as e:  # TrainConfig's checks name the field: a user's mistake
+        raise InputError(str(e)) from e
 
 
 def run_train(argv: list[str]) -> int:
+    from fastrl.train.progress import describe_run, quiet_hf_progress_bars
+
     config = parse_train_args(argv)
+    if os.environ.get("RANK", "0") == "0":
+        print(describe_run(config), file=sys.stderr, flush=True)
+    quiet_hf_progress_bars()  # transformers' shard-writing bars would interleave with fastrl's lines
     from fastrl.rollout.remote import ServerError, ServerTimeout, ServerUnavailable
     from fastrl.train.trainer import Trainer, TrainingDivergedError, WeightSyncError
 

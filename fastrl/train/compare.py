@@ -685,7 +685,9 @@ class ComparePlan:
 
 
 def build_compare_parser() -> argparse.ArgumentParser:
-    parser = argparse.ArgumentParser(
+    from fastrl.cli_style import ArgumentParser
+
+    parser = ArgumentParser(
         prog="fastrl compare",
         allow_abbrev=False,  # `--seed` must not abbreviate `--seeds`: unknown options go to `fastrl train`
         formatter_class=argparse.RawDescriptionHelpFormatter,
@@ -841,7 +843,7 @@ def prepare_start(plan: ComparePlan) -> dict[str, Any]:
     if model_dir is not None:
         run_fields.update(model=str(model_dir), tokenizer=str(model_dir))
     # defaults that depend on the built-in model/task, spelled out now that runs name a model
-    for name in ("max_new_tokens", "lr"):
+    for name in ("max_new_tokens", "lr", "eval_prompts"):
         run_fields[name] = getattr(plan.base, name)
     (start / "start.json").write_text(json.dumps(info, indent=1))
     return {"fields": run_fields, "info": info}

@@ -28,8 +28,6 @@ from typing import Any
 
 import torch
 
-HEADLINE = ("reward/mean", "eval/accuracy", "kl/ref", "loss/clip_frac", "time/step")
-
 
 def peak_memory_bytes(device: torch.device) -> int:
     """Peak memory of this run: CUDA's max allocated on a GPU, the process's peak RSS on CPU."""
@@ -53,7 +51,8 @@ def histogram(values: torch.Tensor, bins: int = 10) -> dict[str, list[float]]:
 class MetricsLogger:
     """Writes ``metrics.jsonl``, ``samples.txt`` and TensorBoard events under ``output_dir``."""
 
-    def __init__(self, output_dir: str | os.PathLike, *, total_steps: int, tensorboard: bool = True, progress: bool = True, start_step: int = 0):
+    def __init__(self, output_dir: str | os.PathLike, *, total_steps: int, tensorboard: bool = True, progress: bool = True, start_step: int = 0,
+                 progress_desc: str = "RL"):
         self.dir = Path(output_dir)
         self.dir.mkdir(parents=True, exist_ok=True)
         _drop_torn_last_line(self.dir / "metrics.jsonl")  # a run killed mid-write, resumed here
@@ -72,12 +71,9 @@ class MetricsLogger:
                 self.tb = None
         self.bar = None
         if progress:
-            try:
-                from tqdm.auto import tqdm
+            from fastrl.train.progress import Progress
 
-                self.bar = tqdm(total=total_steps, initial=start_step, desc="fastrl train", dynamic_ncols=True, file=sys.stderr)
-            except ImportError:
-                self.bar = None
+            self.bar = Progress(total=total_steps, initial=start_step, desc=progress_desc, unit="step")
 
     def log(self, step: int, metrics: dict[str, Any], *, extra: dict[str, Any] | None = None) -> None:
         record = {"step": step, "time": time.time(), **{k: _jsonable(v) for k, v in metrics.items()}}
@@ -89,9 +85,9 @@ class MetricsLogger:
                 if isinstance(v, (int, float)) and math.isfinite(v):
                     self.tb.add_scalar(k, v, step)
         if self.bar is not None:
-            shown = {k.split("/")[-1] if k != "eval/accuracy" else "eval": f"{metrics[k]:.3g}" for k in HEADLINE if k in metrics}
-            self.bar.set_postfix(shown, refresh=False)
-            self.bar.update(1)
+            from fastrl.train.progress import step_values
+
+            self.bar.advance(step_values(metrics))
 
     def log_eval(self, step: int, metrics: dict[str, float]) -> None:
         self.jsonl.write(json.dumps({"step": step, "time": time.time(), "event": "eval", **metrics}) + "\n")
@@ -99,7 +95,8 @@ class MetricsLogger:
             for k, v in metrics.items():
                 self.tb.add_scalar(k, v, step)
         if self.bar is not None:
-            self.bar.write(f"step {step}: " + "  ".join(f"{k} {v:.3f}" for k, v in metrics.items()))
+            title = "warm-up done" if all(k.startswith("sft/") for k in metrics) else f"held-out evaluation at RL step {step}"
+            self.bar.write(f"{title}: " + "  ".join(f"{k} {v:.4g}" for k, v in metrics.items() if k != "step"))
 
     def write_samples(self, step: int, best: tuple[str, str, float], worst: tuple[str, str, float]) -> None:
         for tag, (prompt, completion, reward) in (("best", best), ("worst", worst)):

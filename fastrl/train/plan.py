@@ -260,7 +260,7 @@ class MemoryPlan:
         """A printable table of components and phases (GiB)."""
         o = self.options
         lines = [
-            f"fastrl plan: {self.model} ({self.params / 1e9:.2f}B params), {o['algorithm']}, {o['precision']}, "
+            f"fastrl plan: {self.model} ({_count(self.params)} params), {o['algorithm']}, {o['precision']}, "
             f"{o['optimizer']}{' (offloaded)' if o['optimizer_offload'] else ''}, "
             f"P={o['prompt_len']} L={o['response_len']} G={o['group_size']} x{o['prompts_per_micro_batch']} prompt(s)/micro-batch",
             f"  head: {'fused log-probs' if o['fused_logprobs'] else 'naive logits'}; attention: {o['attention']}; "
@@ -280,6 +280,11 @@ class MemoryPlan:
         lines.append(f"  {'TOTAL (peak)':<34}{self.total / GiB:>10.2f}{self.total / 1e9:>10.2f}")
         lines += [f"  note: {n}" for n in self.notes]
         return "\n".join(lines)
+
+
+def _count(n: int) -> str:
+    """A parameter count as 0.49B, 245K, ..."""
+    return f"{n / 1e9:.2f}B" if n >= 1e8 else (f"{n / 1e6:.1f}M" if n >= 1e6 else f"{n / 1e3:.0f}K")
 
 
 def _elem(precision: str) -> tuple[int, int, int, int]:
@@ -537,9 +542,9 @@ def plan_memory(
 
     notes = []
     if kv_cache == "transient":
-        notes.append("the rollout KV cache is freed before training (HF sampler); a resident cache (vLLM) adds to every phase: --kv-cache resident")
+        notes.append("the rollout KV cache is freed before training (HF sampler); a resident cache (vLLM) adds to every phase: --kv_cache resident")
     if device == "cuda":
-        notes.append("no CUDA context / allocator fragmentation counted unless --overhead-gb")
+        notes.append("no CUDA context / allocator fragmentation counted unless --overhead_gb")
     tokens = {"forward": n_tok, "response": n_resp, "kv_slots": kv_slots, "per_group": P + G * L}
     return MemoryPlan(model=m.name, options=options, components=comps, phases=phases, tokens=tokens, params=n_params, notes=notes)
 
@@ -673,64 +678,182 @@ def build_measured_step(*, arch: str, model: dict, algorithm: str, precision: st
 # ----------------------------------------------------------------------------- CLI
 
 
+# The plan's default prompt length when neither --max_prompt_length nor the config gives one
+# (fastrl train takes the dataset's longest prompt, which the plan does not read).
+DEFAULT_PLAN_PROMPT_LENGTH = 512
+# `fastrl train` options the plan reads (same names, same defaults: a run's --config YAML
+# works for both); the other TrainConfig fields in that file do not change the memory plan.
+TRAIN_OPTIONS = ("model", "algorithm", "kl_coef", "group_size", "max_prompt_length", "max_new_tokens", "dtype",
+                 "device", "shared_prefix", "activation_checkpointing", "offload_activations")
+
+
+def _bool(text: str) -> bool:
+    value = str(text).strip().lower()
+    if value in ("true", "1", "yes"):
+        return True
+    if value in ("false", "0", "no"):
+        return False
+    raise argparse.ArgumentTypeError(f"expected true or false, got {text!r}")
+
+
 def add_plan_arguments(parser: argparse.ArgumentParser) -> argparse.ArgumentParser:
-    """The options of ``fastrl plan``."""
-    a = parser.add_argument
-    a("--model", required=True, help=f"built-in name ({', '.join(BUILTIN_MODELS)}), config.json, model folder or hub id")
-    a("--prompt-len", type=int, default=512, help="prompt tokens P")
-    a("--response-len", type=int, default=2048, help="response tokens L")
-    a("--group-size", type=int, default=8, help="completions per prompt G")
-    a("--prompts-per-micro-batch", type=int, default=1, help="groups per training forward")
-    a("--algorithm", choices=ALGORITHMS, default="grpo", help="grpo, grpo_noref (no reference) or ppo (critic)")
-    a("--compare", action="store_true", help="print ppo, grpo and grpo_noref side by side")
-    a("--reward-model", action="store_true", help="also hold a learned reward model of the same shape")
-    a("--precision", choices=PRECISIONS, default="bf16-mixed")
+    """The options of ``fastrl plan``: ``fastrl train``'s names and defaults for what the two
+    share (``TRAIN_OPTIONS``), then the plan's own."""
+    from fastrl.train.config import ALGORITHMS
+
+    # these are absent from the parsed namespace unless given (SUPPRESS), so a --config file's
+    # value is kept where the command line does not set it
+    train = parser.add_argument_group("fastrl train's options (same names and defaults; also read from --config)")
+    t = train.add_argument
+    t("--config", metavar="FILE", help="a fastrl train YAML file (fastrl train --config FILE): the options below are "
+      "read from it, the command line overrides them, its other keys are train-only and ignored here")
+    t("--model", default=argparse.SUPPRESS,
+      help=f"default: fastrl train's built-in model; or a built-in shape ({', '.join(BUILTIN_MODELS)}), a config.json, "
+           "a model folder or a hub id")
+    t("--algorithm", choices=ALGORITHMS, default=argparse.SUPPRESS,
+      help="as fastrl train: ppo has a critic; the others a reference model when kl_coef > 0 (grpo's preset: 0.04)")
+    t("--kl_coef", type=float, default=argparse.SUPPRESS, help="default: the algorithm's preset; 0: no reference model")
+    t("--group_size", type=int, default=argparse.SUPPRESS, help="completions per prompt G")
+    t("--max_prompt_length", "--prompt_len", dest="max_prompt_length", type=int, default=argparse.SUPPRESS,
+      help=f"prompt tokens P (default {DEFAULT_PLAN_PROMPT_LENGTH}, the built-in model's context less "
+           "max_new_tokens for the built-in model: the plan does not read the dataset)")
+    t("--max_new_tokens", "--response_len", dest="max_new_tokens", type=int, default=argparse.SUPPRESS,
+      help="response tokens L (default: fastrl train's: the built-in task's, 256 for other models)")
+    t("--dtype", choices=("auto", "float32", "bfloat16"), default=argparse.SUPPRESS,
+      help="as fastrl train: auto is bf16 autocast on CUDA (planned as bf16-mixed), float32 on CPU")
+    t("--device", choices=("auto", "cpu", "cuda"), default=argparse.SUPPRESS,
+      help="auto: CUDA when this machine has it, else CPU (as fastrl train)")
+    t("--shared_prefix", type=_bool, default=argparse.SUPPRESS, metavar="{true,false}",
+      help="the training forward packs each prompt once per group (fastrl train's default: true)")
+    t("--activation_checkpointing", choices=("auto", "off", "layer"), default=argparse.SUPPRESS,
+      help="auto: on from 2048-token trajectories (as fastrl train)")
+    t("--offload_activations", type=_bool, default=argparse.SUPPRESS, metavar="{true,false}",
+      help="with checkpointing: the layer inputs in CPU memory")
+
+    own = parser.add_argument_group("the plan's own options")
+    a = own.add_argument
+    a("--prompts_per_micro_batch", type=int, default=1, help="groups per training forward")
+    a("--compare", action="store_true", help="print ppo, grpo and grpo without a reference side by side")
+    a("--reward_model", action="store_true", help="also hold a learned reward model of the same shape")
+    a("--precision", choices=PRECISIONS, default=None, help="overrides what --dtype and --device give")
     a("--optimizer", choices=OPTIMIZERS, default="adamw")
-    a("--optimizer-offload", action="store_true", help="optimizer states and master weights in CPU memory")
-    a("--checkpointing", action="store_true", help="per-layer activation checkpointing")
-    a("--offload-layer-inputs", action="store_true", help="with --checkpointing: layer inputs to CPU")
-    a("--shared-prefix", action="store_true", help="training forward packs the prompt once per group")
-    a("--no-shared-prefix-rollout", dest="shared_prefix_rollout", action="store_false",
-      help="the sampler repeats the prompt's KV cache per completion")
-    a("--naive-logits", dest="fused_logprobs", action="store_false", help="plan the naive logits path")
+    a("--optimizer_offload", action="store_true", help="optimizer states and master weights in CPU memory")
+    a("--shared_prefix_rollout", type=_bool, default=True, metavar="{true,false}",
+      help="the sampler keeps one KV cache of the prompt per group (fastrl's samplers do)")
+    a("--fused_logprobs", type=_bool, default=True, metavar="{true,false}",
+      help="false: plan the naive [tokens, vocab] logits path instead of fastrl's fused head")
     a("--attention", choices=ATTENTIONS, default="sdpa")
-    a("--kv-cache", choices=KV_CACHE_MODES, default="transient")
-    a("--device", choices=DEVICES, default="cuda")
+    a("--kv_cache", choices=KV_CACHE_MODES, default="transient")
     a("--foreach", action="store_true", help="AdamW's multi-tensor step (one full-size temporary)")
-    a("--persistent-grads", action="store_true", help="gradient buffers persist (DeepSpeed/Megatron) instead of set_to_none")
-    a("--overhead-gb", type=float, default=0.0, help="added to every phase (CUDA context, allocator)")
-    a("--memory-gb", type=float, default=None, help="also print the longest response that fits in this many GiB")
+    a("--persistent_grads", action="store_true", help="gradient buffers persist (DeepSpeed/Megatron) instead of set_to_none")
+    a("--overhead_gb", type=float, default=0.0, help="added to every phase (CUDA context, allocator)")
+    a("--memory_gb", type=float, default=None, help="also print the longest response that fits in this many GiB")
     a("--json", action="store_true", help="print JSON instead of tables")
     return parser
 
 
-def _options(args: argparse.Namespace) -> dict[str, Any]:
+def _read_config_file(path: str) -> dict[str, Any]:
+    """The keys of a ``fastrl train --config`` YAML file that the plan reads."""
+    from fastrl.errors import InputError
+    from fastrl.train.config import TrainConfig
+
+    try:
+        import yaml
+
+        with open(path) as f:
+            data = yaml.safe_load(f) or {}
+    except OSError as e:
+        raise InputError(f"--config {path!r}: {e.strerror}") from None
+    except ImportError:
+        raise InputError("--config needs pyyaml (pip install -e '.[train]')") from None
+    except yaml.YAMLError as e:
+        raise InputError(f"--config {path!r} is not valid YAML: {' '.join(str(e).split())}") from None
+    if not isinstance(data, dict):
+        raise InputError(f"--config {path!r}: expected a mapping of fastrl train options, got {type(data).__name__}")
+    fields = {f.name for f in dataclasses.fields(TrainConfig)}
+    unknown = sorted(k for k in data if k not in fields)
+    if unknown:
+        raise InputError(f"--config {path!r}: {', '.join(unknown)} is not a fastrl train option (fastrl train --help)")
+    return {k: v for k, v in data.items() if k in TRAIN_OPTIONS}
+
+
+def _plan_settings(args: argparse.Namespace) -> dict[str, Any]:
+    """What the plan computes with: fastrl train's resolution of the shared options (the
+    config file, then the command line), then the plan's own."""
+    from fastrl.errors import InputError
+    from fastrl.train.trainer import AUTO_CHECKPOINTING_TOKENS
+
+    from fastrl.train.config import TrainConfig
+
+    defaults = {f.name: f.default for f in dataclasses.fields(TrainConfig) if f.name in TRAIN_OPTIONS}
+    config_file = getattr(args, "config", None)
+    shared = {**defaults, **(_read_config_file(config_file) if config_file else {})}
+    shared.update({k: getattr(args, k) for k in TRAIN_OPTIONS if hasattr(args, k)})
+    try:
+        train = TrainConfig(**shared).resolved()
+    except ValueError as e:
+        raise InputError(str(e)) from e
+    if train.device == "auto":
+        import torch
+
+        device = "cuda" if torch.cuda.is_available() else "cpu"
+    else:
+        device = train.device.split(":")[0]
+    precision = args.precision or ("fp32" if train.dtype == "float32" or (train.dtype == "auto" and device == "cpu")
+                                   else "bf16-mixed")
+    prompt_len = train.max_prompt_length or DEFAULT_PLAN_PROMPT_LENGTH
+    if train.model is None and not train.max_prompt_length:  # the built-in model: what its context leaves
+        from fastrl.train.task import DefaultTask
+
+        prompt_len = DefaultTask().max_position_embeddings - train.max_new_tokens
+    checkpointing = train.activation_checkpointing == "layer" or (
+        train.activation_checkpointing == "auto" and prompt_len + train.max_new_tokens >= AUTO_CHECKPOINTING_TOKENS)
+    algorithm = "ppo" if train.uses_critic else ("grpo" if train.uses_reference else "grpo_noref")
     return dict(
-        group_size=args.group_size, prompts_per_micro_batch=args.prompts_per_micro_batch, reward_model=args.reward_model,
-        precision=args.precision, optimizer=args.optimizer, optimizer_offload=args.optimizer_offload,
-        checkpointing=args.checkpointing, offload_layer_inputs=args.offload_layer_inputs, shared_prefix=args.shared_prefix,
-        shared_prefix_rollout=args.shared_prefix_rollout, fused_logprobs=args.fused_logprobs, attention=args.attention,
-        kv_cache=args.kv_cache, device=args.device, foreach=args.foreach, persistent_grads=args.persistent_grads,
-        overhead_gb=args.overhead_gb,
+        model=train.model, prompt_len=prompt_len, response_len=train.max_new_tokens, algorithm=algorithm,
+        options=dict(
+            group_size=train.group_size, prompts_per_micro_batch=args.prompts_per_micro_batch,
+            reward_model=args.reward_model, precision=precision, optimizer=args.optimizer,
+            optimizer_offload=args.optimizer_offload, checkpointing=checkpointing,
+            offload_layer_inputs=train.offload_activations and checkpointing, shared_prefix=train.shared_prefix,
+            shared_prefix_rollout=args.shared_prefix_rollout, fused_logprobs=args.fused_logprobs,
+            attention=args.attention, kv_cache=args.kv_cache, device=device, foreach=args.foreach,
+            persistent_grads=args.persistent_grads, overhead_gb=args.overhead_gb,
+        ),
     )
 
 
+def builtin_train_model_shape() -> ModelShape:
+    """The shape of ``fastrl train``'s built-in model (no ``--model``)."""
+    from fastrl.train.task import DefaultTask, char_tokenizer, tiny_model
+
+    default = DefaultTask()
+    model = tiny_model(char_tokenizer(), hidden_size=default.hidden_size, layers=default.layers, heads=default.heads,
+                       arch=default.arch, max_position_embeddings=default.max_position_embeddings)
+    return shape_from_config(model.config, name="fastrl train's built-in model")
+
+
 def run_plan(args: argparse.Namespace) -> int:
-    """Run ``fastrl plan`` with parsed arguments; prints tables (or JSON) and returns 0."""
+    """Run ``fastrl plan`` with parsed arguments; prints tables (or JSON) and returns 0.
+    A bad option or model source raises ``InputError``."""
+    from fastrl.errors import InputError
+
+    settings = _plan_settings(args)
     try:
-        shape = load_model_shape(args.model)
-        algorithms = ("ppo", "grpo", "grpo_noref") if args.compare else (args.algorithm,)
+        shape = load_model_shape(settings["model"]) if settings["model"] is not None else builtin_train_model_shape()
+        algorithms = ("ppo", "grpo", "grpo_noref") if args.compare else (settings["algorithm"],)
         out = []
         for algo in algorithms:
-            opts = dict(_options(args), algorithm=algo)
-            plan = plan_memory(shape, prompt_len=args.prompt_len, response_len=args.response_len, **opts)
+            opts = dict(settings["options"], algorithm=algo)
+            plan = plan_memory(shape, prompt_len=settings["prompt_len"], response_len=settings["response_len"], **opts)
             entry: dict[str, Any] = {"plan": plan}
             if args.memory_gb is not None:
-                entry["longest"] = longest_trajectory(shape, memory_gb=args.memory_gb, prompt_len=args.prompt_len, **opts)
+                entry["longest"] = longest_trajectory(shape, memory_gb=args.memory_gb, prompt_len=settings["prompt_len"], **opts)
             out.append(entry)
+    except InputError:
+        raise
     except ValueError as e:
-        print(f"fastrl plan: {e}")
-        return 2
+        raise InputError(str(e)) from e
     if args.json:
         payload = []
         for e in out:

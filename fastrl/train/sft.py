@@ -80,6 +80,7 @@ def sft_warmup(
     schedule: str = "constant",
     max_grad_norm: float | None = 1.0,
     callback: Callable[[int, float], bool | None] | None = None,
+    on_step: Callable[[int, float], None] | None = None,
 ) -> dict[str, Any]:
     """Teacher-forced SFT of ``model`` on ``rows`` (in place), for ``steps`` AdamW steps.
 
@@ -90,7 +91,8 @@ def sft_warmup(
     (``schedule="cosine"``, which ends the stage at a settled point rather than wherever
     the last high-rate step left it). ``callback(step, loss)`` is called after each step;
     when it returns True the warm-up stops there (e.g. once a probe accuracy is reached:
-    the cosine schedule still runs over ``steps``). The model is left in eval mode.
+    the cosine schedule still runs over ``steps``). ``on_step(steps done, loss)`` is called
+    after each step too, before ``callback`` (a progress bar). The model is left in eval mode.
 
     Returns ``{"losses": [per-step loss], "first_loss", "final_loss", "seconds",
     "tokens" (answer + eos tokens trained on), "steps" (taken: fewer than asked when the
@@ -144,6 +146,8 @@ def sft_warmup(
         value = float(loss.detach())
         losses.append(value)
         tokens += int(loss_mask.sum())
+        if on_step is not None:
+            on_step(step + 1, value)
         if callback is not None and callback(step, value) is True:
             break
     model.eval()
@@ -175,10 +179,13 @@ def sft_to_target(
     prompt_column: str = "prompt",
     answer_column: str = "answer",
     chat_template: bool | None = None,
+    on_step: Callable[[int, float], None] | None = None,
+    on_probe: Callable[[int, float], None] | None = None,
 ) -> dict[str, Any]:
     """``sft_warmup`` (constant rate) that stops once greedy accuracy on the first
     ``probe_rows`` training rows reaches ``target_accuracy`` (checked every ``check_every``
-    steps), or after ``max_steps``.
+    steps), or after ``max_steps``. ``on_step(steps done, loss)`` is called after each step,
+    ``on_probe(steps done, accuracy)`` after each check (a progress bar).
 
     Returns ``sft_warmup``'s dict plus ``"probe"``: ``[(steps done, probe accuracy)]``.
     """
@@ -199,11 +206,14 @@ def sft_to_target(
             prompt_column=prompt_column, answer_column=answer_column, chat_template=chat_template,
         )["accuracy"]
         history.append((step + 1, acc))
+        if on_probe is not None:
+            on_probe(step + 1, acc)
         return acc >= target_accuracy
 
     out = sft_warmup(
         model, tokenizer, rows, steps=max_steps, lr=lr, batch_size=batch_size, seed=seed, warmup_steps=warmup_steps,
         prompt_column=prompt_column, answer_column=answer_column, chat_template=chat_template, callback=check,
+        on_step=on_step,
     )
     out["probe"] = history
     return out

@@ -49,6 +49,7 @@ from fastrl.train.layout import MicroBatch, make_layout
 from fastrl.train.metrics import (
     LOSS_SHARES, MetricsLogger, SilentLogger, StageTimer, best_and_worst, peak_memory_bytes, rollout_metrics, update_metric_name,
 )
+from fastrl.train.progress import describe_evaluation, rl_progress_label
 from fastrl.train.ranks import Ranks
 from fastrl.train.rundir import lock_run_directory
 from fastrl.train.schedule import AdaptiveKLController
@@ -163,7 +164,8 @@ class Trainer:
         # ---- warm-up (not on resume: the checkpoint has the warmed-up policy)
         self.sft_metrics: dict[str, float] = {}
         if cfg.sft_steps and self.resume_dir is None:
-            self.sft_metrics = build.warm_up(cfg, self.policy, self.tokenizer, self.train_rows, score_fn=self.scorer.answer_score)
+            self.sft_metrics = build.warm_up(cfg, self.policy, self.tokenizer, self.train_rows, score_fn=self.scorer.answer_score,
+                                             progress=cfg.progress and self.is_main)
         if ranks.sharded:
             # every rank ran the same seeded warm-up; rank 0's weights make them bitwise equal
             dist_mod.broadcast_module(self.policy)
@@ -241,7 +243,7 @@ class Trainer:
         out_of_budget: str | None = None
         if self.is_main:
             self.logger = MetricsLogger(self.out, total_steps=cfg.steps, tensorboard=cfg.tensorboard, progress=cfg.progress,
-                                        start_step=self.step)
+                                        start_step=self.step, progress_desc=rl_progress_label(cfg))
         else:  # under torchrun rank 0 writes the logs (its metrics are already over every rank)
             self.logger = SilentLogger()
         try:
@@ -526,6 +528,8 @@ class Trainer:
     def _run_eval(self) -> None:
         if not self.eval_rows:
             return
+        if self.logger is not None and self.cfg.progress:  # an evaluation can take a while: say what runs now
+            self.logger.message(describe_evaluation(self.cfg, len(self.eval_rows), self.step))
         metrics = self.evaluate()
         metrics["step"] = float(self.step)
         if not self.eval_history or self.eval_history[-1].get("step") != float(self.step):

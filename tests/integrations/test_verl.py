@@ -363,12 +363,12 @@ print("RESULT " + json.dumps(report))
 
 
 def _readme_verl_blocks() -> list[tuple[dict[str, str], list[str]]]:
-    """(environment, overrides) of each ```bash block in the README's verl section."""
+    """(environment, overrides) of each ```bash block in the docs' verl section (docs/integrations.md)."""
     import re
     from pathlib import Path
 
-    readme = (Path(__file__).resolve().parents[2] / "README.md").read_text()
-    section = readme.split("### verl", 1)[1].split("\n### ", 1)[0]
+    page = (Path(__file__).resolve().parents[2] / "docs" / "integrations.md").read_text()
+    section = page.split("## verl", 1)[1].split("\n## ", 1)[0]
     blocks = []
     for block in re.findall(r"```bash\n(.*?)```", section, flags=re.S):
         env = dict(re.findall(r"^export (\w+)=(\S+)", block, flags=re.M))

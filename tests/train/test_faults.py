@@ -364,12 +364,11 @@ def test_divergence_before_any_checkpoint_says_the_real_save_every(tmp_path):
 
 # ---------------------------------------------------------------------- a missing model directory (defect 7)
 def test_a_missing_model_directory_says_it_does_not_exist(tmp_path, capsys):
-    from fastrl.train.cli import parse_train_args
+    from fastrl.cli import main
 
-    with pytest.raises(SystemExit) as exit_info:
-        parse_train_args(["--model", str(tmp_path / "no-such-model"), "--output_dir", str(tmp_path / "run")])
-    assert exit_info.value.code == 2
+    assert main(["train", "--model", str(tmp_path / "no-such-model"), "--output_dir", str(tmp_path / "run")]) == 2
     err = capsys.readouterr().err
+    assert err.startswith("fastrl train: error:") and len(err.strip().splitlines()) == 1, err
     assert "no-such-model" in err and "does not exist" in err and "Repo id" not in err
     assert not (tmp_path / "run").exists()
 

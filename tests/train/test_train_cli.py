@@ -137,9 +137,9 @@ def test_fastrl_train_with_another_surrogate(local_model_and_data, tmp_path):
     assert not any("dual_clip_frac" in key for key in step)
 
 
-def test_unknown_surrogate_is_an_error_before_any_work(tmp_path):
-    with pytest.raises((ValueError, SystemExit)):
-        main(["train", "--output_dir", str(tmp_path / "run"), "--surrogate", "ppo_clipp"])
+def test_unknown_surrogate_is_an_error_before_any_work(tmp_path, capsys):
+    assert main(["train", "--output_dir", str(tmp_path / "run"), "--surrogate", "ppo_clipp"]) == 2  # one line
+    assert "surrogate must be one of" in capsys.readouterr().err
     assert not (tmp_path / "run" / "metrics.jsonl").exists()
 
 
@@ -190,9 +190,8 @@ def test_the_vllm_server_sampler_needs_its_address(capsys, tmp_path):
         "--sampler", "vllm-server", "--sampler_url", "http://h:1", "--lr", "1"]
     assert expand_sampler_url(["--sampler=vllm-server", "http://h:1"]) == ["--sampler=vllm-server", "--sampler_url", "http://h:1"]
     assert expand_sampler_url(["--sampler", "hf", "--lr", "1"]) == ["--sampler", "hf", "--lr", "1"]
-    with pytest.raises(SystemExit) as e:
-        main(["train", "--sampler", "vllm-server", "--steps", "1"])
-    assert e.value.code == 2 and "needs the server's address" in capsys.readouterr().err
+    assert main(["train", "--sampler", "vllm-server", "--steps", "1"]) == 2  # an InputError: one line
+    assert "needs the server's address" in capsys.readouterr().err
     # an unreachable server stops the run before the warm-up (which would take minutes here)
     assert main(["train", "--sampler", "vllm-server", "http://127.0.0.1:9", "--sampler_timeout", "1", "--steps", "1",
                  "--output_dir", str(tmp_path / "run")]) == 4
@@ -233,3 +232,127 @@ def test_a_server_killed_mid_run_stops_the_run_and_it_resumes_on_another(launch_
     last = [s for s in logged if "event" not in s][-1]
     assert last["step"] == done + 1 and last["sync/probe_gap"] < 1e-3
     assert (out / "final" / "config.json").exists()
+
+
+# ---------------------------------------------------------------- the CLI convention for `fastrl train`
+
+
+def _parse_error(capsys, argv):
+    with pytest.raises(SystemExit) as e:
+        main(["train", *argv])
+    return e.value.code, capsys.readouterr().err.strip().splitlines()
+
+
+def test_a_prefix_is_not_an_option_and_the_error_is_two_lines_with_the_closest(capsys):
+    code, lines = _parse_error(capsys, ["--step", "5"])
+    assert code == 2 and lines == ["usage: fastrl train [OPTIONS]   (fastrl train --help lists them)",
+                                   "fastrl train: error: unknown option --step (did you mean --steps or --sft_steps or --seed?)"]
+    code, lines = _parse_error(capsys, ["--steps", "x"])
+    assert code == 2 and len(lines) == 2 and lines[1].startswith("fastrl train: error: --steps:")
+
+
+def test_dashes_are_an_alias_of_the_underscored_options():
+    from fastrl.train.cli import parse_train_args
+
+    cfg = parse_train_args(["--group-size", "4", "--max-new-tokens=5", "--prompts_per_step", "2", "--steps", "1"])
+    assert (cfg.group_size, cfg.max_new_tokens, cfg.prompts_per_step) == (4, 5, 2)
+
+
+def test_help_groups_every_option_once():
+    import dataclasses
+
+    from fastrl.train.cli import HELP_GROUPS, build_train_parser
+    from fastrl.train.config import TrainConfig
+
+    grouped = [name for names in HELP_GROUPS.values() for name in names]
+    assert sorted(grouped) == sorted(f.name for f in dataclasses.fields(TrainConfig))  # each field exactly once
+    text = build_train_parser().format_help()
+    positions = [text.index(f"\n{title}:\n") for title in HELP_GROUPS]
+    assert positions == sorted(positions)
+    assert text.index("--steps STEPS") > text.index("\noptimisation:\n") > text.index("--group_size GROUP_SIZE")
+    assert text.splitlines()[0] == "usage: fastrl train [--config FILE] [OPTIONS]"
+
+
+def test_an_invalid_combination_is_one_line_exit_2(capsys):
+    assert main(["train", "--group_size", "1"]) == 2
+    err = capsys.readouterr().err.strip().splitlines()
+    assert err == ["fastrl train: error: group_size must be >= 2 for group advantages (grpo), got 1"]
+
+
+def test_a_rerun_into_a_finished_run_names_the_cli_flags(tmp_path, capsys):
+    out = tmp_path / "run"
+    out.mkdir()
+    (out / "metrics.jsonl").write_text("")
+    assert main(["train", "--output_dir", str(out), "--progress", "false"]) == 2
+    plan, error = capsys.readouterr().err.strip().splitlines()  # the run's plan line, then the one error line
+    assert plan.startswith("fastrl train: warm-up") and error.startswith("fastrl train: error: output_dir")
+    assert "--resume latest" in error and "--overwrite true" in error and "resume=latest" not in error
+
+
+def test_the_run_starts_with_its_plan_and_where_it_goes(tmp_path):
+    from fastrl.train.config import TrainConfig
+    from fastrl.train.progress import describe_run
+
+    line = describe_run(TrainConfig(output_dir=str(tmp_path / "x")).resolved())
+    assert line.startswith("fastrl train: warm-up until 30% greedy accuracy")
+    assert "then 150 GRPO steps of 16 prompts x 8 samples" in line and line.endswith(f"output in {tmp_path / 'x'}")
+    assert "warm-up" not in describe_run(TrainConfig(model="m", output_dir="o").resolved())
+
+
+def test_runs_default_output_is_ignored_by_git():
+    assert "runs/" in (REPO / ".gitignore").read_text().split()
+
+
+def test_progress_without_a_terminal_prints_plain_labelled_lines():
+    import io
+
+    from fastrl.train.progress import Progress, WarmupProgress, step_values
+
+    stream = io.StringIO()
+    bar = Progress(total=20, desc="GRPO (RL)", unit="step", stream=stream)  # a StringIO is not a TTY
+    for _ in range(20):
+        bar.advance(step_values({"reward/mean": 0.5, "kl/ref": 0.01, "time/step": 0.2}))
+    bar.close()
+    lines = stream.getvalue().splitlines()
+    assert lines[0] == "GRPO (RL): step 1/20  reward 0.5  kl_to_ref 0.01  s_per_step 0.2"
+    assert [line.split()[3] for line in lines] == ["1/20", "10/20", "20/20"]
+    assert "\r" not in stream.getvalue() and "\x1b" not in stream.getvalue()
+    warm = io.StringIO()
+    w = WarmupProgress(50, target_accuracy=0.3, enabled=True, stream=warm)
+    w.on_step(1, 2.5)
+    w.on_probe(1, 0.12)
+    w.close()
+    assert warm.getvalue().splitlines() == ["warm-up (SFT): step 1/50  sft_loss 2.5",
+                                            "warm-up: greedy accuracy 0.120 on training prompts after 1 steps (target 30%)"]
+    silent = io.StringIO()
+    WarmupProgress(5, target_accuracy=None, enabled=False, stream=silent).on_step(1, 1.0)
+    assert silent.getvalue() == ""
+
+
+def test_a_dataset_run_evaluates_fewer_prompts_by_default_and_says_when_it_evaluates():
+    from fastrl.train.config import DATASET_EVAL_PROMPTS, TrainConfig
+    from fastrl.train.progress import describe_evaluation
+
+    assert TrainConfig().resolved().eval_prompts == 200                       # the built-in task's held-out set
+    real = TrainConfig(model="some/model", dataset="train.jsonl").resolved()
+    assert real.eval_prompts == DATASET_EVAL_PROMPTS < 200 and real.max_new_tokens == 256
+    assert TrainConfig(model="m", eval_prompts=300).resolved().eval_prompts == 300
+    assert describe_evaluation(real, 64, 0) == ("held-out evaluation at RL step 0: 64 prompts, greedy + 4 samples each "
+                                                "for pass@4, up to 256 new tokens ...")
+
+
+def test_progress_on_a_terminal_is_a_labelled_bar():
+    import io
+
+    from fastrl.train.progress import Progress, step_values
+
+    pytest.importorskip("tqdm")
+    stream = io.StringIO()
+    bar = Progress(total=3, desc="GRPO (RL)", unit="step", stream=stream, terminal=True)
+    for _ in range(3):
+        bar.advance(step_values({"reward/mean": 0.25, "eval/accuracy": 0.5}))
+    bar.write("a line between bars")
+    bar.close()
+    text = stream.getvalue()
+    assert "\r" in text and "GRPO (RL)" in text and "3/3" in text and "reward=0.25" in text and "heldout_acc=0.5" in text
+    assert "a line between bars\n" in text

@@ -1,0 +1,240 @@
+"""The tables of README.md and docs/ written from benchmarks/results/*.json (never by hand).
+
+A page holds each table between ``<!-- table:NAME -->`` and ``<!-- /table -->``; this script
+replaces what is between the markers with the table rendered from the JSON:
+
+    python benchmarks/render_tables.py          # rewrite the tables in README.md and docs/*.md
+    python benchmarks/render_tables.py --check  # exit 1 when a page and the JSON disagree
+
+``tests/test_docs.py`` runs the check, so a results file and the page that quotes it cannot
+drift apart.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import re
+import sys
+from pathlib import Path
+from typing import Callable
+
+ROOT = Path(__file__).resolve().parents[1]
+RESULTS = ROOT / "benchmarks" / "results"
+PAGES = ("README.md", "docs")
+MARKER = re.compile(r"(<!-- table:(?P<name>[a-z_]+) -->\n)(?P<body>.*?)(<!-- /table -->)", re.S)
+
+
+def _load(name: str) -> dict:
+    return json.loads((RESULTS / name).read_text())
+
+
+def _rows(header: list[str], rows: list[list[str]]) -> str:
+    lines = ["| " + " | ".join(header) + " |", "|" + "---|" * len(header)]
+    lines += ["| " + " | ".join(row) + " |" for row in rows]
+    return "\n".join(lines) + "\n"
+
+
+def default_train_seeds() -> str:
+    """The embedded default (`fastrl train`) per seed: warm-up, held-out accuracy before/after GRPO."""
+    data = _load("default_train_3seeds_cpu.json")
+    rows = []
+    for seed, run in sorted(data["runs"].items(), key=lambda kv: int(kv[0])):
+        first, last = run["eval"][0], run["eval"][-1]
+        label = f"{seed} (the default)" if seed == "0" else seed
+        rows.append([label, f"{run['sft_steps']:.0f} ({run['sft_seconds']:.0f} s)",
+                     f"{first['accuracy']:.3f} -> **{last['accuracy']:.3f}**",
+                     f"{first['pass@4']:.3f} -> {last['pass@4']:.3f}",
+                     f"{run['grpo_step_seconds_median']:.2f} s", f"{run['wall_seconds']:.0f} s"])
+    table = _rows(["seed", "warm-up steps (s)", "held-out accuracy", "pass@4", "GRPO step (median)", "whole run"], rows)
+    return table + f"\n`{data['command']}`; {data['machine']}; {data['date']}.\n"
+
+
+def _bench_row(results: list[dict], op: str, shape: str, impl: str) -> dict:
+    return next(r for r in results if r["op"] == op and r["shape"] == shape and r["impl"] == impl)
+
+
+def headline() -> str:
+    """The README's headline: fastrl beside what users run instead, on this project's CPU."""
+    ops = _load("bench-cpu-full-scans-advantages.json")["results"]
+    gae = _bench_row(ops, "gae", "B=64 T=8192", "fastrl"), _bench_row(ops, "gae", "B=64 T=8192", "loop (verl-style carry)")
+    adv = (_bench_row(ops, "group_advantages", "N=65536 G=16", "fastrl"),
+           _bench_row(ops, "group_advantages", "N=65536 G=16", "dict_loop"))
+    trl = _load("trl_memory_cpu.json")["results"]
+    prefix = _load("shared_prefix_cpu_4096x512_interleaved.json")["results"][0]
+    shared, repeated = prefix["interleaved"]["min_time_s"]["shared"], prefix["interleaved"]["min_time_s"]["repeated"]
+    step = _load("trainer_vs_trl_cpu.json")["fixed_steps"]["best"]
+    rows = [
+        ["GAE, 64 x 8192 tokens", f"{gae[0]['best_ms']:.1f} ms", f"Python loop over time, verl-style: {gae[1]['best_ms']:.0f} ms",
+         f"{gae[1]['best_ms'] / gae[0]['best_ms']:.0f}x faster"],
+        ["GRPO group advantages, 65536 samples", f"{adv[0]['best_ms']:.1f} ms",
+         f"Python dict loop over samples, verl-style: {adv[1]['best_ms']:.0f} ms", f"{adv[1]['best_ms'] / adv[0]['best_ms']:.0f}x faster"],
+        ["TRL GRPOTrainer loss step (vocab 32768, 16 x 128 tokens)", f"{trl['fastrl']['step_peak_mib']:.0f} MiB",
+         f"TRL's own loss: {trl['trl']['step_peak_mib']:.0f} MiB",
+         f"{trl['fastrl']['step_peak_mib'] / trl['trl']['step_peak_mib']:.2f}x memory"],
+        [f"GRPO forward+backward, prompt {prefix['prompt_len']} + {prefix['group_size']} x {prefix['completion_len']}",
+         f"shared prefix: {shared:.0f} s, {prefix['shared']['peak_extra_mb']:.0f} MiB",
+         f"prompt repeated per sample: {repeated:.0f} s, {prefix['repeated']['peak_extra_mb']:.0f} MiB",
+         f"{repeated / shared:.1f}x faster, {prefix['repeated']['peak_extra_mb'] / prefix['shared']['peak_extra_mb']:.1f}x less memory"],
+        ["whole GRPO step, tiny Llama, 16 x 8 samples", f"{step['fastrl-grpo']['step_s_median']:.2f} s, "
+         f"{step['fastrl-grpo']['peak_rss_mib']:.0f} MiB", f"TRL GRPOTrainer: {step['trl-grpo']['step_s_median']:.2f} s, "
+         f"{step['trl-grpo']['peak_rss_mib']:.0f} MiB",
+         f"{step['trl-grpo']['step_s_median'] / step['fastrl-grpo']['step_s_median']:.2f}x speed (per-call overhead dominates)"],
+    ]
+    return _rows(["what (CPU, torch path)", "fastrl", "what you would run instead", "ratio"], rows)
+
+
+def benchmarks_cpu() -> str:
+    """The benchmarks page: every measured op and step beside its baseline, with its command."""
+    ops = _load("bench-cpu-full-scans-advantages.json")["results"]
+
+    def op(name, shape, impl):
+        return _bench_row(ops, name, shape, impl)["best_ms"]
+
+    gae = op("gae", "B=64 T=8192", "fastrl")
+    ret = op("discounted_returns", "B=64 T=8192", "fastrl")
+    adv = op("group_advantages", "N=65536 G=16", "fastrl")
+    vl = op("value_loss fwd+bwd", "B=64 T=4096 clip=0.2", "fastrl")
+    lp = {r["impl"]: r for r in _load("logprobs-memory-cpu-20261129-211224.json")["results"]}
+    hf256 = _load("rollout-hf-cpu-quick-20261129-214426.json")["rows"]
+    hf64 = _load("rollout-hf-cpu-quick-20261129-214313.json")["rows"]
+    h256 = next(r for r in hf256 if (r["P"], r["G"], r["L"]) == (2048, 8, 64))
+    h64 = next(r for r in hf64 if (r["P"], r["G"], r["L"]) == (2048, 8, 64))
+    vrows = {r["mode"]: r for r in _load("rollout_vllm_cpu.json")["rows"] if (r["P"], r["G"], r["L"]) == (2048, 16, 64)}
+    srv = _load("vllm_server_cpu.json")
+    sb, sr = srv["seconds_best"], srv["ratios"]
+    trl = _load("trl_memory_cpu.json")["results"]
+    lt = _load("long_trajectory_cpu.json")
+    lt_fastrl = max((r for r in lt["results"] if r["impl"] == "fastrl" and r["ok"]), key=lambda r: r["trajectory_tokens"])
+    lt_sum, KiB = lt["summary"], 1024
+    naive_oom = int(re.search(r"at (\d+) tokens", lt_sum["naive"]["stopped"]).group(1))
+    prefix = _load("shared_prefix_cpu_4096x512_interleaved.json")["results"][0]
+    shared, repeated = prefix["interleaved"]["min_time_s"]["shared"], prefix["interleaved"]["min_time_s"]["repeated"]
+    step_file = _load("trainer_vs_trl_cpu.json")
+    step, shapes = step_file["fixed_steps"]["best"], step_file["shapes"]
+    f, t = step["fastrl-grpo"], step["trl-grpo"]
+    rows = [
+        ["GAE, B=64 T=8192", f"{gae:.1f} ms",
+         f"Python loop over T, verl-style carry: {op('gae', 'B=64 T=8192', 'loop (verl-style carry)'):.0f} ms",
+         f"{op('gae', 'B=64 T=8192', 'loop (verl-style carry)') / gae:.0f}x", "`fastrl bench --only scans`"],
+        ["", "", f"Python loop, OpenRLHF-style (no carry across holes): {op('gae', 'B=64 T=8192', 'loop (OpenRLHF-style)'):.0f} ms",
+         f"{op('gae', 'B=64 T=8192', 'loop (OpenRLHF-style)') / gae:.0f}x", ""],
+        ["discounted returns, B=64 T=8192", f"{ret:.1f} ms", f"Python loop: {op('discounted_returns', 'B=64 T=8192', 'loop'):.0f} ms",
+         f"{op('discounted_returns', 'B=64 T=8192', 'loop') / ret:.0f}x", ""],
+        ["group advantages (grpo), N=65536", f"{adv:.1f} ms",
+         f"Python dict loop over samples (verl): {op('group_advantages', 'N=65536 G=16', 'dict_loop'):.0f} ms",
+         f"{op('group_advantages', 'N=65536 G=16', 'dict_loop') / adv:.0f}x", "`fastrl bench --only advantages`"],
+        ["", "", f"unique + scatter (eager): {op('group_advantages', 'N=65536 G=16', 'unique_scatter'):.1f} ms",
+         f"{op('group_advantages', 'N=65536 G=16', 'unique_scatter') / adv:.2f}x (the eager baseline is faster here)", ""],
+        ["value loss fwd+bwd, 64x4096", f"{vl:.1f} ms", f"eager multi-op: {op('value_loss fwd+bwd', 'B=64 T=4096 clip=0.2', 'eager'):.1f} ms",
+         f"{op('value_loss fwd+bwd', 'B=64 T=4096 clip=0.2', 'eager') / vl:.1f}x", ""],
+        [f"GRPO loss from hidden states, {lp['fastrl']['tokens']} tokens x {lp['fastrl']['vocab']} vocab (H={lp['fastrl']['hidden']}, fp32)",
+         f"{lp['fastrl']['peak_extra_mb']:.0f} MB peak extra, {lp['fastrl']['min_time_s']:.1f} s",
+         f"naive logits + log_softmax: {lp['naive']['peak_extra_mb']:.0f} MB, {lp['naive']['min_time_s']:.1f} s",
+         f"{lp['fastrl']['mem_vs_naive']:.3f}x memory, {lp['fastrl']['time_vs_naive']:.2f}x time",
+         "`python benchmarks/bench_logprobs_memory.py --shapes 8192:256:151936`"],
+        ["", "", f"Liger fused GRPO loss: {lp['liger']['peak_extra_mb']:.0f} MB, {lp['liger']['min_time_s']:.1f} s", "", ""],
+        ["HF group sampling, P=2048 G=8 L=64, tiny Llama (hidden 64 / 256)",
+         f"prefill {h256['prefill_tokens_shared']} tokens, KV {h256['kv_shared_over_ideal']:.3f}x of P+G*L slots",
+         f"`model.generate` on G prompt copies: {h256['prefill_tokens_duplicated']} tokens",
+         f"{h64['speedup']:.1f}x / {h256['speedup']:.1f}x wall",
+         "`python benchmarks/bench_rollout.py --quick --threads 1 [--hidden 256 --layers 4]`"],
+        ["vLLM n=G with prefix cache, P=2048 G=16 L=64",
+         f"{vrows['shared']['prefill_tokens_computed']} prefill tokens, hit rate {vrows['shared']['prefix_cache_hit_rate']:.2f}",
+         f"duplicated prompts, no cache: {vrows['duplicated']['prefill_tokens_computed']}",
+         f"{vrows['duplicated']['seconds'] / vrows['shared']['seconds']:.1f}x wall", "`python benchmarks/bench_rollout_vllm.py`"],
+        [f"`fastrl vllm-server`, {srv['shape']['prompts']} prompts x G={srv['shape']['group_size']}, "
+         f"P={srv['shape']['prompt_len']} L={srv['shape']['gen_len']} (best of 3)",
+         f"rollout {sb['generate_server']:.2f} s (2 clients at once: {sb['generate_server_2_clients']:.2f} s, one engine call); "
+         f"weight push {sb['update_server']:.2f} s over HTTP, {sb['update_server_file']:.2f} s as files in `--weights_dir`",
+         f"the same engine in-process: {sb['generate_in_process']:.2f} s; push {sb['update_in_process']:.3f} s",
+         f"{sr['generate_server_over_in_process']:.2f}x rollout; push {sr['update_server_over_in_process']:.1f}x / "
+         f"{sr['update_server_file_over_in_process']:.1f}x", f"`OMP_NUM_THREADS=1 {srv['command']}`"],
+        ["TRL GRPOTrainer dapo loss step (vocab 32768, 16x128 tokens)",
+         f"{trl['fastrl']['step_peak_mib']:.0f} MiB, {trl['fastrl']['step_time_s']:.2f} s",
+         f"TRL 1.16: {trl['trl']['step_peak_mib']:.0f} MiB, {trl['trl']['step_time_s']:.2f} s",
+         f"{trl['fastrl']['step_peak_mib'] / trl['trl']['step_peak_mib']:.2f}x memory", "`python benchmarks/bench_trl_memory.py`"],
+        ["GRPO training step vs trajectory length (Qwen2 hidden 256, 4 layers, vocab 151936; G=8)",
+         f"shared prefix + fused loss + checkpointing: {lt_fastrl['trajectory_tokens'] // 1024}K tokens in "
+         f"{lt_fastrl['peak_extra_mib']:.0f} MiB, slope {lt_sum['fastrl']['memory_slope_bytes_per_token'] / KiB:.1f} KiB/token",
+         f"naive logits: {lt_sum['naive']['memory_slope_bytes_per_token'] / KiB:.0f} KiB/token, out of memory at "
+         f"{naive_oom // 1024}K; TRL loss path "
+         f"{lt_sum['trl']['memory_slope_bytes_per_token'] / KiB:.0f} KiB/token (to {lt_sum['trl']['max_trajectory_tokens'] // 1024}K)",
+         f"1/{lt['ratios']['slope_naive_over_fastrl']:.0f} memory slope", "`python benchmarks/bench_long_trajectory.py`"],
+        [f"shared vs repeated prefix, fwd+bwd, P={prefix['prompt_len']} L={prefix['completion_len']} G={prefix['group_size']}",
+         f"{shared:.1f} s, {prefix['shared']['peak_extra_mb']:.0f} MiB",
+         f"repeated prefix: {repeated:.1f} s, {prefix['repeated']['peak_extra_mb']:.0f} MiB",
+         f"{repeated / shared:.2f}x time, 1/{prefix['memory_ratio_repeated_over_shared']:.1f} memory",
+         "`OMP_NUM_THREADS=1 python benchmarks/bench_shared_prefix.py --shapes 4096x512 --threads 1 --interleaved-rounds 2`"],
+        [f"whole training step, tiny Llama ({shapes['parameters'] / 1000:.0f}K params, vocab {shapes['vocab_size']}), "
+         f"{shapes['prompts_per_step']}x{shapes['group_size']} samples",
+         f"{f['step_s_median']:.2f} s/step, {f['peak_rss_mib']:.0f} MiB",
+         f"TRL GRPOTrainer: {t['step_s_median']:.2f} s/step, {t['peak_rss_mib']:.0f} MiB",
+         f"{t['step_s_median'] / f['step_s_median']:.2f}x speed, {f['peak_rss_mib'] / t['peak_rss_mib']:.2f}x memory",
+         "`python benchmarks/bench_trainer_vs_trl.py`"],
+    ]
+    return _rows(["what", "fastrl", "baseline", "ratio", "command"], rows)
+
+
+def compare_default() -> str:
+    """`fastrl compare` on its defaults: one row per verdict axis, mean +- std over seeds."""
+    data = _load("compare_default_cpu/compare.json")
+    algorithms = data["algorithms"]
+    rows = []
+    for v in data["verdicts"]:
+        cells = {v["winner"]: (v["winner_mean"], v["winner_std"]), v["runner_up"]: (v["runner_up_mean"], v["runner_up_std"])}
+        digits = 1 if v["axis"] == "cost" else (2 if v["axis"] == "memory" else 3)
+        shown = [f"{cells[a][0]:.{digits}f} ± {cells[a][1]:.{digits}f}" for a in algorithms]
+        better = "higher" if v["higher_is_better"] else "lower"
+        verdict = f"{v['winner']} ({v['ratio']:.2f}x), " + ("distinguishable" if v["distinguishable"]
+                                                          else "not distinguishable over the seeds")
+        rows.append([f"{v['axis']}: {v['metric']} ({better} is better)", *shown, verdict])
+    table = _rows(["axis", *algorithms, "verdict"], rows)
+    return table + f"\n`{data['command']}`: {len(data['seeds'])} seeds, budget {data['budget']['text']}.\n"
+
+
+TABLES: dict[str, Callable[[], str]] = {"default_train_seeds": default_train_seeds, "headline": headline,
+                                        "compare_default": compare_default, "benchmarks_cpu": benchmarks_cpu}
+
+
+def pages() -> list[Path]:
+    out = []
+    for entry in PAGES:
+        path = ROOT / entry
+        out += sorted(path.rglob("*.md")) if path.is_dir() else [path]
+    return out
+
+
+def render(text: str) -> str:
+    """``text`` with every marked table re-rendered; an unknown table name is an error."""
+    def replace(match: re.Match) -> str:
+        name = match.group("name")
+        if name not in TABLES:
+            raise KeyError(f"no table named {name!r} (known: {', '.join(TABLES)})")
+        return match.group(1) + TABLES[name]() + match.group(4)
+
+    return MARKER.sub(replace, text)
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--check", action="store_true", help="report pages whose tables disagree with the JSON; write nothing")
+    args = parser.parse_args(argv)
+    stale = []
+    for page in pages():
+        text = page.read_text()
+        new = render(text)
+        if new != text:
+            stale.append(page.relative_to(ROOT))
+            if not args.check:
+                page.write_text(new)
+    if args.check and stale:
+        print("tables out of date with benchmarks/results (run python benchmarks/render_tables.py): "
+              + ", ".join(map(str, stale)), file=sys.stderr)
+        return 1
+    print(("rewrote " + ", ".join(map(str, stale))) if stale and not args.check else "tables match benchmarks/results")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
