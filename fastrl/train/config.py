@@ -13,10 +13,18 @@ keys; the resolved configuration is written beside every run as ``config.yaml``.
 from __future__ import annotations
 
 import dataclasses
+import math
+import typing
 from dataclasses import dataclass, field
 from typing import Literal, Optional
 
 from fastrl.config import PolicyLossConfig
+from fastrl.errors import InputError
+
+_FLOAT32_MAX = 3.4028234663852886e38
+"""Largest finite float32: a float option beyond it overflows the first tensor it enters."""
+_MAX_SEED = 2**32 - 1
+"""Largest seed every generator accepts (NumPy's legacy seeding stops at 2**32 - 1)."""
 
 Algorithm = Literal["grpo", "dr_grpo", "dapo", "gspo", "rloo", "reinforce_pp", "ppo"]
 ALGORITHMS: tuple[str, ...] = ("grpo", "dr_grpo", "dapo", "gspo", "rloo", "reinforce_pp", "ppo")
@@ -300,7 +308,7 @@ class TrainConfig:
         ``model_given``: a model object is passed to the Trainer from Python (not the built-in
         model even though ``model`` is None), so the built-in model's defaults do not apply."""
         if self.algorithm not in ALGORITHM_PRESETS:
-            raise ValueError(f"algorithm must be one of {ALGORITHMS}, got {self.algorithm!r}")
+            raise InputError(f"algorithm must be one of {ALGORITHMS}, got {self.algorithm!r}")
         preset = ALGORITHM_PRESETS[self.algorithm]
         c = dataclasses.replace(self)
         if c.advantage_mode is None:
@@ -359,79 +367,119 @@ class TrainConfig:
         return bool(self.kl_coef) or self.kl_target is not None
 
     def validate(self) -> None:
-        """Raise ValueError naming the first bad field."""
+        """Raise :class:`~fastrl.errors.InputError` naming the first bad field (before any work).
+
+        Every field is checked: its type (``Literal`` choices included, also when the config
+        is built from Python rather than parsed from the command line), then its range. A
+        float option must be finite and, where it enters float32 arithmetic, representable
+        in float32 (``kl_coef 1e300`` is refused here, not overflowed inside step 1)."""
         from fastrl.reference.advantages import GROUP_MODES
+
+        _check_field_types(self)
 
         def positive_int(name: str, allow_zero: bool = False) -> None:
             v = getattr(self, name)
             if isinstance(v, bool) or not isinstance(v, int) or v < (0 if allow_zero else 1):
-                raise ValueError(f"{name} must be an int >= {0 if allow_zero else 1}, got {v!r}")
+                raise InputError(f"{name} must be an int >= {0 if allow_zero else 1}, got {v!r}")
 
-        if self.sft_target_accuracy is not None and not 0.0 < self.sft_target_accuracy <= 1.0:
-            raise ValueError(f"sft_target_accuracy must be in (0, 1], got {self.sft_target_accuracy}")
+        def number(name: str, *, low: float | None = None, high: float | None = None, low_open: bool = False,
+                   high_open: bool = False, value: object = None) -> None:
+            v = getattr(self, name) if value is None else value
+            if v is None:
+                return
+            if isinstance(v, bool) or not isinstance(v, (int, float)) or not math.isfinite(v) or abs(v) > _FLOAT32_MAX:
+                raise InputError(f"{name} must be a finite number (float32 range, |x| <= {_FLOAT32_MAX:.3g}), got {v!r}")
+            below = v <= low if low_open else v < low if low is not None else False
+            above = v >= high if high_open else v > high if high is not None else False
+            if below or above:
+                left = "(" if low_open else "["
+                right = ")" if high_open or high is None else "]"
+                interval = f"{left}{'-inf' if low is None else f'{low:g}'}, {'inf' if high is None else f'{high:g}'}{right}"
+                raise InputError(f"{name} must be in {interval}, got {v!r}")
+
+        if self.sft_target_accuracy is not None:
+            number("sft_target_accuracy", low=0.0, low_open=True, high=1.0)
         for name in ("group_size", "prompts_per_step", "max_new_tokens", "steps", "ppo_epochs", "mini_batches", "sft_probe_rows", "sft_check_every",
                      "micro_batch_tokens", "eval_prompts", "pass_k", "keep_checkpoints", "task_digits",
                      "task_train_size", "task_eval_size", "model_hidden_size", "model_layers", "sft_batch_size"):
             positive_int(name)
-        for name in ("eval_every", "save_every", "warmup_steps", "max_resample_rounds", "reward_workers", "kl_horizon"):
+        for name in ("eval_every", "save_every", "warmup_steps", "max_resample_rounds", "reward_workers", "kl_horizon",
+                     "top_k", "seed"):
             positive_int(name, allow_zero=True)
+        if self.seed > _MAX_SEED:
+            raise InputError(f"seed must be an int in [0, {_MAX_SEED}] (it seeds Python, NumPy and torch), got {self.seed!r}")
         positive_int("sft_steps", allow_zero=True)
-        if self.max_generated_tokens is not None:
-            positive_int("max_generated_tokens")
-        if self.max_seconds is not None and (isinstance(self.max_seconds, bool) or not isinstance(self.max_seconds, (int, float))
-                                             or not 0 < self.max_seconds < float("inf")):
-            raise ValueError(f"max_seconds must be a finite number > 0, got {self.max_seconds!r}")
-        if self.sync_probe_every is not None:
-            positive_int("sync_probe_every")
+        for name in ("max_generated_tokens", "sync_probe_every", "prompt_token_budget", "max_prompt_length", "threads"):
+            if getattr(self, name) is not None:
+                positive_int(name)
+        if self.max_seconds is not None:
+            number("max_seconds", low=0.0, low_open=True)
         if self.advantage_mode not in (*GROUP_MODES, "gae"):
-            raise ValueError(f"advantage_mode must be one of {(*GROUP_MODES, 'gae')}, got {self.advantage_mode!r}")
+            raise InputError(f"advantage_mode must be one of {(*GROUP_MODES, 'gae')}, got {self.advantage_mode!r}")
         if self.advantage_mode != "gae" and self.group_size < 2:
-            raise ValueError(f"group_size must be >= 2 for group advantages ({self.advantage_mode}), got {self.group_size}")
+            raise InputError(f"group_size must be >= 2 for group advantages ({self.advantage_mode}), got {self.group_size}")
         if not self.task_operations or set(self.task_operations) - set("+-*"):
-            raise ValueError(f"task_operations must be characters among '+-*', got {self.task_operations!r}")
-        for name, low in (("lr", 0.0), ("critic_lr", 0.0), ("sft_lr", 0.0), ("temperature", 0.0), ("reward_timeout", 0.0)):
-            v = getattr(self, name)
-            if not isinstance(v, (int, float)) or not v > low or v != v or v == float("inf"):
-                raise ValueError(f"{name} must be a finite number > {low}, got {v!r}")
-        if not 0.0 <= self.min_lr_ratio <= 1.0:
-            raise ValueError(f"min_lr_ratio must be in [0, 1], got {self.min_lr_ratio}")
-        if not 0.0 <= self.gamma <= 1.0 or not 0.0 <= self.lam <= 1.0:
-            raise ValueError(f"gamma and lam must be in [0, 1], got gamma={self.gamma}, lam={self.lam}")
-        if not 0.0 < self.eval_fraction < 1.0:
-            raise ValueError(f"eval_fraction must be in (0, 1), got {self.eval_fraction}")
-        if self.grad_clip < 0:
-            raise ValueError(f"grad_clip must be >= 0, got {self.grad_clip}")
-        if len(self.adam_betas) != 2 or not all(0.0 <= b < 1.0 for b in self.adam_betas):
-            raise ValueError(f"adam_betas must be two numbers in [0, 1), got {self.adam_betas}")
-        if self.kl_coef is not None and self.kl_coef < 0:
-            raise ValueError(f"kl_coef must be >= 0, got {self.kl_coef}")
-        if self.kl_target is not None and not self.kl_target > 0:
-            raise ValueError(f"kl_target must be > 0, got {self.kl_target}")
+            raise InputError(f"task_operations must be characters among '+-*', got {self.task_operations!r}")
+        for name in ("lr", "critic_lr", "sft_lr", "temperature", "reward_timeout", "sampler_timeout", "is_cap",
+                     "sync_probe_tolerance"):
+            number(name, low=0.0, low_open=True)
+        number("top_p", low=0.0, low_open=True, high=1.0)
+        number("min_lr_ratio", low=0.0, high=1.0)
+        number("gamma", low=0.0, high=1.0)
+        number("lam", low=0.0, high=1.0)
+        number("eval_fraction", low=0.0, low_open=True, high=1.0, high_open=True)
+        for name in ("grad_clip", "weight_decay", "kl_coef", "clip_low", "clip_high"):
+            number(name, low=0.0)
+        number("entropy_coef")
+        number("value_clip", low=0.0, low_open=True)
+        number("dual_clip", low=1.0, low_open=True)
+        if self.kl_target is not None:
+            number("kl_target", low=0.0, low_open=True)
+        if len(self.adam_betas) != 2:
+            raise InputError(f"adam_betas must be two numbers in [0, 1), got {self.adam_betas}")
+        for beta in self.adam_betas:
+            number("adam_betas", low=0.0, high=1.0, high_open=True, value=beta)
         if self.kl_target is not None and not self.kl_coef:
-            raise ValueError("kl_target (adaptive KL) needs a starting kl_coef > 0")
-        if self.reward_weights is not None and len(self.reward_weights) != len(self.rewards):
-            raise ValueError(
-                f"reward_weights has {len(self.reward_weights)} entries for {len(self.rewards)} reward functions {self.rewards}"
-            )
+            raise InputError("kl_target (adaptive KL) needs a starting kl_coef > 0")
+        if self.reward_weights is not None:
+            if len(self.reward_weights) != len(self.rewards):
+                raise InputError(
+                    f"reward_weights has {len(self.reward_weights)} entries for {len(self.rewards)} reward functions {self.rewards}"
+                )
+            for weight in self.reward_weights:
+                number("reward_weights", value=weight)
         if not self.rewards:
-            raise ValueError("rewards must name at least one reward function")
+            raise InputError("rewards must name at least one reward function")
+        for name in ("output_dir", "prompt_column", "dataset_split"):
+            if not getattr(self, name):
+                raise InputError(f"{name} must be a non-empty string, got {getattr(self, name)!r}")
+        if self.resume is not None and not self.resume:
+            raise InputError("resume must be 'latest' or a checkpoint directory, got ''")
+        if self.device != "auto":
+            try:
+                import torch
+
+                torch.device(self.device)
+            except (RuntimeError, ValueError):
+                raise InputError(f"device must be auto, cpu or cuda[:N], got {self.device!r}") from None
         if self.rollout_correction == "bypass" and self.ppo_epochs * self.mini_batches != 1:
-            raise ValueError(
+            raise InputError(
                 "rollout_correction=bypass uses the sampler's log-probs as old log-probs, which is only right with exactly "
                 f"one optimizer step per rollout batch; got ppo_epochs={self.ppo_epochs}, mini_batches={self.mini_batches}"
             )
         if self.sampler == "vllm-server" and not self.sampler_url:
-            raise ValueError("sampler=vllm-server needs the server's address: --sampler vllm-server http://HOST:PORT")
+            raise InputError("sampler=vllm-server needs the server's address: --sampler vllm-server http://HOST:PORT")
         if self.sampler_url is not None and self.sampler != "vllm-server":
-            raise ValueError(f"sampler_url is only used with sampler=vllm-server, got sampler={self.sampler!r}")
-        if not self.sampler_timeout > 0:
-            raise ValueError(f"sampler_timeout must be > 0, got {self.sampler_timeout!r}")
-        if self.is_cap <= 0:
-            raise ValueError(f"is_cap must be > 0, got {self.is_cap}")
+            raise InputError(f"sampler_url is only used with sampler=vllm-server, got sampler={self.sampler!r}")
         if self.critic_init is not None and self.advantage_mode != "gae":
-            raise ValueError(f"critic_init is only used with a critic (algorithm ppo / advantage_mode gae), got {self.advantage_mode}")
+            raise InputError(f"critic_init is only used with a critic (algorithm ppo / advantage_mode gae), got {self.advantage_mode}")
         # Build the loss config now so a bad loss option fails before any work.
-        self.policy_loss_config()
+        try:
+            self.policy_loss_config()
+        except InputError:
+            raise
+        except (ValueError, TypeError) as error:
+            raise InputError(f"loss options (clip_low, clip_high, dual_clip, loss_agg, surrogate, kl_*, entropy_coef): {error}") from None
 
     @property
     def builtin_model(self) -> bool:
@@ -441,3 +489,41 @@ class TrainConfig:
     def on_policy(self) -> bool:
         """One optimizer step per rollout batch: the old policy is the current one."""
         return self.ppo_epochs * self.mini_batches == 1
+
+
+def _check_field_types(config: "TrainConfig") -> None:
+    """Each field's value has its annotated type (``Literal`` choices, ``Optional``, lists)."""
+    hints = typing.get_type_hints(type(config))
+    for item in dataclasses.fields(config):
+        value = getattr(config, item.name)
+        problem = _type_problem(value, hints[item.name])
+        if problem is not None:
+            raise InputError(f"{item.name} must be {problem}, got {value!r}")
+
+
+def _type_problem(value: object, annotation: object) -> str | None:
+    """``None`` when ``value`` fits ``annotation``, else what would be accepted."""
+    origin, arguments = typing.get_origin(annotation), typing.get_args(annotation)
+    if origin is typing.Union:
+        options = [argument for argument in arguments if argument is not type(None)]
+        if value is None:
+            return None
+        return _type_problem(value, options[0]) if len(options) == 1 else None
+    if origin is Literal:
+        return None if value in arguments else f"one of {list(arguments)}"
+    if origin is list:
+        if not isinstance(value, (list, tuple)):
+            return "a list"
+        for entry in value:
+            if _type_problem(entry, arguments[0]) is not None:
+                return f"a list of {getattr(arguments[0], '__name__', arguments[0])}"
+        return None
+    if annotation is bool:
+        return None if isinstance(value, bool) else "true or false"
+    if annotation is int:
+        return None if isinstance(value, int) and not isinstance(value, bool) else "an int"
+    if annotation is float:
+        return None if isinstance(value, (int, float)) and not isinstance(value, bool) else "a number"
+    if annotation is str:
+        return None if isinstance(value, str) else "a string"
+    return None

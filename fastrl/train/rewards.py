@@ -21,7 +21,9 @@ so TRL reward functions work unchanged. The keyword arguments are the ones TRL's
 ``None`` in a function's output means "does not apply to this sample": it counts as 0 in
 the weighted sum (TRL's ``nansum``) and is left out of that function's mean.
 
-**Isolation.** :class:`RewardPool` runs reward code in worker processes. Each call is split,
+**Isolation.** :class:`RewardPool` runs reward code in the worker processes of a
+:class:`fastrl.workers.WorkerPool` (see there for process groups and dying with the
+trainer). Each call is split,
 per function, into ``num_workers`` contiguous chunks of samples, one task each, dispatched
 to idle workers. ``timeout_s`` bounds one task (one function on one chunk), measured from
 its dispatch. A task whose function raises, hangs past the limit, kills its process
@@ -48,9 +50,12 @@ once the trainer has initialised it; a reward that needs the GPU uses
 functions are shipped with ``cloudpickle`` (by value for lambdas, closures and functions
 loaded from ``path/to/file.py``) and each worker imports torch once when it starts; a task
 is only dispatched to a worker that has started, so start-up never counts against
-``timeout_s``. Workers are daemonic, ignore SIGINT (a Ctrl-C is the trainer's to handle;
-the pool kills the workers busy with the interrupted call, and :meth:`RewardPool.close` or
-the interpreter's exit ends the rest) and exit when the trainer process disappears. A
+``timeout_s``. Each worker leads its own process group, and a worker is killed with its
+whole group: a reward that runs ``subprocess.run(["sleep", "3600"])`` and times out leaves
+no ``sleep`` behind. Workers ignore SIGINT (a Ctrl-C is the trainer's to handle; the pool
+kills the workers busy with the interrupted call, and :meth:`RewardPool.close` or the
+interpreter's exit ends the rest) and die with the trainer, even in the middle of a call
+(``PR_SET_PDEATHSIG`` on Linux, and a watch thread), taking their children with them. A
 daemonic worker cannot start ``multiprocessing`` children of its own (``subprocess`` works).
 
 **In-process mode** (``num_workers=0``) calls the functions in the training process, for
@@ -72,22 +77,20 @@ import inspect
 import logging
 import math
 import multiprocessing
-import multiprocessing.connection
 import os
+import pickle
 import re
-import signal
 import sys
 import threading
 import time
 import traceback
-import warnings
-import weakref
-from collections import deque
 from dataclasses import dataclass, field
 from fractions import Fraction
 from typing import Any, Callable, Literal, Sequence
 
 import torch
+
+from fastrl import workers
 
 __all__ = [
     "BUILTIN_REWARDS",
@@ -446,9 +449,8 @@ def resolve_reward(spec: str | Callable) -> tuple[str, RewardFunction]:
 
 _OK, _RAISED, _INVALID, _TIMEOUT, _CRASHED = "ok", "raised", "invalid", "timeout", "crashed"
 _FAILURE_KINDS = (_RAISED, _TIMEOUT, _CRASHED, _INVALID)
-# Longest wait for a new worker's first message: a forked one answers in milliseconds; a
-# spawned one imports torch and the functions first (slow on a loaded machine).
-_STARTUP_TIMEOUT_S = {"fork": 10.0, "spawn": 120.0, "forkserver": 120.0}
+# The worker pool's statuses that are reward failures, by the name the metrics count them under.
+_WORKER_STATUS = {workers.RAISED: _RAISED, workers.TIMEOUT: _TIMEOUT, workers.CRASHED: _CRASHED}
 _RESERVED_KWARGS = ("prompts", "completions", "completion_ids", "trainer_state", "log_metric", "log_extra")
 _SHARED_KWARGS = ("trainer_state",)  # the same object for every chunk; everything else is per sample
 _DROPPED_COLUMNS = ("prompt", "completion", "completion_ids")
@@ -524,118 +526,17 @@ def _call_reward(function: RewardFunction, prompts: list[str], completions: list
     return _Outcome(_OK, values=values, user_metrics=user_metrics, extra_columns=extra_columns)
 
 
-def _worker_main(connection: Any, functions_payload: Any) -> None:
-    """Worker loop: say ``("ready", None)`` (or ``("failed", why)``), then receive
-    ``(task_id, function_index, prompts, completions, kwargs)`` and reply ``(task_id, outcome)``;
-    ``None`` stops it. Exits when its parent process is gone (the trainer, or for
-    ``forkserver`` the server, which exits with the trainer)."""
-    signal.signal(signal.SIGINT, signal.SIG_IGN)
-    signal.signal(signal.SIGTERM, signal.SIG_DFL)
-    parent_pid = os.getppid()
-    # A forked child inherits torch's intra-op (OpenMP) pool in a broken state: its first
-    # multi-threaded op hangs forever. One thread per worker avoids that (as torch's own
-    # DataLoader workers do) and keeps num_workers processes from oversubscribing the cores.
-    torch.set_num_threads(1)
+def _reward_task(functions: list[RewardFunction], message: tuple) -> _Outcome:
+    """What a worker does with one task: ``(function_index, prompts, completions, kwargs)``."""
+    function_index, prompts, completions, kwargs = message
+    outcome = _call_reward(functions[function_index], prompts, completions, kwargs)
     try:
-        if isinstance(functions_payload, bytes):
-            import cloudpickle
+        pickle.dumps((outcome.user_metrics, outcome.extra_columns))
+    except Exception as error:  # something the function logged does not pickle: keep the rewards
+        logger.warning("reward logs dropped, they could not be sent back: %s", error)
+        outcome.user_metrics, outcome.extra_columns = {}, {}
+    return outcome
 
-            functions = cloudpickle.loads(functions_payload)
-        else:
-            functions = functions_payload
-    except Exception as error:
-        connection.send(("failed", f"loading the reward functions failed: {type(error).__name__}: {error}"))
-        return
-    connection.send(("ready", None))
-    while True:
-        try:
-            if not connection.poll(1.0):
-                if os.getppid() != parent_pid:
-                    return
-                continue
-            message = connection.recv()
-        except (EOFError, OSError):
-            return
-        if message is None:
-            return
-        task_id, function_index, prompts, completions, kwargs = message
-        outcome = _call_reward(functions[function_index], prompts, completions, kwargs)
-        try:
-            connection.send((task_id, outcome))
-        except (EOFError, OSError):
-            return
-        except Exception as error:  # something the function logged does not pickle: keep the rewards
-            logger.warning("reward logs dropped, they could not be sent back: %s", error)
-            outcome.user_metrics, outcome.extra_columns = {}, {}
-            connection.send((task_id, outcome))
-
-
-# ---------------------------------------------------------------------------------------
-# The pool
-# ---------------------------------------------------------------------------------------
-
-
-class _Worker:
-    """One worker process and the parent's end of its pipe."""
-
-    def __init__(self, context: Any, payload: Any) -> None:
-        parent_end, child_end = context.Pipe(duplex=True)
-        self.process = context.Process(
-            target=_worker_main, args=(child_end, payload), daemon=True, name="fastrl-reward-worker"
-        )
-        with warnings.catch_warnings():  # Python >= 3.12 warns about forking a threaded process
-            warnings.simplefilter("ignore", DeprecationWarning)
-            self.process.start()
-        child_end.close()
-        self.connection = parent_end
-        self.task: tuple[int, int, float] | None = None  # (task index, task id, deadline)
-
-    def wait_ready(self, timeout_s: float) -> str | None:
-        """``None`` once the worker has loaded the functions, else why it did not."""
-        try:
-            if not self.connection.poll(timeout_s):
-                return f"the worker did not start within {timeout_s:g} s"
-            status, message = self.connection.recv()
-        except (EOFError, OSError):
-            self.process.join(timeout=1.0)
-            return _death_message(self)
-        return None if status == "ready" else message
-
-    def kill(self) -> None:
-        """SIGKILL and reap (no zombie left)."""
-        if self.process.is_alive():
-            self.process.kill()
-        self.process.join(timeout=5.0)
-        self.connection.close()
-
-
-def _death_message(worker: _Worker) -> str:
-    code = worker.process.exitcode
-    if code is None:
-        return "the worker closed its pipe without replying"
-    if code < 0:
-        try:
-            return f"the worker process died (signal {signal.Signals(-code).name})"
-        except ValueError:
-            return f"the worker process died (signal {-code})"
-    return f"the worker process died (exit code {code})"
-
-
-def _shutdown(workers: list[_Worker | None], timeout_s: float = 1.0) -> None:
-    """Ask idle workers to exit, give them ``timeout_s`` together, then kill and reap all."""
-    live = [worker for worker in workers if worker is not None]
-    workers[:] = [None] * len(workers)
-    for worker in live:
-        if worker.task is None:
-            try:
-                worker.connection.send(None)
-            except (OSError, ValueError):
-                pass
-    deadline = time.monotonic() + timeout_s
-    for worker in live:
-        if worker.task is None:
-            worker.process.join(timeout=max(0.0, deadline - time.monotonic()))
-        worker.kill()
 
 
 @dataclass
@@ -716,20 +617,25 @@ class RewardPool:
         if start_method not in methods:
             raise ValueError(f"start_method must be one of {methods}, got {start_method!r}")
         self.start_method = start_method
-        self._workers: list[_Worker | None] = [None] * num_workers
-        self._next_task_id = 0
         self._closed = False
         self._warned: set[tuple[str, ...]] = set()
-        self._payload: Any = None
+        self._pool: workers.WorkerPool | None = None
         if num_workers > 0:
-            self._context = multiprocessing.get_context(start_method)
-            self._payload = self.functions if start_method == "fork" else self._pickled_functions()
-            self._finalizer = weakref.finalize(self, _shutdown, self._workers)
+            if start_method != "fork":
+                self._register_file_modules_by_value()
             try:
-                self._start_missing_workers(raise_errors=True)
-            except BaseException:
-                self.close()
-                raise
+                self._pool = workers.WorkerPool(
+                    _reward_task,
+                    self.functions,
+                    num_workers=num_workers,
+                    timeout_s=self.timeout_s,
+                    start_method=start_method,
+                    name="fastrl-reward-worker",
+                )
+            except workers.WorkerStartError as error:
+                raise ValueError(f"reward worker for {self.names} could not start: {error}") from error
+            except ValueError as error:  # the functions could not be shipped to spawned workers
+                raise ValueError(f"reward functions {self.names}: {error}") from error
 
     # ------------------------------------------------------------------ setup helpers
     def _unique_names(self, names: list[str]) -> list[str]:
@@ -745,65 +651,21 @@ class RewardPool:
             unique.append(candidate)
         return unique
 
-    def _pickled_functions(self) -> bytes:
+    def _register_file_modules_by_value(self) -> None:
+        """Functions loaded from a ``path/to/file.py`` go to spawned workers by value: they cannot import them."""
         try:
             import cloudpickle
-        except ImportError as error:
-            raise ValueError(
-                f"start_method={self.start_method!r} ships the reward functions with cloudpickle: pip install cloudpickle "
-                "(or use start_method='fork')"
-            ) from error
-        for function in self.functions:  # functions loaded from a file go by value: workers cannot import them
+        except ImportError:
+            return  # the worker pool says that cloudpickle is needed
+        for function in self.functions:
             module = sys.modules.get(getattr(function, "__module__", "") or "")
             if module is not None and module.__name__.startswith("fastrl_reward_"):
                 cloudpickle.register_pickle_by_value(module)
-        try:
-            return cloudpickle.dumps(self.functions)
-        except Exception as error:
-            raise ValueError(
-                f"the reward functions {self.names} could not be pickled for {self.start_method!r} workers: {error}"
-            ) from error
-
-    def _start_missing_workers(self, *, raise_errors: bool = False) -> None:
-        """Fill empty slots and replace idle workers that died (busy ones are handled by _collect).
-
-        A worker counts once it has loaded the functions, so a slow start (``spawn`` imports
-        torch) never eats into a task's time limit. One that cannot start leaves its slot
-        empty (retried on the next call) or, with ``raise_errors``, raises ``ValueError``."""
-        started: list[tuple[int, _Worker]] = []
-        for slot, worker in enumerate(self._workers):
-            if worker is not None and (worker.task is not None or worker.process.is_alive()):
-                continue
-            if worker is not None:
-                worker.kill()
-                self._workers[slot] = None
-            try:
-                started.append((slot, _Worker(self._context, self._payload)))
-            except OSError as error:  # fork failed (out of memory, process limit)
-                problem = f"could not start a reward worker: {error}"
-                if raise_errors:
-                    raise ValueError(problem) from error
-                logger.warning(problem)
-        try:
-            while started:
-                slot, worker = started[0]
-                problem = worker.wait_ready(_STARTUP_TIMEOUT_S.get(self.start_method, 120.0))
-                started.pop(0)
-                if problem is None:
-                    self._workers[slot] = worker
-                    continue
-                worker.kill()
-                if raise_errors:
-                    raise ValueError(f"reward worker for {self.names} could not start: {problem}")
-                logger.warning("reward worker could not start: %s", problem)
-        finally:  # interrupted while waiting: no started worker may be left outside the pool
-            for _, worker in started:
-                worker.kill()
 
     @property
     def worker_pids(self) -> list[int]:
         """Process ids of the live workers (for monitoring and tests)."""
-        return [worker.process.pid for worker in self._workers if worker is not None and worker.process.is_alive()]
+        return [] if self._pool is None else self._pool.worker_pids
 
     # ------------------------------------------------------------------ public API
     def __enter__(self) -> "RewardPool":
@@ -817,8 +679,8 @@ class RewardPool:
         if self._closed:
             return
         self._closed = True
-        if self.num_workers > 0:
-            self._finalizer()
+        if self._pool is not None:
+            self._pool.close()
 
     def validate(
         self,
@@ -960,86 +822,16 @@ class RewardPool:
         return grouped
 
     def _dispatch(self, messages: list[tuple]) -> list[_Outcome]:
-        """Run tasks on the workers with per-task deadlines; kill and replace hung or dead ones."""
-        outcomes: list[_Outcome | None] = [None] * len(messages)
-        pending = deque(range(len(messages)))
-        send_failures = [0] * len(messages)
-        try:
-            while pending or any(worker is not None and worker.task is not None for worker in self._workers):
-                if pending:
-                    self._start_missing_workers()
-                    if all(worker is None for worker in self._workers):
-                        for index in pending:
-                            outcomes[index] = _Outcome(_CRASHED, message="no reward worker could be started")
-                        pending.clear()
-                for worker in self._workers:
-                    if not pending:
-                        break
-                    if worker is None or worker.task is not None:
-                        continue
-                    index = pending.popleft()
-                    task_id = self._next_task_id
-                    self._next_task_id += 1
-                    try:
-                        worker.connection.send((task_id, *messages[index]))
-                    except OSError as error:  # the worker died while idle: retry once on a fresh one
-                        send_failures[index] += 1
-                        if send_failures[index] >= 2:
-                            outcomes[index] = _Outcome(_CRASHED, message=f"could not send the task to a worker: {error}")
-                        else:
-                            pending.appendleft(index)
-                        self._replace(worker)
-                        continue
-                    except Exception as error:  # a column value that does not pickle (nothing was written)
-                        outcomes[index] = _Outcome(_INVALID, message=f"could not send the task to a worker: {error}")
-                        continue
-                    worker.task = (index, task_id, time.monotonic() + self.timeout_s)
-                busy = [worker for worker in self._workers if worker is not None and worker.task is not None]
-                if not busy:
-                    continue
-                wait_s = max(0.0, min(worker.task[2] for worker in busy) - time.monotonic())
-                handles = [worker.connection for worker in busy] + [worker.process.sentinel for worker in busy]
-                multiprocessing.connection.wait(handles, timeout=wait_s)
-                for worker in busy:
-                    self._collect(worker, outcomes)
-        except BaseException:
-            # Interrupted (Ctrl-C) or a bug here: no worker may keep a task of this call.
-            for worker in self._workers:
-                if worker is not None and worker.task is not None:
-                    self._replace(worker, restart=False)
-            raise
-        return [outcome if outcome is not None else _Outcome(_CRASHED, message="lost task") for outcome in outcomes]
-
-    def _collect(self, worker: _Worker, outcomes: list[_Outcome | None]) -> None:
-        index, task_id, deadline = worker.task
-        if worker.connection.poll():
-            try:
-                reply_id, outcome = worker.connection.recv()
-            except (EOFError, OSError):  # the pipe closed: the process died (its exit code says how)
-                worker.process.join(timeout=1.0)
-                outcomes[index] = _Outcome(_CRASHED, message=_death_message(worker))
-                self._replace(worker)
-                return
-            if reply_id != task_id:  # cannot happen unless a worker was reused wrongly: be safe
-                outcomes[index] = _Outcome(_CRASHED, message=f"worker replied to task {reply_id}, expected {task_id}")
-                self._replace(worker)
-                return
-            outcomes[index] = outcome
-            worker.task = None
-        elif not worker.process.is_alive():
-            outcomes[index] = _Outcome(_CRASHED, message=_death_message(worker))
-            self._replace(worker)
-        elif time.monotonic() >= deadline:
-            outcomes[index] = _Outcome(_TIMEOUT, message=f"no result within {self.timeout_s:g} s; worker killed")
-            self._replace(worker)
-
-    def _replace(self, worker: _Worker, *, restart: bool = True) -> None:
-        slot = self._workers.index(worker)
-        worker.task = None
-        worker.kill()
-        self._workers[slot] = None
-        if restart:
-            self._start_missing_workers()
+        """Run the tasks on the worker pool; its statuses become reward outcomes."""
+        outcomes = []
+        for result in self._pool.run(messages):
+            if result.status == workers.OK:
+                outcomes.append(result.value)
+            elif result.status == workers.UNSENDABLE:  # a column value that does not pickle
+                outcomes.append(_Outcome(_INVALID, message=result.message))
+            else:
+                outcomes.append(_Outcome(_WORKER_STATUS[result.status], message=result.message))
+        return outcomes
 
     def _assemble(self, count: int, outcomes: list[list[tuple[tuple[int, int], _Outcome]]]) -> RewardResult:
         rewards = torch.zeros(count, dtype=torch.float64)

@@ -272,6 +272,40 @@ def test_every_chunk_hanging_returns_in_about_the_limit():
     assert result.metrics["reward/sleeps_on_hang/timeout"] == 6.0
 
 
+def runs_a_sleep_and_records_its_pid(prompts, completions, *, pid_file, **kwargs):
+    """Starts `sleep 3600` the way reward code does (subprocess), writes its pid, waits for it."""
+    import subprocess
+
+    child = subprocess.Popen(["sleep", "3600"])
+    with open(pid_file[0], "a") as handle:
+        handle.write(f"{child.pid}\n")
+    child.wait()
+    return [1.0] * len(completions)
+
+
+def test_a_timed_out_reward_leaks_no_child_processes(tmp_path):
+    pid_file = str(tmp_path / "pids")
+    with RewardPool([runs_a_sleep_and_records_its_pid], timeout_s=1.0, num_workers=2) as pool:
+        for _ in range(2):  # two steps, as in the report that found 4 leaked sleeps
+            result = pool.score(["p"] * 4, ["a"] * 4, columns={"pid_file": [pid_file] * 4})
+            assert result.metrics["reward/runs_a_sleep_and_records_its_pid/timeout"] == 4.0
+    sleepers = [int(line) for line in open(pid_file).read().split()]
+    assert len(sleepers) == 4
+    deadline = time.monotonic() + 120  # generous: only the kernel's bookkeeping is waited for
+    while time.monotonic() < deadline and not all(_process_gone_or_zombie(pid) for pid in sleepers):
+        time.sleep(0.05)
+    assert all(_process_gone_or_zombie(pid) for pid in sleepers)
+
+
+def _process_gone_or_zombie(pid: int) -> bool:
+    """Killed: gone, or a zombie that its new parent (init, which may not reap here) has not reaped."""
+    try:
+        with open(f"/proc/{pid}/stat") as stat:
+            return stat.read().rsplit(")", 1)[1].split()[0] in ("Z", "X")
+    except FileNotFoundError:
+        return True
+
+
 def scripted(prompts, completions, **kwargs):
     """Does what each completion says: 'ok:<v>', 'none', 'nan', or the first of raise/exit/hang."""
     for completion in completions:

@@ -104,3 +104,34 @@ def test_semantic_errors_from_the_command_line_exit_cleanly(capsys):
         parse_train_args(["--rollout_correction", "bypass", "--ppo_epochs", "2"])
     assert e.value.code == 2
     assert "bypass" in capsys.readouterr().err
+
+
+# ---------------------------------------------------------------- every option checked before any work (issue 21, defect 6)
+BAD_OPTIONS = [
+    ("top_p", "0"), ("top_p", "1.5"), ("top_k", "-1"), ("seed", "-1"), ("seed", str(2**40)), ("kl_coef", "1e300"),
+    ("kl_coef", "-1"), ("weight_decay", "-5"), ("entropy_coef", "1e300"), ("entropy_coef", "nan"), ("temperature", "0"),
+    ("lr", "inf"), ("critic_lr", "-1"), ("grad_clip", "-1"), ("clip_low", "-0.1"), ("dual_clip", "0.5"),
+    ("value_clip", "0"), ("is_cap", "0"), ("sync_probe_tolerance", "0"), ("threads", "0"), ("max_prompt_length", "0"),
+    ("prompt_token_budget", "0"), ("reward_timeout", "1e400"), ("sampler_timeout", "0"), ("eval_fraction", "1"),
+    ("device", "tpu"), ("reward_weights", "[1e300]"), ("adam_betas", "[0.9, 1.0]"), ("min_lr_ratio", "2"),
+]
+
+
+@pytest.mark.parametrize(("option", "value"), BAD_OPTIONS, ids=[f"{o}={v}" for o, v in BAD_OPTIONS])
+def test_a_bad_option_is_refused_naming_it_before_the_output_directory_exists(option, value, tmp_path, capsys):
+    out = tmp_path / "run"
+    with pytest.raises(SystemExit) as exit_info:
+        parse_train_args(["--output_dir", str(out), f"--{option}", value])
+    assert exit_info.value.code == 2
+    message = capsys.readouterr().err
+    assert option in message, message
+    assert not out.exists()
+
+
+@pytest.mark.parametrize(("option", "value"), [("top_p", 0.0), ("dtype", "fp8"), ("kl_estimator", "k9"), ("steps", 2.5),
+                                               ("tensorboard", "yes"), ("rewards", [3]), ("seed", -1)])
+def test_fields_set_from_python_are_type_checked_too(option, value):
+    from fastrl.errors import InputError
+
+    with pytest.raises(InputError, match=option):
+        TrainConfig(**{option: value}).resolved()
