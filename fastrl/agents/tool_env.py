@@ -53,6 +53,7 @@ class ToolEnv:
         self.call_format = call_format
         self._repeats = RepeatDetector(max_repeated_calls)
         self._schemas_list: list[dict] | None = None
+        self._label = f"environment {type(self).__name__!r}"
 
     # subclasses --------------------------------------------------------------------
     def reset(self, row: dict, seed: int) -> list[Message]:
@@ -69,7 +70,7 @@ class ToolEnv:
     @property
     def schemas(self) -> list[dict]:
         if self._schemas_list is None:
-            self._schemas_list = tool_schemas(list(self.tools), owner=f"environment {type(self).__name__!r}")
+            self._schemas_list = tool_schemas(list(self.tools), owner=self._label)
         return self._schemas_list
 
     def begin_episode(self) -> None:
@@ -124,6 +125,7 @@ class TRLEnvironment(ToolEnv):
         self.factory = factory
         self.instance: Any = None
         label = getattr(factory, "__qualname__", repr(factory))
+        self._label = f"TRL environment {label!r}"
         probe = factory()
         if not callable(getattr(probe, "reset", None)):
             raise InputError(f"TRL environment {label!r} has no reset() method")

@@ -3,7 +3,7 @@ products, orders), questions whose answer needs a query, one read-only ``query(s
 reward 1.0 for the exact answer.
 
 The tool's safety: the connection has an authorizer that allows only reading (``SELECT``,
-reads of columns, functions; every write, ``ATTACH``, ``PRAGMA`` and DDL is denied) and
+reads of columns, functions, recursive CTEs; every write, ``ATTACH``, ``PRAGMA`` and DDL is denied) and
 ``PRAGMA query_only``; a watchdog thread calls ``conn.interrupt()`` after
 ``query_timeout_s`` (the observation then says the query timed out); results are cut to
 ``max_rows`` rows and ``max_chars`` characters; SQL errors are returned as observations.
@@ -28,7 +28,8 @@ _PRODUCTS = ["pen", "cup", "hat", "map", "box", "fan", "jar", "mug"]
 SCHEMA_TEXT = "customers(id,name,city) products(id,name,price) orders(id,customer_id,product_id,qty)"
 """The schema as the prompt shows it."""
 
-_READ_ACTIONS = {sqlite3.SQLITE_SELECT, sqlite3.SQLITE_READ, sqlite3.SQLITE_FUNCTION}
+_READ_ACTIONS = {sqlite3.SQLITE_SELECT, sqlite3.SQLITE_READ, sqlite3.SQLITE_FUNCTION, getattr(sqlite3, "SQLITE_RECURSIVE", 33)}
+"""What the authorizer allows: reading, functions, recursive CTEs (read-only too)."""
 
 
 def build_database(db_seed: int) -> sqlite3.Connection:
