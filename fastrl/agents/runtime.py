@@ -222,13 +222,16 @@ class EnvRuntime:
                 tid, request = tasks[index]
                 left = self.trajectory_timeout_s - self._episodes.seconds.get(tid, 0.0)
                 if left <= 0:
-                    replies[index] = EnvReply(TIMEOUT, message=f"the trajectory used its {self.trajectory_timeout_s:g} s of environment time")
+                    replies[index] = EnvReply(TIMEOUT, message=f"the trajectory used its {self.trajectory_timeout_s:g} s of environment time (trajectory_timeout_s)")
                     continue
                 started = time.perf_counter()
                 result = pool.run([request], timeout_s=min(self.step_timeout_s, left))[0]
                 seconds = time.perf_counter() - started
                 self._episodes.seconds[tid] = self._episodes.seconds.get(tid, 0.0) + seconds
-                replies[index] = EnvReply(result.status, result.value, result.message, seconds)
+                message = result.message
+                if result.status == TIMEOUT and left < self.step_timeout_s:
+                    message = f"the trajectory used its {self.trajectory_timeout_s:g} s of environment time (trajectory_timeout_s); worker killed"
+                replies[index] = EnvReply(result.status, result.value, message, seconds)
 
         futures = [self._threads.submit(run_slot, slot, indices) for slot, indices in by_slot.items()]
         for future in futures:
