@@ -46,7 +46,8 @@ class ChatRenderer:
 
     Args:
         tokenizer: a ``transformers`` tokenizer with a chat template.
-        tools: JSON schemas passed as ``apply_chat_template(tools=...)`` (None: no tools).
+        tools: JSON schemas passed as ``apply_chat_template(tools=...)`` (None: no tools); a
+            template that does not read ``tools`` is an ``InputError`` here.
         stop_token_ids: tokens a policy turn ends with (the sampler stops on them); default
             the tokenizer's eos.
         template_kwargs: extra keyword arguments for ``apply_chat_template`` (e.g.
@@ -57,6 +58,10 @@ class ChatRenderer:
                  template_kwargs: dict | None = None) -> None:
         self.tokenizer = tokenizer
         self.tools = list(tools) if tools else None
+        if self.tools:
+            from fastrl.agents.tools import check_template_supports_tools
+
+            check_template_supports_tools(tokenizer)
         self.template_kwargs = dict(template_kwargs or {})
         if stop_token_ids is None:
             stop_token_ids = [tokenizer.eos_token_id] if tokenizer.eos_token_id is not None else []

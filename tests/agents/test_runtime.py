@@ -145,3 +145,62 @@ def test_in_process_runtime_gives_the_same_trajectories():
         local, _ = _run(runtime, rows=rows)
     assert remote[0].samples[0].token_ids == local[0].samples[0].token_ids
     assert remote[0].outcome_reward == local[0].outcome_reward == 3.0
+
+
+from fastrl.agents.tool_env import ToolEnv  # noqa: E402
+
+
+def sleepy(x: str) -> str:
+    """Never returns.
+
+    Args:
+        x: anything
+    """
+    threading.Event().wait()
+    return x
+
+
+def fatal(x: str) -> str:
+    """Kills its process.
+
+    Args:
+        x: anything
+    """
+    os._exit(7)
+
+
+def broken(x: str) -> str:
+    """Raises.
+
+    Args:
+        x: anything
+    """
+    raise KeyError(x)
+
+
+class Tools(ToolEnv):
+    tools = [sleepy, fatal, broken]
+
+    def reset(self, row, seed):
+        self.begin_episode()
+        return [{"role": "user", "content": "use a tool"}]
+
+    def score(self, answer):
+        return 1.0 if answer == "done" else 0.0
+
+
+def test_tools_that_hang_crash_and_raise():
+    tokenizer = char_tokenizer()
+    script = {0: ["sleepy(a)"], 1: ["fatal(b)"], 2: ["broken(c)", "nope(d)", "done"]}
+    sampler = ScriptedSampler(tokenizer, lambda trajectory, turn: script[trajectory][turn])
+    with EnvRuntime(Tools, num_workers=3, step_timeout_s=1.0) as runtime:
+        trajectories, metrics = run_episodes(
+            [{}, {}, {}], group_size=1, runtime=runtime, renderer=ChatRenderer(tokenizer), sampler=sampler,
+            config=AgentConfig(max_turns=4, max_turn_tokens=32), seeds=[0, 1, 2])
+    assert [t.stop_reason for t in trajectories] == ["env_timeout", "env_crashed", "answer"]
+    raised = trajectories[2]
+    assert raised.outcome_reward == 1.0 and raised.tool_failures == {"exception": 1, "unknown_tool": 1}
+    assert [m["content"] for m in raised.messages if m["role"] == "tool"] == [
+        "error: KeyError: 'c'", "error: unknown tool 'nope'; the tools are ['broken', 'fatal', 'sleepy']"]
+    assert metrics["agent/tool_failures/timeout"] == metrics["agent/tool_failures/exception"] == 1.0
+    assert metrics["agent/tool_calls_per_trajectory"] == pytest.approx(2 / 3)
