@@ -123,7 +123,7 @@ class GroupSamplerTokens:
     def __init__(self, sampler: Any, sampling: Any) -> None:
         self.sampler = sampler
         self.sampling = sampling
-        self.max_length = getattr(sampler, "max_length", None)
+        self.max_length = getattr(sampler, "max_length", None) or getattr(sampler, "max_model_len", None)
         """Longest sequence the sampler accepts (prompt + new tokens), or None."""
 
     def continue_sequences(self, sequences: Sequence[Sequence[int]], *, max_new_tokens: Sequence[int],
