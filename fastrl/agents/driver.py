@@ -246,7 +246,7 @@ def run_episodes(
                 for kind, number in (result.info.get("tool_failures") or {}).items():
                     t.tool_failures[kind] = t.tool_failures.get(kind, 0) + int(number)
                 if result.done:
-                    t.state_keys.append(result.info.get("state_key", default_state_key([])))
+                    t.state_keys.append(result.info.get("state_key"))  # terminal: None unless the environment names it
                     t.outcome_reward = result.reward
                     _finish(t, str(result.info.get("stop_reason", "done")), config)
                     continue
@@ -255,7 +255,7 @@ def run_episodes(
                     for m in result.observation
                 ]
                 if turn + 1 >= config.max_turns:
-                    t.state_keys.append(result.info.get("state_key", default_state_key([])))
+                    t.state_keys.append(_state_key(result.info, renderer, observation))
                     _finish(t, STOP_MAX_TURNS, config)
                     continue
                 _append_observation(t, observation, result.info, renderer, config, turn, limit)
@@ -271,6 +271,19 @@ def run_episodes(
     return trajectories, metrics
 
 
+def _state_key(info: dict, renderer: ChatRenderer, observation: list[dict], delta: list[int] | None = None) -> Any:
+    """The environment's ``info["state_key"]``, else the default: a hash of the observation's
+    tokens (its delta, or its plain rendering where no delta exists)."""
+    if "state_key" in info:
+        return info["state_key"]
+    if delta is None:
+        try:
+            delta = renderer.delta_ids(observation)
+        except DeltaError:
+            delta = renderer.render(observation, add_generation_prompt=False)
+    return default_state_key(delta)
+
+
 def _append_observation(t: Trajectory, observation: list[dict], info: dict, renderer: ChatRenderer,
                         config: AgentConfig, turn: int, limit: int) -> None:
     """Append an observation's delta (or start a new sample from the template), check the tokenization."""
@@ -280,13 +293,13 @@ def _append_observation(t: Trajectory, observation: list[dict], info: dict, rend
         delta = None
     messages = t.messages + observation
     if delta is not None and t.num_tokens + len(delta) >= limit:
-        t.state_keys.append(info.get("state_key", default_state_key(delta)))
+        t.state_keys.append(_state_key(info, renderer, observation, delta))
         _finish(t, STOP_MAX_TOKENS, config)
         return
     if delta is not None:
         t.current.append("env", turn, delta)
     t.messages = messages
-    t.state_keys.append(info.get("state_key", default_state_key(delta if delta is not None else renderer.render(observation, add_generation_prompt=False))))
+    t.state_keys.append(_state_key(info, renderer, observation, delta))
     matches = True
     if delta is None or config.check_tokenization:
         t.checked_turns += 1

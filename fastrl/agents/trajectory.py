@@ -20,8 +20,9 @@ that sample: one sample per such turn, each trained on its own policy tokens.
 
 Per-trajectory data: ``turn_rewards[k]`` (the environment's reward for turn k),
 ``outcome_reward`` (the final step's reward; 0.0 when a limit or a failure stopped it),
-``state_keys[k]`` (the state after turn k: the environment's ``info["state_key"]`` or the
-default of ``fastrl.agents.env.default_state_key``), ``stop_reason``, tool call/failure
+``state_keys[k]`` (the state after turn k: the environment's ``info["state_key"]``, else
+``fastrl.agents.env.default_state_key`` of the observation's delta tokens; ``None`` for a
+terminal step without a key and for a failed environment call), ``stop_reason``, tool call/failure
 counts, ``excluded`` (True when a failed environment's trajectory is to be masked out of
 training: ``AgentConfig.failed_trajectories="mask"``), and the transcript as messages.
 """

@@ -137,6 +137,8 @@ def test_limits_and_stop_reasons():
                               config=AgentConfig(max_turns=3, max_turn_tokens=64))[0]
     assert t.stop_reason == "max_turns" and t.turns == 3 and t.outcome_reward == 0.0
     assert len(t.turn_rewards) == len(t.state_keys) == 3
+    # default state keys: a hash of the observation's tokens ("4", "2", "4")
+    assert t.state_keys[0] == t.state_keys[2] != t.state_keys[1] and t.state_keys[0].startswith("obs:")
     (t,), _ = _calculator_run(tokenizer, renderer, call_format="compact", script=loop, rows=1,
                               config=AgentConfig(max_turns=9, max_turn_tokens=64, max_trajectory_tokens=60))[0]
     assert t.stop_reason == "max_trajectory_tokens" and t.num_tokens <= 60
