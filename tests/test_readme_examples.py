@@ -1,4 +1,4 @@
-"""The README's Python examples (the policy-loss tour, `fastrl train`, the TRL adapter) run verbatim (each in a
+"""The README's Python examples (the policy-loss tour, `fastrl train`, the TRL adapter, agent episodes) run verbatim (each in a
 fresh interpreter, from an empty working directory)."""
 
 from __future__ import annotations
@@ -21,7 +21,7 @@ def _blocks(marker: str) -> str:
     raise AssertionError(f"no README python block contains {marker!r}")
 
 
-@pytest.mark.parametrize("marker", ["from fastrl.ops import kl_penalty, policy_loss", "from fastrl.train import TrainConfig, Trainer", "def correct(completions, answer, **kwargs)"])
+@pytest.mark.parametrize("marker", ["from fastrl.ops import kl_penalty, policy_loss", "from fastrl.train import TrainConfig, Trainer", "def correct(completions, answer, **kwargs)", "from fastrl.agents.driver import"])
 def test_readme_example_runs(marker, tmp_path):
     if "correct" in marker:
         pytest.importorskip("trl", reason="TRL is not installed (pip install 'trl>=1.16,<1.17')")
