@@ -16,6 +16,10 @@ group ``g``'s, in order), right-padded ``[R, T]`` in token positions:
 - ``segments [S, 4]`` int64 ``(row, start, end, turn)``: the policy spans (several per row);
   ``state_keys[s]``: the state reached after segment ``s``'s turn.
 
+A split trajectory's later sample that ended before any policy turn carries nothing to
+train and is left out; a trajectory whose environment failed at ``reset`` has no tokens
+and no row.
+
 ``as_rollout_batch()`` gives the same rows as a ``RolloutBatch`` (prompt once per group:
 the group's shared prompt; ``completion_ids`` = everything after it; ``response_mask`` =
 the loss mask), for the trainer's existing group layouts; it needs exactly G single-sample
@@ -56,7 +60,9 @@ class AgentBatch:
 
     @classmethod
     def from_trajectories(cls, trajectories: Sequence[Trajectory], *, group_size: int, pad_token_id: int) -> "AgentBatch":
-        rows = [(t_id, t, sample) for t_id, t in enumerate(trajectories) for sample in t.samples if sample.token_ids]
+        # every trajectory's first sample (if it has tokens), and later samples with policy tokens
+        rows = [(t_id, t, sample) for t_id, t in enumerate(trajectories) for k, sample in enumerate(t.samples)
+                if sample.token_ids and (k == 0 or any(sample.loss_mask))]
         if not rows:
             raise ValueError("no trajectory has any tokens")
         R, T = len(rows), max(len(sample.token_ids) for _, _, sample in rows)

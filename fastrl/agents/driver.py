@@ -317,7 +317,9 @@ def _append_observation(t: Trajectory, observation: list[dict], info: dict, rend
 
 
 def agent_metrics(trajectories: Sequence[Trajectory]) -> dict[str, float]:
-    """Per-rollout figures: turns (mean/max), tool calls and failures by kind per trajectory,
+    """Per-rollout figures: turns (mean/max), tool calls per trajectory, the share of
+    trajectories with a tool call, environment calls (resets + steps: the cost axis of
+    ``fastrl compare``), tool failures by kind,
     stops by reason, environment-token share, tokenization mismatch rate, the slowest
     trajectory's environment seconds and turns, outcome reward and success rate."""
     n = max(len(trajectories), 1)
@@ -325,6 +327,8 @@ def agent_metrics(trajectories: Sequence[Trajectory]) -> dict[str, float]:
         "agent/turns_mean": sum(t.turns for t in trajectories) / n,
         "agent/turns_max": float(max((t.turns for t in trajectories), default=0)),
         "agent/tool_calls_per_trajectory": sum(t.tool_calls for t in trajectories) / n,
+        "agent/tool_call_rate": sum(t.tool_calls > 0 for t in trajectories) / n,
+        "agent/env_calls": float(sum(len(t.turn_rewards) for t in trajectories) + sum(bool(t.messages) for t in trajectories)),
         "agent/outcome_reward_mean": sum(t.outcome_reward for t in trajectories) / n,
         "agent/excluded": float(sum(t.excluded for t in trajectories)),
         "agent/samples_per_trajectory": sum(len(t.samples) for t in trajectories) / n,

@@ -30,13 +30,13 @@ training: ``AgentConfig.failed_trajectories="mask"``), and the transcript as mes
 from __future__ import annotations
 
 from dataclasses import dataclass, field
-from typing import Any
+from typing import Any, Callable
 
 import torch
 
 from fastrl.agents.env import Message
 
-__all__ = ["ROLES", "Segment", "TrajectorySample", "Trajectory"]
+__all__ = ["ROLES", "Segment", "TrajectorySample", "Trajectory", "format_trajectory"]
 
 ROLES = ("prompt", "policy", "env")
 """Segment roles; only ``"policy"`` tokens carry loss."""
@@ -147,3 +147,20 @@ class Trajectory:
     def count(self, role: str) -> int:
         """Tokens of a role over all samples."""
         return sum(s.end - s.start for sample in self.samples for s in sample.segments if s.role == role)
+
+
+def format_trajectory(trajectory: Trajectory, decode: Callable[[list[int]], str]) -> str:
+    """A whole trajectory as text with its roles, for ``samples.txt``: one block per segment,
+    ``[role turn]`` then the decoded tokens (``decode``: e.g. ``tokenizer.decode``), and a
+    header with the rewards and the stop reason."""
+    head = (f"trajectory {trajectory.group}.{trajectory.index}: outcome {trajectory.outcome_reward:g}, "
+            f"turn rewards {trajectory.turn_rewards}, {trajectory.turns} turns, stop {trajectory.stop_reason}"
+            + (f" ({trajectory.error.splitlines()[0]})" if trajectory.error else ""))
+    lines = [head]
+    for number, sample in enumerate(trajectory.samples):
+        if len(trajectory.samples) > 1:
+            lines.append(f"-- sample {number}")
+        for s in sample.segments:
+            label = s.role if s.turn < 0 else f"{s.role} {s.turn}"
+            lines.append(f"[{label}] {decode(sample.token_ids[s.start:s.end])}")
+    return "\n".join(lines)

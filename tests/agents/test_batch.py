@@ -71,3 +71,20 @@ def test_loss_gradient_is_exactly_zero_at_environment_tokens():
     loss.backward()
     assert (logp.grad[env] == 0).all() and (logp.grad[mask == 0] == 0).all()
     assert (logp.grad[mask.bool()] != 0).any()
+
+
+def test_a_split_sample_without_policy_tokens_is_left_out_and_trajectories_format():
+    from fastrl.agents.trajectory import Trajectory, TrajectorySample, format_trajectory
+
+    t = Trajectory(group=0, index=0, row={}, env_seed=0, turn_rewards=[0.5], state_keys=["s"], stop_reason="max_trajectory_tokens", turns=1)
+    t.samples[0].append("prompt", -1, [1, 5, 9])
+    t.samples[0].append("policy", 0, [10, 11], [-0.1, -0.2])
+    t.samples[0].append("env", 0, [12])
+    late = TrajectorySample()
+    late.append("prompt", -1, [1, 5, 9, 10, 11, 12])
+    t.samples.append(late)
+    batch = AgentBatch.from_trajectories([t], group_size=1, pad_token_id=0)
+    assert batch.input_ids.tolist() == [[1, 5, 9, 10, 11, 12]] and batch.loss_mask.tolist() == [[0, 0, 0, 1, 1, 0]]
+    assert batch.turn_rewards.tolist() == [[0, 0, 0, 0, 0.5, 0]] and batch.segments.tolist() == [[0, 3, 5, 0]]
+    text = format_trajectory(t, lambda ids: ",".join(map(str, ids)))
+    assert text.splitlines()[1:] == ["-- sample 0", "[prompt] 1,5,9", "[policy 0] 10,11", "[env 0] 12", "-- sample 1", "[prompt] 1,5,9,10,11,12"]

@@ -204,3 +204,5 @@ def test_tools_that_hang_crash_and_raise():
         "error: KeyError: 'c'", "error: unknown tool 'nope'; the tools are ['broken', 'fatal', 'sleepy']"]
     assert metrics["agent/tool_failures/timeout"] == metrics["agent/tool_failures/exception"] == 1.0
     assert metrics["agent/tool_calls_per_trajectory"] == pytest.approx(2 / 3)
+    assert metrics["agent/tool_call_rate"] == pytest.approx(1 / 3)
+    assert metrics["agent/env_calls"] == 3 + (1 + 1 + 3)  # resets + steps
