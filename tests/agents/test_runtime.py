@@ -206,3 +206,22 @@ def test_tools_that_hang_crash_and_raise():
     assert metrics["agent/tool_calls_per_trajectory"] == pytest.approx(2 / 3)
     assert metrics["agent/tool_call_rate"] == pytest.approx(1 / 3)
     assert metrics["agent/env_calls"] == 3 + (1 + 1 + 3)  # resets + steps
+
+
+def test_a_trl_environment_in_worker_processes_with_hermes_calls():
+    from fastrl.agents.tool_env import TRLEnvironment
+    from test_env import Counter
+
+    tokenizer = char_tokenizer()
+    calls = ['<tool_call>{"name": "increment", "arguments": {"by": 2}}</tool_call>',
+             '<tool_call>{"name": "increment", "arguments": {"by": "3"}}</tool_call>',
+             '<tool_call>{"name": "increment", "arguments": {"by": 3}}</tool_call>', "done"]
+    sampler = ScriptedSampler(tokenizer, lambda trajectory, turn: calls[turn])
+    rows = [{"prompt": "Count.", "target": 5}, {"prompt": "Count.", "target": 4}]
+    with EnvRuntime(lambda: TRLEnvironment(Counter, call_format="hermes"), num_workers=2) as runtime:
+        probe_environment(runtime, rows[0])
+        trajectories, _ = run_episodes(rows, group_size=1, runtime=runtime, renderer=ChatRenderer(tokenizer), sampler=sampler,
+                                       config=AgentConfig(max_turns=5, max_turn_tokens=96, max_trajectory_tokens=600), seeds=[0, 1])
+    assert [t.outcome_reward for t in trajectories] == [1.0, 0.0]  # get_reward(): reached the target or not
+    assert trajectories[0].messages[0]["content"] == "Count. Reach 5."
+    assert trajectories[0].tool_failures == {"bad_arguments": 1} and trajectories[0].tool_calls == 3
