@@ -234,7 +234,8 @@ def run_episodes(
                 t = trajectories[t_id]
                 t.env_seconds += reply.seconds
                 if reply.status != OK:
-                    t.tool_failures[TIMEOUT] = t.tool_failures.get(TIMEOUT, 0) + (reply.status == TIMEOUT)
+                    if reply.status == TIMEOUT:  # a tool (or the environment) that never returned
+                        t.tool_failures[TIMEOUT] = t.tool_failures.get(TIMEOUT, 0) + 1
                     t.turn_rewards.append(0.0)
                     t.state_keys.append(None)
                     _finish(t, STOP_ENV.get(reply.status, "env_error"), config, error=reply.message or reply.status)

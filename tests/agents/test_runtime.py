@@ -81,7 +81,8 @@ def test_hang_crash_and_raise_end_only_their_trajectory(failed):
     for t in trajectories[1:]:
         assert t.outcome_reward == 0.0 and t.excluded == (failed == "mask")
     assert not trajectories[0].excluded
-    assert trajectories[1].tool_failures.get("timeout") == 1 and metrics["agent/tool_failures/timeout"] == 1.0
+    assert trajectories[1].tool_failures == {"timeout": 1} and metrics["agent/tool_failures/timeout"] == 1.0
+    assert trajectories[2].tool_failures == trajectories[3].tool_failures == {}
     assert metrics["agent/stop/env_timeout"] == metrics["agent/stop/env_crashed"] == metrics["agent/stop/env_error"] == 1.0
     # both workers were killed (hang, crash) and replaced; the old ones are gone
     assert len(after) == 2 and not set(before) & set(after)
