@@ -35,10 +35,10 @@ from typing import Any, Sequence
 
 import torch
 
-from fastrl.agents.trajectory import Trajectory
+from fastrl.agents.trajectory import Trajectory, TrajectorySample
 from fastrl.rollout.base import RolloutBatch, RolloutStats
 
-__all__ = ["AgentBatch"]
+__all__ = ["AgentBatch", "collate_samples"]
 
 
 @dataclass
@@ -129,3 +129,21 @@ class AgentBatch:
         batch.response_mask = self.loss_mask.clone()
         batch.sampler_logp = self.sampler_logp.clone()
         return batch
+
+
+def collate_samples(samples: Sequence[TrajectorySample], *, pad_token_id: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """Right-padded ``input_ids``, ``attention_mask`` ``[B, T]`` and the loss mask ``[B, T-1]``
+    (column ``c`` scores token ``c + 1``: 1 on policy tokens) of trajectory samples -- the
+    inputs of ``fastrl.train.sft.sft_loss``, for a warm-up on ``demonstration_sample``s."""
+    if not samples:
+        raise ValueError("collate_samples needs at least one sample")
+    B, T = len(samples), max(len(s.token_ids) for s in samples)
+    input_ids = torch.full((B, T), int(pad_token_id), dtype=torch.long)
+    attention_mask = torch.zeros(B, T, dtype=torch.long)
+    loss_mask = torch.zeros(B, T, dtype=torch.float32)
+    for b, sample in enumerate(samples):
+        n = len(sample.token_ids)
+        input_ids[b, :n] = torch.tensor(sample.token_ids, dtype=torch.long)
+        attention_mask[b, :n] = 1
+        loss_mask[b, :n] = torch.tensor(sample.loss_mask, dtype=torch.float32)
+    return input_ids, attention_mask, loss_mask[:, 1:]

@@ -88,3 +88,18 @@ def test_a_split_sample_without_policy_tokens_is_left_out_and_trajectories_forma
     assert batch.turn_rewards.tolist() == [[0, 0, 0, 0, 0.5, 0]] and batch.segments.tolist() == [[0, 3, 5, 0]]
     text = format_trajectory(t, lambda ids: ",".join(map(str, ids)))
     assert text.splitlines()[1:] == ["-- sample 0", "[prompt] 1,5,9", "[policy 0] 10,11", "[env 0] 12", "-- sample 1", "[prompt] 1,5,9,10,11,12"]
+
+
+def test_single_turn_demonstrations_collate_like_the_sft_warm_up():
+    from fastrl.agents.batch import collate_samples
+    from fastrl.agents.render import demonstration_sample
+    from fastrl.train.sft import collate_sft, encode_sft_example
+
+    tokenizer = char_tokenizer()
+    renderer = ChatRenderer(tokenizer)
+    rows = [("37+58=", "95"), ("1+2=", "3")]
+    samples = [demonstration_sample(renderer, [{"role": "user", "content": p}], [{"role": "assistant", "content": a}]) for p, a in rows]
+    ours = collate_samples(samples, pad_token_id=tokenizer.pad_token_id)
+    theirs = collate_sft([encode_sft_example(tokenizer, p, a) for p, a in rows], pad_token_id=tokenizer.pad_token_id)
+    for a, b in zip(ours, theirs):
+        assert torch.equal(a.float(), b.float())
