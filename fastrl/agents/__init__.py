@@ -22,7 +22,8 @@ Modules (imports point down the list):
 - ``driver``: ``AgentConfig``, ``TokenSampler`` (+ ``GroupSamplerTokens`` over any
   ``GroupSampler``), ``run_episodes``, ``agent_metrics``.
 - ``batch``: ``AgentBatch``: trajectories -> the step's ``[R, T]`` tensors (loss mask,
-  sampler log-probs, per-turn rewards, policy segments) and a ``RolloutBatch`` view.
+  sampler log-probs, per-turn rewards, policy segments) and a ``RolloutBatch`` view;
+  ``collate_samples`` (demonstrations -> ``fastrl.train.sft.sft_loss`` inputs).
 
 How a trainer uses it (one step)::
 
