@@ -1,0 +1,350 @@
+"""The token-native multi-turn driver: prompts -> environments -> trajectories.
+
+``run_episodes(rows, group_size=G, ...)`` plays ``G`` trajectories per row: the environment's
+first observation is rendered as the prompt; then, turn after turn, all active trajectories
+are continued by the sampler *together* (one ``TokenSampler.continue_sequences`` call per
+turn), their environments step *concurrently* (``EnvRuntime.step``), and each
+environment's answer is appended as a token delta (``ChatRenderer.delta_ids``). The
+sampled ids are kept exactly; nothing sampled is decoded and encoded again (the decoded
+text goes to the environment and the transcript only).
+
+The ``G`` trajectories of one row share its environment seed (the row's seed), so they share
+the prompt (GRPO's group); they differ by their sampling seeds: turn ``k`` of trajectory
+``j`` of a row with seed ``s`` samples with seed ``((s * G + j) * TURN_SEED_STRIDE + k)``.
+
+Stop reasons (``Trajectory.stop_reason``; counted as ``agent/stop/<reason>``): the
+environment's own (``info["stop_reason"]`` when done, e.g. ``answer``, ``repeated_call``,
+``goal``, ``hole``; ``done`` when it gives none) or one of ``DRIVER_STOPS``.
+"""
+
+from __future__ import annotations
+
+import time
+from dataclasses import dataclass, replace
+from typing import Any, Literal, Protocol, Sequence
+
+from fastrl.agents.env import default_state_key
+from fastrl.agents.render import ChatRenderer, DeltaError
+from fastrl.agents.tools import FAILURE_KINDS
+from fastrl.agents.trajectory import Trajectory, TrajectorySample
+from fastrl.errors import InputError
+from fastrl.workers import CRASHED, OK, RAISED, TIMEOUT
+
+__all__ = [
+    "AgentConfig",
+    "Continuation",
+    "TokenSampler",
+    "GroupSamplerTokens",
+    "run_episodes",
+    "agent_metrics",
+    "DRIVER_STOPS",
+    "TURN_SEED_STRIDE",
+]
+
+STOP_MAX_TURNS = "max_turns"
+STOP_MAX_TOKENS = "max_trajectory_tokens"
+STOP_TURN_LENGTH = "turn_length"
+STOP_ENV = {TIMEOUT: "env_timeout", CRASHED: "env_crashed", RAISED: "env_error"}
+DRIVER_STOPS = (STOP_MAX_TURNS, STOP_MAX_TOKENS, STOP_TURN_LENGTH, *STOP_ENV.values())
+"""Stop reasons the driver sets (the environment sets the others)."""
+TURN_SEED_STRIDE = 1009
+"""Sampling seeds of consecutive turns of one trajectory are this far apart (> max_turns)."""
+
+
+@dataclass(frozen=True)
+class AgentConfig:
+    """Limits and policies of multi-turn rollouts."""
+
+    max_turns: int = 4
+    """Policy turns per trajectory at most (the environment still scores the last one)."""
+    max_turn_tokens: int = 64
+    """Tokens one policy turn may sample; a turn that reaches it without a stop token ends
+    the trajectory (``turn_length``)."""
+    max_trajectory_tokens: int = 512
+    """Tokens of a trajectory sample in all: prompt, policy and environment tokens together.
+    A turn samples at most what is left; an observation that would pass it ends the
+    trajectory (``max_trajectory_tokens``)."""
+    max_observation_tokens: int = 128
+    """Tokens of each observation message's content (the template's own tokens come on
+    top); longer contents are cut (encoded, cut, decoded: environment text, never sampled)."""
+    truncate_side: Literal["end", "start"] = "end"
+    """Which part of a long observation is cut: ``end`` keeps the beginning, ``start`` the end."""
+    split_on_mismatch: bool = True
+    """Where the template's rendering of the conversation differs from the appended ids,
+    start a new training sample from the template's rendering (one sample per such turn);
+    False keeps appending (the mismatch is still counted)."""
+    check_tokenization: bool = True
+    """Compare the appended ids with the template's rendering after every environment turn
+    (``tokenization/mismatch_rate``); costs one rendering of the conversation per turn."""
+    failed_trajectories: Literal["zero", "mask"] = "zero"
+    """A trajectory whose environment hung, crashed or raised: ``zero`` keeps it with outcome
+    reward 0 (the policy learns that what it did led nowhere); ``mask`` marks it
+    ``excluded`` so the trainer leaves it out of the loss and the group baseline (an
+    infrastructure failure says nothing about the policy)."""
+
+    def __post_init__(self) -> None:
+        for name in ("max_turns", "max_turn_tokens", "max_trajectory_tokens", "max_observation_tokens"):
+            value = getattr(self, name)
+            if isinstance(value, bool) or not isinstance(value, int) or value < 1:
+                raise InputError(f"{name} must be an int >= 1, got {value!r}")
+        if self.truncate_side not in ("end", "start"):
+            raise InputError(f"truncate_side must be 'end' or 'start', got {self.truncate_side!r}")
+        if self.failed_trajectories not in ("zero", "mask"):
+            raise InputError(f"failed_trajectories must be 'zero' or 'mask', got {self.failed_trajectories!r}")
+
+
+@dataclass
+class Continuation:
+    token_ids: list[int]
+    """The new tokens (ending with the stop token when ``stopped``)."""
+    logprobs: list[float]
+    """The sampler's log-prob of each new token."""
+    stopped: bool
+    """A stop token ended it (else the token limit did)."""
+
+
+class TokenSampler(Protocol):
+    """"Continue these token sequences by up to n tokens": the driver's only sampler need."""
+
+    def continue_sequences(self, sequences: Sequence[Sequence[int]], *, max_new_tokens: Sequence[int],
+                           seeds: Sequence[int]) -> list[Continuation]: ...
+
+
+class GroupSamplerTokens:
+    """``TokenSampler`` over any ``GroupSampler`` (``HFGroupSampler``, vLLM, server).
+
+    Each turn passes the whole history as the prompt (``group_size=1``, one seed per
+    sequence), so the history is prefilled again every turn: correct, not fast. Identical
+    sequences (a group's first turn) are prefilled once by ``HFGroupSampler``. Continuing
+    each trajectory's own KV across turns (turn k prefills only its new environment tokens)
+    is later work in the samplers.
+    """
+
+    def __init__(self, sampler: Any, sampling: Any) -> None:
+        self.sampler = sampler
+        self.sampling = sampling
+        self.max_length = getattr(sampler, "max_length", None) or getattr(sampler, "max_model_len", None)
+        """Longest sequence the sampler accepts (prompt + new tokens), or None."""
+
+    def continue_sequences(self, sequences: Sequence[Sequence[int]], *, max_new_tokens: Sequence[int],
+                           seeds: Sequence[int]) -> list[Continuation]:
+        out: list[Continuation | None] = [None] * len(sequences)
+        by_budget: dict[int, list[int]] = {}
+        for index, n in enumerate(max_new_tokens):
+            by_budget.setdefault(int(n), []).append(index)
+        for n, indices in sorted(by_budget.items()):
+            batch = self.sampler.generate(
+                [list(sequences[i]) for i in indices], group_size=1,
+                sampling=replace(self.sampling, max_new_tokens=n), prompt_seeds=[seeds[i] for i in indices],
+            )
+            for k, index in enumerate(indices):
+                out[index] = Continuation(
+                    list(batch.completion_ids[k]), [float(x) for x in batch.completion_logp[k].tolist()],
+                    batch.finish_reasons[k] == "stop",
+                )
+        return out  # type: ignore[return-value]
+
+
+def _truncate(renderer: ChatRenderer, text: str, limit: int, side: str) -> str:
+    ids = renderer.tokenizer(text, add_special_tokens=False)["input_ids"]
+    if len(ids) <= limit:
+        return text
+    kept = ids[:limit] if side == "end" else ids[len(ids) - limit:]
+    return renderer.tokenizer.decode(kept, skip_special_tokens=False)
+
+
+def _finish(trajectory: Trajectory, reason: str, config: AgentConfig, *, error: str = "") -> None:
+    trajectory.stop_reason = reason
+    if error:
+        trajectory.error = error
+        trajectory.outcome_reward = 0.0
+        trajectory.excluded = config.failed_trajectories == "mask"
+
+
+def run_episodes(
+    rows: Sequence[dict],
+    *,
+    group_size: int,
+    runtime: Any,
+    renderer: ChatRenderer,
+    sampler: TokenSampler,
+    config: AgentConfig,
+    seeds: Sequence[int],
+) -> tuple[list[Trajectory], dict[str, float]]:
+    """``G`` trajectories per row (row ``i``'s are ``[i*G, (i+1)*G)``), and the rollout's metrics
+    (:func:`agent_metrics`, plus ``time/env_seconds``, ``time/generation_seconds``)."""
+    if len(seeds) != len(rows):
+        raise ValueError(f"seeds must have one entry per row ({len(rows)}), got {len(seeds)}")
+    G = group_size
+    trajectories = [Trajectory(group=i, index=j, row=row, env_seed=int(seeds[i])) for i, row in enumerate(rows) for j in range(G)]
+    env_seconds = generation_seconds = 0.0
+    replays = 0
+    model_limit = getattr(sampler, "max_length", None)
+    limit = config.max_trajectory_tokens if model_limit is None else min(config.max_trajectory_tokens, int(model_limit))
+    try:
+        # the first observation, in every trajectory's environment
+        started = time.perf_counter()
+        replies = runtime.reset([(t_id, t.row, t.env_seed) for t_id, t in enumerate(trajectories)])
+        env_seconds += time.perf_counter() - started
+        for trajectory, reply in zip(trajectories, replies):
+            trajectory.env_seconds += reply.seconds
+            if reply.status != OK:
+                _finish(trajectory, STOP_ENV.get(reply.status, "env_error"), config, error=reply.message or reply.status)
+                continue
+            trajectory.messages = [dict(m) for m in reply.value]
+            trajectory.current.append("prompt", -1, renderer.prompt_ids(reply.value))
+        for turn in range(config.max_turns):
+            active = [t_id for t_id, t in enumerate(trajectories) if not t.done]
+            if not active:
+                break
+            budgets = []
+            for t_id in list(active):
+                t = trajectories[t_id]
+                left = limit - t.num_tokens
+                if left < 1:
+                    _finish(t, STOP_MAX_TOKENS, config)
+                    active.remove(t_id)
+                    continue
+                budgets.append(min(config.max_turn_tokens, left))
+            if not active:
+                break
+            started = time.perf_counter()
+            continuations = sampler.continue_sequences(
+                [trajectories[t_id].current.token_ids for t_id in active], max_new_tokens=budgets,
+                seeds=[((trajectories[t_id].env_seed * G + trajectories[t_id].index) * TURN_SEED_STRIDE + turn) for t_id in active],
+            )
+            generation_seconds += time.perf_counter() - started
+            stepping: list[tuple[int, str]] = []
+            for t_id, continuation in zip(active, continuations):
+                t = trajectories[t_id]
+                t.current.append("policy", turn, continuation.token_ids, continuation.logprobs)
+                t.turns += 1
+                text = renderer.decode_turn(continuation.token_ids)
+                t.messages.append({"role": "assistant", "content": text})
+                if not continuation.stopped:
+                    _finish(t, STOP_TURN_LENGTH if len(continuation.token_ids) >= config.max_turn_tokens else STOP_MAX_TOKENS, config)
+                    continue
+                stepping.append((t_id, text))
+            if not stepping:
+                continue
+            started = time.perf_counter()
+            replies = runtime.step(stepping)
+            env_seconds += time.perf_counter() - started
+            for (t_id, _), reply in zip(stepping, replies):
+                t = trajectories[t_id]
+                t.env_seconds += reply.seconds
+                if reply.status != OK:
+                    if reply.status == TIMEOUT:  # a tool (or the environment) that never returned
+                        t.tool_failures[TIMEOUT] = t.tool_failures.get(TIMEOUT, 0) + 1
+                    t.turn_rewards.append(0.0)
+                    t.state_keys.append(None)
+                    _finish(t, STOP_ENV.get(reply.status, "env_error"), config, error=reply.message or reply.status)
+                    continue
+                replays += reply.replayed
+                result = reply.value
+                t.turn_rewards.append(result.reward)
+                t.tool_calls += int(result.info.get("tool_calls", 0))
+                for kind, number in (result.info.get("tool_failures") or {}).items():
+                    t.tool_failures[kind] = t.tool_failures.get(kind, 0) + int(number)
+                if result.done:
+                    t.state_keys.append(result.info.get("state_key"))  # terminal: None unless the environment names it
+                    t.outcome_reward = result.reward
+                    _finish(t, str(result.info.get("stop_reason", "done")), config)
+                    continue
+                observation = [
+                    {**m, "content": _truncate(renderer, m["content"], config.max_observation_tokens, config.truncate_side)}
+                    for m in result.observation
+                ]
+                if turn + 1 >= config.max_turns:
+                    t.state_keys.append(_state_key(result.info, renderer, observation))
+                    _finish(t, STOP_MAX_TURNS, config)
+                    continue
+                _append_observation(t, observation, result.info, renderer, config, turn, limit)
+    finally:
+        runtime.release(list(range(len(trajectories))))
+    for t in trajectories:
+        if not t.done:
+            _finish(t, STOP_MAX_TURNS, config)
+    metrics = agent_metrics(trajectories)
+    metrics["time/env_seconds"] = env_seconds
+    metrics["time/generation_seconds"] = generation_seconds
+    metrics["env/replays"] = float(replays)
+    return trajectories, metrics
+
+
+def _state_key(info: dict, renderer: ChatRenderer, observation: list[dict], delta: list[int] | None = None) -> Any:
+    """The environment's ``info["state_key"]``, else the default: a hash of the observation's
+    tokens (its delta, or its plain rendering where no delta exists)."""
+    if "state_key" in info:
+        return info["state_key"]
+    if delta is None:
+        try:
+            delta = renderer.delta_ids(observation)
+        except DeltaError:
+            delta = renderer.render(observation, add_generation_prompt=False)
+    return default_state_key(delta)
+
+
+def _append_observation(t: Trajectory, observation: list[dict], info: dict, renderer: ChatRenderer,
+                        config: AgentConfig, turn: int, limit: int) -> None:
+    """Append an observation's delta (or start a new sample from the template), check the tokenization."""
+    try:
+        delta = renderer.delta_ids(observation)
+    except DeltaError:
+        delta = None
+    messages = t.messages + observation
+    if delta is not None and t.num_tokens + len(delta) >= limit:
+        t.state_keys.append(_state_key(info, renderer, observation, delta))
+        _finish(t, STOP_MAX_TOKENS, config)
+        return
+    if delta is not None:
+        t.current.append("env", turn, delta)
+    t.messages = messages
+    t.state_keys.append(_state_key(info, renderer, observation, delta))
+    matches = True
+    if delta is None or config.check_tokenization:
+        t.checked_turns += 1
+        matches = delta is not None and renderer.matches_template(t.current.token_ids, messages)
+        t.mismatched_turns += not matches
+    if delta is None or (not matches and config.split_on_mismatch):
+        # a new training sample from the template's rendering (always when no delta exists)
+        context = renderer.render(messages, add_generation_prompt=True)
+        if len(context) >= limit:
+            _finish(t, STOP_MAX_TOKENS, config)
+            return
+        sample = TrajectorySample()
+        sample.append("prompt", -1, context)
+        t.samples.append(sample)
+
+
+def agent_metrics(trajectories: Sequence[Trajectory]) -> dict[str, float]:
+    """Per-rollout figures: turns (mean/max), tool calls per trajectory, the share of
+    trajectories with a tool call, environment calls (resets + steps: the cost axis of
+    ``fastrl compare``), tool failures by kind,
+    stops by reason, environment-token share, tokenization mismatch rate, the slowest
+    trajectory's environment seconds and turns, outcome reward and success rate."""
+    n = max(len(trajectories), 1)
+    metrics: dict[str, float] = {
+        "agent/turns_mean": sum(t.turns for t in trajectories) / n,
+        "agent/turns_max": float(max((t.turns for t in trajectories), default=0)),
+        "agent/tool_calls_per_trajectory": sum(t.tool_calls for t in trajectories) / n,
+        "agent/tool_call_rate": sum(t.tool_calls > 0 for t in trajectories) / n,
+        "agent/env_calls": float(sum(len(t.turn_rewards) for t in trajectories) + sum(bool(t.messages) for t in trajectories)),
+        "agent/outcome_reward_mean": sum(t.outcome_reward for t in trajectories) / n,
+        "agent/excluded": float(sum(t.excluded for t in trajectories)),
+        "agent/samples_per_trajectory": sum(len(t.samples) for t in trajectories) / n,
+    }
+    for kind in FAILURE_KINDS:
+        metrics[f"agent/tool_failures/{kind}"] = float(sum(t.tool_failures.get(kind, 0) for t in trajectories))
+    reasons = sorted({t.stop_reason for t in trajectories} | set(DRIVER_STOPS))
+    for reason in reasons:
+        metrics[f"agent/stop/{reason}"] = float(sum(t.stop_reason == reason for t in trajectories))
+    policy = sum(t.count("policy") for t in trajectories)
+    env = sum(t.count("env") for t in trajectories)
+    metrics["agent/env_token_share"] = env / max(policy + env, 1)
+    checked = sum(t.checked_turns for t in trajectories)
+    metrics["tokenization/mismatch_rate"] = sum(t.mismatched_turns for t in trajectories) / max(checked, 1)
+    slowest = max(trajectories, key=lambda t: t.env_seconds, default=None)
+    metrics["agent/slowest_env_seconds"] = slowest.env_seconds if slowest else 0.0
+    metrics["agent/slowest_turns"] = float(slowest.turns) if slowest else 0.0
+    return metrics

@@ -1,0 +1,296 @@
+"""The environment runtime: every trajectory's environment lives in a worker process; the
+environment steps of all active trajectories run concurrently, each bounded in time; an
+environment that hangs or crashes ends its own trajectory only.
+
+Built on ``fastrl.workers.WorkerPool`` (the reward pool's machinery: per-task time limit,
+a worker that hangs or dies is killed with its whole process group and replaced, workers
+die with the trainer). Environments are stateful, so a trajectory is pinned to one worker:
+the runtime keeps ``num_workers`` single-worker pools ("slots") and sends trajectory
+``tid`` to slot ``tid % num_workers``; the slots run in parallel (one thread each, which
+waits on its pool), the requests of one slot one after another.
+
+**Contract** (what the driver calls):
+
+- ``reset(requests: [(tid, row, seed)]) -> [EnvReply]``: build a fresh environment for
+  each trajectory in its worker, ``reset(row, seed)``; ``value`` = the first observation.
+- ``step(requests: [(tid, action)]) -> [EnvReply]``: one ``step(action)`` per trajectory;
+  ``value`` = the ``StepResult``; an environment that is done is closed in its worker.
+- ``release(tids)``: close and forget those trajectories' environments (end of a batch).
+- ``EnvReply.status``: ``fastrl.workers`` status: ``ok``, ``raised`` (the environment
+  itself raised, or returned the wrong type: ``message`` says what), ``timeout`` (the call
+  ran past ``min(step_timeout_s, what is left of trajectory_timeout_s)``; the worker was
+  killed), ``crashed`` (the worker died: ``os._exit``, a signal).
+
+**Lost environments.** A worker killed for one trajectory takes the other environments of
+its slot with it. Those are rebuilt on the replacement worker by replay: ``reset(row,
+seed)`` and the trajectory's earlier actions, in order (environments must be deterministic
+given ``(row, seed)`` and the actions: see ``fastrl.agents.env``); ``EnvReply.replayed``
+says so and the driver counts it (``env/replays``).
+
+**Start method and parent death.** Workers are forked (the environment factory is
+inherited: closures work). The replacement of a killed worker is started from the slot's
+thread, and Linux's ``PR_SET_PDEATHSIG`` follows the starting *thread*, so the pools run
+with ``parent_death_signal=False``; the workers' parent-watch thread still ends them
+(and their process groups) when the trainer dies.
+"""
+
+from __future__ import annotations
+
+import time
+from concurrent.futures import ThreadPoolExecutor
+from dataclasses import dataclass
+from typing import Any, Callable, Sequence
+
+from fastrl.agents.env import check_messages, check_step_result
+from fastrl.errors import InputError
+from fastrl.workers import CRASHED, OK, RAISED, TIMEOUT, WorkerPool
+
+__all__ = ["EnvReply", "EnvRuntime", "InProcessRuntime", "probe_environment"]
+
+
+@dataclass
+class EnvReply:
+    status: str
+    """``ok``, ``raised``, ``timeout`` or ``crashed`` (``fastrl.workers`` statuses)."""
+    value: Any = None
+    """The first observation (reset) or the StepResult (step), when ``ok``."""
+    message: str = ""
+    """What went wrong, when not ``ok``."""
+    seconds: float = 0.0
+    """Wall-clock seconds of the call (dispatch to reply)."""
+    replayed: bool = False
+    """The environment had to be rebuilt by replay before this step."""
+
+
+def _close_quietly(env: Any) -> None:
+    try:
+        env.close()
+    except Exception:
+        pass
+
+
+def _rebuild(factory: Callable[[], Any], row: dict, seed: int, history: Sequence[str]) -> Any:
+    env = factory()
+    env.reset(row, seed)
+    for action in history:
+        env.step(action)
+    return env
+
+
+def _handle(state: dict, request: tuple) -> Any:
+    """Worker side. ``state = {"factory": ..., "envs": {tid: [env, steps]}}`` (one per worker)."""
+    op, tid = request[0], request[1]
+    envs = state["envs"]
+    if op == "reset":
+        _, _, row, seed = request
+        if tid in envs:
+            _close_quietly(envs.pop(tid)[0])
+        env = state["factory"]()
+        observation = check_messages(env.reset(row, seed), where=f"{type(env).__name__}.reset()")
+        envs[tid] = [env, 0]
+        return observation
+    if op == "step":
+        _, _, row, seed, history, action = request
+        entry = envs.get(tid)
+        replayed = entry is None or entry[1] != len(history)
+        if replayed:
+            if entry is not None:
+                _close_quietly(entry[0])
+            entry = envs[tid] = [_rebuild(state["factory"], row, seed, history), len(history)]
+        env = entry[0]
+        result = check_step_result(env.step(action), where=f"{type(env).__name__}.step()")
+        entry[1] += 1
+        if result.done:
+            _close_quietly(envs.pop(tid)[0])
+        return result, replayed
+    if op == "release":
+        for t in request[2]:
+            if t in envs:
+                _close_quietly(envs.pop(t)[0])
+        return None
+    raise ValueError(f"unknown request {op!r}")
+
+
+class _Episodes:
+    """Parent-side record of each trajectory: its row, seed, actions and environment seconds."""
+
+    def __init__(self) -> None:
+        self.rows: dict[int, tuple[dict, int]] = {}
+        self.history: dict[int, list[str]] = {}
+        self.seconds: dict[int, float] = {}
+
+    def start(self, tid: int, row: dict, seed: int) -> None:
+        self.rows[tid] = (row, seed)
+        self.history[tid] = []
+        self.seconds[tid] = 0.0
+
+    def forget(self, tid: int) -> None:
+        for table in (self.rows, self.history, self.seconds):
+            table.pop(tid, None)
+
+
+class EnvRuntime:
+    """Environments in worker processes (see the module docstring).
+
+    Args:
+        factory: zero-argument callable returning a fresh environment (``resolve_environment``).
+        num_workers: worker processes (slots), >= 1.
+        step_timeout_s: limit of one ``reset`` or ``step`` call.
+        trajectory_timeout_s: limit of all environment calls of one trajectory together.
+    """
+
+    def __init__(self, factory: Callable[[], Any], *, num_workers: int = 2, step_timeout_s: float = 10.0,
+                 trajectory_timeout_s: float = 60.0) -> None:
+        for name, value in (("step_timeout_s", step_timeout_s), ("trajectory_timeout_s", trajectory_timeout_s)):
+            if isinstance(value, bool) or not isinstance(value, (int, float)) or not 0 < value < float("inf"):
+                raise InputError(f"{name} must be a finite number of seconds > 0, got {value!r}")
+        if isinstance(num_workers, bool) or not isinstance(num_workers, int) or num_workers < 1:
+            raise InputError(f"env num_workers must be an int >= 1, got {num_workers!r}")
+        self.step_timeout_s = float(step_timeout_s)
+        self.trajectory_timeout_s = float(trajectory_timeout_s)
+        self.num_workers = num_workers
+        self._episodes = _Episodes()
+        self._pools: list[WorkerPool] = []
+        try:
+            for slot in range(num_workers):
+                self._pools.append(WorkerPool(
+                    _handle, {"factory": factory, "envs": {}}, num_workers=1, timeout_s=self.step_timeout_s,
+                    start_method="fork", name=f"fastrl-env-{slot}", parent_death_signal=False,
+                ))
+        except BaseException:
+            self.close()
+            raise
+        self._threads = ThreadPoolExecutor(max_workers=num_workers, thread_name_prefix="fastrl-env-slot")
+
+    # ------------------------------------------------------------------ public API
+    def __enter__(self) -> "EnvRuntime":
+        return self
+
+    def __exit__(self, *exc_info: Any) -> None:
+        self.close()
+
+    def close(self) -> None:
+        """Stop every worker (killing their process groups). Idempotent."""
+        for pool in self._pools:
+            pool.close()
+        threads = getattr(self, "_threads", None)
+        if threads is not None:
+            threads.shutdown(wait=True)
+
+    @property
+    def worker_pids(self) -> list[int]:
+        return [pid for pool in self._pools for pid in pool.worker_pids]
+
+    def reset(self, requests: Sequence[tuple[int, dict, int]]) -> list[EnvReply]:
+        for tid, row, seed in requests:
+            self._episodes.start(tid, row, seed)
+        replies = self._run([(tid, ("reset", tid, row, seed)) for tid, row, seed in requests])
+        return replies
+
+    def step(self, requests: Sequence[tuple[int, str]]) -> list[EnvReply]:
+        tasks = []
+        for tid, action in requests:
+            row, seed = self._episodes.rows[tid]
+            tasks.append((tid, ("step", tid, row, seed, list(self._episodes.history[tid]), action)))
+        replies = self._run(tasks)
+        for (tid, action), reply in zip(requests, replies):
+            self._episodes.history[tid].append(action)
+            if reply.status == OK:
+                reply.value, reply.replayed = reply.value
+        return replies
+
+    def release(self, tids: Sequence[int]) -> None:
+        by_slot: dict[int, list[int]] = {}
+        for tid in tids:
+            by_slot.setdefault(tid % self.num_workers, []).append(tid)
+            self._episodes.forget(tid)
+        for slot, group in by_slot.items():
+            pool = self._pools[slot]
+            if not pool.closed:
+                pool.run([("release", -1, group)], timeout_s=self.step_timeout_s)
+
+    # ------------------------------------------------------------------ internals
+    def _run(self, tasks: list[tuple[int, tuple]]) -> list[EnvReply]:
+        replies: list[EnvReply | None] = [None] * len(tasks)
+        by_slot: dict[int, list[int]] = {}
+        for index, (tid, _) in enumerate(tasks):
+            by_slot.setdefault(tid % self.num_workers, []).append(index)
+
+        def run_slot(slot: int, indices: list[int]) -> None:
+            pool = self._pools[slot]
+            for index in indices:
+                tid, request = tasks[index]
+                left = self.trajectory_timeout_s - self._episodes.seconds.get(tid, 0.0)
+                if left <= 0:
+                    replies[index] = EnvReply(TIMEOUT, message=f"the trajectory used its {self.trajectory_timeout_s:g} s of environment time (trajectory_timeout_s)")
+                    continue
+                started = time.perf_counter()
+                result = pool.run([request], timeout_s=min(self.step_timeout_s, left))[0]
+                seconds = time.perf_counter() - started
+                self._episodes.seconds[tid] = self._episodes.seconds.get(tid, 0.0) + seconds
+                message = result.message
+                if result.status == TIMEOUT and left < self.step_timeout_s:
+                    message = f"the trajectory used its {self.trajectory_timeout_s:g} s of environment time (trajectory_timeout_s); worker killed"
+                replies[index] = EnvReply(result.status, result.value, message, seconds)
+
+        futures = [self._threads.submit(run_slot, slot, indices) for slot, indices in by_slot.items()]
+        for future in futures:
+            future.result()
+        return [r if r is not None else EnvReply(CRASHED, message="lost request") for r in replies]
+
+
+class InProcessRuntime:
+    """The same contract with the environments in this process: no time limits, no
+    isolation (debugging, and environments known to be safe). Exceptions become ``raised``."""
+
+    def __init__(self, factory: Callable[[], Any]) -> None:
+        self._state = {"factory": factory, "envs": {}}
+        self._episodes = _Episodes()
+
+    def __enter__(self) -> "InProcessRuntime":
+        return self
+
+    def __exit__(self, *exc_info: Any) -> None:
+        self.close()
+
+    def close(self) -> None:
+        _handle(self._state, ("release", -1, list(self._state["envs"])))
+
+    def _call(self, request: tuple) -> EnvReply:
+        started = time.perf_counter()
+        try:
+            value = _handle(self._state, request)
+        except Exception as error:
+            return EnvReply(RAISED, message=f"{type(error).__name__}: {error}", seconds=time.perf_counter() - started)
+        return EnvReply(OK, value, seconds=time.perf_counter() - started)
+
+    def reset(self, requests: Sequence[tuple[int, dict, int]]) -> list[EnvReply]:
+        for tid, row, seed in requests:
+            self._episodes.start(tid, row, seed)
+        return [self._call(("reset", tid, row, seed)) for tid, row, seed in requests]
+
+    def step(self, requests: Sequence[tuple[int, str]]) -> list[EnvReply]:
+        replies = []
+        for tid, action in requests:
+            row, seed = self._episodes.rows[tid]
+            reply = self._call(("step", tid, row, seed, list(self._episodes.history[tid]), action))
+            self._episodes.history[tid].append(action)
+            if reply.status == OK:
+                reply.value, reply.replayed = reply.value
+            replies.append(reply)
+        return replies
+
+    def release(self, tids: Sequence[int]) -> None:
+        _handle(self._state, ("release", -1, list(tids)))
+        for tid in tids:
+            self._episodes.forget(tid)
+
+
+def probe_environment(runtime: EnvRuntime | InProcessRuntime, row: dict, *, seed: int = 0, tid: int = -1) -> None:
+    """Reset one environment on a real row before any episode; InputError (one line) if
+    ``reset`` fails, hangs or returns the wrong type."""
+    reply = runtime.reset([(tid, row, seed)])[0]
+    runtime.release([tid])
+    if reply.status != OK:
+        first = (reply.message or "").strip().splitlines()[0] if reply.message else ""
+        raise InputError(f"the environment's reset() failed on the first dataset row ({reply.status}): {first}")
