@@ -221,7 +221,7 @@ def padded_prefix_attention(
     R = Hq // Hkv
     M = rows.per_prefix
     RT = R * T
-    qs = (_f32(q) * scale).view(B, Hkv, RT, D)  # rows of a kv head: (query head, token)
+    qs = (_f32(q) * scale).reshape(B, Hkv, RT, D)  # rows of a kv head: (query head, token)
     # prefix part: the rows of every sample of prompt u against prompt u, one matmul for all
     qp = qs if rows.identity else qs.index_select(0, rows.gather)
     qp = qp.view(U, M, Hkv, RT, D).permute(2, 0, 1, 3, 4).reshape(Hkv, U, M * RT, D)

@@ -663,7 +663,8 @@ class HFGroupSampler:
         todo = [state.pending[t] + a for t, a in zip(ids, appended)]
         counts = [len(x) for x in todo]
         T = max(counts)
-        kv.reserve(max(s + c + n for s, c, n in zip(kv.suffix_len, counts, budgets)))
+        # every row runs max(budgets) - 1 decode steps (rows that are done keep stepping, unread)
+        kv.reserve(max(s + c for s, c in zip(kv.suffix_len, counts)) + max(budgets))
         gen = None
         uniforms = None
         if not sampling.greedy and seeds is not None:
