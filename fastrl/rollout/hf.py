@@ -269,7 +269,9 @@ def process_logits(logits: torch.Tensor, sampling: SamplingConfig) -> torch.Tens
     Both filters use a partial sort: top-k a ``topk``; top-p sorts the ``TOP_P_FIRST_K``
     most likely tokens and doubles that until their mass reaches ``top_p`` in every row.
     """
-    x = logits.float() / sampling.temperature
+    x = logits.float()
+    if sampling.temperature != 1.0:  # x / 1 == x: skip a full-vocabulary pass
+        x = x / sampling.temperature
     V = x.shape[-1]
     if 0 < sampling.top_k < V:
         kth = torch.topk(x, sampling.top_k, dim=-1).values[:, -1:]
