@@ -5,32 +5,45 @@ prompt. The work it does:
 
 1. **Prefill once.** The distinct prompts are packed into one ``[1, sum P]`` sequence
    (positions restart at 0 for each prompt) and run through the model once; attention
-   is causal within each prompt. The prompt keys/values of every layer are kept as they
-   come out of the projections (made contiguous once for the CPU path) -- one copy per
-   distinct prompt, never repeated G times.
-2. **Decode in one batch.** All ``B = num_prompts * G`` samples step together (prompts of
-   different lengths in one batch; positions are per sample). Each new token's keys/values
-   go into a per-sample suffix buffer ``[B, Hkv, max_new_tokens - 1, D]``; attention is the
-   cascade of ``fastrl.ops.shared_prefix_decode_attention``: the group's shared prompt and
-   the sample's own suffix are attended separately and merged with their log-sum-exps
-   (Triton on CUDA, the batched PyTorch twin on CPU).
+   is causal within each prompt. Each layer's prompt keys/values are copied once into a
+   ``[Hkv, U, P_max, D]`` store (the ``U`` distinct prompts right-padded to the longest):
+   one copy per distinct prompt, never repeated G times (:class:`CascadeKV`).
+2. **Decode in one batch.** All ``B = num_prompts * G`` rows step together. Each new
+   token's keys/values are written in place into a preallocated per-row suffix buffer
+   ``[B, Hkv, capacity, D]`` (no per-step concatenation). Attention is the cascade over the
+   row's stored prompt and its own suffix, merged with their log-sum-exps, in a fixed
+   number of batched ops per layer with no loop over groups
+   (``fastrl.ops.decode_attention.padded_prefix_attention`` on CPU; on CUDA the Triton
+   kernels of ``shared_prefix_decode_attention`` read each group's prompt once). The only
+   host sync per step is the stop check.
 
 The model is used unchanged: the sampler registers an attention function
 (``"fastrl_shared_prefix"``) in transformers' ``AttentionInterface``, switches
 ``config._attn_implementation`` to it for the duration of a call, and hands its KV store
 to the attention function through the forward's keyword arguments (the same route
-transformers uses for its paged cache). KV memory is ``(sum of distinct prompt lengths +
-B * (max_new_tokens - 1))`` token slots instead of ``B * (P + max_new_tokens)``.
+transformers uses for its paged cache). KV memory is ``U * P_max + B * max_new_tokens``
+token slots (the last suffix slot is a scratch slot) instead of ``B * (P + max_new_tokens)``.
+
+**Multi-turn** (``start`` / ``continue_`` / ``close``; :class:`HFTokenSampler` is the agents
+driver's ``TokenSampler`` over it): each trajectory keeps its own suffix across turns, so
+turn ``k`` runs only the tokens appended to it (different lengths per trajectory, in one
+left-padded forward); the G trajectories of a prompt keep sharing its stored prompt;
+trajectories that stop drop out and their rows are released. See :meth:`HFGroupSampler.start`.
 
 Sampling and log-probs: the next-token logits are taken in fp32 and divided by the
-temperature; top-k then top-p filtering set the dropped tokens to ``-inf``; the sampled
-token's log-prob is ``log_softmax`` of that filtered, tempered distribution (renormalised
-over the kept tokens) -- the distribution the token was actually drawn from. With
-``top_k=0, top_p=1`` this equals ``log_softmax(model(input_ids).logits / temperature)``
-recomputed by the training forward. With filtering on, it is larger than that
-(by ``-log`` of the kept probability mass) and importance ratios against the unfiltered
-training distribution are not 1 at the first step; ``greedy=True`` takes the argmax and
-reports its log-prob under the same (tempered, filtered) distribution.
+temperature; top-k then top-p filtering set the dropped tokens to ``-inf`` (both by a
+partial sort); the sampled token's log-prob is ``log_softmax`` of that filtered, tempered
+distribution (renormalised over the kept tokens) -- the distribution the token was
+actually drawn from. With ``top_k=0, top_p=1`` this equals
+``log_softmax(model(input_ids).logits / temperature)`` recomputed by the training forward.
+With filtering on, it is larger than that (by ``-log`` of the kept probability mass) and
+importance ratios against the unfiltered training distribution are not 1 at the first
+step; ``greedy=True`` takes the argmax and reports its log-prob under the same (tempered,
+filtered) distribution. Draws: with per-prompt seeds, the inverse CDF of seeded uniforms,
+found by a two-level fp64 search (block sums, then one block: no full-vocabulary fp64
+cumulative sum), which picks the same tokens as the full fp64 CDF the sampler used before
+(bar thresholds within fp64 rounding of a boundary); with ``sampling.seed`` alone,
+``torch.multinomial`` with a seeded generator, as before.
 
 Supported models: decoder-only causal LMs whose attention layers call
 ``ALL_ATTENTION_FUNCTIONS`` (Llama, Qwen2/3, Mistral, ... in transformers >= 4.48) with
