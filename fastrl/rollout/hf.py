@@ -720,8 +720,11 @@ class HFGroupSampler:
         state.turn += 1
         return [TurnOutput(c, [float(x) for x in lp.tolist()], st) for c, lp, st in zip(out_ids, out_logp, stopped)]
 
-    def close(self, state: MultiTurnState) -> None:
-        """Release a multi-turn rollout's keys/values."""
+    def close(self, state: MultiTurnState | None = None) -> None:
+        """Release a multi-turn rollout's keys/values. Without a state it does nothing (the
+        sampler itself holds nothing between calls; samplers are closed that way by the trainer)."""
+        if state is None:
+            return
         kv = state.kv
         for ts in (kv.prefix_k, kv.prefix_v, kv.suffix_k, kv.suffix_v):
             for layer in range(len(ts)):

@@ -201,3 +201,10 @@ def test_triton_decode_steps_match_torch_across_turns_and_dropouts():
         got += [o.token_ids for o in sampler.continue_(state, [[40, 41], [42]], trajectories=[1, 2], max_new_tokens=3)]
         outs[backend] = got
     assert outs["triton"] == outs["torch"]
+
+
+def test_close_without_a_state_is_the_samplers_own_close():
+    sampler = HFGroupSampler(tiny("llama"))
+    sampler.close()  # what the trainer calls on any sampler with a close()
+    out = sampler.generate([PROMPTS[1]], group_size=1, sampling=SamplingConfig(greedy=True, max_new_tokens=2))
+    assert len(out.completion_ids[0]) >= 1
