@@ -4,7 +4,7 @@ Shapes: ``real`` -- a seeded random Qwen2 (vocabulary 151,936, hidden 256, 4 lay
 2 kv heads), 2 prompts x G=8, prompt 256 + completion 128 tokens; ``default`` -- the
 embedded default task's model (character vocabulary, hidden 64, 4 layers, 4 heads; 16
 prompts x G=8, 20-token prompts + 6 tokens). Every implementation samples exactly L tokens
-per completion at temperature 1 without top-k/top-p: the samplers with per-prompt seeds
+per completion at temperature 1 without top-k (top-p with ``--top-p``): the samplers with per-prompt seeds
 (the trainer's path: inverse CDF), ``generate`` on G copies of each prompt (a standard
 ``DynamicCache``). Interleaved rounds (the order rotates each round), one intra-op thread,
 best of the rounds; the JSON goes to ``benchmarks/results/``.
@@ -45,8 +45,8 @@ SHAPES = {
 }
 
 
-def impls(model, prompts, G, L, previous):
-    cfg = SamplingConfig(temperature=1.0, max_new_tokens=L)
+def impls(model, prompts, G, L, previous, top_p=1.0):
+    cfg = SamplingConfig(temperature=1.0, max_new_tokens=L, top_p=top_p)
     seeds = list(range(len(prompts)))
     out = {"fastrl": (lambda s=HFGroupSampler(model): s.generate(prompts, group_size=G, sampling=cfg, prompt_seeds=seeds))}
     if previous is not None:
@@ -56,7 +56,7 @@ def impls(model, prompts, G, L, previous):
 
     def gen():
         return model.generate(input_ids=ids, attention_mask=torch.ones_like(ids), do_sample=True, max_new_tokens=L,
-                              min_new_tokens=L, temperature=1.0, top_k=0, top_p=1.0, pad_token_id=0)
+                              min_new_tokens=L, temperature=1.0, top_k=0, top_p=top_p, pad_token_id=0)
 
     out["hf_generate"] = gen
     return out
@@ -68,6 +68,9 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--rounds", type=int, default=3)
     ap.add_argument("--previous", default=None, help="git revision of the previous sampler to compare (e.g. 8697f94)")
     ap.add_argument("--L", type=int, default=None, help="override the completion length")
+    ap.add_argument("--top-p", type=float, default=1.0, help="nucleus sampling in every implementation (default off)")
+    ap.add_argument("--init-std", type=float, default=None,
+                    help="re-initialise the matrices with N(0, std) (e.g. 0.3: peaked distributions; default: the config's init, near-flat)")
     ap.add_argument("--out", default=None)
     args = ap.parse_args(argv)
     torch.set_num_threads(1)
@@ -78,9 +81,15 @@ def main(argv: list[str] | None = None) -> int:
         if args.L:
             shape["L"] = args.L
         model = shape["build"]()
+        if args.init_std is not None:
+            g = torch.Generator().manual_seed(0)
+            with torch.no_grad():
+                for p in model.parameters():
+                    if p.dim() == 2:
+                        p.copy_(torch.randn(p.shape, generator=g) * args.init_std)
         V = model.config.vocab_size
         prompts = [random_prompt(shape["P"], V, seed=i) for i in range(shape["prompts"])]
-        fns = impls(model, prompts, shape["G"], shape["L"], previous)
+        fns = impls(model, prompts, shape["G"], shape["L"], previous, args.top_p)
         with torch.no_grad():
             for fn in fns.values():  # warm-up
                 fn()
@@ -95,7 +104,7 @@ def main(argv: list[str] | None = None) -> int:
         tokens = shape["prompts"] * shape["G"] * shape["L"]
         best = {k: min(v) for k, v in times.items()}
         row = {
-            "shape": name, "prompts": shape["prompts"], "G": shape["G"], "P": shape["P"], "L": shape["L"],
+            "shape": name, "top_p": args.top_p, "init_std": args.init_std, "prompts": shape["prompts"], "G": shape["G"], "P": shape["P"], "L": shape["L"],
             "model": {"arch": type(model).__name__, "vocab": V, "hidden": model.config.hidden_size,
                       "layers": model.config.num_hidden_layers, "heads": model.config.num_attention_heads,
                       "kv_heads": model.config.num_key_value_heads, "intermediate": model.config.intermediate_size},

@@ -71,7 +71,7 @@ TURN_SEED_STRIDE = 1009
 CDF_BLOCK = 1024
 """Tokens per block of the two-level inverse-CDF search (block sums, then one block)."""
 TOP_P_FIRST_K = 1024
-"""Candidates the top-p filter sorts first (doubled until their mass reaches ``top_p``)."""
+"""Candidates the top-p filter sorts first (the full sort runs only if their mass is short of ``top_p``)."""
 
 __all__ = ["HFGroupSampler", "CascadeKV", "ATTN_NAME", "MultiTurnState", "TurnOutput", "HFTokenSampler"]
 
@@ -279,8 +279,11 @@ def process_logits(logits: torch.Tensor, sampling: SamplingConfig) -> torch.Tens
     ``logits / temperature``, then top-k (ties with the k-th value are kept), then top-p
     (the smallest set of most likely tokens whose probability reaches ``top_p``; the most
     likely token is always kept); dropped tokens get ``-inf``; ``log_softmax`` renormalises.
-    Both filters use a partial sort: top-k a ``topk``; top-p sorts the ``TOP_P_FIRST_K``
-    most likely tokens and doubles that until their mass reaches ``top_p`` in every row.
+    Both filters use a partial sort: top-k a ``topk``; top-p the ``TOP_P_FIRST_K`` most
+    likely tokens, and the full sort only where some row's nucleus reaches past them (a
+    flat distribution). The kept set is the full sort's, bar a boundary token whose
+    preceding mass is within fp32 rounding of ``top_p`` (the candidates' probabilities are
+    normalised by the whole row's log-sum-exp rather than the sorted row's sum).
     """
     x = logits.float()
     if sampling.temperature != 1.0:  # x / 1 == x: skip a full-vocabulary pass
@@ -290,18 +293,18 @@ def process_logits(logits: torch.Tensor, sampling: SamplingConfig) -> torch.Tens
         kth = torch.topk(x, sampling.top_k, dim=-1).values[:, -1:]
         x = x.masked_fill(x < kth, float("-inf"))
     if sampling.top_p < 1.0:
-        lse = torch.logsumexp(x, dim=-1, keepdim=True)
         k = min(TOP_P_FIRST_K, V)
-        while True:
-            top, order = torch.topk(x, k, dim=-1)  # sorted, most likely first
-            probs = (top - lse).exp()
-            before = torch.cumsum(probs, dim=-1) - probs  # mass of the strictly more likely tokens
-            drop_sorted = before >= sampling.top_p
-            if k == V or bool(drop_sorted[:, -1].all()):  # every row's cut lies inside the candidates
-                break
-            k = min(2 * k, V)
-        keep = torch.zeros_like(x, dtype=torch.bool).scatter_(-1, order, ~drop_sorted)
-        x = x.masked_fill(~keep, float("-inf"))
+        top, order = torch.topk(x, k, dim=-1)  # sorted, most likely first
+        probs = (top - torch.logsumexp(x, dim=-1, keepdim=True)).exp()
+        drop_sorted = (torch.cumsum(probs, dim=-1) - probs) >= sampling.top_p  # mass of the strictly more likely tokens
+        if k < V and bool(drop_sorted[:, -1].all()):  # every row's nucleus lies inside the candidates
+            keep = torch.zeros_like(x, dtype=torch.bool).scatter_(-1, order, ~drop_sorted)
+            x = x.masked_fill(~keep, float("-inf"))
+        else:  # a nucleus reaches past them (a flat distribution): the full sort, as before
+            sorted_x, order = torch.sort(x, dim=-1, descending=True)
+            probs = torch.softmax(sorted_x, dim=-1)
+            drop_sorted = (torch.cumsum(probs, dim=-1) - probs) >= sampling.top_p
+            x = x.masked_fill(torch.zeros_like(drop_sorted).scatter(-1, order, drop_sorted), float("-inf"))
     return torch.log_softmax(x, dim=-1)
 
 
