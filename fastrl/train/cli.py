@@ -9,6 +9,7 @@ configuration and exits.
 from __future__ import annotations
 
 import dataclasses
+import difflib
 import os
 import re
 import sys
@@ -96,7 +97,17 @@ def explain_type_error(message: str, argv: list[str], field_types: dict) -> str 
         if name == option:
             value = rest if eq else (argv[i + 1] if i + 1 < len(argv) else value)
     got = f", got {value!r}" if value is not None else ""
-    return f"{option}: expected {describe_type(field_types[key])}{got}"
+    choices = [str(a) for a in _literal_choices(field_types[key])]
+    close = difflib.get_close_matches(str(value), choices, n=1, cutoff=0.6) if choices and value is not None else []
+    hint = f" (did you mean {close[0]}?)" if close else ""
+    return f"{option}: expected {describe_type(field_types[key])}{got}{hint}"
+
+
+def _literal_choices(tp) -> tuple:
+    """The values of the ``Literal`` in ``tp`` (``Optional[Literal[...]]`` included), else ``()``."""
+    if typing.get_origin(tp) is typing.Literal:
+        return typing.get_args(tp)
+    return tuple(a for arg in typing.get_args(tp) if typing.get_origin(tp) is typing.Union for a in _literal_choices(arg))
 
 
 def _parser_class():
