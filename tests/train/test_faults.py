@@ -172,6 +172,28 @@ def test_non_finite_weights_are_never_checkpointed_by_the_distributed_writer(tmp
 
 
 # ---------------------------------------------------------------------- one record per step (defect 1)
+def test_a_resumed_logger_leaves_tensorboard_one_value_per_step(tmp_path):
+    """Steps 1..5 logged, the run resumed from step 3's checkpoint logs 4..5 again: TensorBoard's
+    own reader (EventAccumulator, as the TensorBoard UI loads a run) shows each step once, the
+    resumed run's values for 4 and 5."""
+    from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
+
+    from fastrl.train.metrics import MetricsLogger
+
+    first = MetricsLogger(tmp_path, total_steps=5, progress=False)
+    for step in range(1, 6):
+        first.log(step, {"reward/mean": float(step)})
+    first.close()  # a killed run's events are on disk up to step 5
+    resumed = MetricsLogger(tmp_path, total_steps=5, progress=False, start_step=3)
+    for step in range(4, 6):
+        resumed.log(step, {"reward/mean": 10.0 + step})
+    resumed.close()
+    assert len(list((tmp_path / "tensorboard").glob("events.out.tfevents.*"))) == 2  # both runs' files are read
+    events = EventAccumulator(str(tmp_path / "tensorboard"))
+    events.Reload()
+    assert [(e.step, e.value) for e in events.Scalars("reward/mean")] == [(1, 1.0), (2, 2.0), (3, 3.0), (4, 14.0), (5, 15.0)]
+
+
 def test_a_resumed_logger_drops_what_a_killed_run_logged_past_the_checkpoint(tmp_path):
     logger = MetricsLogger(tmp_path, total_steps=10, tensorboard=False, progress=False)
     for step in range(1, 9):
