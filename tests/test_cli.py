@@ -304,6 +304,27 @@ def test_an_input_error_is_one_line_and_debug_shows_the_traceback(capsys, monkey
         main(["plan", "--group_size", "0"])
 
 
+def test_fastrl_bench_run_says_which_baseline_rows_are_missing_and_records_them(monkeypatch, capsys, tmp_path):
+    """The whole ``fastrl bench`` path on its smallest case (logprobs, --quick) with TRL and
+    Liger-Kernel not importable (``None`` in ``sys.modules``: Python's own way to block an
+    import, so it holds whether or not they are installed): the line naming the missing rows,
+    the rows absent, the JSON recording why."""
+    from fastrl.bench import cases_logprobs
+
+    for package in set(cases_logprobs.OPTIONAL_BASELINES.values()):
+        monkeypatch.setitem(sys.modules, package, None)
+    out = tmp_path / "bench.json"
+    assert main(["bench", "--quick", "--only", "logprobs", "--device", "cpu", "--out", str(out)]) == 0
+    lines = capsys.readouterr().out.splitlines()
+    said = [line for line in lines if line.startswith("-- logprobs: without the baseline rows")]
+    assert said == ["-- logprobs: without the baseline rows trl_selective (trl is not installed), liger (liger_kernel "
+                    "is not installed); pip install -e '.[dev]' adds them"], lines
+    report = json.loads(out.read_text())
+    assert report["missing_baselines"] == {"logprobs": {"trl_selective": "trl", "liger": "liger_kernel"}}
+    impls = {row["impl"] for row in report["results"]}
+    assert impls == set(cases_logprobs.IMPLS) - {"trl_selective", "liger"} and impls
+
+
 def test_bench_says_which_baseline_rows_are_missing_and_why(monkeypatch, capsys, tmp_path):
     import importlib.util
 
