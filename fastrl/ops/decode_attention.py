@@ -113,6 +113,7 @@ def shared_prefix_decode_attention(
     group_size: int,
     scale: float,
     backend: str = "auto",
+    validate: bool = True,
 ) -> torch.Tensor:
     """One decode step of attention for groups of samples sharing a prompt.
 
@@ -129,12 +130,15 @@ def shared_prefix_decode_attention(
         group_size: samples per group.
         scale: softmax scale (usually ``D ** -0.5``).
         backend: ``auto`` | ``triton`` | ``torch``.
+        validate: check shapes, dtypes and devices first. A decode loop that checked its
+            tensors once per rollout passes ``False`` for every layer and step after that.
 
     Returns:
         ``[B, Hq, D]`` in ``q.dtype`` (fp32 accumulation). The torch backend reads
         ``prefix_start``/``prefix_len`` on the host (a sync on CUDA); the Triton one does not.
     """
-    _check(q, prefix_k, prefix_v, prefix_start, prefix_len, suffix_k, suffix_v, suffix_len, group_size, scale)
+    if validate:
+        _check(q, prefix_k, prefix_v, prefix_start, prefix_len, suffix_k, suffix_v, suffix_len, group_size, scale)
     return _dispatch(q, prefix_k, prefix_v, prefix_start, prefix_len, suffix_k, suffix_v, suffix_len, group_size, scale, resolve_backend(backend, q.device))
 
 

@@ -61,7 +61,7 @@ import torch
 import torch.nn.functional as F
 
 from fastrl._checks import check_choice, resolve_backend
-from fastrl.ops.decode_attention import PrefixRows, _dispatch, padded_prefix_attention
+from fastrl.ops.decode_attention import PrefixRows, padded_prefix_attention, shared_prefix_decode_attention
 from fastrl.rollout.base import RolloutBatch, RolloutStats, SamplingConfig, validate_prompt_seeds, validate_prompts
 
 ATTN_NAME = "fastrl_shared_prefix"
@@ -231,9 +231,9 @@ class CascadeKV:
         if self._tri_slen is not None:  # one query per row: the Triton cascade kernels
             pk, pv = self.prefix_k[layer], self.prefix_v[layer]
             Hkv, U, P, D = pk.shape
-            out = _dispatch(
+            out = shared_prefix_decode_attention(
                 query[:, :, 0], pk.view(Hkv, U * P, D), pv.view(Hkv, U * P, D), self._tri_start, self._tri_len,
-                sk, sv, self._tri_slen, self.group_size, scaling, "triton",
+                sk, sv, self._tri_slen, group_size=self.group_size, scale=scaling, backend="triton", validate=False,
             )
             return out.unsqueeze(1)
         return padded_prefix_attention(
