@@ -203,6 +203,32 @@ def test_a_parse_error_is_the_usage_line_and_one_error_line_with_the_closest_opt
     assert lines[1].startswith(f"fastrl {argv[0]}: error: unknown option {wrong}") and f"did you mean {meant}" in lines[1]
 
 
+@pytest.mark.parametrize("argv, line", [
+    (["--lr", "inf"], "--lr: expected a finite number (or null), got 'inf'"),  # Optional[float]
+    (["--entropy_coef", "nan"], "--entropy_coef: expected a finite number, got 'nan'"),  # float
+    (["--steps", "abc"], "--steps: expected an integer, got 'abc'"),  # int
+    (["--steps=1.5"], "--steps: expected an integer, got '1.5'"),
+    (["--overwrite", "maybe"], "--overwrite: expected true or false, got 'maybe'"),  # bool
+    (["--algorithm", "foo"], "--algorithm: expected one of grpo, dr_grpo, dapo, gspo, rloo, reinforce_pp, ppo, "
+                             "got 'foo'"),  # Literal
+    (["--surrogate", "foo"], "--surrogate: expected one of ppo_clip, cispo, sapo, vespo (or null), got 'foo'"),
+    (["--adam-betas", "[0.9,x]"], "--adam_betas: expected a list of finite numbers (e.g. [a, b]), got '[0.9,x]'"),
+])
+def test_a_train_type_error_is_one_line_naming_the_option_value_and_what_is_accepted(capsys, argv, line):
+    code, err = _error_of(capsys, ["train", *argv])
+    lines = err.strip().splitlines()
+    assert code == 2 and len(lines) == 2, err
+    assert lines[0].startswith("usage: fastrl train ")
+    assert lines[1] == f"fastrl train: error: {line}"
+
+
+def test_a_train_type_error_from_a_config_file_names_the_parser_value(capsys, tmp_path):
+    config = tmp_path / "run.yaml"
+    config.write_text("steps: many\n")
+    code, err = _error_of(capsys, ["train", "--config", str(config)])
+    assert code == 2 and err.strip().splitlines()[1] == "fastrl train: error: --steps: expected an integer, got 'many'"
+
+
 def test_an_unknown_command_suggests_the_closest(capsys):
     code, err = _error_of(capsys, ["bnch"])
     assert code == 2 and "did you mean bench?" in err and len(err.strip().splitlines()) == 2
@@ -276,6 +302,27 @@ def test_an_input_error_is_one_line_and_debug_shows_the_traceback(capsys, monkey
     monkeypatch.setenv("FASTRL_DEBUG", "1")
     with pytest.raises(InputError):
         main(["plan", "--group_size", "0"])
+
+
+def test_fastrl_bench_run_says_which_baseline_rows_are_missing_and_records_them(monkeypatch, capsys, tmp_path):
+    """The whole ``fastrl bench`` path on its smallest case (logprobs, --quick) with TRL and
+    Liger-Kernel not importable (``None`` in ``sys.modules``: Python's own way to block an
+    import, so it holds whether or not they are installed): the line naming the missing rows,
+    the rows absent, the JSON recording why."""
+    from fastrl.bench import cases_logprobs
+
+    for package in set(cases_logprobs.OPTIONAL_BASELINES.values()):
+        monkeypatch.setitem(sys.modules, package, None)
+    out = tmp_path / "bench.json"
+    assert main(["bench", "--quick", "--only", "logprobs", "--device", "cpu", "--out", str(out)]) == 0
+    lines = capsys.readouterr().out.splitlines()
+    said = [line for line in lines if line.startswith("-- logprobs: without the baseline rows")]
+    assert said == ["-- logprobs: without the baseline rows trl_selective (trl is not installed), liger (liger_kernel "
+                    "is not installed); pip install -e '.[dev]' adds them"], lines
+    report = json.loads(out.read_text())
+    assert report["missing_baselines"] == {"logprobs": {"trl_selective": "trl", "liger": "liger_kernel"}}
+    impls = {row["impl"] for row in report["results"]}
+    assert impls == set(cases_logprobs.IMPLS) - {"trl_selective", "liger"} and impls
 
 
 def test_bench_says_which_baseline_rows_are_missing_and_why(monkeypatch, capsys, tmp_path):

@@ -28,6 +28,7 @@ from fastrl.agents.render import ChatRenderer, DeltaError
 from fastrl.agents.tools import FAILURE_KINDS
 from fastrl.agents.trajectory import Trajectory, TrajectorySample
 from fastrl.errors import InputError
+from fastrl.rollout.hf import TURN_SEED_STRIDE  # one stride for the driver and the sampler's own sessions
 from fastrl.workers import CRASHED, OK, RAISED, TIMEOUT
 
 __all__ = [
@@ -47,8 +48,6 @@ STOP_TURN_LENGTH = "turn_length"
 STOP_ENV = {TIMEOUT: "env_timeout", CRASHED: "env_crashed", RAISED: "env_error"}
 DRIVER_STOPS = (STOP_MAX_TURNS, STOP_MAX_TOKENS, STOP_TURN_LENGTH, *STOP_ENV.values())
 """Stop reasons the driver sets (the environment sets the others)."""
-TURN_SEED_STRIDE = 1009
-"""Sampling seeds of consecutive turns of one trajectory are this far apart (> max_turns)."""
 
 
 @dataclass(frozen=True)

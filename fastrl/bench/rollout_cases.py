@@ -118,3 +118,40 @@ def compare(model, *, P: int, G: int, L: int, repeats: int = 3, backend: str = "
         "seconds_duplicated": t_dup,
         "speedup": t_dup / t_shared,
     }
+
+
+def qwen2_bench_model(*, vocab: int = 151_936, hidden: int = 256, layers: int = 4, heads: int = 4, kv_heads: int = 2,
+                      intermediate: int | None = None, max_positions: int = 4096, seed: int = 0):
+    """A seeded random Qwen2 built from a config (no download), without an eos (fixed lengths).
+    The default is issue 20's "real shape": vocabulary 151,936, hidden 256, 4 layers."""
+    from transformers import Qwen2Config, Qwen2ForCausalLM
+
+    torch.manual_seed(seed)
+    config = Qwen2Config(
+        vocab_size=vocab, hidden_size=hidden, intermediate_size=intermediate or 4 * hidden, num_hidden_layers=layers,
+        num_attention_heads=heads, num_key_value_heads=kv_heads, max_position_embeddings=max_positions,
+        bos_token_id=None, eos_token_id=None, pad_token_id=0, use_sliding_window=False,
+    )
+    model = Qwen2ForCausalLM(config).eval()
+    model.generation_config.eos_token_id = None
+    return model
+
+
+def load_sampler_from_git(revision: str, *, tag: str):
+    """``HFGroupSampler`` as it was at a git revision (``git show REV:fastrl/rollout/hf.py``),
+    imported as a module of its own; its attention-interface names get ``tag`` appended so it
+    does not replace the current sampler's registration."""
+    import importlib.util
+    import subprocess
+    import tempfile
+    from pathlib import Path
+
+    root = Path(__file__).resolve().parents[2]
+    src = subprocess.run(["git", "show", f"{revision}:fastrl/rollout/hf.py"], cwd=root, check=True, capture_output=True, text=True).stdout
+    src = src.replace('"fastrl_shared_prefix"', f'"fastrl_shared_prefix_{tag}"').replace('"fastrl_shared_prefix_kv"', f'"fastrl_shared_prefix_kv_{tag}"')
+    path = Path(tempfile.mkdtemp()) / f"hf_sampler_{tag}.py"
+    path.write_text(src)
+    spec = importlib.util.spec_from_file_location(f"hf_sampler_{tag}", path)
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module.HFGroupSampler

@@ -17,9 +17,11 @@ from __future__ import annotations
 
 import torch
 
+from dataclasses import dataclass
+
 from fastrl._checks import check_float, check_int, check_same_device, resolve_backend
 
-__all__ = ["shared_prefix_decode_attention"]
+__all__ = ["shared_prefix_decode_attention", "padded_prefix_attention", "PrefixRows"]
 
 
 def _check(q, prefix_k, prefix_v, prefix_start, prefix_len, suffix_k, suffix_v, suffix_len, group_size, scale):
@@ -111,6 +113,7 @@ def shared_prefix_decode_attention(
     group_size: int,
     scale: float,
     backend: str = "auto",
+    validate: bool = True,
 ) -> torch.Tensor:
     """One decode step of attention for groups of samples sharing a prompt.
 
@@ -127,12 +130,15 @@ def shared_prefix_decode_attention(
         group_size: samples per group.
         scale: softmax scale (usually ``D ** -0.5``).
         backend: ``auto`` | ``triton`` | ``torch``.
+        validate: check shapes, dtypes and devices first. A decode loop that checked its
+            tensors once per rollout passes ``False`` for every layer and step after that.
 
     Returns:
         ``[B, Hq, D]`` in ``q.dtype`` (fp32 accumulation). The torch backend reads
         ``prefix_start``/``prefix_len`` on the host (a sync on CUDA); the Triton one does not.
     """
-    _check(q, prefix_k, prefix_v, prefix_start, prefix_len, suffix_k, suffix_v, suffix_len, group_size, scale)
+    if validate:
+        _check(q, prefix_k, prefix_v, prefix_start, prefix_len, suffix_k, suffix_v, suffix_len, group_size, scale)
     return _dispatch(q, prefix_k, prefix_v, prefix_start, prefix_len, suffix_k, suffix_v, suffix_len, group_size, scale, resolve_backend(backend, q.device))
 
 
@@ -146,3 +152,103 @@ def _dispatch(q, prefix_k, prefix_v, prefix_start, prefix_len, suffix_k, suffix_
             q, prefix_k, prefix_v, prefix_start, prefix_len, suffix_k, suffix_v, suffix_len, group_size, float(scale)
         )
     return _torch_impl(q, prefix_k, prefix_v, prefix_start, prefix_len, suffix_k, suffix_v, suffix_len, group_size, float(scale), host_lengths)
+
+
+@dataclass(frozen=True)
+class PrefixRows:
+    """Which stored prompt each sample reads, laid out for one batched matmul per layer.
+
+    ``prefix_of[b]`` is sample ``b``'s prompt. The query rows of prompt ``u`` are its samples,
+    padded to the largest count ``per_prefix`` (``gather[u * per_prefix + m]``: a sample
+    index, repeated for padding); ``position[b]`` is sample ``b``'s row in that layout.
+    ``identity`` (sample ``b`` reads prompt ``b // per_prefix``, no padding) skips both
+    gathers.
+    """
+
+    gather: torch.Tensor
+    position: torch.Tensor
+    per_prefix: int
+    num_prefixes: int
+    identity: bool
+
+    @classmethod
+    def build(cls, prefix_of: list[int], num_prefixes: int, device: torch.device) -> "PrefixRows":
+        members: list[list[int]] = [[] for _ in range(num_prefixes)]
+        for b, u in enumerate(prefix_of):
+            members[u].append(b)
+        M = max(1, max(len(m) for m in members))
+        gather, position = [], [0] * len(prefix_of)
+        for u, m in enumerate(members):
+            pad = m[0] if m else 0
+            for i in range(M):
+                if i < len(m):
+                    position[m[i]] = u * M + i
+                gather.append(m[i] if i < len(m) else pad)
+        identity = gather == list(range(len(prefix_of))) and len(gather) == len(prefix_of)
+        as_long = lambda x: torch.tensor(x, dtype=torch.long, device=device)  # noqa: E731
+        return cls(as_long(gather), as_long(position), M, num_prefixes, identity)
+
+
+def padded_prefix_attention(
+    q: torch.Tensor,
+    prefix_k: torch.Tensor,
+    prefix_v: torch.Tensor,
+    prefix_bias: torch.Tensor,
+    rows: PrefixRows,
+    suffix_k: torch.Tensor,
+    suffix_v: torch.Tensor,
+    suffix_bias: torch.Tensor | None,
+    *,
+    scale: float,
+) -> torch.Tensor:
+    """Attention of ``T`` new tokens per sample over its stored prompt and its own suffix
+    (PyTorch; a fixed number of batched ops, no loop over groups or samples).
+
+    Args:
+        q: ``[B, Hq, T, D]`` queries (the attention-interface layout).
+        prefix_k, prefix_v: ``[Hkv, U, P, D]`` the ``U`` distinct prompts, right-padded to ``P``.
+        prefix_bias: ``[U, P]`` additive mask (0 on prompt tokens, ``-inf`` on padding).
+        rows: sample -> prompt layout (:class:`PrefixRows`).
+        suffix_k, suffix_v: ``[B, Hkv, S, D]`` each sample's own keys/values (the new tokens'
+            already written); slots masked by ``suffix_bias`` are never used (zero them if
+            they may hold non-finite values).
+        suffix_bias: ``[B, T, S]`` additive mask (causal within the new tokens, per-sample
+            lengths), or None when every query sees all ``S`` slots.
+        scale: softmax scale.
+
+    Returns ``[B, T, Hq, D]`` in ``q.dtype``: full softmax attention over
+    ``[prompt ; suffix]``, computed as the log-sum-exp merge of the two parts in fp32. Every
+    query must see at least one prompt token (prompts are never empty).
+    """
+    B, Hq, T, D = q.shape
+    Hkv, U, P, _ = prefix_k.shape
+    R = Hq // Hkv
+    M = rows.per_prefix
+    RT = R * T
+    qs = (_f32(q) * scale).reshape(B, Hkv, RT, D)  # rows of a kv head: (query head, token)
+    # prefix part: the rows of every sample of prompt u against prompt u, one matmul for all
+    qp = qs if rows.identity else qs.index_select(0, rows.gather)
+    qp = qp.view(U, M, Hkv, RT, D).permute(2, 0, 1, 3, 4).reshape(Hkv, U, M * RT, D)
+    sp = torch.matmul(qp, _f32(prefix_k).transpose(-1, -2)).add_(prefix_bias[None, :, None, :])  # [Hkv, U, M*RT, P]
+    m_p = sp.amax(-1, keepdim=True)
+    e_p = sp.sub_(m_p).exp_()
+    l_p = e_p.sum(-1, keepdim=True)
+    o_p = torch.matmul(e_p, _f32(prefix_v))  # [Hkv, U, M*RT, D], not normalised
+
+    def to_samples(x: torch.Tensor) -> torch.Tensor:  # [Hkv, U, M*RT, C] -> [B, Hkv, RT, C]
+        x = x.view(Hkv, U * M, RT, x.shape[-1]).transpose(0, 1)
+        return x if rows.identity else x.index_select(0, rows.position)
+
+    m_p, l_p, o_p = to_samples(m_p), to_samples(l_p), to_samples(o_p)
+    # suffix part: every sample against its own slots
+    ss = torch.matmul(qs, _f32(suffix_k).transpose(-1, -2))  # [B, Hkv, RT, S]
+    if suffix_bias is not None:
+        S = ss.shape[-1]
+        ss = ss.view(B, Hkv, R, T, S).add_(suffix_bias[:, None, None]).view(B, Hkv, RT, S)
+    m = torch.maximum(m_p, ss.amax(-1, keepdim=True))  # finite: the prompt part always has a key
+    e_s = ss.sub_(m).exp_()
+    a = (m_p - m).exp_()
+    num = torch.matmul(e_s, _f32(suffix_v)).add_(o_p * a)
+    den = e_s.sum(-1, keepdim=True).add_(l_p * a)
+    out = num.div_(den)  # [B, Hkv, RT, D]
+    return out.view(B, Hq, T, D).transpose(1, 2).to(q.dtype)

@@ -5,32 +5,45 @@ prompt. The work it does:
 
 1. **Prefill once.** The distinct prompts are packed into one ``[1, sum P]`` sequence
    (positions restart at 0 for each prompt) and run through the model once; attention
-   is causal within each prompt. The prompt keys/values of every layer are kept as they
-   come out of the projections (made contiguous once for the CPU path) -- one copy per
-   distinct prompt, never repeated G times.
-2. **Decode in one batch.** All ``B = num_prompts * G`` samples step together (prompts of
-   different lengths in one batch; positions are per sample). Each new token's keys/values
-   go into a per-sample suffix buffer ``[B, Hkv, max_new_tokens - 1, D]``; attention is the
-   cascade of ``fastrl.ops.shared_prefix_decode_attention``: the group's shared prompt and
-   the sample's own suffix are attended separately and merged with their log-sum-exps
-   (Triton on CUDA, the batched PyTorch twin on CPU).
+   is causal within each prompt. Each layer's prompt keys/values are copied once into a
+   ``[Hkv, U, P_max, D]`` store (the ``U`` distinct prompts right-padded to the longest):
+   one copy per distinct prompt, never repeated G times (:class:`CascadeKV`).
+2. **Decode in one batch.** All ``B = num_prompts * G`` rows step together. Each new
+   token's keys/values are written in place into a preallocated per-row suffix buffer
+   ``[B, Hkv, capacity, D]`` (no per-step concatenation). Attention is the cascade over the
+   row's stored prompt and its own suffix, merged with their log-sum-exps, in a fixed
+   number of batched ops per layer with no loop over groups
+   (``fastrl.ops.decode_attention.padded_prefix_attention`` on CPU; on CUDA the Triton
+   kernels of ``shared_prefix_decode_attention`` read each group's prompt once). The only
+   host sync per step is the stop check.
 
 The model is used unchanged: the sampler registers an attention function
 (``"fastrl_shared_prefix"``) in transformers' ``AttentionInterface``, switches
 ``config._attn_implementation`` to it for the duration of a call, and hands its KV store
 to the attention function through the forward's keyword arguments (the same route
-transformers uses for its paged cache). KV memory is ``(sum of distinct prompt lengths +
-B * (max_new_tokens - 1))`` token slots instead of ``B * (P + max_new_tokens)``.
+transformers uses for its paged cache). KV memory is ``U * P_max + B * max_new_tokens``
+token slots (the last suffix slot is a scratch slot) instead of ``B * (P + max_new_tokens)``.
+
+**Multi-turn** (``start`` / ``continue_`` / ``close``; :class:`HFTokenSampler` is the agents
+driver's ``TokenSampler`` over it): each trajectory keeps its own suffix across turns, so
+turn ``k`` runs only the tokens appended to it (different lengths per trajectory, in one
+left-padded forward); the G trajectories of a prompt keep sharing its stored prompt;
+trajectories that stop drop out and their rows are released. See :meth:`HFGroupSampler.start`.
 
 Sampling and log-probs: the next-token logits are taken in fp32 and divided by the
-temperature; top-k then top-p filtering set the dropped tokens to ``-inf``; the sampled
-token's log-prob is ``log_softmax`` of that filtered, tempered distribution (renormalised
-over the kept tokens) -- the distribution the token was actually drawn from. With
-``top_k=0, top_p=1`` this equals ``log_softmax(model(input_ids).logits / temperature)``
-recomputed by the training forward. With filtering on, it is larger than that
-(by ``-log`` of the kept probability mass) and importance ratios against the unfiltered
-training distribution are not 1 at the first step; ``greedy=True`` takes the argmax and
-reports its log-prob under the same (tempered, filtered) distribution.
+temperature; top-k then top-p filtering set the dropped tokens to ``-inf`` (both by a
+partial sort); the sampled token's log-prob is ``log_softmax`` of that filtered, tempered
+distribution (renormalised over the kept tokens) -- the distribution the token was
+actually drawn from. With ``top_k=0, top_p=1`` this equals
+``log_softmax(model(input_ids).logits / temperature)`` recomputed by the training forward.
+With filtering on, it is larger than that (by ``-log`` of the kept probability mass) and
+importance ratios against the unfiltered training distribution are not 1 at the first
+step; ``greedy=True`` takes the argmax and reports its log-prob under the same (tempered,
+filtered) distribution. Draws: with per-prompt seeds, the inverse CDF of seeded uniforms,
+found by a two-level fp64 search (block sums, then one block: no full-vocabulary fp64
+cumulative sum), which picks the same tokens as the full fp64 CDF the sampler used before
+(bar thresholds within fp64 rounding of a boundary); with ``sampling.seed`` alone,
+``torch.multinomial`` with a seeded generator, as before.
 
 Supported models: decoder-only causal LMs whose attention layers call
 ``ALL_ATTENTION_FUNCTIONS`` (Llama, Qwen2/3, Mistral, ... in transformers >= 4.48) with
@@ -41,57 +54,138 @@ from __future__ import annotations
 
 import contextlib
 import time
+from dataclasses import dataclass, field
 from typing import Iterable, Iterator, Sequence
 
 import torch
 import torch.nn.functional as F
 
 from fastrl._checks import check_choice, resolve_backend
-from fastrl.ops.decode_attention import _dispatch, shared_prefix_decode_attention
+from fastrl.ops.decode_attention import PrefixRows, padded_prefix_attention, shared_prefix_decode_attention
 from fastrl.rollout.base import RolloutBatch, RolloutStats, SamplingConfig, validate_prompt_seeds, validate_prompts
 
 ATTN_NAME = "fastrl_shared_prefix"
 _KV_KWARG = "fastrl_shared_prefix_kv"
+TURN_SEED_STRIDE = 1009
+"""Seeds of consecutive turns of one trajectory are this far apart (the agents driver's stride)."""
+CDF_BLOCK = 1024
+"""Tokens per block of the two-level inverse-CDF search (block sums, then one block)."""
+TOP_P_FIRST_K = 1024
+"""Candidates the top-p filter sorts first (the full sort runs only if their mass is short of ``top_p``)."""
 
-__all__ = ["HFGroupSampler", "SharedPrefixKV", "ATTN_NAME"]
+__all__ = ["HFGroupSampler", "CascadeKV", "ATTN_NAME", "MultiTurnState", "TurnOutput", "HFTokenSampler"]
 
 
-class SharedPrefixKV:
-    """Per-layer KV store of one rollout: packed distinct prompts + per-sample suffixes.
+class CascadeKV:
+    """Per-layer KV store of one rollout: the distinct prompts (padded) and each row's suffix.
 
-    ``prefix_k[l]``/``prefix_v[l]``: ``[Hkv, sum P, D]`` (Triton: views of the prefill's
-    key/value projections, no copy; torch: one contiguous copy per rollout, the projection
-    is freed after the layer). ``suffix_k[l]``/``suffix_v[l]``: ``[B, Hkv, capacity, D]``.
+    ``prefix_k[l]``/``prefix_v[l]``: ``[Hkv, U, P, D]``, the ``U`` distinct prompts padded to
+    the longest ``P`` (written once by the prefill). ``suffix_k[l]``/``suffix_v[l]``:
+    ``[B, Hkv, capacity, D]``, zero-initialised, written in place: row ``b``'s first
+    ``suffix_len[b]`` slots hold the keys/values of the tokens it has run after its prompt
+    (sampled tokens, and in multi-turn rollouts the appended environment tokens); the last
+    slot is a scratch slot that padded query positions write to and nothing reads.
     """
 
-    def __init__(self, *, num_layers: int, cu_seqlens: list[int], backend: str):
+    def __init__(self, *, num_layers: int, prompt_lens: list[int], backend: str, device: torch.device):
         self.num_layers = num_layers
-        self.cu_seqlens = cu_seqlens  # distinct prompts in the packed prefill
+        self.prompt_lens = prompt_lens
+        self.cu_seqlens = [0]
+        for n in prompt_lens:
+            self.cu_seqlens.append(self.cu_seqlens[-1] + n)
         self.backend = backend
+        self.device = device
+        self.P = max(prompt_lens)
+        bias = torch.zeros(len(prompt_lens), self.P, device=device)
+        for u, n in enumerate(prompt_lens):
+            bias[u, n:] = float("-inf")
+        self.prefix_bias = bias
         self.mode = "prefill"
         self.prefix_k: list[torch.Tensor | None] = [None] * num_layers
         self.prefix_v: list[torch.Tensor | None] = [None] * num_layers
         self.suffix_k: list[torch.Tensor | None] = [None] * num_layers
         self.suffix_v: list[torch.Tensor | None] = [None] * num_layers
+        self.capacity = 0
         self.peak_bytes = 0
 
-    def start_decode(self, *, prefix_start: torch.Tensor, prefix_len: torch.Tensor, group_size: int, batch: int, capacity: int) -> None:
-        self.mode = "decode"
-        self.prefix_start = prefix_start  # [num_prompts] into the packed prefix
-        self.prefix_len = prefix_len
-        self._host_starts = prefix_start.tolist()
-        self._host_lens = prefix_len.tolist()
-        self.group_size = group_size
-        self.batch = batch
-        self.capacity = capacity
-        self.step = 0  # suffix slot the next token's keys/values go to
+    # ---- layout of the rows
+    def set_rows(self, prefix_of: list[int], *, group_size: int = 1) -> None:
+        """Row ``b`` reads prompt ``prefix_of[b]`` (``group_size``: rows come in groups of
+        that many consecutive rows with one prompt, which the Triton kernel exploits)."""
+        self.prefix_of = list(prefix_of)
+        self.rows = PrefixRows.build(self.prefix_of, len(self.prompt_lens), self.device)
+        self.group_size = group_size if self.rows.identity and self.rows.per_prefix == group_size else 1
+        self.batch = len(prefix_of)
+        self.suffix_len = [0] * self.batch
+        first = self.prefix_of[:: self.group_size]
+        self._tri_start = torch.tensor([u * self.P for u in first], dtype=torch.int32, device=self.device)
+        self._tri_len = torch.tensor([self.prompt_lens[u] for u in first], dtype=torch.int32, device=self.device)
+        self.prompt_len_rows = torch.tensor([self.prompt_lens[u] for u in self.prefix_of], dtype=torch.long, device=self.device)
 
-    def set_step(self, step: int) -> None:
-        """Before decode forward ``step``: its token goes to suffix slot ``step``, so every
-        sample attends to ``step + 1`` suffix slots."""
-        self.step = step
-        self.suffix_len = torch.full((self.batch,), step + 1, dtype=torch.int32, device=self.prefix_start.device)
-        self.host_lengths = (self._host_starts, self._host_lens, [step + 1] * self.batch)
+    def keep(self, rows: list[int]) -> None:
+        """Keep only these rows (in this order): the others' suffix memory is released."""
+        if rows == list(range(self.batch)):
+            return
+        index = torch.tensor(rows, dtype=torch.long, device=self.device)
+        for ts in (self.suffix_k, self.suffix_v):
+            for layer, t in enumerate(ts):
+                if t is not None:
+                    ts[layer] = t.index_select(0, index)
+        lens = [self.suffix_len[b] for b in rows]
+        self.set_rows([self.prefix_of[b] for b in rows])
+        self.suffix_len = lens
+
+    def reserve(self, slots: int) -> None:
+        """Room for ``slots`` suffix tokens per row (plus the scratch slot); grows by copying."""
+        need = slots + 1
+        if need <= self.capacity:
+            return
+        new_cap = max(need, 2 * self.capacity) if self.capacity else need
+        for ts in (self.suffix_k, self.suffix_v):
+            for layer in range(self.num_layers):
+                Hkv, _, _, D = self.prefix_k[layer].shape
+                t = self.prefix_k[layer].new_zeros(self.batch, Hkv, new_cap, D)
+                if ts[layer] is not None:
+                    t[:, :, : self.capacity - 1] = ts[layer][:, :, : self.capacity - 1]
+                ts[layer] = t
+        self.capacity = new_cap
+        self.peak_bytes = max(self.peak_bytes, self.bytes())
+
+    # ---- one forward of T query positions per row (left-padded)
+    def set_forward(self, counts: list[int], T: int) -> torch.Tensor:
+        """Before a forward of ``T`` positions per row of which the last ``counts[b]`` are row
+        ``b``'s new tokens (the rest padding). Returns the ``[B, T]`` position ids."""
+        self.mode = "decode"
+        B, starts = self.batch, self.suffix_len
+        dev = self.device
+        self.T = T
+        uniform = all(c == T for c in counts) and all(s == starts[0] for s in starts)
+        if uniform:  # every row writes slots [s, s + T): a slice; T == 1 needs no mask
+            s0 = starts[0]
+            self.write = (s0, s0 + T)
+            self.S = s0 + T
+            self.suffix_bias = None if T == 1 else torch.zeros(T, self.S, device=dev).masked_fill_(
+                torch.arange(self.S, device=dev)[None, :] > (s0 + torch.arange(T, device=dev))[:, None], float("-inf")
+            ).expand(B, T, self.S)
+            pos = self.prompt_len_rows[:, None] + (s0 + torch.arange(T, device=dev))[None, :]
+        else:
+            start_t = torch.tensor(starts, dtype=torch.long, device=dev)[:, None]
+            pad_t = T - torch.tensor(counts, dtype=torch.long, device=dev)[:, None]
+            t = torch.arange(T, device=dev)[None, :]
+            rel = t - pad_t  # index among the row's new tokens; < 0 on padding
+            real = rel >= 0
+            slot = torch.where(real, start_t + rel, torch.full_like(rel, self.capacity - 1))
+            self.write = (torch.arange(B, device=dev)[:, None].expand(B, T), slot)
+            self.S = max(s + c for s, c in zip(starts, counts))
+            j = torch.arange(self.S, device=dev)[None, None, :]
+            see = j <= (start_t + rel)[:, :, None]  # padding sees no slot (its output is dropped)
+            self.suffix_bias = torch.zeros(B, T, self.S, device=dev).masked_fill_(~see, float("-inf"))
+            pos = (self.prompt_len_rows[:, None] + start_t + rel).clamp_min(0)
+        self.suffix_len = [s + c for s, c in zip(starts, counts)]
+        self._tri_slen = None
+        if T == 1 and self.backend == "triton":
+            self._tri_slen = torch.tensor(self.suffix_len, dtype=torch.int32, device=dev)
+        return pos
 
     def bytes(self) -> int:
         total = 0
@@ -105,45 +199,55 @@ class SharedPrefixKV:
         layer = module.layer_idx
         if self.mode == "prefill":
             # query [1, Hq, sum P, D], key/value [1, Hkv, sum P, D]; causal within each prompt
-            if self.backend == "torch":  # contiguous [Hkv, N, D]: plain BLAS layouts for the per-step matmuls
-                self.prefix_k[layer], self.prefix_v[layer] = key[0].contiguous(), value[0].contiguous()
-            else:  # the kernel takes any strides: keep the projections' own memory, no copy
-                self.prefix_k[layer], self.prefix_v[layer] = key[0], value[0]
-            self.peak_bytes = max(self.peak_bytes, self.bytes())
+            cu = self.cu_seqlens
+            U = len(self.prompt_lens)
+            Hkv, D = key.shape[1], key.shape[3]
+            pk = key.new_zeros(Hkv, U, self.P, D)
+            pv = value.new_zeros(Hkv, U, self.P, D)
             gqa = query.shape[1] != key.shape[1]
             outs = []
-            cu = self.cu_seqlens
-            for a, b in zip(cu[:-1], cu[1:]):
+            for u, (a, b) in enumerate(zip(cu[:-1], cu[1:])):  # once per rollout, not per token
+                pk[:, u, : b - a] = key[0, :, a:b]
+                pv[:, u, : b - a] = value[0, :, a:b]
                 outs.append(
                     F.scaled_dot_product_attention(
                         query[:, :, a:b], key[:, :, a:b], value[:, :, a:b], is_causal=True, scale=scaling, enable_gqa=gqa
                     )
                 )
+            self.prefix_k[layer], self.prefix_v[layer] = pk, pv
+            self.peak_bytes = max(self.peak_bytes, self.bytes())
             out = outs[0] if len(outs) == 1 else torch.cat(outs, dim=2)
             return out.transpose(1, 2)  # [1, sum P, Hq, D]
-        # decode: query [B, Hq, 1, D], key/value [B, Hkv, 1, D]
-        if self.suffix_k[layer] is None:
-            B, Hkv, _, D = key.shape
-            self.suffix_k[layer] = key.new_empty(B, Hkv, self.capacity, D)
-            self.suffix_v[layer] = value.new_empty(B, Hkv, self.capacity, D)
-            self.peak_bytes = max(self.peak_bytes, self.bytes())
+        # query [B, Hq, T, D], key/value [B, Hkv, T, D]: write the new keys/values in place
         sk, sv = self.suffix_k[layer], self.suffix_v[layer]
-        sk[:, :, self.step] = key[:, :, 0]
-        sv[:, :, self.step] = value[:, :, 0]
-        args = (query[:, :, 0], self.prefix_k[layer], self.prefix_v[layer], self.prefix_start, self.prefix_len, sk, sv, self.suffix_len)
-        if self.step == 0:  # validate the layer's tensors once per rollout, not at every token
-            out = shared_prefix_decode_attention(*args, group_size=self.group_size, scale=scaling, backend=self.backend)
+        if isinstance(self.write[0], int):
+            a, b = self.write
+            sk[:, :, a:b] = key
+            sv[:, :, a:b] = value
         else:
-            out = _dispatch(*args, self.group_size, scaling, self.backend, self.host_lengths)
-        return out.unsqueeze(1)  # [B, 1, Hq, D]
+            rows, slots = self.write
+            sk[rows, :, slots] = key.transpose(1, 2)
+            sv[rows, :, slots] = value.transpose(1, 2)
+        if self._tri_slen is not None:  # one query per row: the Triton cascade kernels
+            pk, pv = self.prefix_k[layer], self.prefix_v[layer]
+            Hkv, U, P, D = pk.shape
+            out = shared_prefix_decode_attention(
+                query[:, :, 0], pk.view(Hkv, U * P, D), pv.view(Hkv, U * P, D), self._tri_start, self._tri_len,
+                sk, sv, self._tri_slen, group_size=self.group_size, scale=scaling, backend="triton", validate=False,
+            )
+            return out.unsqueeze(1)
+        return padded_prefix_attention(
+            query, self.prefix_k[layer], self.prefix_v[layer], self.prefix_bias, self.rows,
+            sk[:, :, : self.S], sv[:, :, : self.S], self.suffix_bias, scale=scaling,
+        )
 
 
 def _shared_prefix_attention(module, query, key, value, attention_mask, scaling=None, dropout=0.0, **kwargs):
     """transformers attention-interface entry point (registered as ``ATTN_NAME``)."""
-    kv: SharedPrefixKV | None = kwargs.get(_KV_KWARG)
+    kv: CascadeKV | None = kwargs.get(_KV_KWARG)
     if kv is None:
         raise RuntimeError(
-            f"attention implementation {ATTN_NAME!r} only runs inside HFGroupSampler.generate "
+            f"attention implementation {ATTN_NAME!r} only runs inside HFGroupSampler "
             "(it needs the sampler's shared-prefix KV store)"
         )
     if kwargs.get("sliding_window") is not None:
@@ -175,29 +279,103 @@ def process_logits(logits: torch.Tensor, sampling: SamplingConfig) -> torch.Tens
     ``logits / temperature``, then top-k (ties with the k-th value are kept), then top-p
     (the smallest set of most likely tokens whose probability reaches ``top_p``; the most
     likely token is always kept); dropped tokens get ``-inf``; ``log_softmax`` renormalises.
+    Both filters use a partial sort: top-k a ``topk``; top-p the ``TOP_P_FIRST_K`` most
+    likely tokens, and the full sort only where some row's nucleus reaches past them (a
+    flat distribution). The kept set is the full sort's, bar a boundary token whose
+    preceding mass is within fp32 rounding of ``top_p`` (the candidates' probabilities are
+    normalised by the whole row's log-sum-exp rather than the sorted row's sum).
     """
-    x = logits.float() / sampling.temperature
+    x = logits.float()
+    if sampling.temperature != 1.0:  # x / 1 == x: skip a full-vocabulary pass
+        x = x / sampling.temperature
     V = x.shape[-1]
     if 0 < sampling.top_k < V:
         kth = torch.topk(x, sampling.top_k, dim=-1).values[:, -1:]
         x = x.masked_fill(x < kth, float("-inf"))
     if sampling.top_p < 1.0:
-        sorted_x, order = torch.sort(x, dim=-1, descending=True)
-        probs = torch.softmax(sorted_x, dim=-1)
-        before = torch.cumsum(probs, dim=-1) - probs  # mass of the strictly more likely tokens
-        drop_sorted = before >= sampling.top_p
-        drop = torch.zeros_like(drop_sorted).scatter(-1, order, drop_sorted)
-        x = x.masked_fill(drop, float("-inf"))
+        k = min(TOP_P_FIRST_K, V)
+        top, order = torch.topk(x, k, dim=-1)  # sorted, most likely first
+        probs = (top - torch.logsumexp(x, dim=-1, keepdim=True)).exp()
+        drop_sorted = (torch.cumsum(probs, dim=-1) - probs) >= sampling.top_p  # mass of the strictly more likely tokens
+        if k < V and bool(drop_sorted[:, -1].all()):  # every row's nucleus lies inside the candidates
+            keep = torch.zeros_like(x, dtype=torch.bool).scatter_(-1, order, ~drop_sorted)
+            x = x.masked_fill(~keep, float("-inf"))
+        else:  # a nucleus reaches past them (a flat distribution): the full sort, as before
+            sorted_x, order = torch.sort(x, dim=-1, descending=True)
+            probs = torch.softmax(sorted_x, dim=-1)
+            drop_sorted = (torch.cumsum(probs, dim=-1) - probs) >= sampling.top_p
+            x = x.masked_fill(torch.zeros_like(drop_sorted).scatter(-1, order, drop_sorted), float("-inf"))
     return torch.log_softmax(x, dim=-1)
 
 
-def _inverse_cdf_sample(probs: torch.Tensor, u: torch.Tensor) -> torch.Tensor:
+def _inverse_cdf_sample(probs: torch.Tensor, u: torch.Tensor, *, block: int = CDF_BLOCK) -> torch.Tensor:
     """Row b's token: the first index whose cumulative probability exceeds ``u[b] * total``
-    (``u`` in [0, 1)). A zero-probability token is never picked."""
-    cdf = probs.double().cumsum(-1)
-    total = cdf[:, -1]
-    x = torch.minimum(u * total, torch.nextafter(total, torch.zeros_like(total)))
-    return torch.searchsorted(cdf, x[:, None], right=True)[:, 0].clamp(max=probs.shape[-1] - 1)
+    (``u`` in [0, 1)). A zero-probability token is never picked.
+
+    Two-level search in fp64: the sums of blocks of ``block`` tokens, the block where the
+    threshold falls, then the cumulative sum inside that one block. The same index as a
+    full-vocabulary fp64 cumulative sum except where the threshold lies within fp64
+    rounding (~1e-13 of the total) of a boundary, without its ``[B, V]`` fp64 buffer.
+    """
+    Bn, V = probs.shape
+    nb = -(-V // block)
+    full = (V // block) * block
+    sums = probs[:, :full].reshape(Bn, V // block, block).sum(-1, dtype=torch.float64)
+    if full < V:
+        sums = torch.cat([sums, probs[:, full:].sum(-1, dtype=torch.float64, keepdim=True)], dim=1)
+    cdf_blocks = sums.cumsum(-1)  # [B, nb]
+    total = cdf_blocks[:, -1]
+    x = torch.minimum(u.to(torch.float64) * total, torch.nextafter(total, torch.zeros_like(total)))
+    k = torch.searchsorted(cdf_blocks, x[:, None], right=True)[:, 0].clamp(max=nb - 1)
+    offset = torch.where(k > 0, cdf_blocks.gather(1, (k - 1).clamp(min=0)[:, None])[:, 0], torch.zeros_like(total))
+    idx = k[:, None] * block + torch.arange(block, device=probs.device)[None, :]  # [B, block]
+    inside = idx < V
+    p = torch.where(inside, probs.gather(1, idx.clamp(max=V - 1)), torch.zeros((), dtype=probs.dtype, device=probs.device))
+    cdf = p.double().cumsum(-1) + offset[:, None]
+    j = torch.searchsorted(cdf, x[:, None], right=True)[:, 0]
+    # j == block only if rounding put the threshold past the block's own sum: its last likely token
+    last = torch.where(p > 0, torch.arange(block, device=probs.device)[None, :], -1).amax(-1)
+    j = torch.where(j >= block, last, j)
+    return (k * block + j).clamp(max=V - 1)
+
+
+@dataclass
+class TurnOutput:
+    """One trajectory's new tokens of a turn (the fields of the agents driver's ``Continuation``)."""
+
+    token_ids: list[int]
+    """The sampled tokens (ending with the stop token when ``stopped``)."""
+    logprobs: list[float]
+    """The sampler's log-prob of each (the tempered, filtered distribution)."""
+    stopped: bool
+    """A stop token ended the turn (else its token limit did)."""
+
+
+@dataclass
+class MultiTurnState:
+    """A multi-turn rollout held by :meth:`HFGroupSampler.start` (pass it back to
+    ``continue_``; ``close`` releases its memory).
+
+    ``live``: the trajectory ids whose KV is kept (row order of the store).
+    ``history[t]``: every token of trajectory ``t`` after its prompt (sampled and appended).
+    ``prefill_tokens``: per ``continue_`` call, the appended tokens it ran through the model
+    (never the history). ``forward_tokens``: per call, every token it ran (the appended
+    ones, the previous turn's last sampled token, the decode steps).
+    """
+
+    kv: CascadeKV
+    sampling: SamplingConfig
+    prompts: list[list[int]]
+    group_size: int
+    prompt_seeds: list[int] | None
+    live: list[int]
+    history: list[list[int]]
+    pending: list[list[int]]
+    first_logits: torch.Tensor | None
+    turn: int = 0
+    prefill_tokens: list[int] = field(default_factory=list)
+    forward_tokens: list[int] = field(default_factory=list)
+    closed: bool = False
 
 
 class HFGroupSampler:
@@ -272,6 +450,73 @@ class HFGroupSampler:
             config._attn_implementation = previous
             self.model.train(was_training)
 
+    def _forward(self, kv: CascadeKV, ids: torch.Tensor, pos: torch.Tensor) -> torch.Tensor:
+        out = self.model(input_ids=ids, position_ids=pos, use_cache=False, logits_to_keep=1, **{_KV_KWARG: kv})
+        return out.logits[:, -1].float()
+
+    def _prefill(self, distinct_prompts: list[list[int]], device: torch.device, backend: str) -> tuple[CascadeKV, torch.Tensor]:
+        """Run the distinct prompts once (packed); returns the store and their last logits ``[U, V]``."""
+        kv = CascadeKV(num_layers=self.model.config.num_hidden_layers, prompt_lens=[len(p) for p in distinct_prompts],
+                       backend=backend, device=device)
+        cu = kv.cu_seqlens
+        ids = torch.tensor([t for p in distinct_prompts for t in p], dtype=torch.long, device=device)[None]
+        pos = torch.cat([torch.arange(len(p), device=device) for p in distinct_prompts])[None]
+        last = torch.tensor(cu[1:], device=device) - 1
+        out = self.model(input_ids=ids, position_ids=pos, use_cache=False, logits_to_keep=last, **{_KV_KWARG: kv})
+        return kv, out.logits[0].float()
+
+    def _stop_ids(self, sampling: SamplingConfig, device: torch.device) -> torch.Tensor:
+        return torch.tensor(sorted(set(sampling.stop_token_ids) | set(self.eos_token_ids)), dtype=torch.long, device=device)
+
+    def _decode(self, kv: CascadeKV, logits: torch.Tensor, budgets: list[int], sampling: SamplingConfig, stop_ids: torch.Tensor,
+                uniforms: torch.Tensor | None, gen: torch.Generator | None) -> tuple[list[list[int]], list[torch.Tensor], list[bool]]:
+        """Sample up to ``budgets[b]`` tokens per row from ``logits`` (each row's next-token
+        logits), one batched decode step per token. Returns per row the tokens (cut after a
+        stop token), their log-probs and whether a stop token ended them.
+
+        The only host sync per step is the stop check. Every sampled token but the last of
+        each row has been run through the model (its keys/values are in ``kv``)."""
+        B = len(budgets)
+        L = max(budgets)
+        device = logits.device
+        tokens = torch.empty(B, L, dtype=torch.long, device=device)
+        logps = torch.empty(B, L, dtype=torch.float32, device=device)
+        finished = torch.zeros(B, dtype=torch.bool, device=device)
+        uneven = any(b != L for b in budgets)
+        budget_t = torch.tensor(budgets, device=device)
+        steps = 0
+        for step in range(L):
+            logp_all = process_logits(logits, sampling)
+            if sampling.greedy:
+                tok = torch.argmax(logp_all, dim=-1)
+            elif uniforms is not None:
+                tok = _inverse_cdf_sample(logp_all.exp(), uniforms[:, step])
+            else:
+                tok = torch.multinomial(logp_all.exp(), 1, generator=gen)[:, 0]
+            tokens[:, step] = tok
+            logps[:, step] = logp_all.gather(1, tok[:, None])[:, 0]
+            steps = step + 1
+            if stop_ids.numel():
+                finished |= torch.isin(tok, stop_ids)
+            if uneven:
+                finished |= budget_t <= steps
+            if step == L - 1 or bool(finished.all()):
+                break
+            pos = kv.set_forward([1] * B, 1)
+            logits = self._forward(kv, tok[:, None], pos)
+        tokens_h = tokens[:, :steps].cpu()
+        logps_h = logps[:, :steps].cpu()
+        stop_set = set(stop_ids.tolist())
+        ids_out, logp_out, stopped = [], [], []
+        for b in range(B):
+            row = tokens_h[b, : budgets[b]].tolist()
+            end = next((i + 1 for i, t in enumerate(row) if t in stop_set), None)
+            n = end or len(row)
+            ids_out.append(row[:n])
+            logp_out.append(logps_h[b, :n].clone())
+            stopped.append(end is not None)
+        return ids_out, logp_out, stopped
+
     @torch.no_grad()
     def generate(
         self, prompts: list[list[int]], *, group_size: int, sampling: SamplingConfig | None = None,
@@ -284,36 +529,21 @@ class HFGroupSampler:
         depend on which other prompts share the batch (data-parallel ranks sampling slices
         of a batch reproduce the single-process samples).
         """
-        sampling = sampling if sampling is not None else SamplingConfig()
-        if not isinstance(sampling, SamplingConfig):
-            raise TypeError(f"sampling must be a SamplingConfig, got {type(sampling).__name__}")
+        sampling = self._check_sampling(sampling)
         prompts = validate_prompts(
             prompts, group_size=group_size, vocab_size=self.vocab_size, max_length=self.max_length, max_new_tokens=sampling.max_new_tokens
         )
         t0 = time.perf_counter()
-        model = self.model
-        device = model.get_input_embeddings().weight.device
+        device = self.model.get_input_embeddings().weight.device
         backend = resolve_backend(self.backend, device)
         G = group_size
         N = len(prompts)
         B = N * G
         L = sampling.max_new_tokens
-
-        # distinct prompts, packed
         distinct: dict[tuple[int, ...], int] = {}
         for p in prompts:
             distinct.setdefault(tuple(p), len(distinct))
-        uniq = list(distinct)
-        cu = [0]
-        for p in uniq:
-            cu.append(cu[-1] + len(p))
         which = [distinct[tuple(p)] for p in prompts]
-        ids = torch.tensor([t for p in uniq for t in p], dtype=torch.long, device=device)[None]
-        pos = torch.cat([torch.arange(len(p), device=device) for p in uniq])[None]
-        last = torch.tensor(cu[1:], device=device) - 1
-
-        kv = SharedPrefixKV(num_layers=model.config.num_hidden_layers, cu_seqlens=cu, backend=backend)
-        stop_ids = torch.tensor(sorted(set(sampling.stop_token_ids) | set(self.eos_token_ids)), dtype=torch.long, device=device)
         gen = None
         uniforms = None
         if prompt_seeds is not None and not sampling.greedy:
@@ -325,57 +555,14 @@ class HFGroupSampler:
         elif sampling.seed is not None:
             gen = torch.Generator(device=device)
             gen.manual_seed(sampling.seed)
-
-        tokens = torch.empty(B, L, dtype=torch.long, device=device)
-        logps = torch.empty(B, L, dtype=torch.float32, device=device)
-        finished = torch.zeros(B, dtype=torch.bool, device=device)
-        steps = 0
+        stop_ids = self._stop_ids(sampling, device)
         with self._shared_prefix_attention():
-            out = model(input_ids=ids, position_ids=pos, use_cache=False, logits_to_keep=last, **{_KV_KWARG: kv})
-            logits = out.logits[0].float()[torch.tensor(which, device=device)].repeat_interleave(G, dim=0)  # [B, V]
-            del out
-            kv.start_decode(
-                prefix_start=torch.tensor([cu[w] for w in which], dtype=torch.int32, device=device),
-                prefix_len=torch.tensor([len(prompts[n]) for n in range(N)], dtype=torch.int32, device=device),
-                group_size=G,
-                batch=B,
-                capacity=max(L - 1, 1),
-            )
-            base_pos = torch.tensor([len(p) for p in prompts], device=device).repeat_interleave(G)
-            for step in range(L):
-                logp_all = process_logits(logits, sampling)
-                if sampling.greedy:
-                    tok = torch.argmax(logp_all, dim=-1)
-                elif uniforms is not None:
-                    tok = _inverse_cdf_sample(logp_all.exp(), uniforms[:, step])
-                else:
-                    tok = torch.multinomial(logp_all.exp(), 1, generator=gen)[:, 0]
-                tokens[:, step] = tok
-                logps[:, step] = logp_all.gather(1, tok[:, None])[:, 0]
-                steps = step + 1
-                if stop_ids.numel():
-                    finished |= torch.isin(tok, stop_ids)
-                if step == L - 1 or bool(finished.all()):
-                    break
-                kv.set_step(step)
-                out = model(
-                    input_ids=tok[:, None], position_ids=(base_pos + step)[:, None], use_cache=False, **{_KV_KWARG: kv}
-                )
-                logits = out.logits[:, -1].float()
-                del out
-
-        # cut each completion after its first stop token
-        tokens_h = tokens[:, :steps].cpu()
-        logps_h = logps[:, :steps].cpu()
-        stop_set = set(stop_ids.tolist())
-        completion_ids, completion_logp, finish_reasons = [], [], []
-        for b in range(B):
-            row = tokens_h[b].tolist()
-            end = next((i + 1 for i, t in enumerate(row) if t in stop_set), None)
-            completion_ids.append(row[: end or steps])
-            completion_logp.append(logps_h[b, : end or steps].clone())
-            finish_reasons.append("stop" if end is not None else "length")
-        computed = cu[-1]
+            kv, last_logits = self._prefill([list(p) for p in distinct], device, backend)
+            kv.set_rows([which[b // G] for b in range(B)], group_size=G)
+            kv.reserve(max(L - 1, 0))
+            logits = last_logits[torch.tensor(which, device=device)].repeat_interleave(G, dim=0)  # [B, V]
+            completion_ids, completion_logp, stopped = self._decode(kv, logits, [L] * B, sampling, stop_ids, uniforms, gen)
+        computed = kv.cu_seqlens[-1]
         stats = RolloutStats(
             prompts=N,
             samples=B,
@@ -386,6 +573,226 @@ class HFGroupSampler:
             seconds=time.perf_counter() - t0,
         )
         return RolloutBatch.from_samples(
-            prompts, completion_ids, completion_logp, finish_reasons,
+            prompts, completion_ids, completion_logp, ["stop" if s else "length" for s in stopped],
             group_size=G, pad_token_id=self.pad_token_id, stats=stats,
         )
+
+    def _check_sampling(self, sampling: SamplingConfig | None) -> SamplingConfig:
+        sampling = sampling if sampling is not None else SamplingConfig()
+        if not isinstance(sampling, SamplingConfig):
+            raise TypeError(f"sampling must be a SamplingConfig, got {type(sampling).__name__}")
+        return sampling
+
+    # ------------------------------------------------------------------ multi-turn
+    @torch.no_grad()
+    def start(
+        self, prompts: list[list[int]], *, group_size: int, sampling: SamplingConfig | None = None,
+        prompt_seeds: Sequence[int] | None = None,
+    ) -> MultiTurnState:
+        """Open a multi-turn rollout: prefill the distinct prompts once; trajectory
+        ``t = i * group_size + j`` is sample ``j`` of prompt ``i``. Nothing is sampled yet:
+        the first :meth:`continue_` samples the first turn.
+
+        Contract: every ``continue_`` call names the trajectories that go on (the others drop
+        out and their suffix memory is released), appends tokens to each (the environment's
+        answer; may be empty on the first turn), and samples up to ``max_new_tokens`` new
+        tokens per trajectory. Turn ``k`` runs only the appended tokens (plus the previous
+        turn's last sampled token, whose keys/values are not stored yet) through the model,
+        never the history; the ``G`` trajectories of a prompt keep reading one copy of its
+        prompt's keys/values.
+
+        Seeds: turn ``k`` of trajectory ``t`` draws its uniforms from the seed given to
+        ``continue_(seeds=...)``, else ``(prompt_seeds[i] * G + j) * TURN_SEED_STRIDE + k``: a
+        trajectory's tokens depend on its own seed, history and budget alone, not on the
+        other trajectories in the batch. Without either, ``sampling.seed`` seeds one
+        generator per turn (batch-dependent), else the global generator.
+
+        Memory: prompts ``U * P_max`` token slots (padded), trajectories ``B * capacity``
+        slots; the capacity grows (to the larger of what the turn needs and twice the old
+        one, one copy) when a turn would pass it. ``close`` releases everything.
+        """
+        sampling = self._check_sampling(sampling)
+        prompts = validate_prompts(prompts, group_size=group_size, vocab_size=self.vocab_size, max_length=self.max_length, max_new_tokens=1)
+        N = len(prompts)
+        seeds = validate_prompt_seeds(prompt_seeds, N) if prompt_seeds is not None else None
+        device = self.model.get_input_embeddings().weight.device
+        backend = resolve_backend(self.backend, device)
+        distinct: dict[tuple[int, ...], int] = {}
+        for p in prompts:
+            distinct.setdefault(tuple(p), len(distinct))
+        which = [distinct[tuple(p)] for p in prompts]
+        G = group_size
+        B = N * G
+        with self._shared_prefix_attention():
+            kv, last_logits = self._prefill([list(p) for p in distinct], device, backend)
+        kv.set_rows([which[t // G] for t in range(B)], group_size=G)
+        first = last_logits[torch.tensor(which, device=device)].repeat_interleave(G, dim=0)
+        state = MultiTurnState(kv=kv, sampling=sampling, prompts=prompts, group_size=G, prompt_seeds=seeds,
+                               live=list(range(B)), history=[[] for _ in range(B)], pending=[[] for _ in range(B)],
+                               first_logits=first)
+        state.prefill_tokens.append(kv.cu_seqlens[-1])
+        state.forward_tokens.append(kv.cu_seqlens[-1])
+        return state
+
+    @torch.no_grad()
+    def continue_(
+        self, state: MultiTurnState, appended: Sequence[Sequence[int]], *, trajectories: Sequence[int] | None = None,
+        max_new_tokens: int | Sequence[int], seeds: Sequence[int] | None = None,
+    ) -> list[TurnOutput]:
+        """One turn: append ``appended[i]`` to trajectory ``trajectories[i]`` (default: every
+        live trajectory, in order) and sample up to ``max_new_tokens`` (one int, or one per
+        trajectory) after it. Trajectories left out are dropped for good. Returns one
+        :class:`TurnOutput` per named trajectory."""
+        if state.closed:
+            raise ValueError("continue_: this multi-turn state was closed")
+        ids = list(state.live) if trajectories is None else [int(t) for t in trajectories]
+        live = set(state.live)
+        if len(set(ids)) != len(ids) or any(t not in live for t in ids):
+            raise ValueError(f"continue_: trajectories must be distinct live trajectory ids, got {ids} (live: {state.live})")
+        if not ids:
+            raise ValueError("continue_: no trajectory to continue")
+        appended = [[int(x) for x in a] for a in appended]
+        if len(appended) != len(ids):
+            raise ValueError(f"continue_: appended has {len(appended)} entries for {len(ids)} trajectories")
+        budgets = [int(max_new_tokens)] * len(ids) if isinstance(max_new_tokens, int) else [int(n) for n in max_new_tokens]
+        if len(budgets) != len(ids) or any(n < 1 for n in budgets):
+            raise ValueError(f"continue_: max_new_tokens must be an int >= 1 or one per trajectory, got {max_new_tokens!r}")
+        G = state.group_size
+        for t, a, n in zip(ids, appended, budgets):
+            bad = [x for x in a if x < 0 or x >= self.vocab_size]
+            if bad:
+                raise ValueError(f"continue_: tokens appended to trajectory {t} are outside the vocabulary [0, {self.vocab_size}): {bad[:5]}")
+            total = len(state.prompts[t // G]) + len(state.history[t]) + len(a) + n
+            if self.max_length is not None and total > self.max_length:
+                raise ValueError(f"continue_: trajectory {t} would reach {total} tokens, past the model's maximum length {self.max_length}")
+        if seeds is not None:
+            seeds = [int(s) for s in seeds]
+            if len(seeds) != len(ids):
+                raise ValueError(f"continue_: seeds must have one entry per trajectory ({len(ids)}), got {len(seeds)}")
+        elif state.prompt_seeds is not None:
+            seeds = [(state.prompt_seeds[t // G] * G + t % G) * TURN_SEED_STRIDE + state.turn for t in ids]
+        kv = state.kv
+        device = kv.device
+        sampling = state.sampling
+        rows = [state.live.index(t) for t in ids]
+        kv.keep(rows)
+        first = state.first_logits[torch.tensor(rows, device=device)] if state.first_logits is not None else None
+        state.live = ids
+        todo = [state.pending[t] + a for t, a in zip(ids, appended)]
+        counts = [len(x) for x in todo]
+        T = max(counts)
+        # every row runs max(budgets) - 1 decode steps (rows that are done keep stepping, unread)
+        kv.reserve(max(s + c for s, c in zip(kv.suffix_len, counts)) + max(budgets))
+        gen = None
+        uniforms = None
+        if not sampling.greedy and seeds is not None:
+            L = max(budgets)
+            uniforms = torch.zeros(len(ids), L, dtype=torch.float64)
+            for i, (s, n) in enumerate(zip(seeds, budgets)):
+                uniforms[i, :n] = torch.rand(n, generator=torch.Generator().manual_seed(s), dtype=torch.float64)
+            uniforms = uniforms.to(device)
+        elif not sampling.greedy and sampling.seed is not None:
+            gen = torch.Generator(device=device)
+            gen.manual_seed(sampling.seed * TURN_SEED_STRIDE + state.turn)
+        with self._shared_prefix_attention():
+            if T > 0:
+                batch_ids = torch.full((len(ids), T), self.pad_token_id, dtype=torch.long, device=device)
+                for i, x in enumerate(todo):
+                    if x:
+                        batch_ids[i, T - len(x):] = torch.tensor(x, dtype=torch.long, device=device)
+                pos = kv.set_forward(counts, T)
+                logits = self._forward(kv, batch_ids, pos)
+                if min(counts) == 0:
+                    if first is None:
+                        raise RuntimeError("continue_: a trajectory has neither new tokens nor next-token logits")
+                    empty = torch.tensor([c == 0 for c in counts], device=device)[:, None]
+                    logits = torch.where(empty, first, logits)
+            else:
+                logits = first
+            after = list(kv.suffix_len)
+            out_ids, out_logp, stopped = self._decode(kv, logits, budgets, sampling, self._stop_ids(sampling, device), uniforms, gen)
+        # the last sampled token of each row is run at the start of the next turn
+        kv.suffix_len = [s + len(c) - 1 for s, c in zip(after, out_ids)]
+        for t, a, c in zip(ids, appended, out_ids):
+            state.history[t].extend(a)
+            state.history[t].extend(c)
+            state.pending[t] = [c[-1]]
+        state.prefill_tokens.append(sum(len(a) for a in appended))
+        state.forward_tokens.append(sum(counts) + sum(len(c) - 1 for c in out_ids))
+        state.first_logits = None
+        state.turn += 1
+        return [TurnOutput(c, [float(x) for x in lp.tolist()], st) for c, lp, st in zip(out_ids, out_logp, stopped)]
+
+    def close(self, state: MultiTurnState | None = None) -> None:
+        """Release a multi-turn rollout's keys/values. Without a state it does nothing (the
+        sampler itself holds nothing between calls; samplers are closed that way by the trainer)."""
+        if state is None:
+            return
+        kv = state.kv
+        for ts in (kv.prefix_k, kv.prefix_v, kv.suffix_k, kv.suffix_v):
+            for layer in range(len(ts)):
+                ts[layer] = None
+        state.first_logits = None
+        state.live = []
+        state.closed = True
+
+
+class HFTokenSampler:
+    """The agents driver's ``TokenSampler`` (``continue_sequences``) over one
+    :class:`HFGroupSampler` multi-turn state: each sequence is matched to the live
+    trajectory whose tokens it extends, and only the difference is run through the model.
+
+    Sequences that extend no live trajectory (the first turn, or a sample the driver
+    restarted from the template) start a new state for all sequences of that call (their
+    prompts are prefilled; identical ones once). ``restarts`` counts those calls.
+    """
+
+    def __init__(self, sampler: HFGroupSampler, sampling: SamplingConfig) -> None:
+        self.sampler = sampler
+        self.sampling = sampling
+        self.max_length = sampler.max_length
+        self.state: MultiTurnState | None = None
+        self._tokens: dict[int, list[int]] = {}
+        self.restarts = 0
+
+    def _match(self, sequences: list[list[int]]) -> list[int] | None:
+        if self.state is None:
+            return None
+        index: dict[tuple[int, ...], list[int]] = {}
+        for t, toks in self._tokens.items():
+            index.setdefault(tuple(toks), []).append(t)
+        lengths = sorted({len(k) for k in index}, reverse=True)
+        out = []
+        for seq in sequences:
+            hit = None
+            for n in lengths:
+                ids = index.get(tuple(seq[:n])) if n <= len(seq) else None
+                if ids:
+                    hit = ids.pop()
+                    break
+            if hit is None:
+                return None
+            out.append(hit)
+        return out
+
+    def continue_sequences(self, sequences: Sequence[Sequence[int]], *, max_new_tokens: Sequence[int],
+                           seeds: Sequence[int]) -> list[TurnOutput]:
+        seqs = [[int(x) for x in s] for s in sequences]
+        ids = self._match(seqs)
+        if ids is None:
+            if self.state is not None:
+                self.sampler.close(self.state)
+            self.restarts += 1
+            self.state = self.sampler.start(seqs, group_size=1, sampling=self.sampling)
+            self._tokens = {t: list(s) for t, s in enumerate(seqs)}
+            ids = list(range(len(seqs)))
+        appended = [s[len(self._tokens[t]):] for t, s in zip(ids, seqs)]
+        out = self.sampler.continue_(self.state, appended, trajectories=ids, max_new_tokens=list(max_new_tokens), seeds=list(seeds))
+        self._tokens = {t: s + o.token_ids for t, s, o in zip(ids, seqs, out)}
+        return out
+
+    def close(self) -> None:
+        if self.state is not None:
+            self.sampler.close(self.state)
+        self.state = None
+        self._tokens = {}

@@ -188,32 +188,71 @@ def save_distributed_checkpoint(
     ``policy/`` (``hf_policy``, a full copy of the policy, as a Hugging Face directory with
     the tokenizer: usable with ``from_pretrained`` and the model a resume starts from),
     ``schedulers.pt`` and the trainer state, last.
+
+    As ``save_checkpoint``: weights with NaN or inf on any rank are refused on every rank
+    before anything is written, and a write that fails on any rank (a full disk named as
+    such) removes the partial checkpoint and raises on every rank, the earlier ones kept.
     """
     import torch.distributed.checkpoint as dcp
+    from torch.distributed.checkpoint.api import CheckpointException
     from torch.distributed.checkpoint.state_dict import (
         get_model_state_dict,
         get_optimizer_state_dict,
     )
 
+    step = int(state["step"])
+    _refuse_non_finite_on_every_rank(models, step)
     tmp = directory.with_name(directory.name + ".tmp")
-    if rank == 0:
-        if tmp.exists():
-            shutil.rmtree(tmp)
-        tmp.mkdir(parents=True)
+
+    def write(fn) -> None:
+        """Run this rank's part of the write; every rank learns whether any failed (then: the
+        partial checkpoint removed, a full disk named as such, raised on every rank)."""
+        error: BaseException | None = None
+        try:
+            fn()
+        except (Exception, CheckpointException) as caught:  # DCP's is a BaseException holding each rank's error
+            error = caught
+        if not _any_rank(error is not None):
+            return
+        if rank == 0:
+            shutil.rmtree(tmp, ignore_errors=True)
+        barrier()
+        if error is None:
+            raise RuntimeError(f"checkpoint {directory} not written: another rank failed writing it")
+        cause = _dcp_failure(error, rank)
+        reported = _written_or_reported(tmp, directory, cause)
+        if reported is cause:
+            raise error
+        raise reported from error
+
+    def start() -> None:
+        if rank == 0:
+            if tmp.exists():
+                shutil.rmtree(tmp)
+            tmp.mkdir(parents=True)
+
+    def shards_and_rank0_files() -> None:
+        shards: dict[str, Any] = {name: get_model_state_dict(model) for name, model in models.items()}
+        shards.update({name: get_optimizer_state_dict(model, opt) for name, (model, opt) in optimizers.items()})
+        dcp.save(shards, checkpoint_id=str(tmp / DCP_DIR))
+        torch.save(rng_state(), tmp / _rng_file(rank))
+        if rank == 0:
+            hf_policy.save_pretrained(tmp / "policy", safe_serialization=True)
+            if tokenizer is not None:
+                tokenizer.save_pretrained(tmp / "policy")
+            torch.save({name: s.state_dict() for name, s in schedulers.items()}, tmp / "schedulers.pt")
+
+    def finish() -> None:
+        if rank == 0:
+            (tmp / STATE_FILE).write_text(json.dumps(state, indent=1))
+            manifest.write_manifest(tmp, step=step)  # every rank's shards included
+
+    write(start)
     barrier()
-    shards: dict[str, Any] = {name: get_model_state_dict(model) for name, model in models.items()}
-    shards.update({name: get_optimizer_state_dict(model, opt) for name, (model, opt) in optimizers.items()})
-    dcp.save(shards, checkpoint_id=str(tmp / DCP_DIR))
-    torch.save(rng_state(), tmp / _rng_file(rank))
-    if rank == 0:
-        hf_policy.save_pretrained(tmp / "policy", safe_serialization=True)
-        if tokenizer is not None:
-            tokenizer.save_pretrained(tmp / "policy")
-        torch.save({name: s.state_dict() for name, s in schedulers.items()}, tmp / "schedulers.pt")
+    write(shards_and_rank0_files)
     barrier()  # every rank's files are in place before the state file makes the checkpoint complete
+    write(finish)
     if rank == 0:
-        (tmp / STATE_FILE).write_text(json.dumps(state, indent=1))
-        manifest.write_manifest(tmp, step=int(state["step"]))  # every rank's shards included
         if directory.exists():
             shutil.rmtree(directory)
         os.replace(tmp, directory)
@@ -221,6 +260,42 @@ def save_distributed_checkpoint(
             shutil.rmtree(old, ignore_errors=True)
     barrier()
     return directory
+
+
+def _dcp_failure(error: BaseException, rank: int) -> BaseException:
+    """The exception behind DCP's ``CheckpointException`` (this rank's, else the first rank's); ``error`` otherwise."""
+    failures = getattr(error, "failures", None)
+    if not isinstance(failures, dict) or not failures:
+        return error
+    wrapped = failures.get(rank, next(iter(failures.values())))
+    return wrapped[0] if isinstance(wrapped, tuple) else wrapped
+
+
+def _any_rank(flag: bool) -> bool:
+    """Whether ``flag`` holds on any rank of the default process group (this rank's alone without one)."""
+    import torch.distributed as dist
+
+    if not (dist.is_available() and dist.is_initialized()):
+        return flag
+    device = torch.device("cuda", torch.cuda.current_device()) if dist.get_backend() == "nccl" else torch.device("cpu")
+    value = torch.tensor([int(flag)], device=device)
+    dist.all_reduce(value, op=dist.ReduceOp.MAX)
+    return bool(value.item())
+
+
+def _refuse_non_finite_on_every_rank(models: dict[str, torch.nn.Module], step: int) -> None:
+    """``_refuse_non_finite`` as a collective: every rank checks its own (possibly sharded)
+    weights and all ranks refuse if any rank found NaN or inf, before anything is written."""
+    try:
+        _refuse_non_finite(models, step)
+        local: NonFiniteWeightsError | None = None
+    except NonFiniteWeightsError as error:
+        local = error
+    if _any_rank(local is not None):
+        raise local or NonFiniteWeightsError(
+            f"step {step}: the weights on another rank are not finite; no checkpoint was written, "
+            "the checkpoints already on disk are kept"
+        )
 
 
 def load_distributed_checkpoint(

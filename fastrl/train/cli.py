@@ -9,8 +9,11 @@ configuration and exits.
 from __future__ import annotations
 
 import dataclasses
+import difflib
 import os
+import re
 import sys
+import typing
 
 from fastrl.train.config import ALGORITHM_PRESETS, TrainConfig
 
@@ -52,6 +55,61 @@ HELP_GROUPS: dict[str, tuple[str, ...]] = {
 }
 
 
+# a jsonargparse type error: the option's key, then (last) the value it was given
+_TYPE_ERROR = re.compile(r'Parser key "(?P<key>[^"]+)":.*(?:Expected a|Does not validate)', re.S)
+_GIVEN_VALUE = re.compile(r"(?:Given value|Got value): (?P<value>.*)")
+
+
+def describe_type(tp, *, plural: bool = False) -> str:
+    """What values of the field type ``tp`` are accepted, in words (``Optional[float]`` ->
+    "a finite number (or null)"). jsonargparse refuses nan and inf for a float."""
+    origin, args = typing.get_origin(tp), typing.get_args(tp)
+    if origin is typing.Union:
+        rest = [a for a in args if a is not type(None)]
+        words = " or ".join(describe_type(a, plural=plural) for a in rest)
+        return words + (" (or null)" if len(rest) < len(args) else "")
+    if origin is typing.Literal:
+        return "one of " + ", ".join(str(a) for a in args)
+    if origin in (list, tuple):
+        item = args[0] if args else str
+        return f"a list of {describe_type(item, plural=True)} (e.g. [a, b])"
+    words = {int: ("an integer", "integers"), float: ("a finite number", "finite numbers"),
+             bool: ("true or false", "true/false values"), str: ("a string", "strings")}
+    if tp in words:
+        return words[tp][plural]
+    return f"a value of type {getattr(tp, '__name__', tp)}"
+
+
+def explain_type_error(message: str, argv: list[str], field_types: dict) -> str | None:
+    """A jsonargparse type error as one line: ``--lr: expected a finite number (or null),
+    got 'inf'``; ``None`` for any other message. The value is the one on the command line
+    when it is there (a list's element otherwise names only the wrong element), else the
+    parser's."""
+    match = _TYPE_ERROR.search(message)
+    if not match or match.group("key") not in field_types:
+        return None
+    key = match.group("key")
+    given = _GIVEN_VALUE.findall(message)
+    value = given[-1].strip() if given else None
+    option = f"--{key}"
+    for i, token in enumerate(argv):
+        name, eq, rest = token.partition("=")
+        if name == option:
+            value = rest if eq else (argv[i + 1] if i + 1 < len(argv) else value)
+    got = f", got {value!r}" if value is not None else ""
+    choices = [str(a) for a in _literal_choices(field_types[key])]
+    close = difflib.get_close_matches(str(value), choices, n=1, cutoff=0.6) if choices and value is not None else []
+    hint = f" (did you mean {close[0]}?)" if close else ""
+    return f"{option}: expected {describe_type(field_types[key])}{got}{hint}"
+
+
+def _literal_choices(tp) -> tuple:
+    """The values of the ``Literal`` in ``tp`` (``Optional[Literal[...]]`` included), else ``()``."""
+    if typing.get_origin(tp) is typing.Literal:
+        return typing.get_args(tp)
+    return tuple(a for arg in typing.get_args(tp) if typing.get_origin(tp) is typing.Union for a in _literal_choices(arg))
+
+
 def _parser_class():
     from jsonargparse import ArgumentParser
 
@@ -62,9 +120,12 @@ def _parser_class():
 
         def parse_args(self, args=None, namespace=None, **kwargs):
             args = sys.argv[1:] if args is None else list(args)
-            return super().parse_args(cli_style.normalize_spelling(args, self._option_string_actions), namespace, **kwargs)
+            self._fastrl_argv = cli_style.normalize_spelling(args, self._option_string_actions)
+            return super().parse_args(self._fastrl_argv, namespace, **kwargs)
 
         def error(self, message, ex=None):
+            field_types = typing.get_type_hints(TrainConfig)
+            message = explain_type_error(message, getattr(self, "_fastrl_argv", []), field_types) or message
             cli_style.print_usage_error(self.prog, message, self._option_string_actions)
             self.exit(cli_style.USAGE_ERROR_STATUS)
 

@@ -175,7 +175,8 @@ def test_stats_and_kv_memory():
     assert s.generated_tokens == 3 * G * L and all(r == "length" for r in batch.finish_reasons)
     cfg = model.config
     slot = 2 * cfg.num_hidden_layers * cfg.num_key_value_heads * (cfg.hidden_size // cfg.num_attention_heads) * 4
-    assert s.peak_kv_cache_bytes == (distinct + 3 * G * (L - 1)) * slot
+    # distinct prompts padded to the longest (2 x 13 slots), each sample's L - 1 generated tokens + 1 scratch slot
+    assert s.peak_kv_cache_bytes == (2 * len(PROMPTS[2]) + 3 * G * L) * slot
     assert s.seconds > 0
     assert batch.group_ids.tolist() == [i for i in range(3) for _ in range(G)]
     # the same rows for the same prompt's two groups in greedy mode
@@ -275,3 +276,83 @@ def test_bench_cases_registered():
     assert "cases_rollout" in BENCH_MODULES
     (case,) = cases(torch.device("cpu"), quick=True)
     assert set(case.impls) == {"fastrl", "hf_generate_dup"} and case.fastrl == "fastrl"
+
+
+# ---------------------------------------------------------------- the sampling primitives
+def full_cdf_sample(probs, u):
+    """The previous sampler's draw (the reference): a full-vocabulary fp64 cumulative sum."""
+    cdf = probs.double().cumsum(-1)
+    total = cdf[:, -1]
+    x = torch.minimum(u * total, torch.nextafter(total, torch.zeros_like(total)))
+    return torch.searchsorted(cdf, x[:, None], right=True)[:, 0].clamp(max=probs.shape[-1] - 1)
+
+
+@pytest.mark.parametrize("V, block", [(7, 1024), (1024, 1024), (5000, 1024), (300, 16)])
+def test_two_level_inverse_cdf_draws_the_same_tokens_as_the_full_cdf(V, block):
+    from fastrl.rollout.hf import _inverse_cdf_sample
+
+    g = torch.Generator().manual_seed(V)
+    n = 4000
+    logits = torch.randn(n, V, generator=g) * 3
+    logits[:, torch.randperm(V, generator=g)[: V // 3]] = float("-inf")  # zero-probability tokens
+    probs = torch.softmax(logits, dim=-1)
+    u = torch.rand(n, generator=g, dtype=torch.float64)
+    u[:3] = torch.tensor([0.0, 1.0 - 1e-16, 0.5])
+    got = _inverse_cdf_sample(probs, u, block=block)
+    assert torch.equal(got, full_cdf_sample(probs, u))
+    assert (probs.gather(1, got[:, None]) > 0).all()
+
+
+def test_two_level_inverse_cdf_passes_a_chi_square_test():
+    from fastrl.rollout.hf import _inverse_cdf_sample
+
+    g = torch.Generator().manual_seed(0)
+    p = torch.softmax(torch.randn(40, generator=g), dim=0)
+    n = 40000
+    draws = _inverse_cdf_sample(p.expand(n, 40), torch.rand(n, generator=g, dtype=torch.float64), block=8)
+    counts = torch.bincount(draws, minlength=40).double()
+    expected = p.double() * n
+    chi2 = float(((counts - expected) ** 2 / expected).sum())
+    assert chi2 < 80.0, chi2  # 39 degrees of freedom: P(chi2 > 80) < 1e-4
+
+
+def full_sort_top_p(x, top_p):
+    """Top-p with a full sort of the vocabulary (the reference)."""
+    sorted_x, order = torch.sort(x, dim=-1, descending=True)
+    probs = torch.softmax(sorted_x, dim=-1)
+    drop_sorted = (torch.cumsum(probs, dim=-1) - probs) >= top_p
+    return x.masked_fill(torch.zeros_like(drop_sorted).scatter(-1, order, drop_sorted), float("-inf"))
+
+
+@pytest.mark.parametrize("scale, top_p", [(4.0, 0.9), (0.05, 0.95), (1.0, 0.5)])  # 0.05: flat, the cut lies past the first candidates
+def test_top_p_by_partial_sort_equals_the_full_sort(scale, top_p):
+    x = torch.randn(6, 5000, generator=torch.Generator().manual_seed(1)) * scale
+    got = process_logits(x, SamplingConfig(top_p=top_p))
+    want = torch.log_softmax(full_sort_top_p(x, top_p), dim=-1)
+    assert torch.equal(torch.isinf(got), torch.isinf(want))
+    torch.testing.assert_close(got[torch.isfinite(got)], want[torch.isfinite(want)], rtol=0, atol=1e-6)
+
+
+@pytest.mark.parametrize("top_k, top_p", [(0, 1.0), (12, 1.0), (0, 0.8)])
+def test_first_token_distribution_passes_a_chi_square_test(top_k, top_p):
+    # 3000 samples of one prompt's first token (prompt seeds: the inverse-CDF path) against the
+    # processed distribution of a plain forward
+    model = tiny("llama")
+    prompt = PROMPTS[0]
+    T = 1.5
+    cfg = SamplingConfig(temperature=T, top_k=top_k, top_p=top_p, max_new_tokens=1)
+    batch = HFGroupSampler(model).generate([prompt], group_size=3000, sampling=cfg, prompt_seeds=[11])
+    with torch.no_grad():
+        logits = model(torch.tensor([prompt])).logits[0, -1:]
+    p = process_logits(logits, cfg)[0].exp().double()
+    counts = torch.bincount(torch.tensor([c[0] for c in batch.completion_ids]), minlength=VOCAB).double()
+    assert counts[p == 0].sum() == 0
+    expected = p * 3000
+    big = expected >= 5  # pool the rare tokens into one bin
+    obs = torch.cat([counts[big], counts[~big].sum()[None]])
+    exp_ = torch.cat([expected[big], expected[~big].sum()[None]])
+    keep = exp_ > 0
+    obs, exp_ = obs[keep], exp_[keep]
+    chi2 = float(((obs - exp_) ** 2 / exp_).sum())
+    df = len(obs) - 1
+    assert chi2 < df + 5 * (2 * df) ** 0.5, (chi2, df)  # ~5 sigma above the mean of chi2(df)

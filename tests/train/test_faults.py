@@ -150,7 +150,50 @@ def test_non_finite_weights_are_never_checkpointed(tmp_path):
     assert not directory.exists() and not directory.with_name(directory.name + ".tmp").exists()
 
 
+def test_non_finite_weights_are_never_checkpointed_by_the_distributed_writer(tmp_path):
+    from fastrl.train.checkpoint import save_distributed_checkpoint
+
+    tokenizer = char_tokenizer()
+    model = tiny_model(tokenizer, hidden_size=32, layers=1, heads=2, seed=0)
+    optimizer = torch.optim.AdamW(model.parameters())
+    directory = checkpoint_dir(tmp_path / "run", 1)
+    with torch.no_grad():
+        next(model.parameters())[0, 0] = float("nan")
+    torch.distributed.init_process_group("gloo", init_method=f"file://{tmp_path / 'store'}", rank=0, world_size=1)
+    try:
+        with pytest.raises(NonFiniteWeightsError, match="step 1: the policy weights are not finite"):
+            save_distributed_checkpoint(
+                directory, models={"policy": model}, optimizers={"policy": (model, optimizer)}, schedulers={},
+                state={"step": 1}, hf_policy=model, tokenizer=tokenizer, rank=0, barrier=torch.distributed.barrier,
+                keep=2)
+    finally:
+        torch.distributed.destroy_process_group()
+    assert not directory.exists() and not directory.with_name(directory.name + ".tmp").exists()
+
+
 # ---------------------------------------------------------------------- one record per step (defect 1)
+def test_a_resumed_logger_leaves_tensorboard_one_value_per_step(tmp_path):
+    """Steps 1..5 logged, the run resumed from step 3's checkpoint logs 4..5 again: TensorBoard's
+    own reader (EventAccumulator, as the TensorBoard UI loads a run) shows each step once, the
+    resumed run's values for 4 and 5."""
+    from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
+
+    from fastrl.train.metrics import MetricsLogger
+
+    first = MetricsLogger(tmp_path, total_steps=5, progress=False)
+    for step in range(1, 6):
+        first.log(step, {"reward/mean": float(step)})
+    first.close()  # a killed run's events are on disk up to step 5
+    resumed = MetricsLogger(tmp_path, total_steps=5, progress=False, start_step=3)
+    for step in range(4, 6):
+        resumed.log(step, {"reward/mean": 10.0 + step})
+    resumed.close()
+    assert len(list((tmp_path / "tensorboard").glob("events.out.tfevents.*"))) == 2  # both runs' files are read
+    events = EventAccumulator(str(tmp_path / "tensorboard"))
+    events.Reload()
+    assert [(e.step, e.value) for e in events.Scalars("reward/mean")] == [(1, 1.0), (2, 2.0), (3, 3.0), (4, 14.0), (5, 15.0)]
+
+
 def test_a_resumed_logger_drops_what_a_killed_run_logged_past_the_checkpoint(tmp_path):
     logger = MetricsLogger(tmp_path, total_steps=10, tensorboard=False, progress=False)
     for step in range(1, 9):
@@ -244,11 +287,11 @@ _FILL_THEN_SAVE = textwrap.dedent(
     import resource, signal, sys
     from pathlib import Path
     import torch
-    from fastrl.train.checkpoint import checkpoint_dir, save_checkpoint
+    from fastrl.train.checkpoint import checkpoint_dir, save_checkpoint, save_distributed_checkpoint
     from fastrl.train.faults import CheckpointDiskFullError
     from fastrl.train.task import char_tokenizer, tiny_model
 
-    out, mode = Path(sys.argv[1]), sys.argv[2]
+    out, mode, writer = Path(sys.argv[1]), sys.argv[2], sys.argv[3]
     tokenizer = char_tokenizer()
     model = tiny_model(tokenizer, hidden_size=32, layers=1, heads=2, seed=0)
     optimizer = torch.optim.AdamW(model.parameters())
@@ -256,8 +299,16 @@ _FILL_THEN_SAVE = textwrap.dedent(
     optimizer.step()
 
     def save(step):
+        if writer == "dcp":  # torchrun's sharded checkpoint, a gloo group of one process
+            return save_distributed_checkpoint(
+                checkpoint_dir(out, step), models={"policy": model}, optimizers={"policy": (model, optimizer)},
+                schedulers={}, state={"step": step}, hf_policy=model, tokenizer=tokenizer, rank=0,
+                barrier=torch.distributed.barrier, keep=2)
         return save_checkpoint(checkpoint_dir(out, step), models={"policy": model}, tokenizer=tokenizer,
                                objects={"optimizer": optimizer}, state={"step": step}, keep=2)
+
+    if writer == "dcp":
+        torch.distributed.init_process_group("gloo", init_method=f"file://{out.parent / 'store'}", rank=0, world_size=1)
 
     save(1)
     if mode == "rlimit_fsize":
@@ -280,8 +331,9 @@ _FILL_THEN_SAVE = textwrap.dedent(
 )
 
 
+@pytest.mark.parametrize("writer", ["single", "dcp"])
 @pytest.mark.parametrize("mode", ["tmpfs", "rlimit_fsize"])
-def test_a_full_disk_is_named_and_the_last_complete_checkpoint_is_kept(tmp_path, mode):
+def test_a_full_disk_is_named_and_the_last_complete_checkpoint_is_kept(tmp_path, mode, writer):
     out = tmp_path / "run"
     out.mkdir()
     mounted = False
@@ -291,7 +343,7 @@ def test_a_full_disk_is_named_and_the_last_complete_checkpoint_is_kept(tmp_path,
             pytest.skip(f"cannot mount a small tmpfs here ({result.stderr.decode().strip()}); rlimit_fsize covers EFBIG")
         mounted = True
     try:
-        run = subprocess.run([sys.executable, "-c", _FILL_THEN_SAVE, str(out), mode], capture_output=True, text=True,
+        run = subprocess.run([sys.executable, "-c", _FILL_THEN_SAVE, str(out), mode, writer], capture_output=True, text=True,
                              env={**os.environ, "PYTHONPATH": str(REPO)})
         assert run.returncode == 0, run.stderr[-3000:]
         line = run.stdout.strip().splitlines()[-1]

@@ -138,8 +138,12 @@ def test_fastrl_train_with_another_surrogate(local_model_and_data, tmp_path):
 
 
 def test_unknown_surrogate_is_an_error_before_any_work(tmp_path, capsys):
-    assert main(["train", "--output_dir", str(tmp_path / "run"), "--surrogate", "ppo_clipp"]) == 2  # one line
-    assert "surrogate must be one of" in capsys.readouterr().err
+    with pytest.raises(SystemExit) as exit_info:  # a parse error: usage line and one error line
+        main(["train", "--output_dir", str(tmp_path / "run"), "--surrogate", "ppo_clipp"])
+    assert exit_info.value.code == 2
+    assert capsys.readouterr().err.strip().splitlines()[1] == (
+        "fastrl train: error: --surrogate: expected one of ppo_clip, cispo, sapo, vespo (or null), got 'ppo_clipp' "
+        "(did you mean ppo_clip?)")
     assert not (tmp_path / "run" / "metrics.jsonl").exists()
 
 

@@ -1,0 +1,131 @@
+"""Multi-turn rollout: each trajectory's KV continued across turns vs re-prefilling the whole
+history every turn (issue 18, section 2 / issue 20).
+
+Shape: a seeded random Qwen2 (vocabulary 151,936, hidden 256, 4 layers), one 256-token
+prompt x G=8 trajectories, 8 turns of 64 sampled tokens followed by 64 observation tokens
+(seeded random ids). Both paths use the agents driver's ``TokenSampler`` contract
+(``continue_sequences(whole sequences, max_new_tokens=, seeds=)``):
+
+* ``continued``: ``HFTokenSampler`` (one ``HFGroupSampler`` multi-turn state; turn k runs only
+  the observation tokens + the previous turn's last sampled token);
+* ``reprefill``: ``HFGroupSampler.generate`` on the whole history (``group_size=1``, one seed
+  per sequence), what the driver's ``GroupSamplerTokens`` does today.
+
+Same seeds, so both sample the same tokens (checked). Interleaved rounds, one intra-op
+thread, best of the rounds; prefill tokens and seconds; JSON under ``benchmarks/results/``.
+
+    python benchmarks/bench_multiturn_rollout.py --rounds 2
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+import time
+from dataclasses import replace
+from pathlib import Path
+
+import torch
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+
+from fastrl.bench.harness import environment  # noqa: E402
+from fastrl.bench.rollout_cases import qwen2_bench_model, random_prompt  # noqa: E402
+from fastrl.rollout import HFGroupSampler, SamplingConfig  # noqa: E402
+from fastrl.rollout.hf import HFTokenSampler, TURN_SEED_STRIDE  # noqa: E402
+
+
+def observation(turn: int, t: int, n: int, vocab: int) -> list[int]:
+    g = torch.Generator().manual_seed(7919 * turn + t)
+    return torch.randint(1, vocab, (n,), generator=g).tolist()
+
+
+def play(continue_sequences, prompt, *, G, turns, model_tokens, obs_tokens, vocab):
+    seqs = [list(prompt) for _ in range(G)]
+    sampled = []
+    for turn in range(turns):
+        seeds = [(j * TURN_SEED_STRIDE + turn) for j in range(G)]
+        outs = continue_sequences(seqs, max_new_tokens=[model_tokens] * G, seeds=seeds)
+        sampled.append([o.token_ids for o in outs])
+        seqs = [s + o.token_ids + (observation(turn, j, obs_tokens, vocab) if turn + 1 < turns else []) for j, (s, o) in enumerate(zip(seqs, outs))]
+    return sampled
+
+
+class Reprefill:
+    """The driver's GroupSamplerTokens: generate() on the whole history each turn."""
+
+    def __init__(self, sampler, sampling):
+        self.sampler, self.sampling, self.prefill_tokens = sampler, sampling, 0
+
+    def continue_sequences(self, sequences, *, max_new_tokens, seeds):
+        batch = self.sampler.generate([list(s) for s in sequences], group_size=1,
+                                      sampling=replace(self.sampling, max_new_tokens=max_new_tokens[0]), prompt_seeds=list(seeds))
+        self.prefill_tokens += batch.stats.prefill_tokens_computed
+        from fastrl.rollout.hf import TurnOutput
+
+        return [TurnOutput(c, lp.tolist(), r == "stop") for c, lp, r in zip(batch.completion_ids, batch.completion_logp, batch.finish_reasons)]
+
+
+def main(argv: list[str] | None = None) -> int:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--rounds", type=int, default=2)
+    ap.add_argument("--turns", type=int, default=8)
+    ap.add_argument("--model-tokens", type=int, default=64)
+    ap.add_argument("--obs-tokens", type=int, default=64)
+    ap.add_argument("--prompt", type=int, default=256)
+    ap.add_argument("--G", type=int, default=8)
+    ap.add_argument("--out", default=None)
+    args = ap.parse_args(argv)
+    torch.set_num_threads(1)
+    model = qwen2_bench_model()
+    V = model.config.vocab_size
+    prompt = random_prompt(args.prompt, V)
+    sampler = HFGroupSampler(model)
+    cfg = SamplingConfig(temperature=1.0)
+    kw = dict(G=args.G, turns=args.turns, model_tokens=args.model_tokens, obs_tokens=args.obs_tokens, vocab=V)
+    times = {"continued": [], "reprefill": []}
+    prefill = {}
+    tokens = {}
+    for r in range(args.rounds):
+        for name in (("continued", "reprefill") if r % 2 == 0 else ("reprefill", "continued")):
+            t0 = time.perf_counter()
+            with torch.no_grad():
+                if name == "continued":
+                    ts = HFTokenSampler(sampler, cfg)
+                    tokens[name] = play(ts.continue_sequences, prompt, **kw)
+                    prefill[name] = sum(ts.state.prefill_tokens)
+                    ts.close()
+                else:
+                    rp = Reprefill(sampler, cfg)
+                    tokens[name] = play(rp.continue_sequences, prompt, **kw)
+                    prefill[name] = rp.prefill_tokens
+            times[name].append(time.perf_counter() - t0)
+            print(name, round(times[name][-1], 2), "s, prefill tokens", prefill[name], flush=True)
+    best = {k: min(v) for k, v in times.items()}
+    payload = {
+        "benchmark": "multiturn_rollout_kv_continued_vs_reprefill",
+        "command": "python benchmarks/bench_multiturn_rollout.py " + " ".join(sys.argv[1:] if argv is None else argv),
+        "environment": environment(torch.device("cpu")),
+        "threads": 1,
+        "note": "interleaved rounds, best of rounds; the machine was shared with other jobs (load average ~10 on 2 cores)",
+        "created": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime()),
+        "shape": {"prompt": args.prompt, "G": args.G, "turns": args.turns, "model_tokens_per_turn": args.model_tokens,
+                  "observation_tokens_per_turn": args.obs_tokens,
+                  "model": {"arch": "Qwen2ForCausalLM", "vocab": V, "hidden": model.config.hidden_size, "layers": model.config.num_hidden_layers}},
+        "seconds": times, "best_seconds": best, "prefill_tokens": prefill,
+        "same_tokens": tokens["continued"] == tokens["reprefill"],
+        "speedup_continued_vs_reprefill": best["reprefill"] / best["continued"],
+        "prefill_ratio_reprefill_over_continued": prefill["reprefill"] / max(prefill["continued"], 1),
+        "sampled_tokens_per_s": {k: args.G * args.turns * args.model_tokens / v for k, v in best.items()},
+    }
+    print(json.dumps({k: payload[k] for k in ("best_seconds", "prefill_tokens", "same_tokens", "speedup_continued_vs_reprefill")}))
+    out = Path(args.out) if args.out else Path(__file__).resolve().parent / "results" / f"multiturn-rollout-cpu-{time.strftime('%Y%m%d-%H%M%S')}.json"
+    out.parent.mkdir(parents=True, exist_ok=True)
+    out.write_text(json.dumps(payload, indent=2) + "\n")
+    print(f"results written to {out}")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
