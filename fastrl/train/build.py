@@ -110,7 +110,7 @@ SAMPLERS: dict[str, SamplerSpec] = {
 
 def sampler_spec(name: str) -> SamplerSpec:
     if name not in SAMPLERS:
-        raise ValueError(f"sampler must be one of {sorted(SAMPLERS)}, got {name!r}")
+        raise InputError(f"sampler must be one of {sorted(SAMPLERS)}, got {name!r}")
     return SAMPLERS[name]
 
 
@@ -124,12 +124,12 @@ def check_served_model(sampler: Any, *, cfg: TrainConfig, policy: torch.nn.Modul
     differ = [f"{k} {v!r} (policy: {getattr(policy.config, k, None)!r})" for k, v in served.items()
               if v != getattr(policy.config, k, None)]
     if differ:
-        raise ValueError(
+        raise InputError(
             f"the vLLM server at {cfg.sampler_url} serves another architecture: {', '.join(differ)}; start it with "
             "the policy's model folder (`fastrl vllm-server --model DIR`)"
         )
     if sampler.max_model_len < longest:
-        raise ValueError(
+        raise InputError(
             f"the vLLM server at {cfg.sampler_url} takes at most {sampler.max_model_len} tokens, this run needs "
             f"{longest} (longest prompt + max_new_tokens): restart it with --max-model-len {longest}"
         )
@@ -142,7 +142,7 @@ def device_of(name: str) -> torch.device:
         return torch.device("cuda" if torch.cuda.is_available() else "cpu")
     device = torch.device(name)
     if device.type == "cuda" and not torch.cuda.is_available():
-        raise ValueError(f"device={name!r} but CUDA is not available on this machine")
+        raise InputError(f"device={name!r} but CUDA is not available on this machine")
     return device
 
 
@@ -160,7 +160,7 @@ def load_policy(cfg: TrainConfig, *, model: torch.nn.Module | None, tokenizer: A
         return tok, policy.to(device).train()
     if model is not None:
         if tokenizer is None:
-            raise ValueError("a model passed to Trainer needs its tokenizer too (tokenizer=...)")
+            raise InputError("a model passed to Trainer needs its tokenizer too (tokenizer=...)")
         if resume_dir is not None:  # continue from the checkpoint's weights, not the given ones
             saved = transformers.AutoModelForCausalLM.from_pretrained(resume_dir / "policy", dtype=torch.float32)
             model.load_state_dict(saved.state_dict())
@@ -220,7 +220,7 @@ def load_reference(policy: torch.nn.Module, *, path: Path, resume: bool, save: b
 
     if resume:
         if not (path / "config.json").exists():
-            raise ValueError(f"resume: the reference policy of this run is missing ({path})")
+            raise InputError(f"resume: the reference policy of this run is missing ({path})")
         ref = transformers.AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32).to(device)
     else:
         ref = copy.deepcopy(policy)
@@ -289,7 +289,7 @@ def enable_checkpointing(models: Sequence[torch.nn.Module | None]) -> None:
         if m is None:
             continue
         if not getattr(m, "supports_gradient_checkpointing", False):
-            raise ValueError(f"{type(m).__name__} does not support gradient checkpointing; set activation_checkpointing=off")
+            raise InputError(f"{type(m).__name__} does not support gradient checkpointing; set activation_checkpointing=off")
         m.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
 
 
@@ -299,11 +299,11 @@ def check_shared_prefix_support(model: torch.nn.Module) -> None:
     try:
         check(model)
     except ValueError as e:
-        raise ValueError(f"{e}; set shared_prefix=false to train on padded rows") from None
+        raise InputError(f"{e}; set shared_prefix=false to train on padded rows") from None
 
 
 def check_distributed(cfg: TrainConfig, ctx: Any) -> None:
-    """What data parallel cannot run: a clear ValueError on every rank before any work."""
+    """What data parallel cannot run: a clear InputError on every rank before any work."""
     from fastrl.train import distributed as dist_mod
 
     # first, so every later check sees the same config on every rank
@@ -311,17 +311,17 @@ def check_distributed(cfg: TrainConfig, ctx: Any) -> None:
     world = ctx.world_size
     refusal = sampler_spec(cfg.sampler).torchrun
     if refusal is not None:
-        raise ValueError(refusal)
+        raise InputError(refusal)
     if cfg.prompt_token_budget is not None:
-        raise ValueError("prompt_token_budget gives batches of varying prompt counts; under torchrun use prompts_per_step")
+        raise InputError("prompt_token_budget gives batches of varying prompt counts; under torchrun use prompts_per_step")
     if cfg.prompts_per_step % world:
-        raise ValueError(
+        raise InputError(
             f"prompts_per_step={cfg.prompts_per_step} is not divisible by the world size {world}: every rank samples "
             f"whole groups of an equal share of the prompts (use a multiple of {world})"
         )
     per_rank = cfg.prompts_per_step // world
     if per_rank < cfg.mini_batches:
-        raise ValueError(
+        raise InputError(
             f"mini_batches={cfg.mini_batches} but each of the {world} ranks has only {per_rank} prompts per step; "
             f"raise prompts_per_step to at least {world * cfg.mini_batches}"
         )
@@ -336,7 +336,7 @@ def warm_up(cfg: TrainConfig, policy: torch.nn.Module, tokenizer: Any, rows: Seq
     from fastrl.train.sft import sft_to_target, sft_warmup
 
     if not all("answer" in r for r in rows):
-        raise ValueError("sft_steps > 0 needs an 'answer' column in the dataset (the warm-up targets)")
+        raise InputError("sft_steps > 0 needs an 'answer' column in the dataset (the warm-up targets)")
     warm = WarmupProgress(cfg.sft_steps, target_accuracy=cfg.sft_target_accuracy, enabled=progress)
     common = dict(steps=cfg.sft_steps, lr=cfg.sft_lr, batch_size=cfg.sft_batch_size, seed=cfg.seed, warmup_steps=cfg.sft_warmup_steps,
                   prompt_column=cfg.prompt_column, chat_template=cfg.chat_template, on_step=warm.on_step)

@@ -391,7 +391,7 @@ class RunCheckpoint:
             return load_distributed_checkpoint(directory, models=self.models(), optimizers=self.optimizers(),
                                                schedulers=self.schedulers(), rank=rank)
         if sharded:
-            raise ValueError(
+            raise InputError(
                 f"resume: {directory} is a single-process checkpoint; resume it without torchrun (a torchrun run "
                 "writes sharded checkpoints that resume in any number of processes)"
             )
@@ -405,7 +405,7 @@ class RunCheckpoint:
 def check_algorithm(state: dict[str, Any], algorithm: str) -> None:
     """A checkpoint resumes only the algorithm that wrote it."""
     if state.get("algorithm") != algorithm:
-        raise ValueError(f"resume: the checkpoint was written by algorithm {state.get('algorithm')!r}, this run is {algorithm!r}")
+        raise InputError(f"resume: the checkpoint was written by algorithm {state.get('algorithm')!r}, this run is {algorithm!r}")
 
 
 def claim_output_dir(out: Path, *, names: tuple[str, ...], overwrite: bool) -> None:

@@ -17,6 +17,7 @@ from pathlib import Path
 import torch
 from torch import nn
 
+from fastrl.errors import InputError
 from fastrl.ops.hf import causal_lm_hidden_states
 from fastrl.ops.stats import explained_variance  # noqa: F401  (its home is ops; imported here by older callers)
 
@@ -73,7 +74,7 @@ class ValueModel(nn.Module):
 
         directory = Path(directory)
         if not (directory / "config.json").exists():
-            raise ValueError(f"critic_init {str(directory)!r} is not a model directory (no config.json)")
+            raise InputError(f"critic_init {str(directory)!r} is not a model directory (no config.json)")
         body = transformers.AutoModelForCausalLM.from_pretrained(directory, dtype=dtype).to(device)
         critic = cls(body)
         head = directory / VALUE_HEAD_FILE

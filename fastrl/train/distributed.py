@@ -33,6 +33,8 @@ from typing import Any, Iterable, Iterator
 import torch
 import torch.distributed as dist
 
+from fastrl.errors import InputError
+
 __all__ = [
     "DistContext",
     "detect",
@@ -91,13 +93,13 @@ class DistContext:
         return torch.device("cuda", self.local_rank) if self.backend == "nccl" else torch.device("cpu")
 
     def check_same(self, what: str, value: str) -> None:
-        """ValueError on every rank unless ``value`` is the same on all ranks."""
+        """InputError on every rank unless ``value`` is the same on all ranks."""
         digest = int(hashlib.sha256(value.encode()).hexdigest()[:15], 16)
         mine = torch.tensor([digest], dtype=torch.long, device=self.device)
         every = self.all_gather_cat(mine).tolist()
         if len(set(every)) > 1:
             differing = [r for r, d in enumerate(every) if d != every[0]]
-            raise ValueError(
+            raise InputError(
                 f"torchrun: the {what} differs across ranks (rank 0 vs ranks {differing}); every rank must be "
                 "started with the same options"
             )
@@ -123,9 +125,9 @@ def init(device_name: str) -> DistContext | None:
     use_cuda = device_name.startswith("cuda") or (device_name == "auto" and torch.cuda.is_available())
     if use_cuda:
         if not torch.cuda.is_available():
-            raise ValueError(f"device={device_name!r} under torchrun but CUDA is not available")
+            raise InputError(f"device={device_name!r} under torchrun but CUDA is not available")
         if device_name not in ("auto", "cuda"):
-            raise ValueError(f"under torchrun each rank uses cuda:LOCAL_RANK; pass device=cuda or auto, not {device_name!r}")
+            raise InputError(f"under torchrun each rank uses cuda:LOCAL_RANK; pass device=cuda or auto, not {device_name!r}")
         torch.cuda.set_device(local_rank)
     backend = "nccl" if use_cuda else "gloo"
     owns = not dist.is_initialized()
@@ -146,7 +148,7 @@ def config_fingerprint(config: Any) -> str:
 def _layers(decoder: torch.nn.Module) -> list[torch.nn.Module]:
     layers = getattr(decoder, "layers", None) or getattr(decoder, "h", None)
     if layers is None or not isinstance(layers, torch.nn.ModuleList):
-        raise ValueError(f"cannot find the decoder layers of {type(decoder).__name__} (expected .layers or .h)")
+        raise InputError(f"cannot find the decoder layers of {type(decoder).__name__} (expected .layers or .h)")
     return list(layers)
 
 

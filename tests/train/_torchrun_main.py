@@ -6,6 +6,8 @@ Usage: torchrun --nproc-per-node 2 tests/train/_torchrun_main.py OUT_DIR CASES_J
 CASES_JSON: {"name": [cli args...]}; names starting with "bad_" are expected to fail.
 """
 
+import contextlib
+import io
 import json
 import os
 import sys
@@ -23,9 +25,11 @@ def run() -> None:
     seen: dict[str, str] = {}
     for name, args in cases.items():
         args = [a.replace("{rank}", str(rank)) for a in args]
+        err = io.StringIO()
         try:
-            code = main(["train", *args])
-            seen[name] = f"exit {code}"
+            with contextlib.redirect_stderr(err):
+                code = main(["train", *args])
+            seen[name] = f"exit {code}" + (f": {err.getvalue().strip()}" if code else "")
         except SystemExit as e:
             seen[name] = f"exit {e.code}"
         except Exception as e:  # recorded; the test decides whether it was expected
