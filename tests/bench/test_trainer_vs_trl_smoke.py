@@ -14,8 +14,8 @@ from pathlib import Path
 
 import pytest
 
-pytest.importorskip("trl")
-pytest.importorskip("datasets")
+pytest.importorskip("trl", reason="TRL is not installed (the trl extra); CI installs it")
+pytest.importorskip("datasets", reason="the datasets package is not installed")
 
 SCRIPT = Path(__file__).resolve().parents[2] / "benchmarks" / "bench_trainer_vs_trl.py"
 

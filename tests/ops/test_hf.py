@@ -5,7 +5,7 @@ import torch
 
 from fastrl.ops.hf import causal_lm_hidden_states, causal_lm_logprobs, lm_head_params
 
-transformers = pytest.importorskip("transformers")
+transformers = pytest.importorskip("transformers", reason="the hf extra (transformers) is not installed; CI installs it")
 
 SMALL = dict(vocab_size=97, hidden_size=32, intermediate_size=64, num_hidden_layers=2, num_attention_heads=4,
              num_key_value_heads=2, max_position_embeddings=64)

@@ -23,7 +23,7 @@ from fastrl.ops.policy_loss import policy_loss
 from fastrl.ops.shared_prefix_attention import PackedGroups
 from fastrl.rollout.base import pack_batch
 
-transformers = pytest.importorskip("transformers")
+transformers = pytest.importorskip("transformers", reason="the hf extra (transformers) is not installed; CI installs it")
 
 SMALL = dict(vocab_size=97, hidden_size=32, intermediate_size=48, num_hidden_layers=2, num_attention_heads=4,
              num_key_value_heads=2, max_position_embeddings=64, rope_theta=100.0)

@@ -159,7 +159,7 @@ def test_torch_auto_picks_by_size():
 
 
 def test_flex_forward_matches_oracle_cpu():
-    pytest.importorskip("torch.nn.attention.flex_attention")
+    pytest.importorskip("torch.nn.attention.flex_attention", reason="this torch build has no FlexAttention (torch < 2.5)")
     pl, sl = LAYOUTS["mixed"]
     lay = SharedPrefixLayout.from_lengths(pl, sl)
     q, k, v = (t.detach() for t in _qkv(lay.num_tokens, 4, 2, 16, torch.float32))

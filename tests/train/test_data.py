@@ -41,7 +41,7 @@ def test_load_jsonl_json_parquet_round_trip(tmp_path):
     as_splits.write_text(json.dumps({"train": ROWS[:3], "test": ROWS[3:]}))
     assert load_rows(as_splits, split="test") == ROWS[3:]
 
-    pq = pytest.importorskip("pyarrow.parquet")
+    pq = pytest.importorskip("pyarrow.parquet", reason="pyarrow (for Parquet datasets) is not installed")
     import pyarrow as pa
 
     path = tmp_path / "d.parquet"
@@ -50,7 +50,7 @@ def test_load_jsonl_json_parquet_round_trip(tmp_path):
 
 
 def test_load_dataset_saved_to_disk(tmp_path):
-    datasets = pytest.importorskip("datasets")
+    datasets = pytest.importorskip("datasets", reason="the datasets package is not installed")
     dd = datasets.DatasetDict({"train": datasets.Dataset.from_list(ROWS), "test": datasets.Dataset.from_list(ROWS[:2])})
     dd.save_to_disk(str(tmp_path / "dd"))
     assert load_rows(tmp_path / "dd", split="test") == ROWS[:2]

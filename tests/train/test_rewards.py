@@ -552,7 +552,7 @@ def test_pool_dropped_without_close_is_cleaned_up():
 def test_forkserver_ships_lambdas_and_workers_outlive_an_idle_spell():
     # Non-fork start methods ship the functions with cloudpickle; a forkserver worker's parent
     # is the server, which must not read as "the trainer is gone" while the pool sits idle.
-    pytest.importorskip("cloudpickle")
+    pytest.importorskip("cloudpickle", reason="cloudpickle (pulled in by the train extra) is not installed")
     offset = 5.0
     function = lambda prompts, completions, **kwargs: [offset + len(c) for c in completions]  # noqa: E731
     with RewardPool([function], num_workers=1, timeout_s=60, start_method="forkserver") as pool:

@@ -352,7 +352,7 @@ def test_progress_on_a_terminal_is_a_labelled_bar():
 
     from fastrl.train.progress import Progress, step_values
 
-    pytest.importorskip("tqdm")
+    pytest.importorskip("tqdm", reason="the train extra (tqdm) is not installed")
     stream = io.StringIO()
     bar = Progress(total=3, desc="GRPO (RL)", unit="step", stream=stream, terminal=True)
     for _ in range(3):
