@@ -30,7 +30,7 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from fastrl.bench.harness import environment  # noqa: E402
+from fastrl.bench.harness import environment, write_payload  # noqa: E402
 from fastrl.bench.rollout_cases import qwen2_bench_model, random_prompt  # noqa: E402
 from fastrl.rollout import HFGroupSampler, SamplingConfig  # noqa: E402
 from fastrl.rollout.hf import HFTokenSampler, TURN_SEED_STRIDE  # noqa: E402
@@ -120,10 +120,7 @@ def main(argv: list[str] | None = None) -> int:
         "sampled_tokens_per_s": {k: args.G * args.turns * args.model_tokens / v for k, v in best.items()},
     }
     print(json.dumps({k: payload[k] for k in ("best_seconds", "prefill_tokens", "same_tokens", "speedup_continued_vs_reprefill")}))
-    out = Path(args.out) if args.out else Path(__file__).resolve().parent / "results" / f"multiturn-rollout-cpu-{time.strftime('%Y%m%d-%H%M%S')}.json"
-    out.parent.mkdir(parents=True, exist_ok=True)
-    out.write_text(json.dumps(payload, indent=2) + "\n")
-    print(f"results written to {out}")
+    write_payload(payload, args.out, stem="multiturn-rollout-cpu")
     return 0
 
 

@@ -15,7 +15,6 @@ from __future__ import annotations
 
 import argparse
 import itertools
-import json
 import sys
 import time
 from pathlib import Path
@@ -24,7 +23,7 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from fastrl.bench.harness import environment  # noqa: E402
+from fastrl.bench.harness import environment, write_payload  # noqa: E402
 from fastrl.bench.rollout_cases import compare, tiny_bench_model  # noqa: E402
 
 
@@ -70,10 +69,7 @@ def main(argv: list[str] | None = None) -> int:
         "backend": args.backend,
         "rows": rows,
     }
-    out = Path(args.out) if args.out else Path(__file__).resolve().parent / "results" / f"rollout-hf-{device.type}-{'quick' if args.quick else 'full'}-{time.strftime('%Y%m%d-%H%M%S')}.json"
-    out.parent.mkdir(parents=True, exist_ok=True)
-    out.write_text(json.dumps(payload, indent=2) + "\n")
-    print(f"results written to {out}")
+    write_payload(payload, args.out, stem=f"rollout-hf-{device.type}-{'quick' if args.quick else 'full'}")
     return 0
 
 

@@ -24,7 +24,7 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from fastrl.bench.harness import environment  # noqa: E402
+from fastrl.bench.harness import environment, write_payload  # noqa: E402
 from fastrl.bench.rollout_cases import load_sampler_from_git, qwen2_bench_model, random_prompt  # noqa: E402
 from fastrl.rollout import HFGroupSampler, SamplingConfig  # noqa: E402
 
@@ -125,10 +125,7 @@ def main(argv: list[str] | None = None) -> int:
         "created": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime()),
         "rows": results,
     }
-    out = Path(args.out) if args.out else Path(__file__).resolve().parent / "results" / f"rollout-vs-generate-cpu-{time.strftime('%Y%m%d-%H%M%S')}.json"
-    out.parent.mkdir(parents=True, exist_ok=True)
-    out.write_text(json.dumps(payload, indent=2) + "\n")
-    print(f"results written to {out}")
+    write_payload(payload, args.out, stem="rollout-vs-generate-cpu")
     return 0
 
 

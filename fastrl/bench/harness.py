@@ -29,6 +29,9 @@ from typing import Any, Callable
 
 import torch
 
+RESULTS_DIR = Path(__file__).resolve().parents[2] / "benchmarks" / "results"
+"""Where the benchmark scripts in benchmarks/ write their JSON by default."""
+
 
 @dataclass
 class BenchCase:
@@ -206,6 +209,16 @@ def environment(device: torch.device) -> dict[str, Any]:
     else:
         env["cpu"] = platform.processor() or platform.machine()
     return env
+
+
+def write_payload(payload: dict[str, Any], out: str | Path | None, *, stem: str) -> Path:
+    """Write a benchmark script's JSON to ``out``, or to ``benchmarks/results/<stem>-<time>.json``
+    when no path is given; print and return where it went."""
+    path = Path(out) if out else RESULTS_DIR / f"{stem}-{time.strftime('%Y%m%d-%H%M%S')}.json"
+    path.parent.mkdir(parents=True, exist_ok=True)
+    path.write_text(json.dumps(payload, indent=2) + "\n")
+    print(f"results written to {path}")
+    return path
 
 
 def write_results(results: list[BenchResult], device: torch.device, path: str | Path, extra: dict[str, Any] | None = None) -> Path:
