@@ -18,8 +18,13 @@ as a positional list):
 - Per-sequence tensors are ``[B]``: ``rewards`` (outcome), ``group_ids``, and, for group
   estimators, ``advantages``.
 - ``segments`` are the generated spans: ``[S, 3]`` int64 rows ``(sequence, start, end)`` in
-  token positions of the grid, one span per sample today (its completion), several per
-  sample once a trajectory holds several turns.
+  token positions of the grid: one span per sample for single-turn rollouts (its
+  completion), one per policy turn for agent trajectories.
+- Agent trajectories (``fastrl train --env``) add ``segment_turns [S]`` (the trajectory's
+  turn index of each span), ``state_keys`` (per span: the environment state reached after
+  that turn, GiGPO's step-group key), ``turn_rewards [B, T-1]`` (the environment's reward of
+  each turn on the turn's last policy token, 0 elsewhere) and ``excluded [B]`` (trajectories
+  left out of the loss and the baselines). Single-turn experience leaves them None.
 
 Fields a stage has not computed are None (``old_logp`` when the update is exactly
 on-policy, ``ref_logp`` without a KL term, ``values``/``returns`` without a critic).
@@ -66,6 +71,14 @@ class Experience:
     advantages: torch.Tensor | None = None
     """``[B]`` (group estimators) or ``[B, T-1]`` (GAE)."""
     returns: torch.Tensor | None = None
+    segment_turns: torch.Tensor | None = None
+    """``[S]`` int64: the turn index of each span of ``segments`` (agent trajectories)."""
+    state_keys: list | None = None
+    """Per span of ``segments``: the environment state reached after its turn (hashable)."""
+    turn_rewards: torch.Tensor | None = None
+    """``[B, T-1]`` fp32: each turn's environment reward on its last policy token."""
+    excluded: torch.Tensor | None = None
+    """``[B]`` bool: trajectories left out of the loss and the group baselines."""
 
     @classmethod
     def from_rollout(cls, batch: RolloutBatch, *, group_size: int, rewards: torch.Tensor | None = None,
