@@ -213,9 +213,10 @@ def _config(q: torch.Tensor) -> dict:
 
 
 def tiles_for(device: torch.device) -> dict:
-    """The tile shapes of the forward (``"fwd"``) and backward (``"bwd"``) on ``device``:
-    the host builds each one's key-block list (``TreeLayout.block_lists``)."""
-    return INTERPRETER_TILES if device.type != "cuda" else CUDA_TILES
+    """The tile shapes of the forward (``"fwd"``) and backward (``"bwd"``) on ``device``
+    (the interpreter's on ``cpu``; ``meta``, as the compile walk passes, is treated as
+    CUDA): the host builds each one's key-block list (``TreeLayout.block_lists``)."""
+    return INTERPRETER_TILES if device.type == "cpu" else CUDA_TILES
 
 
 def tree_attention_fwd(

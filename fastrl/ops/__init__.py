@@ -14,6 +14,7 @@ from fastrl.ops.packing import PackedLayout
 from fastrl.ops.policy_loss import policy_loss
 from fastrl.ops.scans import discounted_returns, gae
 from fastrl.ops.shared_prefix_attention import PackedGroups, SharedPrefixLayout, shared_prefix_attention
+from fastrl.ops.tree_attention import PackedTree, TreeLayout, tree_attention
 from fastrl.ops.turn_advantages import place_turn_rewards, turn_advantages, turn_gae, turn_index_from_spans
 from fastrl.ops.value_loss import value_loss
 from fastrl.ops.whiten import masked_whiten
@@ -38,3 +39,4 @@ __all__ = [
     "value_loss",
 ]
 __all__ += ["PackedLayout", "PackedGroups", "SharedPrefixLayout", "shared_prefix_attention"]
+__all__ += ["PackedTree", "TreeLayout", "tree_attention"]

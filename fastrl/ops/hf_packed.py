@@ -62,8 +62,9 @@ def _attention(module, query, key, value, attention_mask, scaling=None, dropout=
     layout = kwargs.get(_LAYOUT_KWARG)
     if layout is None:
         raise RuntimeError(
-            f"attention implementation {ATTN_NAME!r} needs a SharedPrefixLayout: run the model through "
-            "fastrl.ops.hf_packed (packed_causal_lm_logprobs / packed_causal_lm_hidden_states)"
+            f"attention implementation {ATTN_NAME!r} needs a SharedPrefixLayout or a TreeLayout: run the model "
+            "through fastrl.ops.hf_packed (packed_causal_lm_logprobs / packed_causal_lm_hidden_states) or "
+            "fastrl.ops.hf_tree"
         )
     if kwargs.get("sliding_window") is not None:
         raise ValueError("sliding-window attention layers are not supported by the shared-prefix training forward")
@@ -73,7 +74,10 @@ def _attention(module, query, key, value, attention_mask, scaling=None, dropout=
         raise ValueError(f"the shared-prefix forward runs one packed row, got a batch of {query.shape[0]}")
     if scaling is None:
         scaling = query.shape[-1] ** -0.5
-    out = shared_prefix_attention(
+    from fastrl.ops.tree_attention import TreeLayout, tree_attention
+
+    attend = tree_attention if isinstance(layout, TreeLayout) else shared_prefix_attention
+    out = attend(
         query[0].transpose(0, 1), key[0].transpose(0, 1), value[0].transpose(0, 1), layout,
         scale=float(scaling), backend=kwargs.get(_BACKEND_KWARG, "auto"),
     )
@@ -137,19 +141,31 @@ def packed_causal_lm_hidden_states(
     if not isinstance(packed, PackedGroups):
         raise TypeError(f"packed must be a PackedGroups, got {type(packed).__name__}")
     check_choice("attention_backend", attention_backend, BACKENDS)
+    hidden = packed_decoder_forward(model, packed.input_ids, packed.position_ids, packed.layout,
+                                    attention_backend=attention_backend, model_kwargs=model_kwargs)
+    return hidden.index_select(0, packed.predictor_index)
+
+
+def packed_decoder_forward(model: torch.nn.Module, input_ids: torch.Tensor, position_ids: torch.Tensor, layout: Any, *,
+                           attention_backend: str, model_kwargs: dict[str, Any] | None = None) -> torch.Tensor:
+    """The decoder's last hidden states ``[N, H]`` over one packed row ``input_ids [1, N]``
+    with the attention of ``layout`` (a ``SharedPrefixLayout`` or a
+    ``fastrl.ops.tree_attention.TreeLayout``); shared by this module and ``hf_tree``.
+    ``model_kwargs`` go to the decoder (not the ones the packed forward sets)."""
+    model_kwargs = model_kwargs or {}
     device = model.get_input_embeddings().weight.device
-    if packed.input_ids.device != device:
-        raise ValueError(f"packed is on {packed.input_ids.device}, the model on {device}: build it with device={device}")
+    if input_ids.device != device:
+        raise ValueError(f"packed is on {input_ids.device}, the model on {device}: build it with device={device}")
     for name in ("attention_mask", "position_ids", "input_ids", "past_key_values"):
         if name in model_kwargs:
             raise ValueError(f"{name} is set by the packed forward; do not pass it")
     with shared_prefix_attention_enabled(model):
         out = causal_lm_decoder(model)(
-            input_ids=packed.input_ids, position_ids=packed.position_ids, use_cache=False,
-            **{_LAYOUT_KWARG: packed.layout, _BACKEND_KWARG: attention_backend}, **model_kwargs,
+            input_ids=input_ids, position_ids=position_ids, use_cache=False,
+            **{_LAYOUT_KWARG: layout, _BACKEND_KWARG: attention_backend}, **model_kwargs,
         )
     hidden = out.last_hidden_state if hasattr(out, "last_hidden_state") else out[0]
-    return hidden[0].index_select(0, packed.predictor_index)
+    return hidden[0]
 
 
 def packed_causal_lm_logprobs(

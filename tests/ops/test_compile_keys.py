@@ -20,7 +20,7 @@ lets masked loads vectorise) and turned off with ``do_not_specialize`` where it 
 (counts that only address partials or bound loops):
 - log-probs: ``_bwd_hidden_kernel`` has one flag that follows the token count (atomic adds
   when the vocabulary is split): 2 keys; the others 1.
-- decode and shared-prefix attention: 1 key per (model, group size, dtype); the packed
+- decode, shared-prefix and tree attention: 1 key per (model, group size, dtype); the packed
   token count of the training attention specialises 3 ways (its launcher takes ``meta``
   for a CPU and picks its interpreter tiles: fixed, like the CUDA ones).
 - policy loss, scans, KL, value loss, whitening, advantages: the row length T (or the flat
@@ -47,6 +47,9 @@ KEY_BOUNDS = {
     "shared_prefix_attention._fwd_kernel": 3,
     "shared_prefix_attention._bwd_dq_kernel": 3,
     "shared_prefix_attention._bwd_dkdv_kernel": 3,
+    "tree_attention._fwd_kernel": 3,
+    "tree_attention._bwd_dq_kernel": 3,
+    "tree_attention._bwd_dkdv_kernel": 3,
     "policy_loss._row_pre_kernel": 3,
     "policy_loss._policy_fwd_kernel": 3,
     "policy_loss._policy_finalize_kernel": 1,
@@ -114,6 +117,7 @@ def walk(rec) -> None:
     from csrc_triton.kl import kl_bwd, kl_fwd
     from csrc_triton.scans import discounted_returns_fwd, gae_fwd
     from csrc_triton.shared_prefix_attention import shared_prefix_attention_bwd, shared_prefix_attention_fwd
+    from csrc_triton.tree_attention import tree_attention_bwd, tree_attention_fwd
     from csrc_triton.turn_advantages import expand_turn_advantages, turn_combine
     from csrc_triton.value_loss import value_loss_fused
     from csrc_triton.whiten import whiten_backward, whiten_forward
@@ -169,6 +173,12 @@ def walk(rec) -> None:
         bounds = [meta(n, dtype=i32) for _ in range(4)]
         out, lse = shared_prefix_attention_fwd(q, k, v, *bounds[:3], 128**-0.5)
         shared_prefix_attention_bwd(meta(n, 12, 128, dtype=bf16), q, k, v, out, lse, *bounds, 128**-0.5)
+    rec.label = "tree attention"  # n packed tokens of one prefix-tree row, its key-block lists
+    for n in ns[::7]:
+        q, k, v = meta(n, 12, 128, dtype=bf16), meta(n, 2, 128, dtype=bf16), meta(n, 2, 128, dtype=bf16)
+        key_end, ptr, blocks = meta(n, dtype=i32), meta(n // 64 + 2, dtype=i32), meta(1 + n % 997, dtype=i32)
+        out, lse = tree_attention_fwd(q, k, v, key_end, ptr, blocks, 128**-0.5)
+        tree_attention_bwd(meta(n, 12, 128, dtype=bf16), q, k, v, out, lse, key_end, ptr, blocks, 128**-0.5)
 
 
 def qualified_name(kernel) -> str:

@@ -23,7 +23,8 @@ TREES = {
 def _random_tree(rng: random.Random, segments: int) -> tuple[list[int], list[int]]:
     lens, parents, path = [], [], []
     for s in range(segments):
-        keep = rng.randint(0, len(path))  # attach below some node of the current root-to-last path (or a new root)
+        # attach below some node of the current root-to-last path; now and then a new root
+        keep = 0 if not path or rng.random() < 0.1 else max(1, len(path) - rng.choice([0, 0, 1, 2, 3]))
         path = path[:keep]
         parents.append(path[-1] if path else -1)
         lens.append(rng.choice([0, 1, 2, 3, 5, 8]) if s else rng.randint(1, 6))
