@@ -15,10 +15,17 @@ attention). The update never asks which layout it runs.
   the prompt run once per group; the loss takes the model's ``[1, M]`` completion tokens
   as they come, one sequence per sample (``cu_seqlens``), with no padded round trip.
 
-A new layout (a prefix tree of multi-turn trajectories, say) is a third subclass: its
-``cost`` of a set of groups, its ``make`` of a micro-batch, and the four per-micro-batch
-methods. (The names avoid ``fastrl.ops.PackedLayout``, the ``cu_seqlens`` descriptor, and
-``fastrl.ops.SharedPrefixLayout``, the attention metadata.)
+- ``TreePackedLayout`` (``prefix_tree=true``): the micro-batch's rows packed as the trie
+  of their tokens with prefix-tree attention (``fastrl.ops.hf_tree``): every prefix two
+  rows share runs once, however deep -- the prompt of a group, and all earlier turns of
+  step-wise samples of one trajectory (sample k = turns 0..k), which the group layout
+  would run k times. A scored token two rows share is computed once. The loss form is the
+  group layout's (``[1, M]``, one sequence per sample).
+
+A new layout is another subclass: its ``cost`` of a set of groups, its ``make`` of a
+micro-batch, and the four per-micro-batch methods. (The names avoid
+``fastrl.ops.PackedLayout``, the ``cu_seqlens`` descriptor, and
+``fastrl.ops.SharedPrefixLayout`` / ``TreeLayout``, the attention metadata.)
 """
 
 from __future__ import annotations
@@ -33,7 +40,7 @@ from fastrl.ops import PackedLayout
 from fastrl.ops.hf import causal_lm_logprobs
 from fastrl.train.experience import Experience
 
-__all__ = ["GroupPackedLayout", "Layout", "MicroBatch", "PaddedLayout", "make_layout"]
+__all__ = ["GroupPackedLayout", "Layout", "MicroBatch", "PaddedLayout", "TreePackedLayout", "make_layout"]
 
 
 @dataclass
@@ -43,7 +50,7 @@ class MicroBatch:
     rows: torch.Tensor
     rows_device: torch.Tensor
     data: Any
-    """Layout-specific: ``_Padded`` or ``_Packed``."""
+    """Layout-specific: ``_Padded``, ``_Packed`` or ``_Tree``."""
 
 
 @dataclass
@@ -59,6 +66,14 @@ class _Packed:
     packed: Any  # fastrl.ops.shared_prefix_attention.PackedGroups
     tok_rows: torch.Tensor  # grid row of each packed completion token
     tok_cols: torch.Tensor  # grid column of each packed completion token
+    cu_seqlens: PackedLayout
+
+
+@dataclass
+class _Tree:
+    tree: Any  # fastrl.ops.tree_attention.PackedTree
+    tok_rows: torch.Tensor  # grid row of each scored token
+    tok_cols: torch.Tensor  # grid column of each scored token
     cu_seqlens: PackedLayout
 
 
@@ -221,6 +236,60 @@ class GroupPackedLayout(Layout):
         return stack
 
 
-def make_layout(*, shared_prefix: bool, **kwargs: Any) -> Layout:
-    """The layout ``shared_prefix`` names (``TrainConfig.shared_prefix``)."""
+class TreePackedLayout(GroupPackedLayout):
+    """Rows packed as the trie of their tokens; a micro-batch costs its trie's tokens.
+
+    Each row is ``prompt + completion`` (the grid's tokens); it scores its completion
+    tokens, like the group layout, whose loss form, ``gather``/``scatter`` and attention
+    context it shares."""
+
+    @staticmethod
+    def _sequences(exp: Experience, groups: Sequence[int]) -> tuple[list[list[int]], list[int]]:
+        batch = exp.batch
+        seqs, starts = [], []
+        for g in groups:
+            prompt = list(batch.prompt_ids[g])
+            for c in batch.completion_ids[exp.group(g)]:
+                seqs.append(prompt + list(c))
+                starts.append(len(prompt))
+        return seqs, starts
+
+    def cost(self, exp: Experience, groups: Sequence[int]) -> int:
+        from fastrl.ops.tree_attention import trie_size
+
+        return trie_size(self._sequences(exp, groups)[0])
+
+    def make(self, exp: Experience, groups: Sequence[int]) -> MicroBatch:
+        from fastrl.ops.tree_attention import PackedTree
+
+        seqs, starts = self._sequences(exp, groups)
+        tree = PackedTree.from_sequences(seqs, score_start=starts, device=self.device)
+        mb = self._micro_batch(exp, groups, None)
+        mb.data = _Tree(tree=tree, tok_rows=mb.rows_device[tree.sample_index], tok_cols=tree.seq_pos - 1,
+                        cu_seqlens=PackedLayout.from_lengths(tree.scored_lens, device=self.device))
+        return mb
+
+    def logprobs(self, model, mb, *, entropy):
+        from fastrl.ops.hf_tree import tree_causal_lm_logprobs
+
+        with self.forward_context():
+            out = tree_causal_lm_logprobs(model, mb.data.tree, temperature=self.temperature, return_entropy=entropy)
+        if entropy:
+            return out[0].float()[None], out[1].float()[None]
+        return out.float()[None], None
+
+    def values(self, critic, mb):
+        from fastrl.ops.hf_tree import tree_causal_lm_hidden_states
+
+        tree = mb.data.tree
+        with self.forward_context():
+            hidden = tree_causal_lm_hidden_states(critic.body, tree)
+            return critic.head(hidden)[tree.unique_of][None]
+
+
+def make_layout(*, shared_prefix: bool, prefix_tree: bool = False, **kwargs: Any) -> Layout:
+    """The layout ``TrainConfig`` names: ``prefix_tree`` (the trie of the rows) over
+    ``shared_prefix`` (one group per document) over padded rows."""
+    if prefix_tree:
+        return TreePackedLayout(**kwargs)
     return (GroupPackedLayout if shared_prefix else PaddedLayout)(**kwargs)

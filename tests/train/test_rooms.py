@@ -1,4 +1,4 @@
-"""The trainer's rooms on their own: ``Experience`` (rows, groups, spans, counts), the two
+"""The trainer's rooms on their own: ``Experience`` (rows, groups, spans, counts), the three
 layouts (same tokens, same gathered inputs, scatter inverts gather, token-budget split),
 ``Ranks`` in one process (the identity), and the sampler registry (one list of names)."""
 
@@ -13,7 +13,7 @@ from fastrl.rollout import HFGroupSampler, SamplingConfig
 from fastrl.train.build import SAMPLERS, sampler_spec
 from fastrl.train.config import TrainConfig
 from fastrl.train.experience import Experience
-from fastrl.train.layout import GroupPackedLayout, PaddedLayout
+from fastrl.train.layout import GroupPackedLayout, PaddedLayout, TreePackedLayout
 from fastrl.train.ranks import Ranks
 from fastrl.train.task import char_tokenizer, tiny_model
 
@@ -48,7 +48,8 @@ def test_experience_rows_groups_spans_and_counts(sampled):
 
 def _layouts():
     common = dict(device=CPU, temperature=1.0)
-    return PaddedLayout(token_budget=10_000, **common), GroupPackedLayout(token_budget=10_000, **common)
+    return (PaddedLayout(token_budget=10_000, **common), GroupPackedLayout(token_budget=10_000, **common),
+            TreePackedLayout(token_budget=10_000, **common))
 
 
 def test_both_layouts_score_the_same_tokens_and_scatter_inverts_gather(sampled):
@@ -65,7 +66,8 @@ def test_both_layouts_score_the_same_tokens_and_scatter_inverts_gather(sampled):
                 assert layout.gather(mb, exp.rewards).tolist() == exp.rewards[mb.rows].tolist()
                 torch.testing.assert_close(layout.gather(mb, grid), logp)
         grids.append(grid * exp.loss_mask)
-    torch.testing.assert_close(grids[0], grids[1], rtol=1e-5, atol=1e-6)
+    for other in grids[1:]:
+        torch.testing.assert_close(grids[0], other, rtol=1e-5, atol=1e-6)
     assert float(grids[0].abs().sum()) > 0
 
 
