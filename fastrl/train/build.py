@@ -299,7 +299,7 @@ def check_shared_prefix_support(model: torch.nn.Module) -> None:
     try:
         check(model)
     except ValueError as e:
-        raise InputError(f"{e}; set shared_prefix=false to train on padded rows") from None
+        raise InputError(f"{e}; set shared_prefix=false (and prefix_tree=false) to train on padded rows") from None
 
 
 def check_distributed(cfg: TrainConfig, ctx: Any) -> None:

@@ -250,6 +250,11 @@ class TrainConfig:
     """Training forwards (policy, old, reference, critic) pack each group as one row
     [prompt | c1 | ... | cG] with a shared-prefix attention mask, so the prompt runs once per
     group; loss and gradients equal the padded batch's. False: right-padded [B, T] rows."""
+    prefix_tree: bool = False
+    """Training forwards pack a micro-batch's samples as the trie of their tokens (prefix-tree
+    attention): every prefix samples share runs once, however deep -- the prompt, and the
+    earlier turns of step-wise samples or branches of one trajectory. Loss and gradients equal
+    the padded batch's. Takes precedence over shared_prefix."""
     activation_checkpointing: Literal["auto", "off", "layer"] = "auto"
     """Recompute each decoder layer in the backward instead of keeping its activations (policy and
     critic). auto: on when a trajectory (longest prompt + max_new_tokens) reaches 2048 tokens."""
@@ -257,8 +262,9 @@ class TrainConfig:
     """With checkpointing, keep each layer's saved input in (pinned) CPU memory during the
     backward instead of on the device: the only tensors checkpointing keeps are offloaded."""
     micro_batch_tokens: int = 8192
-    """Tokens per forward/backward (packed tokens with shared_prefix, else padded rows x length);
-    whole groups go together. The update does not depend on it (global token counts)."""
+    """Tokens per forward/backward (packed tokens with shared_prefix, trie tokens with prefix_tree,
+    else padded rows x length); whole groups go together. The update does not depend on it
+    (global token counts)."""
     lr: Optional[float] = None
     """AdamW learning rate of the policy (None: DefaultTask's on the built-in model, else 1e-6)."""
     weight_decay: float = 0.0

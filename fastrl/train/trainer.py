@@ -138,7 +138,7 @@ class Trainer:
         self.tokenizer, self.policy = build.load_policy(cfg, model=model, tokenizer=tokenizer, resume_dir=self.resume_dir,
                                                         device=self.device)
         check_tokenizer_matches_model(self.tokenizer, self.policy)
-        if cfg.shared_prefix:
+        if cfg.shared_prefix or cfg.prefix_tree:
             build.check_shared_prefix_support(self.policy)
         prompts = build.encode_prompts(cfg, self.tokenizer, self.policy, *build.load_rows(cfg, train_rows, eval_rows),
                                        sharded=ranks.sharded)
@@ -198,7 +198,8 @@ class Trainer:
         if self.checkpointing:
             build.enable_checkpointing([self.policy, self.critic.body if self.critic is not None else None])
         self.kl_ctl = AdaptiveKLController(float(cfg.kl_coef or 0.0), target=cfg.kl_target, horizon=cfg.kl_horizon)
-        self.layout = make_layout(shared_prefix=cfg.shared_prefix, token_budget=cfg.micro_batch_tokens, device=self.device,
+        self.layout = make_layout(shared_prefix=cfg.shared_prefix, prefix_tree=cfg.prefix_tree,
+                                  token_budget=cfg.micro_batch_tokens, device=self.device,
                                   temperature=cfg.temperature, forward_context=self._forward_context)
 
         self.step = 0

@@ -371,3 +371,27 @@ def test_bad_input_fails_before_the_first_step(tmp_path, problem):
         match = "tokenizer has"
     with pytest.raises(InputError, match=match):
         Trainer(cfg, **kwargs)
+
+
+def test_the_prefix_tree_layout_trains_like_the_group_layout(tmp_path):
+    """prefix_tree=true (the trie of each micro-batch's rows, prefix-tree attention) against
+    the default group layout, PPO off-policy (ppo_epochs=2): the same first gradient and the
+    same final parameters; the old log-probs and the critic's values run through the tree
+    forward too."""
+    first, finals = [], []
+    for i, tree in enumerate((False, True)):
+        cfg = tiny(tmp_path / str(i), algorithm="ppo", steps=1, ppo_epochs=2, prefix_tree=tree, lr=5e-3,
+                   dynamic_sampling=False)
+        with Trainer(cfg, reward_functions=[digit_share]) as trainer:
+            assert type(trainer.layout).__name__ == ("TreePackedLayout" if tree else "GroupPackedLayout")
+            grads = []
+            named = list(trainer.policy.named_parameters())
+            trainer.optimizer.register_step_pre_hook(
+                lambda opt, args, kwargs: grads.append({n: p.grad.clone() for n, p in named if p.grad is not None}))
+            trainer.train()
+            first.append(grads[0])
+            finals.append(params(trainer.policy))
+    for name, g in first[0].items():
+        torch.testing.assert_close(first[1][name], g, rtol=1e-4, atol=1e-7 + 1e-5 * float(g.abs().max()), msg=name)
+    for k in finals[0]:
+        torch.testing.assert_close(finals[1][k], finals[0][k], rtol=0, atol=1e-3, msg=k)
