@@ -79,8 +79,8 @@ def stepwise_samples(prompt, responses, replies, *, template: str) -> tuple[list
 
 
 def build_experience(mode: str, *, template: str, prompt_len: int, turns: int, think_len: int, answer_len: int, env_len: int,
-                     vocab: int):
-    """The mode's Experience (one group) and its layout class."""
+                     vocab: int, device: str = "cpu"):
+    """The mode's Experience (one group; its per-token tensors on ``device``) and its layout class."""
     import torch
 
     from fastrl.rollout.base import RolloutBatch, RolloutStats
@@ -103,12 +103,12 @@ def build_experience(mode: str, *, template: str, prompt_len: int, turns: int, t
     logp = [-torch.rand(len(c), generator=torch.Generator().manual_seed(1)) for c in completions]
     batch = RolloutBatch.from_samples([prompt], completions, logp, ["stop"] * G, group_size=G, pad_token_id=0,
                                       stats=RolloutStats())
-    exp = Experience.from_rollout(batch, group_size=G, rewards=torch.zeros(G), device=torch.device("cpu"))
+    exp = Experience.from_rollout(batch, group_size=G, rewards=torch.zeros(G), device=torch.device(device))
     mask = torch.zeros_like(exp.loss_mask)
     for r, (a, b) in zip(rows, spans):
         mask[r, P + a - 1:P + b - 1] = 1  # grid column c scores token c + 1
     exp.loss_mask = mask
-    exp.advantages = torch.linspace(-1, 1, G) if G > 1 else torch.ones(1)
+    exp.advantages = (torch.linspace(-1, 1, G) if G > 1 else torch.ones(1)).to(device)
     layout_cls = {"single": PaddedLayout, "padded": PaddedLayout, "grouped": GroupPackedLayout, "tree": TreePackedLayout}[mode]
     return exp, layout_cls
 

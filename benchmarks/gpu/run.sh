@@ -5,7 +5,8 @@
 # Dry run on a CPU machine: OUT=/tmp/out FASTRL_GPU_DRY_RUN=1 bash benchmarks/gpu/run.sh
 # Budget: under 8 minutes in all; each stage has its own timeout so a hang cannot eat the lease:
 #   tests 170 s + kernels (check, then time decode attention and the log-prob loss) 130 s
-#   + 4 bench modules x 40 s = 460 s, plus start-up.
+#   + 4 bench modules x 40 s + the step-wise tree case (at most 90 s) = 550 s at worst, plus
+#   start-up; the long GRPO step gets what is left of 470 s, if anything.
 set -uo pipefail
 OUT=${OUT:-/tmp/fastrl-gpu-out}
 mkdir -p "$OUT"
@@ -69,6 +70,15 @@ for module in policy_loss advantages scans rollout; do
   timeout "$bench_timeout" python3 -m fastrl.cli bench "${bench_args[@]}" --only "$module" --out "$OUT/bench-$module.json" 2>&1 | tee -a "$OUT/bench.log"
   echo "bench $module exit: ${PIPESTATUS[0]}" | tee -a "$OUT/bench.log"
 done
+echo "== step-wise samples of an 8-turn trajectory (1.5B shape): padded vs prefix-tree packed"
+# Only if the tree-attention tests passed on this device; its own timeout (the rest goes to the next stage).
+if python3 benchmarks/gpu/tests_passed.py "$OUT/tests.xml" tree_attention; then
+  if [ -n "${FASTRL_GPU_DRY_RUN:-}" ]; then tree_args=(--dry-run --templates strip-thinking --repeats 1); else tree_args=(--templates strip-thinking); fi
+  timeout 90 python3 benchmarks/gpu/bench_stepwise_tree_gpu.py "${tree_args[@]}" --out "$OUT/tree_stepwise_gpu.json" 2>&1 | tee "$OUT/tree_stepwise.log" | tail -12
+  echo "tree step-wise exit: ${PIPESTATUS[0]}"
+else
+  echo "tree step-wise skipped: its correctness tests failed"
+fi
 echo "== long-trajectory GRPO step (1.5B shape): shared prefix on/off, attention backends"
 # Last and only with time left in the 8-minute budget (the script writes after every case).
 left=$(( 470 - SECONDS ))

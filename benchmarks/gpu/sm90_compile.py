@@ -353,6 +353,22 @@ def cases_turn_advantages(rec: Recorder, full: bool) -> None:
                                meta(B, T, dtype=torch.uint8), meta(B, dtype=torch.int64), use_turn=use_turn)
 
 
+def cases_tree_attention(rec: Recorder, full: bool) -> None:
+    from csrc_triton.tree_attention import tree_attention_bwd, tree_attention_fwd
+
+    # the prefix-tree training attention (forward + backward) at real head shapes; the
+    # block lists are runtime data, so one packed length stands for all
+    grid = (list(itertools.product(ATTN_HEADS, FLOATS)) if full
+            else [(ATTN_HEADS[1], torch.bfloat16), (ATTN_HEADS[0], torch.float16)])  # D = 128 and 64
+    for (hq, hkv, d), dtype in grid:
+        rec.label = f"tree_attention Hq={hq} Hkv={hkv} D={d} {str(dtype)[6:]}"
+        n = 4096
+        q, k, v = meta(n, hq, d, dtype=dtype), meta(n, hkv, d, dtype=dtype), meta(n, hkv, d, dtype=dtype)
+        key_end, ptr, blocks = meta(n, dtype=torch.int32), meta(n // 64 + 2, dtype=torch.int32), meta(999, dtype=torch.int32)
+        out, lse = tree_attention_fwd(q, k, v, key_end, ptr, blocks, d**-0.5)
+        tree_attention_bwd(meta(n, hq, d, dtype=dtype), q, k, v, out, lse, key_end, ptr, blocks, d**-0.5)
+
+
 CASES = {
     "logprobs": cases_logprobs,
     "decode_attention": cases_decode_attention,
@@ -363,6 +379,7 @@ CASES = {
     "scans": cases_scans,
     "advantages": cases_advantages,
     "turn_advantages": cases_turn_advantages,
+    "tree_attention": cases_tree_attention,
 }
 
 

@@ -37,7 +37,7 @@ def test_every_kernel_compiles_for_sm90_without_spills(tmp_path):
     report = json.loads(report_path.read_text())
     assert report["failures"] == []
     kernels = {r["kernel"] for r in report["reports"]}
-    assert len(kernels) == 22, sorted(kernels)
+    assert len(kernels) == 24, sorted(kernels)  # names: tree_attention._fwd_kernel shares logprobs._fwd_kernel's
     for r in report["reports"]:
         assert r["registers"] > 0 and r["shared_bytes"] <= report["smem_limit_bytes"], r
     strict = [r for r in report["reports"] if r["strict"]]
