@@ -146,7 +146,7 @@ def test_flex_forward_matches_oracle_cpu():
 
 
 # Triton: under the interpreter on CPU (small shapes: 16-token tiles), for real on a GPU
-@pytest.mark.parametrize("key", ["deep_chain", "wide_fan_out", "empty_segments", "single_token"])
+@pytest.mark.parametrize("key", ["single_node", "single_token", "deep_chain", "wide_fan_out", "empty_segments"])
 def test_triton_matches_oracle_float64(key, device):
     _check_against_oracle(*TREES[key], "triton", torch.float64, atol=1e-12, device=device)
 
