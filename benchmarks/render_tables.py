@@ -110,6 +110,9 @@ def benchmarks_cpu() -> str:
     naive_oom = int(re.search(r"at (\d+) tokens", lt_sum["naive"]["stopped"]).group(1))
     prefix = _load("shared_prefix_cpu_4096x512_interleaved.json")["results"][0]
     shared, repeated = prefix["interleaved"]["min_time_s"]["shared"], prefix["interleaved"]["min_time_s"]["repeated"]
+    tree_file = _load("tree_stepwise_cpu.json")
+    tree_rows = {r["template"]: r for r in tree_file["results"]}
+    tshape = tree_file["shapes"]
     step_file = _load("trainer_vs_trl_cpu.json")
     step, shapes = step_file["fixed_steps"]["best"], step_file["shapes"]
     f, t = step["fastrl-grpo"], step["trl-grpo"]
@@ -166,6 +169,16 @@ def benchmarks_cpu() -> str:
          f"repeated prefix: {repeated:.1f} s, {prefix['repeated']['peak_extra_mb']:.0f} MiB",
          f"{repeated / shared:.2f}x time, 1/{prefix['memory_ratio_repeated_over_shared']:.1f} memory",
          "`OMP_NUM_THREADS=1 python benchmarks/bench_shared_prefix.py --shapes 4096x512 --threads 1 --interleaved-rounds 2`"],
+        *[[f"{tshape['turns']}-turn trajectory as {tshape['turns']} step-wise samples, fwd+bwd ({template} template; "
+           f"Qwen2 hidden {tshape['hidden']}, {tshape['layers']} layers)",
+           f"prefix tree: {r['tree']['tokens']} tokens, {r['tree']['min_time_s']:.2f} s, {r['tree']['peak_extra_mb']:.0f} MiB "
+           f"= {r['ratios_vs_single']['tree']['flops']:.2f}x the FLOPs of the single sequence",
+           f"padded rows: {r['padded']['tokens']} tokens, {r['padded']['min_time_s']:.2f} s, {r['padded']['peak_extra_mb']:.0f} MiB "
+           f"({r['ratios_vs_single']['padded']['flops']:.1f}x the FLOPs)",
+           f"{r['padded']['min_time_s'] / r['tree']['min_time_s']:.1f}x time, 1/{r['padded']['peak_extra_mb'] / r['tree']['peak_extra_mb']:.1f} "
+           f"memory; grads equal ({r['tree']['grad_max_rel_diff_vs_padded']:.0e})",
+           f"`OMP_NUM_THREADS=1 {tree_file['command']}`" if i == 0 else ""]
+          for i, (template, r) in enumerate(tree_rows.items())],
         [f"whole training step, tiny Llama ({shapes['parameters'] / 1000:.0f}K params, vocab {shapes['vocab_size']}), "
          f"{shapes['prompts_per_step']}x{shapes['group_size']} samples",
          f"{f['step_s_median']:.2f} s/step, {f['peak_rss_mib']:.0f} MiB",
