@@ -243,6 +243,8 @@ class TreePackedLayout(GroupPackedLayout):
     tokens, like the group layout, whose loss form, ``gather``/``scatter`` and attention
     context it shares."""
 
+    _sizes: tuple[Any, dict[int, int]] | None = None  # (the batch, each group's trie tokens)
+
     @staticmethod
     def _sequences(exp: Experience, groups: Sequence[int]) -> tuple[list[list[int]], list[int]]:
         batch = exp.batch
@@ -255,9 +257,17 @@ class TreePackedLayout(GroupPackedLayout):
         return seqs, starts
 
     def cost(self, exp: Experience, groups: Sequence[int]) -> int:
+        """The sum of the groups' tries (each group's trie is computed once per batch): the
+        packed row's length, or more when groups share a prefix (one trie merges it)."""
         from fastrl.ops.tree_attention import trie_size
 
-        return trie_size(self._sequences(exp, groups)[0])
+        if self._sizes is None or self._sizes[0] is not exp.batch:
+            self._sizes = (exp.batch, {})
+        sizes = self._sizes[1]
+        for g in groups:
+            if g not in sizes:
+                sizes[g] = trie_size(self._sequences(exp, [g])[0])
+        return sum(sizes[g] for g in groups)
 
     def make(self, exp: Experience, groups: Sequence[int]) -> MicroBatch:
         from fastrl.ops.tree_attention import PackedTree

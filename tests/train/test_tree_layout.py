@@ -94,5 +94,10 @@ def test_tree_layout_equals_the_padded_layout_and_costs_less():
     trie, grouped, rows = tree.cost(exp, groups), GroupPackedLayout(**common).cost(exp, groups), padded.cost(exp, groups)
     assert trie == tree.micro_batches(exp)[0].data.tree.layout.num_tokens
     assert trie < 0.6 * grouped < rows
-    # trajectory 0 alone: the trie is its longest sample
+    # trajectory 0 alone: the trie is its longest sample; a chunk costs the sum of its groups' tries
     assert tree.cost(exp, [0]) == len(PROMPTS[0]) + len(_stepwise(TURNS, 3))
+    assert trie == tree.cost(exp, [0]) + tree.cost(exp, [1])
+    # the per-group sizes are cached per batch: another batch is measured afresh
+    fresh = _experience()
+    fresh.batch.completion_ids[:4] = [c[:2] for c in fresh.batch.completion_ids[:4]]
+    assert tree.cost(fresh, [0]) == len(PROMPTS[0]) + 2
