@@ -248,9 +248,7 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
         for mode in MODES:
             grads[mode] = os.path.join(tmp, f"{template}_{mode}.pt")
             if args.no_memory:
-                from bench_tree_stepwise import build_step as _b
-
-                _b(mode=mode, grads_out=grads[mode], **kwargs)()
+                build_step(mode=mode, grads_out=grads[mode], **kwargs)()
                 continue
             r = measure_in_subprocess("bench_tree_stepwise:build_step", dict(mode=mode, grads_out=grads[mode], **kwargs),
                                       repeats=1, timeout_s=args.timeout_s, mem_limit_gb=args.mem_cap_gb, env=env)
