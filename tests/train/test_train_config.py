@@ -114,6 +114,27 @@ def test_semantic_errors_from_the_command_line_exit_cleanly(capsys):
     assert "bypass" in capsys.readouterr().err
 
 
+@pytest.mark.parametrize("argv", [["--algorithm", "gigpo"], ["--algorithm", "mt_grpo"],
+                                  ["--advantage_mode", "turn_discounted"]])
+def test_turn_modes_without_an_environment_are_one_line(argv, capsys, tmp_path):
+    assert _train_exit_code(["--output_dir", str(tmp_path / "run"), *argv]) == 2
+    message = capsys.readouterr().err.strip()
+    assert len(message.splitlines()) == 1 and "--env" in message and "Traceback" not in message, message
+    assert not (tmp_path / "run").exists()
+
+
+def test_turn_presets_fill_the_turn_hyperparameters():
+    from fastrl.train.config import TURN_MODES
+
+    assert TURN_MODES == ("gigpo", "turn_discounted")
+    gigpo, mt = ALGORITHM_PRESETS["gigpo"], ALGORITHM_PRESETS["mt_grpo"]
+    assert (gigpo.advantage, gigpo.turn_gamma) == ("gigpo", 0.95)
+    assert (mt.advantage, mt.turn_gamma, mt.turn_coef, mt.outcome_coef) == ("turn_discounted", 0.0, 1.0, 1.0)
+    # a group preset with a turn mode chosen by hand: the plain turn-discount form
+    plain = ALGORITHM_PRESETS["grpo"]
+    assert (plain.turn_gamma, plain.turn_coef, plain.outcome_coef) == (1.0, 1.0, 0.0)
+
+
 def test_each_vocabulary_has_one_list():
     """Algorithm names come from the presets; the loss options' choices are the op-level Literals."""
     import typing
@@ -128,7 +149,11 @@ def test_each_vocabulary_has_one_list():
     assert hints["loss_agg"] == typing.Optional[LossAgg]
     assert hints["surrogate"] == typing.Optional[Surrogate]
     assert hints["kl_estimator"] == KLEstimator
-    assert typing.get_args(typing.get_args(hints["advantage_mode"])[0]) == (*GROUP_MODES, "gae")
+    from fastrl.reference.turn_advantages import TURN_ADVANTAGE_MODES
+    from fastrl.train.config import TURN_MODES
+
+    assert typing.get_args(typing.get_args(hints["advantage_mode"])[0]) == (*GROUP_MODES, "gae", *TURN_MODES)
+    assert set(TURN_MODES) == set(TURN_ADVANTAGE_MODES) - {"broadcast"}
 
 
 def test_kl_coef_default_is_the_loss_presets():
