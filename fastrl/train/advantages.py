@@ -58,8 +58,9 @@ rows.
 
 Metrics of the turn modes: ``advantage/turn_groups`` (step groups for ``gigpo``, (group, turn
 index) groups for ``turn_discounted``), ``advantage/frac_singleton_turn_groups`` (their share
-with one member: step advantage 0) and ``advantage/frac_all_equal_turn_groups``; on agents
-also ``advantage/excluded`` (trajectories left out).
+with one member: step advantage 0), ``advantage/frac_all_equal_turn_groups`` and
+``advantage/frac_rows_turn_varying`` (the share of rows whose policy tokens get more than one
+value: 0 under broadcast); on agents also ``advantage/excluded`` (trajectories left out).
 
 A new advantage estimator is a mode of ``group_advantages`` (``fastrl/ops/advantages.py``,
 its specification in ``fastrl/reference/advantages.py``) or of ``turn_advantages``
@@ -70,6 +71,7 @@ its specification in ``fastrl/reference/advantages.py``) or of ``turn_advantages
 from __future__ import annotations
 
 import hashlib
+import math
 from dataclasses import dataclass
 from typing import Any, Callable
 
@@ -242,6 +244,13 @@ def _turn_mode(exp: Experience, tr: _Trajectories, *, cfg: TrainConfig, ranks) -
     metrics = {"advantage/turn_groups": total}
     for name in ("frac_singleton_turn_groups", "frac_all_equal_turn_groups"):
         metrics[f"advantage/{name}"] = float(ranks.sum(stats[name].double() * groups)) / max(total, 1.0)
+    # rows whose policy tokens do not all get one value (0 under broadcast): the share the turn credit reached
+    on = exp.loss_mask > 0
+    if exp.excluded is not None:
+        on = on & ~exp.excluded.to(torch.bool)[:, None]
+    varies = torch.where(on, adv, -math.inf).amax(1) > torch.where(on, adv, math.inf).amin(1)
+    rows = float(ranks.sum(on.any(1).sum()))
+    metrics["advantage/frac_rows_turn_varying"] = float(ranks.sum(varies.sum())) / max(rows, 1.0)
     return adv, metrics
 
 

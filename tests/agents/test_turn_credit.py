@@ -157,6 +157,7 @@ def test_turn_modes_equal_a_float64_loop_over_the_turns(episodes, mode, kw, excl
     assert singletons < len(groups)  # some turns share a group
     rows_with_distinct_turns = [b for b in range(exp.num_samples) if exp.advantages[b][exp.loss_mask[b] > 0].unique().numel() > 1]
     assert rows_with_distinct_turns
+    assert metrics["advantage/frac_rows_turn_varying"] == pytest.approx(len(rows_with_distinct_turns) / (exp.num_samples - len(excluded)))
 
 
 def test_gigpo_differs_from_grpo_broadcast_only_by_the_step_term(episodes):
