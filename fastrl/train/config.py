@@ -525,7 +525,7 @@ class TrainConfig:
         if self.advantage_mode not in (*GROUP_MODES, "gae", *TURN_MODES):
             raise InputError(f"advantage_mode must be one of {(*GROUP_MODES, 'gae', *TURN_MODES)}, "
                              f"got {self.advantage_mode!r}")
-        if self.uses_turns and getattr(self, "env", None) is None:
+        if self.uses_turns and self.env is None:
             raise InputError(f"advantage_mode {self.advantage_mode} (algorithm {self.algorithm}) credits the turns of "
                              "agent trajectories: give an environment with --env (e.g. --env frozenlake)")
         number("turn_gamma", low=0.0, high=1.0)

@@ -58,14 +58,7 @@ def _experience(trajectories, tokenizer, excluded=()):
 
 
 def _experience_rows(ab):
-    try:
-        batch = ab.as_rollout_batch()
-    except ValueError:  # split samples: the rows themselves (estimate reads only the tensors below)
-        batch = None
-    return Experience(batch=batch, group_size=G, loss_mask=ab.loss_mask[:, 1:].float(),
-                      sampler_logp=ab.sampler_logp[:, 1:], rewards=ab.rewards, group_ids=ab.group_ids,
-                      segments=ab.segments[:, :3], segment_turns=ab.segments[:, 3], state_keys=ab.state_keys,
-                      turn_rewards=ab.turn_rewards[:, 1:], excluded=ab.excluded)
+    return Experience.from_agent_batch(ab, device=torch.device("cpu"))
 
 
 def _cfg(mode, **kw):
@@ -144,7 +137,7 @@ def test_turn_modes_equal_a_float64_loop_over_the_turns(episodes, mode, kw, excl
     torch.testing.assert_close(exp.advantages.double(), want, atol=2e-6, rtol=1e-5)
     assert (exp.advantages[exp.loss_mask == 0] == 0).all()
     for i in excluded:
-        assert (exp.advantages[i] == 0).all() and exp.loss_mask[i].sum() > 0
+        assert (exp.advantages[i] == 0).all() and exp.loss_mask[i].sum() == 0 and exp.segments[:, 0].eq(i).any()
     assert metrics["advantage/excluded"] == len(excluded)
     # the step groups exist: some turns share a group, and within a trajectory the credit differs per turn
     groups = {}

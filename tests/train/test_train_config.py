@@ -12,8 +12,11 @@ from fastrl.train.config import ALGORITHM_PRESETS, ALGORITHMS, TrainConfig
 
 @pytest.mark.parametrize("algorithm", ALGORITHMS)
 def test_presets_map_onto_op_presets(algorithm):
-    cfg = TrainConfig(algorithm=algorithm).resolved()
+    from fastrl.train.config import TURN_MODES
+
     preset = ALGORITHM_PRESETS[algorithm]
+    agent = {"env": "frozenlake"} if preset.advantage in TURN_MODES else {}  # turn credit needs trajectories
+    cfg = TrainConfig(algorithm=algorithm, **agent).resolved()
     loss = cfg.policy_loss_config()
     expected = PolicyLossConfig.preset(preset.loss_preset, norm_length=cfg.max_new_tokens) if algorithm == "dr_grpo" else PolicyLossConfig.preset(preset.loss_preset)
     for name in ("ratio_level", "clip_low", "clip_high", "loss_agg"):
@@ -133,6 +136,9 @@ def test_turn_presets_fill_the_turn_hyperparameters():
     # a group preset with a turn mode chosen by hand: the plain turn-discount form
     plain = ALGORITHM_PRESETS["grpo"]
     assert (plain.turn_gamma, plain.turn_coef, plain.outcome_coef) == (1.0, 1.0, 0.0)
+    cfg = TrainConfig(algorithm="mt_grpo", env="frozenlake", turn_coef=0.5).resolved()
+    assert (cfg.advantage_mode, cfg.turn_gamma, cfg.turn_coef, cfg.outcome_coef) == ("turn_discounted", 0.0, 0.5, 1.0)
+    assert TrainConfig(algorithm="gigpo", env="frozenlake").resolved().turn_gamma == 0.95
 
 
 def test_each_vocabulary_has_one_list():
@@ -158,9 +164,12 @@ def test_each_vocabulary_has_one_list():
 
 def test_kl_coef_default_is_the_loss_presets():
     # GRPO's 0.04 is written once, in PolicyLossConfig.preset("grpo")
+    from fastrl.train.config import TURN_MODES
+
     for name, preset in ALGORITHM_PRESETS.items():
         want = PolicyLossConfig.preset_settings(preset.loss_preset).get("kl_coef", PolicyLossConfig().kl_coef)
-        assert TrainConfig(algorithm=name).resolved().kl_coef == want, name
+        agent = {"env": "frozenlake"} if preset.advantage in TURN_MODES else {}
+        assert TrainConfig(algorithm=name, **agent).resolved().kl_coef == want, name
     assert TrainConfig(algorithm="grpo").resolved().kl_coef == PolicyLossConfig.preset("grpo").kl_coef > 0
 
 
