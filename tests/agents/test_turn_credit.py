@@ -283,3 +283,28 @@ def test_a_split_trajectory_gets_the_advantages_of_the_whole_one(episodes, mode)
     per_turn, _ = _loop_turn_advantages(trajectories, mode, gamma=0.9, omega=0.5)
     torch.testing.assert_close(exp.advantages.double(), _expected_tokens(exp, per_turn, row_trajectory), atol=2e-6,
                                rtol=1e-5)
+
+
+def test_fastrl_train_with_gigpo_gives_turns_their_own_advantages(tmp_path):
+    """The real loop (``fastrl train --env``, built-in tiny model, a user environment whose
+    random-policy trajectories revisit states with different returns): the advantages the
+    update used are per token -- some trajectories' turns get different values, which
+    GRPO's broadcast never gives -- and the step groups are logged."""
+    import json
+
+    from fastrl.cli import main
+
+    out = tmp_path / "run"
+    argv = ["train", "--env", "corridor:CorridorEnv", "--algorithm", "gigpo", "--steps", "2", "--prompts_per_step", "2",
+            "--group_size", "8", "--eval_every", "0", "--output_dir", str(out), "--progress", "false",
+            "--env_workers", "1", "--reward_workers", "0", "--max_turns", "4", "--max_turn_tokens", "5",
+            "--kl_coef", "0"]
+    assert main(argv) == 0
+    steps = [json.loads(line) for line in (out / "metrics.jsonl").read_text().splitlines()]
+    steps = [s for s in steps if "event" not in s]
+    assert [s["step"] for s in steps] == [1, 2]
+    for s in steps:
+        assert s["advantage/turn_groups"] > 0 and s["advantage/excluded"] == 0
+        assert math.isfinite(s["advantage/mean"]) and math.isfinite(s["loss"] if "loss" in s else 0.0)
+    assert any(s["advantage/frac_singleton_turn_groups"] < 1 for s in steps)  # step groups with several members
+    assert any(s["advantage/frac_rows_turn_varying"] > 0 for s in steps)  # per-token credit, unlike broadcast
