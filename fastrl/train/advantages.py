@@ -30,8 +30,8 @@ rows.
   chat template is not prefix-preserving). A trajectory's outcome, group and exclusion are
   its first row's; group statistics count trajectories, not rows. A turn without policy
   tokens is a present turn with an empty span.
-- GiGPO's step group is the state a turn *acted in* (its anchor state, arXiv:2505.10978
-  Sec. 4.2): for turn k >= 1 that is the state reached after turn k - 1
+- GiGPO's step group is the state a turn *acted in* (its anchor state, arXiv:2505.10978:
+  the step groups of identical states): for turn k >= 1 that is the state reached after turn k - 1
   (``exp.state_keys`` holds the state reached after each span's turn), for turn 0 the first
   observation, which all G trajectories of a group share (one row and one environment seed
   per group). The first observation has no key of its own, so turn 0 gets the key

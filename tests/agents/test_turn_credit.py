@@ -75,14 +75,16 @@ def _norm(values, eps=EPS):
     return [(v - m) / (s + eps) for v in values]
 
 
-def _loop_turn_advantages(trajectories, mode, *, gamma, omega=1.0, turn_coef=1.0, outcome_coef=0.0, excluded=()):
+def _loop_turn_advantages(trajectories, mode, *, gamma, omega=1.0, turn_coef=1.0, outcome_coef=0.0, excluded=(),
+                          outcome=None):
     """A[i][k] of every trajectory i, turn k, in float64 Python: the formulas of
     fastrl.reference.turn_advantages, grouped by the trajectories' own keys (not hashes)."""
     kept = [i for i in range(len(trajectories)) if i not in excluded]
     A_E = {}
     for g in {trajectories[i].group for i in kept}:
         members = [i for i in kept if trajectories[i].group == g]
-        for i, a in zip(members, _norm([trajectories[i].outcome_reward for i in members])):
+        R = [trajectories[i].outcome_reward if outcome is None else outcome[i] for i in members]
+        for i, a in zip(members, _norm(R)):
             A_E[i] = a
     returns = {}
     for i in kept:
@@ -308,3 +310,28 @@ def test_fastrl_train_with_gigpo_gives_turns_their_own_advantages(tmp_path):
         assert math.isfinite(s["advantage/mean"]) and math.isfinite(s["loss"] if "loss" in s else 0.0)
     assert any(s["advantage/frac_singleton_turn_groups"] < 1 for s in steps)  # step groups with several members
     assert any(s["advantage/frac_rows_turn_varying"] > 0 for s in steps)  # per-token credit, unlike broadcast
+
+
+def test_kl_in_reward_shapes_each_trajectorys_outcome_by_the_kl_of_all_its_rows(episodes):
+    """gigpo with ``kl_in_reward``: the episode reward is outcome - beta * sum of KL_t over the
+    policy tokens of every row of the trajectory (a split trajectory's two rows together)."""
+    trajectories, tokenizer = episodes
+    split = [_split(t, 1) if i == 1 else t for i, t in enumerate(trajectories)]
+    ab = AgentBatch.from_trajectories(split, group_size=G, pad_token_id=tokenizer.pad_token_id)
+    exp = _experience_rows(ab)
+    g = torch.Generator().manual_seed(3)
+    exp.ref_logp = exp.sampler_logp + 0.3 * torch.randn(exp.loss_mask.shape, generator=g)
+    beta = 0.2
+    cfg = _cfg("gigpo", turn_gamma=0.9, kl_in_reward=True, kl_estimator="k3")
+    estimate(exp, cfg=cfg, ranks=Ranks(None, torch.device("cpu")), kl_coef=beta)
+    d = (exp.ref_logp - exp.sampler_logp).double()
+    k3 = (torch.exp(d) - d - 1) * exp.loss_mask.double()
+    row_trajectory = ab.trajectory_ids.tolist()
+    kl = [0.0] * len(trajectories)
+    for row, i in enumerate(row_trajectory):
+        kl[i] += float(k3[row].sum())
+    assert sum(1 for i in row_trajectory if i == 1) == 2
+    shaped = [t.outcome_reward - beta * kl[i] for i, t in enumerate(trajectories)]
+    per_turn, _ = _loop_turn_advantages(trajectories, "gigpo", gamma=0.9, outcome=shaped)
+    torch.testing.assert_close(exp.advantages.double(), _expected_tokens(exp, per_turn, row_trajectory), atol=1e-5,
+                               rtol=1e-4)
