@@ -19,17 +19,27 @@ import typing
 from dataclasses import dataclass, field
 from typing import Literal, Optional
 
+from fastrl.agents.driver import AgentConfig
+from fastrl.agents.tools import CALL_FORMATS
 from fastrl.config import KLEstimator, LossAgg, PolicyLossConfig, Surrogate
 from fastrl.errors import InputError
 from fastrl.reference.advantages import GroupMode
+from fastrl.reference.turn_advantages import NORMS, TURN_ADVANTAGE_MODES
 
 _FLOAT32_MAX = 3.4028234663852886e38
 """Largest finite float32: a float option beyond it overflows the first tensor it enters."""
 _MAX_SEED = 2**32 - 1
 """Largest seed every generator accepts (NumPy's legacy seeding stops at 2**32 - 1)."""
 
-AdvantageMode = Literal[GroupMode, "gae"]
-"""``TrainConfig.advantage_mode``: a ``group_advantages`` mode, or ``gae`` (critic + GAE)."""
+TURN_MODES: tuple[str, ...] = tuple(m for m in TURN_ADVANTAGE_MODES if m != "broadcast")
+"""The ``turn_advantages`` modes ``advantage_mode`` names (agent trajectories only). The op's
+``broadcast`` (GRPO's episode advantage on every policy token) is what the group modes already
+do on agent trajectories: it is ``advantage_mode grpo`` (``dr_grpo`` for F_norm = 1)."""
+AdvantageMode = Literal[GroupMode, "gae", Literal[TURN_MODES]]  # type: ignore[valid-type]
+"""``TrainConfig.advantage_mode``: a ``group_advantages`` mode, ``gae`` (critic + GAE), or a
+turn mode (``TURN_MODES``: ``turn_advantages`` over the turns of agent trajectories)."""
+TurnNorm = Literal[NORMS]  # type: ignore[valid-type]
+"""F_norm of the turn modes: ``std`` (std + eps) or ``none`` (1)."""
 
 
 @dataclass(frozen=True)
@@ -43,6 +53,12 @@ class AlgorithmPreset:
     dynamic_sampling: bool = False
     """Drop groups whose rewards are all equal and refill the batch (DAPO)."""
     citation: str = ""
+    turn_gamma: float = 1.0
+    """Discount over turns of the turn modes' returns (``TrainConfig.turn_gamma``'s default)."""
+    turn_coef: float = 1.0
+    """``turn_discounted``: weight of the per-turn-index advantage (MT-GRPO's lambda)."""
+    outcome_coef: float = 0.0
+    """``turn_discounted``: weight of the episode (outcome) advantage (MT-GRPO: 1)."""
 
     @property
     def kl_coef(self) -> float:
@@ -65,10 +81,19 @@ ALGORITHM_PRESETS: dict[str, AlgorithmPreset] = {
     "rloo": AlgorithmPreset("ppo", "rloo", citation="Ahmadian et al. 2024, arXiv:2402.14740"),
     "reinforce_pp": AlgorithmPreset("ppo", "reinforce_pp", citation="Hu 2025, arXiv:2501.03262"),
     "ppo": AlgorithmPreset("ppo", "gae", citation="Schulman et al. 2017; Ouyang et al. 2022"),
+    # agent trajectories only (fastrl train --env): step-level credit without a critic
+    "gigpo": AlgorithmPreset("grpo", "gigpo", turn_gamma=0.95, citation="Feng et al. 2025, arXiv:2505.10978"),
+    "mt_grpo": AlgorithmPreset("grpo", "turn_discounted", turn_gamma=0.0, turn_coef=1.0, outcome_coef=1.0,
+                               citation="Zeng et al. 2025, arXiv:2505.11821"),
 }
 ALGORITHMS: tuple[str, ...] = tuple(ALGORITHM_PRESETS)
 """The algorithm names: the presets' keys (one list)."""
 Algorithm = Literal[ALGORITHMS]  # type: ignore[valid-type]  (the CLI's choices, derived from the presets)
+CallFormat = Literal[CALL_FORMATS]  # type: ignore[valid-type]  (the tool-call formats fastrl.agents.tools parses)
+
+AGENT_FIELDS: tuple[str, ...] = tuple(f.name for f in dataclasses.fields(AgentConfig))
+"""The agent limits and policies: ``TrainConfig`` has one option per ``AgentConfig`` field, of
+the same name and meaning (``None``: the environment's default), derived from this list."""
 
 
 # Held-out prompts per evaluation on a user's dataset (TrainConfig.eval_prompts=None): at 64,
@@ -85,8 +110,9 @@ class TrainConfig:
     algorithm: Algorithm = "grpo"
     """Preset: grpo (DeepSeekMath), dr_grpo (no length/std bias), dapo (clip-higher, token-mean,
     dynamic sampling), gspo (sequence-level ratio), rloo (leave-one-out baseline), reinforce_pp
-    (REINFORCE++: group baseline, batch whitening), ppo (critic + GAE). Fields left unset below
-    take the preset's values."""
+    (REINFORCE++: group baseline, batch whitening), ppo (critic + GAE); on agent trajectories
+    (``--env``) also gigpo (GiGPO: episode + step-group advantages) and mt_grpo (MT-GRPO: outcome
+    + per-turn advantages). Fields left unset below take the preset's values."""
 
     # ------------------------------------------------------------------ model and data
     model: Optional[str] = None
@@ -207,8 +233,27 @@ class TrainConfig:
     ``fastrl.config.Surrogate``), with that config's default hyperparameters; None: the
     algorithm's, PPO clip."""
     advantage_mode: Optional[AdvantageMode] = None
-    """A ``group_advantages`` mode (``fastrl.reference.advantages.GroupMode``) or ``gae``
-    (critic + GAE); None: preset."""
+    """A ``group_advantages`` mode (``fastrl.reference.advantages.GroupMode``), ``gae`` (critic +
+    GAE; on agent trajectories GAE over the policy tokens with per-turn rewards), or a turn mode
+    for agent trajectories (``--env``): ``gigpo`` or ``turn_discounted``
+    (``fastrl.ops.turn_advantages``). A group mode on agent trajectories gives every policy token
+    its trajectory's advantage (the op's ``broadcast``). None: preset."""
+    turn_gamma: Optional[float] = None
+    """Turn modes: discount gamma in [0, 1] over turns of the turn returns
+    G_k = sum_j gamma^(j-k) r_j (not GAE's per-token ``gamma``). None: preset (gigpo 0.95,
+    mt_grpo 0, else 1)."""
+    step_coef: float = 1.0
+    """``gigpo``: GiGPO's omega, the weight of the step-group advantage added to the episode
+    advantage (the paper's 1)."""
+    turn_norm: TurnNorm = "std"
+    """Turn modes: F_norm of both levels, ``std`` ((x - mean) / (std + eps)) or ``none``
+    (x - mean)."""
+    turn_coef: Optional[float] = None
+    """``turn_discounted``: weight of the per-turn-index advantage (MT-GRPO's lambda). None:
+    preset (1)."""
+    outcome_coef: Optional[float] = None
+    """``turn_discounted``: weight of the episode (outcome) advantage. None: preset (mt_grpo 1,
+    else 0: the plain turn-discount form)."""
     kl_coef: Optional[float] = None
     """KL weight beta to the frozen reference policy (None: preset; 0 skips the reference model)."""
     kl_estimator: KLEstimator = "k3"
@@ -293,6 +338,33 @@ class TrainConfig:
     whiten_advantages: bool = True
     """PPO: whiten GAE advantages over the batch."""
 
+    # ------------------------------------------------------------------ agents (fastrl train --env)
+    env: Optional[str] = None
+    """Train an agent on multi-turn, tool-using trajectories: a built-in environment
+    (calculator, sql, frozenlake: rows, tiny model, warm-up and limits come with it) or a
+    user's environment as ``module:Class`` (any zero-argument callable returning one; its rows
+    come from ``dataset``). None: single-turn training on prompts."""
+    env_workers: int = 2
+    """Environment worker processes: each trajectory's environment lives in one; the steps of
+    one turn run concurrently across them."""
+    env_step_timeout: float = 10.0
+    """Seconds one environment call (``reset`` or ``step``) may take; past it the worker is
+    killed with its process group and replaced, and that trajectory ends (``failed_trajectories``)."""
+    env_trajectory_timeout: float = 60.0
+    """Seconds all environment calls of one trajectory may take together."""
+    env_call_format: Optional[CallFormat] = None
+    """How tool calls are written: ``hermes`` (``<tool_call>{json}</tool_call>``, the tools
+    shown through the chat template) or ``compact`` (``name(args)``, for the built-in
+    character tokenizer). None: compact with the built-in model, hermes otherwise."""
+    env_max_repeated_calls: int = 3
+    """A built-in environment ends a trajectory after the same tool call this many times in a
+    row (``agent/stop/repeated_call``); 0: no limit."""
+    # one option per AgentConfig field (AGENT_FIELDS), same name and docs; None: the environment's default
+    for _field in dataclasses.fields(AgentConfig):
+        __annotations__[_field.name] = f"Optional[{_field.type}]"
+        vars()[_field.name] = None
+    del _field
+
     # ------------------------------------------------------------------ evaluation, logging, checkpoints
     eval_every: int = 25
     """Held-out evaluation every N steps (and before the first and after the last); 0: off."""
@@ -343,9 +415,16 @@ class TrainConfig:
             c.kl_coef = preset.kl_coef
         if c.dynamic_sampling is None:
             c.dynamic_sampling = preset.dynamic_sampling
+        for name in ("turn_gamma", "turn_coef", "outcome_coef"):
+            if getattr(c, name) is None:
+                setattr(c, name, getattr(preset, name))
         builtin_model = c.model is None and not model_given
-        builtin_task = c.dataset is None and builtin_model
+        builtin_task = c.dataset is None and builtin_model and c.env is None
         default = _default_task()
+        if c.env is not None:
+            from fastrl.train.agent_task import apply_env_defaults
+
+            apply_env_defaults(c, builtin_model=builtin_model)
         if c.max_new_tokens is None:
             c.max_new_tokens = default.max_new_tokens if builtin_task else 256
         if c.eval_prompts is None:
@@ -383,12 +462,18 @@ class TrainConfig:
         agg = overrides.get("loss_agg") or PolicyLossConfig.preset_settings(preset.loss_preset).get("loss_agg")
         if agg == "seq-mean-token-sum-norm":
             # Dr. GRPO's constant: the longest completion, the same for every micro-batch.
-            overrides["norm_length"] = float(self.max_new_tokens)
+            # (an agent run's trajectories: the longest trajectory sample)
+            overrides["norm_length"] = float(self.max_trajectory_tokens if self.env is not None else self.max_new_tokens)
         return PolicyLossConfig.preset(preset.loss_preset, **overrides)
 
     @property
     def uses_critic(self) -> bool:
         return self.advantage_mode == "gae"
+
+    @property
+    def uses_turns(self) -> bool:
+        """A turn mode (``TURN_MODES``): needs agent trajectories."""
+        return self.advantage_mode in TURN_MODES
 
     @property
     def uses_reference(self) -> bool:
@@ -434,6 +519,7 @@ class TrainConfig:
         for name in ("eval_every", "save_every", "warmup_steps", "max_resample_rounds", "reward_workers", "kl_horizon",
                      "top_k", "seed"):
             positive_int(name, allow_zero=True)
+        self._validate_agent(positive_int, number)
         if self.seed > _MAX_SEED:
             raise InputError(f"seed must be an int in [0, {_MAX_SEED}] (it seeds Python, NumPy and torch), got {self.seed!r}")
         positive_int("sft_steps", allow_zero=True)
@@ -442,8 +528,15 @@ class TrainConfig:
                 positive_int(name)
         if self.max_seconds is not None:
             number("max_seconds", low=0.0, low_open=True)
-        if self.advantage_mode not in (*GROUP_MODES, "gae"):
-            raise InputError(f"advantage_mode must be one of {(*GROUP_MODES, 'gae')}, got {self.advantage_mode!r}")
+        if self.advantage_mode not in (*GROUP_MODES, "gae", *TURN_MODES):
+            raise InputError(f"advantage_mode must be one of {(*GROUP_MODES, 'gae', *TURN_MODES)}, "
+                             f"got {self.advantage_mode!r}")
+        if self.uses_turns and self.env is None:
+            raise InputError(f"advantage_mode {self.advantage_mode} (algorithm {self.algorithm}) credits the turns of "
+                             "agent trajectories: give an environment with --env (e.g. --env frozenlake)")
+        number("turn_gamma", low=0.0, high=1.0)
+        for name in ("step_coef", "turn_coef", "outcome_coef"):
+            number(name)
         if self.advantage_mode != "gae" and self.group_size < 2:
             raise InputError(f"group_size must be >= 2 for group advantages ({self.advantage_mode}), got {self.group_size}")
         if not self.task_operations or set(self.task_operations) - set("+-*"):
@@ -511,6 +604,35 @@ class TrainConfig:
             raise
         except (ValueError, TypeError) as error:
             raise InputError(f"loss options (clip_low, clip_high, dual_clip, loss_agg, surrogate, kl_*, entropy_coef): {error}") from None
+
+    def _validate_agent(self, positive_int, number) -> None:
+        """The ``--env`` options: only with an environment, within range, and what an agent run cannot do."""
+        if self.env is None:
+            given = [name for name in (*AGENT_FIELDS, "env_call_format") if getattr(self, name) is not None]
+            if given:
+                raise InputError(f"{given[0]} is an agent option: it needs --env (a built-in environment or module:Class)")
+            return
+        if not self.env:
+            raise InputError("env must name a built-in environment or module:Class, got ''")
+        positive_int("env_workers")
+        positive_int("env_max_repeated_calls", allow_zero=True)
+        if self.env_max_repeated_calls == 1:
+            raise InputError("env_max_repeated_calls must be 0 (no limit) or >= 2 (a first call is never a repeat), got 1")
+        for name in ("env_step_timeout", "env_trajectory_timeout"):
+            number(name, low=0.0, low_open=True)
+        self.agent_config()  # AgentConfig's own checks name the field
+        if self.dynamic_sampling:
+            raise InputError("dynamic_sampling (DAPO's refill of all-equal groups) is not supported with --env yet; "
+                             "set --dynamic_sampling false")
+        if self.prompt_token_budget is not None:
+            raise InputError("prompt_token_budget batches prompts by their length; with --env use prompts_per_step")
+
+    def agent_config(self) -> AgentConfig:
+        """The run's ``AgentConfig``: its ``AGENT_FIELDS`` (a resolved config has them all)."""
+        missing = [name for name in AGENT_FIELDS if getattr(self, name) is None]
+        if missing:
+            raise InputError(f"{missing[0]} is not set: resolve the config first (TrainConfig.resolved())")
+        return AgentConfig(**{name: getattr(self, name) for name in AGENT_FIELDS})
 
     @property
     def builtin_model(self) -> bool:
