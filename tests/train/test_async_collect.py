@@ -89,3 +89,15 @@ def test_async_run_is_one_step_stale_and_resumes_exactly(tmp_path):
 def test_async_refuses_what_it_cannot_run(tmp_path, changes, words):
     with pytest.raises(InputError, match=words):
         tiny(tmp_path, **{"async_steps": 1, **changes}).resolved()
+
+
+def test_decoupled_is_truncated_is_with_the_roles_named_on_a_synchronous_run(tmp_path):
+    # two epochs: the proximal policy is the recomputed trainer policy, the behaviour one the
+    # sampler's; the same loss as rollout_correction=is (old = trainer, rollout = sampler)
+    decoupled, _ = train(tiny(tmp_path / "d", steps=2, ppo_epochs=2))
+    weighted, _ = train(tiny(tmp_path / "i", steps=2, ppo_epochs=2, rollout_correction="is"))
+    for k in decoupled:
+        assert torch.equal(decoupled[k], weighted[k]), k
+    d, i = steps(tmp_path / "d"), steps(tmp_path / "i")
+    assert [m["loss/total"] for m in d] == [m["loss/total"] for m in i]
+    assert "time/old_logp" in d[0]  # not on-policy: the proximal log-probs are the trainer's pass
