@@ -86,8 +86,7 @@ def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--seeds", type=int, nargs="+", default=[0, 1, 2])
     parser.add_argument("--out", type=Path, default=None)
-    parser.add_argument("--machine", default="the project's 2-core CPU, shared with other sessions (load average ~8 "
-                                             "while measured); runs interleaved per seed")
+    parser.add_argument("--machine", default="the project's 2-core CPU, shared with other sessions; runs interleaved per seed")
     parser.add_argument("--one", nargs=3, metavar=("SEED", "ASYNC_STEPS", "OUT"), help=argparse.SUPPRESS)
     args, extra = parser.parse_known_args()  # anything else goes to `fastrl train` (a quick check: --steps 4)
     if args.one:
@@ -96,6 +95,7 @@ def main() -> int:
     from fastrl.bench.harness import write_payload
 
     runs: dict[str, dict] = {}
+    load_before = os.getloadavg()[0]
     with tempfile.TemporaryDirectory() as tmp:
         for i, seed in enumerate(args.seeds):
             order = [0, 1] if i % 2 == 0 else [1, 0]
@@ -118,7 +118,8 @@ def main() -> int:
     payload = {
         "what": "embedded default (SFT warm-up, GRPO 150 steps of 16 prompts x 8): --async_steps 1 "
                 "(rollout_correction decoupled, sampler process on its own core) vs the synchronous loop",
-        "command": COMMAND + (" " + " ".join(extra) if extra else ""), "machine": args.machine, "date": time.strftime("%Y-%m-%d"),
+        "command": COMMAND + (" " + " ".join(extra) if extra else ""),
+        "machine": f"{args.machine} (1-minute load average {load_before:.1f} at the start, {os.getloadavg()[0]:.1f} at the end)", "date": time.strftime("%Y-%m-%d"),
         "pinning": f"sync: trainer + sampler on core {TRAINER_CORE}; async: trainer on core {TRAINER_CORE}, sampler "
                    f"process on core {SAMPLER_CORE}; torch at 1 thread in each",
         "runs": runs, "per_seed": ratios,

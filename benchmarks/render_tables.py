@@ -206,8 +206,7 @@ def async_default() -> str:
     table = _rows(["seed", "sync step", "sync: generation", "sync: rest of the step", "async step", "async / sync",
                    "async / max(gen, rest)", "held-out acc. sync (step 150)", "async (step 150)"], rows)
     acc = data["summary"]["final_accuracy"]
-    return table + (f"
-Medians over each run's GRPO steps (the first excluded). Held-out accuracy at step 150: sync "
+    return table + (f"\nMedians over each run's GRPO steps (the first excluded). Held-out accuracy at step 150: sync "
                     f"{acc['sync']['mean']:.3f} (spread {acc['sync']['spread']:.3f}), async {acc['async']['mean']:.3f} "
                     f"(spread {acc['async']['spread']:.3f}). `{data['command']}`; {data['pinning']}; {data['machine']}; "
                     f"{data['date']}.\n")

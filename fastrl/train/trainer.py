@@ -2,6 +2,8 @@
 
 1. prompts      ``PromptBatcher`` (by prompt count or token budget; resumable position)
 2. rollout      ``GroupSampler.generate`` (HF shared-prefix sampler, vLLM, a shared server)
+                with ``async_steps``: sampled steps ahead by a sampler process of its own
+                (``async_collect.py``), the loss told through ``rollout_correction``
 3. rewards      ``RewardPool.score`` (TRL-signature functions in a process pool with hard
                 time limits); DAPO's dynamic sampling drops all-equal groups and refills
 4. log-probs    old (skipped when the update is exactly on-policy), reference (only with a
