@@ -25,6 +25,7 @@ and used from the main thread), so the ``reward`` time is not hidden behind the 
 from __future__ import annotations
 
 import concurrent.futures
+import logging
 from collections import deque
 from dataclasses import dataclass
 from pathlib import Path
@@ -35,11 +36,13 @@ import torch
 from fastrl.errors import InputError
 from fastrl.rollout.base import GroupRollout, RolloutBatch
 from fastrl.rollout.process import ProcessSampler, weights_bytes
-from fastrl.train.checkpoint import load_extra
+from fastrl.train.checkpoint import extra_file, load_extra
 from fastrl.train.collect import Collector, RolloutRequest
 from fastrl.train.config import TrainConfig
 
 __all__ = ["AsyncCollector", "IN_FLIGHT", "make_collector"]
+
+logger = logging.getLogger(__name__)
 
 IN_FLIGHT = "in_flight"
 """The name of the in-flight rollouts in a checkpoint (``checkpoint.extra_file``)."""
@@ -135,14 +138,21 @@ def make_collector(*, cfg: TrainConfig, batcher: Any, ranks: Any, scorer: Any, w
     restored from ``resume_dir``)."""
     inner = Collector(cfg=cfg, batcher=batcher, ranks=ranks, scorer=scorer)
     if not cfg.async_steps:
+        if resume_dir is not None and load_extra(resume_dir, IN_FLIGHT, rank=ranks.rank):
+            logger.warning("resume without async_steps: the %s checkpoint's rollouts in flight are dropped (their prompts "
+                           "are skipped)", resume_dir)
         return inner
     if device.type != "cpu":
         raise InputError(f"async_steps={cfg.async_steps}: the sampler process runs on the CPU (forked from the trainer); "
                          f"this run's device is {device} (use --device cpu)")
     in_flight = None
     if resume_dir is not None:
-        saved = load_extra(resume_dir, IN_FLIGHT, rank=ranks.rank)
-        in_flight = saved if saved is not None else None
+        files = sorted(resume_dir.glob(extra_file(IN_FLIGHT, "*")))  # one per rank that wrote the checkpoint
+        written = len(files)
+        if written != ranks.world_size and any(torch.load(f, weights_only=False) for f in files):
+            raise InputError(f"resume: {resume_dir} holds the in-flight rollouts of {written} processes (async_steps); "
+                             f"resume it with {written} processes, this run has {ranks.world_size}")
+        in_flight = load_extra(resume_dir, IN_FLIGHT, rank=ranks.rank)
     sampler = ProcessSampler(weights, pad_token_id=pad_token_id, timeout_s=cfg.sampler_timeout)
     return AsyncCollector(inner=inner, sampler=sampler, weights=weights, async_steps=cfg.async_steps, steps=cfg.steps,
                           in_flight=in_flight)

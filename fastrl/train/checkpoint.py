@@ -171,7 +171,7 @@ def _rng_file(rank: int) -> str:
     return f"rng-rank{rank}.pt"
 
 
-def extra_file(name: str, rank: int) -> str:
+def extra_file(name: str, rank: int | str) -> str:
     """The file of a rank's ``extra`` object in a checkpoint (e.g. the in-flight rollouts)."""
     return f"{name}-rank{rank}.pt"
 

@@ -18,6 +18,7 @@ import pytest
 import torch
 from safetensors.torch import load_file
 
+from fastrl.errors import InputError
 from fastrl.train.cli import parse_train_args
 from fastrl.train.trainer import Trainer
 
@@ -56,7 +57,7 @@ CONFIGS = {
     # asynchronous training: each rank's rollouts sampled one step ahead by a sampler process
     # of its own (forked from the rank, weights from the trainer's full copy), decoupled PPO
     "async": ["--async_steps", "1", "--rollout_correction", "decoupled", "--advantage_mode", "batch_std",
-              "--loss_agg", "token-mean", "--kl_coef", "0"],
+              "--loss_agg", "token-mean", "--kl_coef", "0", "--save_every", "1"],
     "vllm_server": ["--model_hidden_size", "128", "--model_layers", "1", "--sampler", "vllm-server", "{server}",
                     "--rollout_correction", "is", "--advantage_mode", "batch_std"],
 }
@@ -225,3 +226,14 @@ def test_bad_input_is_refused_on_every_rank(two_process_runs):
             assert words in record.split("fastrl train: error: ", 1)[1].splitlines()[0], record
         assert rank_seen["bad_algorithm"] == "exit 2"  # the option parser's usage error, before any work
     assert not (root / "bad1" / "metrics.jsonl").exists() and not (root / "bad2" / "metrics.jsonl").exists()
+
+
+def test_two_process_async_checkpoint_needs_two_processes(two_process_runs, tmp_path):
+    # each rank's rollout in flight is in the checkpoint; one process cannot continue both shares
+    root, _ = two_process_runs
+    checkpoint = root / "two" / "async" / "checkpoints" / "step-000001"
+    assert (checkpoint / "in_flight-rank0.pt").exists() and (checkpoint / "in_flight-rank1.pt").exists()
+    out = tmp_path / "resumed"
+    config = parse_train_args([*base_args(root), *config_args("async"), "--output_dir", str(out), "--resume", str(checkpoint)])
+    with pytest.raises(InputError, match="in-flight rollouts of 2 processes"):
+        Trainer(config)
