@@ -40,7 +40,10 @@ class RolloutRequest:
 
 
 class Collector:
-    """``collect(sampler=, step=, timer=)``: one step's rollout and its ``dynamic/...`` metrics."""
+    """``collect(sampler=, step=, timer=)``: one step's rollout and its ``dynamic/...`` metrics.
+
+    The interface the trainer uses (``async_collect.AsyncCollector`` has it too): ``collect``,
+    ``checkpoint_extra()`` (this rank's objects for the checkpoint) and ``close()``."""
 
     def __init__(self, *, cfg: TrainConfig, batcher: Any, ranks: Any, scorer: Any):
         self.cfg, self.batcher, self.ranks, self.scorer = cfg, batcher, ranks, scorer
