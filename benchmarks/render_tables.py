@@ -206,8 +206,28 @@ def compare_default() -> str:
     return table + f"\n`{data['command']}`: {len(data['seeds'])} seeds, budget {data['budget']['text']}.\n"
 
 
+def async_default() -> str:
+    """``--async_steps 1`` vs the synchronous loop on the embedded default, per seed (benchmarks/bench_async.py)."""
+    data = _load("async_default_cpu.json")
+    rows = []
+    for seed, run in sorted(data["runs"].items(), key=lambda kv: int(kv[0])):
+        sync, asy, r = run["sync"], run["async"], data["per_seed"][seed]
+        rows.append([seed, f"{sync['step_seconds_median']:.3f} s", f"{sync['generate_seconds_median']:.3f} s",
+                     f"{sync['rest_seconds_median']:.3f} s", f"{asy['step_seconds_median']:.3f} s",
+                     f"{r['async_step_over_sync_step']:.2f}x", f"{r['async_step_over_max_gen_rest']:.2f}x",
+                     f"{sync['eval'][-1]['accuracy']:.3f}", f"{asy['eval'][-1]['accuracy']:.3f}"])
+    table = _rows(["seed", "sync step", "sync: generation", "sync: rest of the step", "async step", "async / sync",
+                   "async / max(gen, rest)", "held-out acc. sync (step 150)", "async (step 150)"], rows)
+    acc = data["summary"]["final_accuracy"]
+    return table + (f"\nMedians over each run's GRPO steps (the first excluded). Held-out accuracy at step 150: sync "
+                    f"{acc['sync']['mean']:.3f} (spread {acc['sync']['spread']:.3f}), async {acc['async']['mean']:.3f} "
+                    f"(spread {acc['async']['spread']:.3f}). `{data['command']}`; {data['pinning']}; {data['machine']}; "
+                    f"{data['date']}.\n")
+
+
 TABLES: dict[str, Callable[[], str]] = {"default_train_seeds": default_train_seeds, "headline": headline,
-                                        "compare_default": compare_default, "benchmarks_cpu": benchmarks_cpu}
+                                        "compare_default": compare_default, "benchmarks_cpu": benchmarks_cpu,
+                                        "async_default": async_default}
 
 
 def pages() -> list[Path]:

@@ -280,6 +280,7 @@ def policy_loss(
     entropy: torch.Tensor | None = None,
     rollout_logp: torch.Tensor | None = None,
     is_weight: torch.Tensor | None = None,
+    proximal_logp: torch.Tensor | None = None,
     config: PolicyLossConfig = PolicyLossConfig(),
     global_token_count: torch.Tensor | float | None = None,
     global_seq_count: torch.Tensor | float | None = None,
@@ -310,6 +311,14 @@ def policy_loss(
             policy-gradient term: ``[B, T]`` per token, or ``[B]`` / ``[B, 1]`` per sequence
             (e.g. a trainer's vLLM correction or token masks); with ``rollout_logp`` the two
             multiply. Non-negative finite values are expected (not checked: no host sync).
+        proximal_logp: ``[B, T]`` decoupled PPO (AReaL, arXiv 2505.24298; asynchronous
+            training): log-probs of the *proximal* policy (the trainer's at the start of the
+            update), which the ratio is taken and clipped against; ``old_logp`` is then the
+            *behaviour* policy that sampled the tokens (a sampler some updates behind), and
+            the policy-gradient term is weighted (no gradient) by the behaviour weight
+            ``min(exp(proximal_logp - old_logp), config.is_cap)`` at ``config.is_level``. It is
+            the rollout weight with the roles named (``reference.policy_loss``): not with
+            ``rollout_logp``.
         config: ``PolicyLossConfig`` (see its field docs and ``PolicyLossConfig.preset``).
         global_token_count: replaces the local token count of ``loss_agg="token-mean"``
             (gradient accumulation / data parallel: pass the count of the whole batch).
@@ -343,6 +352,14 @@ def policy_loss(
     """
     if not isinstance(config, PolicyLossConfig):
         raise TypeError(f"config must be a PolicyLossConfig, got {type(config).__name__}")
+    if proximal_logp is not None:
+        if rollout_logp is not None:
+            raise ValueError("proximal_logp (decoupled PPO) weights by the behaviour policy old_logp already: "
+                             "rollout_logp must be None with it")
+        check_float("proximal_logp", proximal_logp, shape=tuple(getattr(old_logp, "shape", ())) or None)
+        # decoupled PPO is the rollout-weighted loss with the roles named: the ratio against the
+        # proximal policy, the weight exp(proximal - behaviour) (fastrl.reference.policy_loss)
+        old_logp, rollout_logp = proximal_logp, old_logp
     if cu_seqlens is not None:  # packed rows: this op on their padded [S, T] view
         _, (logp, old_logp, advantages, mask, ref_logp, entropy, rollout_logp, is_weight) = packed_to_rows(
             cu_seqlens, logp=logp, old_logp=old_logp, advantages=advantages, mask=mask, ref_logp=ref_logp,

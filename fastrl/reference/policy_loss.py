@@ -28,6 +28,20 @@ Importance weight (no gradient), ``is_cap`` = None means no truncation, ``v`` th
 (``surrogate="vespo"`` takes ``old_logp - rollout_logp`` into its own sequence weight
 instead, and then w = v.)
 
+Decoupled PPO (AReaL, Fu et al. 2025, arXiv 2505.24298), when ``proximal_logp`` is given:
+``old_logp`` is then the *behaviour* policy (the sampler that drew the tokens, possibly some
+updates behind) and ``proximal_logp`` the *proximal* policy (the trainer's at the start of
+the update). The ratio is taken and clipped against the proximal policy, and the behaviour
+importance weight (no gradient) corrects for the staleness of the sample:
+
+    lr[b,t]   = clamp(logp - proximal_logp, -c, c)             (the ratio as above, from it)
+    w[b,t]    = v[b,t] min(exp(proximal_logp - old_logp), is_cap)       (is_level as above)
+
+That is the rollout-weight formula with ``(old_logp, rollout_logp) := (proximal_logp,
+old_logp)``: one loss, the behaviour weight is the rollout weight, so ``rollout_logp`` must
+not be given with it. The metrics are those of that loss (``is_weight_mean`` is the mean
+behaviour weight).
+
 Per-token loss, KL_t from ``fastrl.reference.kl`` with d = ref_logp - logp (optionally
 clamped by ``kl_clamp``), H_t the given entropy:
 
@@ -85,6 +99,7 @@ def policy_loss_reference(
     entropy: torch.Tensor | None = None,
     rollout_logp: torch.Tensor | None = None,
     is_weight: torch.Tensor | None = None,
+    proximal_logp: torch.Tensor | None = None,
     config: PolicyLossConfig = PolicyLossConfig(),
     global_token_count: torch.Tensor | float | None = None,
     global_seq_count: torch.Tensor | float | None = None,
@@ -93,6 +108,8 @@ def policy_loss_reference(
 
     Computed in float64 when ``logp`` is float64, else in float32. No input validation.
     """
+    if proximal_logp is not None:  # decoupled PPO: old_logp is the behaviour policy
+        old_logp, rollout_logp = proximal_logp, old_logp
     cfg = config
     dtype = torch.promote_types(logp.dtype, torch.float32)
     B, T = logp.shape

@@ -88,6 +88,13 @@ class AgentCollector:
     needs_old_logp = True
     """The trainer computes old log-probs every step, for the sampler-vs-trainer gap on policy tokens."""
 
+    def checkpoint_extra(self) -> dict[str, Any]:
+        """Nothing beyond the batcher's position: an agent step's rollout is not kept in flight."""
+        return {}
+
+    def close(self) -> None:
+        """Nothing to release here (the environment runtime is the trainer's ``agent``, closed with it)."""
+
     def __init__(self, *, cfg: TrainConfig, batcher: Any, ranks: Any, runtime: Any, renderer: ChatRenderer, pad_token_id: int):
         self.cfg, self.batcher, self.ranks = cfg, batcher, ranks
         self.runtime, self.renderer, self.pad_token_id = runtime, renderer, int(pad_token_id)

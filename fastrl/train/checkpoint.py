@@ -110,11 +110,13 @@ def save_checkpoint(
     objects: dict[str, Any],
     state: dict[str, Any],
     keep: int,
+    extra: dict[str, Any] | None = None,
 ) -> Path:
     """Write one checkpoint atomically; keep the newest ``keep`` checkpoints beside it.
 
     ``models``: name -> object with ``save_pretrained`` or ``save`` (critic). ``objects``:
     name -> anything with ``state_dict()`` (optimizers, schedulers), saved with torch.save.
+    ``extra``: name -> this rank's object, saved as ``<name>-rank0.pt`` (``load_extra``).
     """
     _refuse_non_finite(models, int(state["step"]))
     tmp = directory.with_name(directory.name + ".tmp")
@@ -131,6 +133,8 @@ def save_checkpoint(
             tokenizer.save_pretrained(tmp / "policy")
         torch.save({name: obj.state_dict() for name, obj in objects.items()}, tmp / "optim.pt")
         torch.save(rng_state(), tmp / "rng.pt")
+        for name, obj in (extra or {}).items():
+            torch.save(obj, tmp / extra_file(name, 0))
         (tmp / STATE_FILE).write_text(json.dumps(state, indent=1))
         manifest.write_manifest(tmp, step=int(state["step"]))
     except Exception as error:
@@ -167,6 +171,17 @@ def _rng_file(rank: int) -> str:
     return f"rng-rank{rank}.pt"
 
 
+def extra_file(name: str, rank: int | str) -> str:
+    """The file of a rank's ``extra`` object in a checkpoint (e.g. the in-flight rollouts)."""
+    return f"{name}-rank{rank}.pt"
+
+
+def load_extra(directory: Path, name: str, *, rank: int) -> Any:
+    """A rank's ``extra`` object of a checkpoint, or None when the checkpoint has none."""
+    path = directory / extra_file(name, rank)
+    return torch.load(path, map_location="cpu", weights_only=False) if path.exists() else None
+
+
 def save_distributed_checkpoint(
     directory: Path,
     *,
@@ -179,8 +194,10 @@ def save_distributed_checkpoint(
     rank: int,
     barrier,
     keep: int,
+    extra: dict[str, Any] | None = None,
 ) -> Path:
     """Write one checkpoint from every rank of a torchrun job (a collective), atomically.
+    ``extra``: name -> this rank's object, saved as ``<name>-rank{r}.pt`` (``load_extra``).
 
     ``dcp/``: every model's and optimizer's state, each rank writing its own shards
     (``torch.distributed.checkpoint``; keys are parameter names, so it loads into any
@@ -236,6 +253,8 @@ def save_distributed_checkpoint(
         shards.update({name: get_optimizer_state_dict(model, opt) for name, (model, opt) in optimizers.items()})
         dcp.save(shards, checkpoint_id=str(tmp / DCP_DIR))
         torch.save(rng_state(), tmp / _rng_file(rank))
+        for name, obj in (extra or {}).items():
+            torch.save(obj, tmp / extra_file(name, rank))
         if rank == 0:
             hf_policy.save_pretrained(tmp / "policy", safe_serialization=True)
             if tokenizer is not None:
@@ -372,15 +391,18 @@ class RunCheckpoint:
         return out
 
     def save(self, directory: Path, *, tokenizer: Any, state: dict[str, Any], keep: int, sharded: bool = False,
-             full_policy: torch.nn.Module | None = None, rank: int = 0, world_size: int = 1, barrier=None) -> Path:
+             full_policy: torch.nn.Module | None = None, rank: int = 0, world_size: int = 1, barrier=None,
+             extra: dict[str, Any] | None = None) -> Path:
         """One checkpoint; ``sharded`` (torchrun, a collective): ``torch.distributed.checkpoint``
-        shards plus rank 0's Hugging Face copy of ``full_policy``."""
+        shards plus rank 0's Hugging Face copy of ``full_policy``. ``extra``: this rank's
+        objects by name (``load_extra``)."""
         if not sharded:
-            return save_checkpoint(directory, models=self.models(), tokenizer=tokenizer, objects=self.objects(), state=state, keep=keep)
+            return save_checkpoint(directory, models=self.models(), tokenizer=tokenizer, objects=self.objects(), state=state, keep=keep,
+                                   extra=extra)
         return save_distributed_checkpoint(
             directory, models=self.models(), optimizers=self.optimizers(), schedulers=self.schedulers(),
             state={**state, "world_size": world_size}, hf_policy=full_policy, tokenizer=tokenizer, rank=rank, barrier=barrier,
-            keep=keep,
+            keep=keep, extra=extra,
         )
 
     def load(self, directory: Path, *, algorithm: str, sharded: bool = False, rank: int = 0) -> tuple[dict[str, Any], dict[str, Any]]:

@@ -47,7 +47,7 @@ HELP_GROUPS: dict[str, tuple[str, ...]] = {
                   "lam", "whiten_advantages",
                   "turn_gamma", "step_coef", "turn_norm", "turn_coef", "outcome_coef"),
     "rewards": ("rewards", "reward_weights", "reward_timeout", "reward_workers"),
-    "rollout": ("sampler", "sampler_url", "sampler_timeout", "group_size", "prompts_per_step",
+    "rollout": ("sampler", "sampler_url", "sampler_timeout", "async_steps", "group_size", "prompts_per_step",
                 "prompt_token_budget", "max_new_tokens", "temperature", "top_p", "top_k", "dynamic_sampling",
                 "max_resample_rounds", "sync_probe_every", "sync_probe_tolerance"),
     "optimisation": ("steps", "max_seconds", "max_generated_tokens", "ppo_epochs", "mini_batches", "shared_prefix",
@@ -235,6 +235,7 @@ def run_train(argv: list[str]) -> int:
     if os.environ.get("RANK", "0") == "0":
         print(describe_run(config), file=sys.stderr, flush=True)
     quiet_hf_progress_bars()  # transformers' shard-writing bars would interleave with fastrl's lines
+    from fastrl.rollout.process import SamplerProcessError
     from fastrl.rollout.remote import ServerError, ServerTimeout, ServerUnavailable
     from fastrl.train.trainer import Trainer, TrainingDivergedError, WeightSyncError
 
@@ -248,6 +249,10 @@ def run_train(argv: list[str]) -> int:
         # the shared vLLM server failed, stopped or restarted: the run's checkpoints are intact
         print(f"fastrl train: stopped: {e}\nStart the server again and continue the run with --resume latest "
               f"(from the last checkpoint in {config.output_dir}).", file=sys.stderr)
+        return 4
+    except SamplerProcessError as e:  # async_steps: the sampler process failed or timed out
+        print(f"fastrl train: stopped: {e}\nContinue the run with --resume latest (from the last checkpoint in "
+              f"{config.output_dir}).", file=sys.stderr)
         return 4
     if os.environ.get("RANK", "0") != "0":  # torchrun: rank 0 reports
         return 0

@@ -8,15 +8,16 @@ many informative groups as prompts (or ``max_resample_rounds`` is spent).
 
 from __future__ import annotations
 
+from dataclasses import dataclass
 from typing import Any
 
-from fastrl.rollout.base import GroupRollout, SamplingConfig, merge_rollouts
+from fastrl.rollout.base import GroupRollout, RolloutBatch, SamplingConfig, merge_rollouts
 from fastrl.train import seeds
 from fastrl.train.config import TrainConfig
 from fastrl.train.experience import Experience
 from fastrl.train.metrics import best_and_worst, rollout_metrics
 
-__all__ = ["Collector", "rollout_sampling"]
+__all__ = ["Collector", "RolloutRequest", "rollout_sampling"]
 
 
 def rollout_sampling(cfg: TrainConfig, *, step: int, salt: int) -> SamplingConfig:
@@ -25,10 +26,26 @@ def rollout_sampling(cfg: TrainConfig, *, step: int, salt: int) -> SamplingConfi
                           seed=seeds.rollout_seed(cfg.seed, step, salt))
 
 
+@dataclass
+class RolloutRequest:
+    """One rollout round to sample: this rank's prompts and how (``Collector.draw``)."""
+
+    prompt_batch: Any
+    """This rank's share of the prompt batch (``PromptBatch``: rows, prompt ids, indices)."""
+    sampling: SamplingConfig
+    prompt_seeds: list[int] | None
+    """One sampling seed per prompt (``seeds.prompt_seeds``), or None."""
+
+    def generate(self, sampler: Any, *, group_size: int) -> RolloutBatch:
+        extra = {"prompt_seeds": self.prompt_seeds} if self.prompt_seeds is not None else {}
+        return sampler.generate(self.prompt_batch.prompt_ids, group_size=group_size, sampling=self.sampling, **extra)
+
+
 class Collector:
     """``collect(sampler=, step=, timer=)``: one step's rollout and its ``dynamic/...`` metrics;
-    ``experience``, ``step_metrics`` and ``samples`` of it for the loop (the interface
-    ``agent_collect.AgentCollector`` shares)."""
+    ``experience``, ``step_metrics`` and ``samples`` of it for the loop, ``checkpoint_extra()``
+    (this rank's objects for the checkpoint) and ``close()``: the interface
+    ``agent_collect.AgentCollector`` and ``async_collect.AsyncCollector`` share."""
 
     def __init__(self, *, cfg: TrainConfig, batcher: Any, ranks: Any, scorer: Any):
         self.cfg, self.batcher, self.ranks, self.scorer = cfg, batcher, ranks, scorer
@@ -78,14 +95,29 @@ class Collector:
 
     def rollout(self, *, sampler: Any, step: int, salt: int, timer: Any) -> GroupRollout:
         """Sample and score this rank's share of the next prompt batch."""
-        G = self.cfg.group_size
-        prompt_batch, first = self.ranks.shard(next(self.batcher))
+        request = self.draw(step=step, salt=salt)
         with timer("generate"):
-            sampling = rollout_sampling(self.cfg, step=step, salt=salt)
-            prompt_seeds = seeds.prompt_seeds(sampling.seed, first, len(prompt_batch.prompt_ids))
-            extra = {"prompt_seeds": prompt_seeds} if prompt_seeds is not None else {}
-            batch = sampler.generate(prompt_batch.prompt_ids, group_size=G, sampling=sampling, **extra)
+            batch = request.generate(sampler, group_size=self.cfg.group_size)
         with timer("reward"):
-            completions, result = self.scorer.score(prompt_batch.rows, batch, G)
-        return GroupRollout(batch=batch, rows=prompt_batch.rows, completions=completions, rewards=result.rewards.float(),
+            return self.score(request, batch)
+
+    def draw(self, *, step: int, salt: int) -> RolloutRequest:
+        """This rank's share of the next prompt batch and its sampling settings (advances the batcher)."""
+        prompt_batch, first = self.ranks.shard(next(self.batcher))
+        sampling = rollout_sampling(self.cfg, step=step, salt=salt)
+        return RolloutRequest(prompt_batch=prompt_batch, sampling=sampling,
+                              prompt_seeds=seeds.prompt_seeds(sampling.seed, first, len(prompt_batch.prompt_ids)))
+
+    def score(self, request: RolloutRequest, batch: RolloutBatch) -> GroupRollout:
+        """The request's sampled batch, scored by the reward pool."""
+        rows = request.prompt_batch.rows
+        completions, result = self.scorer.score(rows, batch, self.cfg.group_size)
+        return GroupRollout(batch=batch, rows=rows, completions=completions, rewards=result.rewards.float(),
                             reward_metrics=dict(result.metrics), per_function=dict(result.per_function))
+
+    def checkpoint_extra(self) -> dict[str, Any]:
+        """What a checkpoint must hold beyond the batcher's position (nothing: no rollout in flight)."""
+        return {}
+
+    def close(self) -> None:
+        """Nothing to release (a collector with a process of its own stops it here)."""

@@ -2,6 +2,8 @@
 
 1. prompts      ``PromptBatcher`` (by prompt count or token budget; resumable position)
 2. rollout      ``GroupSampler.generate`` (HF shared-prefix sampler, vLLM, a shared server)
+                with ``async_steps``: sampled steps ahead by a sampler process of its own
+                (``async_collect.py``), the loss told through ``rollout_correction``
 3. rewards      ``RewardPool.score`` (TRL-signature functions in a process pool with hard
                 time limits); DAPO's dynamic sampling drops all-equal groups and refills
 4. log-probs    old (skipped when the update is exactly on-policy), reference (only with a
@@ -39,8 +41,10 @@ from fastrl.rollout.base import RolloutBatch, SamplingConfig
 from fastrl.train import advantages, agent_build, build, seeds
 from fastrl.train import distributed as dist_mod
 from fastrl.train.checkpoint import RunCheckpoint, check_algorithm, checkpoint_dir, claim_output_dir, resolve_resume, save_final, set_rng_state
-from fastrl.train.collect import Collector, rollout_sampling
+from fastrl.train.async_collect import make_collector
+from fastrl.train.collect import rollout_sampling
 from fastrl.train.config import TrainConfig
+from fastrl.train.correction import rollout_correction
 from fastrl.train.critic import ValueModel
 from fastrl.train.evaluate import HeldOutEvaluator
 from fastrl.train.experience import Experience
@@ -236,7 +240,10 @@ class Trainer:
             self.collector, self.evaluator = agent_build.agent_loop(cfg, self.agent, batcher=self.batcher, ranks=ranks,
                                                                     sampler=self.sampler, pad_token_id=self.tokenizer.pad_token_id)
         else:
-            self.collector = Collector(cfg=cfg, batcher=self.batcher, ranks=ranks, scorer=self.scorer)
+            self.collector = make_collector(cfg=cfg, batcher=self.batcher, ranks=ranks, scorer=self.scorer,
+                                            weights=self.sampler_model if self.sampler_model is not None else self.policy,
+                                            pad_token_id=self.tokenizer.pad_token_id, device=self.device,
+                                            resume_dir=self.resume_dir)
             self.evaluator = HeldOutEvaluator(
                 sampler=self.sampler, scorer=self.scorer, ranks=ranks, rows=self.eval_rows, prompt_ids=self.eval_encoded,
                 max_new_tokens=cfg.max_new_tokens, pass_k=cfg.pass_k, temperature=cfg.temperature, top_p=cfg.top_p,
@@ -304,9 +311,10 @@ class Trainer:
         exp = self.collector.experience(rollout, device=self.device)
 
         # ---- log-probs of the behaviour and reference policies
-        if cfg.rollout_correction == "bypass":
+        correction = rollout_correction(cfg.rollout_correction)
+        if correction.sampler_is_old:
             exp.old_logp = exp.sampler_logp
-        elif not cfg.on_policy or cfg.kl_in_reward or cfg.rollout_correction == "is" or self.collector.needs_old_logp:
+        elif not cfg.on_policy or cfg.kl_in_reward or correction.recompute or self.collector.needs_old_logp:
             with self.timer("old_logp"):
                 exp.old_logp = self._token_logprobs(self.policy, exp)
         if self.reference is not None:
@@ -465,11 +473,14 @@ class Trainer:
         cu_seqlens = self.layout.cu_seqlens(mb)
         logp, entropy = self.layout.logprobs(self.policy, mb, entropy=True)
         loss_config = self.loss_config if not self.loss_config.kl_coef else self.loss_config.replace(kl_coef=self.kl_ctl.value)
+        logp_inputs = rollout_correction(cfg.rollout_correction).loss_inputs(  # old/rollout/proximal log-probs
+            sampler=take(exp.sampler_logp), trainer=take(exp.old_logp) if exp.old_logp is not None else None,
+            current=logp.detach())
         loss, metrics = policy_loss(
-            logp, take(exp.old_logp) if exp.old_logp is not None else logp.detach(), take(exp.advantages), mask,
+            logp, advantages=take(exp.advantages), mask=mask,
             ref_logp=take(exp.ref_logp) if (exp.ref_logp is not None and self.loss_config.kl_coef) else None,
             entropy=entropy,
-            rollout_logp=take(exp.sampler_logp) if cfg.rollout_correction == "is" else None,
+            **logp_inputs,
             config=loss_config,
             global_counts=counts,
             cu_seqlens=cu_seqlens,
@@ -567,7 +578,7 @@ class Trainer:
         self.last_checkpoint = self.checkpoint.save(
             checkpoint_dir(self.out, self.step), tokenizer=self.tokenizer, state=state, keep=self.cfg.keep_checkpoints,
             sharded=self.ranks.sharded, full_policy=self.sampler_model, rank=self.ranks.rank, world_size=self.ranks.world_size,
-            barrier=self.ranks.barrier,
+            barrier=self.ranks.barrier, extra=self.collector.checkpoint_extra(),
         )
         return self.last_checkpoint
 
@@ -589,6 +600,7 @@ class Trainer:
         if self.run_lock is not None:
             self.run_lock.release()
         self.rewards.close()
+        self.collector.close()
         if self.agent is not None:
             self.agent.close()
         if hasattr(self.sampler, "close"):

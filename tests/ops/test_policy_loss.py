@@ -481,3 +481,50 @@ def test_presets_match_trainer_losses(backend, name):
     (g,) = torch.autograd.grad(loss, [lp])
     torch.testing.assert_close(loss, expected, rtol=1e-5, atol=1e-7)
     torch.testing.assert_close(g, g_exp, rtol=1e-4, atol=1e-8)
+
+
+@pytest.mark.parametrize("backend", BACKENDS)
+@pytest.mark.parametrize("cfg", [dict(), dict(is_cap=1.5, dual_clip=3.0),
+                                 dict(ratio_level="sequence", is_level="sequence", loss_agg="seq-mean-token-mean")])
+def test_decoupled_ppo_matches_reference(backend, cfg):
+    # proximal_logp: the ratio against the proximal policy, old_logp the behaviour policy
+    batch = make_batch(seed=3)
+    batch["proximal_logp"] = batch.pop("rollout_logp")
+    config = PolicyLossConfig(**cfg)
+    got = run(backend, batch, config, use=("ref_logp", "entropy", "proximal_logp"))
+    want = run("ref", batch, config, use=("ref_logp", "entropy", "proximal_logp"))
+    assert_matches(got, want)
+    assert "is_weight_mean" in got[1]
+
+
+def decoupled_hand_case():
+    """Decoupled PPO on three tokens (clip 0.2, token-mean), by hand (the same case as
+    tests/reference/test_policy_loss_reference.py::test_hand_decoupled_ppo): the ratio
+    against the proximal policy, times the behaviour weight exp(proximal - behaviour).
+    Returns (logp, behaviour, proximal, advantages, loss, grad, weight mean)."""
+    e = math.exp
+    loss = (-e(0.1) * e(0.5) - 1.2 + 1.6 * e(0.2)) / 3
+    return ([[0.1, 0.5, 0.0]], [[-0.5, 0.0, 0.1]], [[0.0, 0.0, 0.3]], [[1.0, 1.0, -2.0]], loss,
+            [[-e(0.1) * e(0.5) / 3, 0.0, 0.0]], (e(0.5) + 1.0 + e(0.2)) / 3)
+
+
+@pytest.mark.parametrize("backend", BACKENDS)
+def test_decoupled_ppo_hand_case(backend):
+    lp, behaviour, proximal, adv, want_loss, want_grad, want_w = decoupled_hand_case()
+    f32 = lambda x: torch.tensor(x, dtype=torch.float32, device=DEVICE)  # noqa: E731
+    logp = f32(lp).requires_grad_()
+    loss, m = policy_loss(logp, f32(behaviour), f32(adv), torch.ones(1, 3, device=DEVICE), proximal_logp=f32(proximal),
+                          backend=backend)
+    assert loss.item() == pytest.approx(want_loss, rel=1e-6)
+    assert m["is_weight_mean"].item() == pytest.approx(want_w, rel=1e-6)
+    loss.backward()
+    torch.testing.assert_close(logp.grad.double().cpu(), torch.tensor(want_grad, dtype=D64), rtol=1e-6, atol=1e-7)
+
+
+def test_decoupled_ppo_refuses_rollout_logp_and_bad_shapes():
+    b = make_batch(B=2, T=4)
+    with pytest.raises(ValueError, match="rollout_logp must be None"):
+        policy_loss(b["logp"], b["old_logp"], b["advantages"], b["mask"], proximal_logp=b["old_logp"],
+                    rollout_logp=b["rollout_logp"])
+    with pytest.raises(ValueError, match="proximal_logp"):
+        policy_loss(b["logp"], b["old_logp"], b["advantages"], b["mask"], proximal_logp=b["old_logp"][:, :2])

@@ -194,6 +194,42 @@ def test_hand_truncated_importance_weights():
     assert loss.item() == pytest.approx(-1.0, rel=1e-12)
 
 
+def decoupled_hand_case():
+    """Decoupled PPO on three tokens (clip 0.2, token-mean), by hand: the ratio against the
+    proximal policy, the behaviour weight exp(proximal - behaviour) times the clipped term.
+    token 0: r = e^0.1 inside [0.8, 1.2], A = 1, w = e^0.5:  pg = -e^0.1 e^0.5, grad -e^0.1 e^0.5 / 3
+    token 1: r = e^0.5 > 1.2 (clipped), A = 1, w = 1:       pg = -1.2, grad 0
+    token 2: r = e^-0.3 < 0.8 (clipped), A = -2, w = e^0.2: pg = 2 * 0.8 * e^0.2, grad 0
+    Returns (logp, behaviour, proximal, advantages, loss, grad, weight mean)."""
+    logp = [[0.1, 0.5, 0.0]]
+    proximal = [[0.0, 0.0, 0.3]]
+    behaviour = [[-0.5, 0.0, 0.1]]
+    adv = [[1.0, 1.0, -2.0]]
+    e = math.exp
+    loss = (-e(0.1) * e(0.5) - 1.2 + 1.6 * e(0.2)) / 3
+    grad = [[-e(0.1) * e(0.5) / 3, 0.0, 0.0]]
+    return logp, behaviour, proximal, adv, loss, grad, (e(0.5) + 1.0 + e(0.2)) / 3
+
+
+def test_hand_decoupled_ppo():
+    lp, behaviour, proximal, adv, want_loss, want_grad, want_w = decoupled_hand_case()
+    logp = _t(lp).requires_grad_()
+    loss, m = policy_loss_reference(logp, _t(behaviour), _t(adv), torch.ones(1, 3), proximal_logp=_t(proximal))
+    assert loss.item() == pytest.approx(want_loss, rel=1e-12)
+    assert m["is_weight_mean"].item() == pytest.approx(want_w, rel=1e-12)
+    assert m["clip_frac_high"].item() == pytest.approx(1 / 3) and m["clip_frac_low"].item() == pytest.approx(1 / 3)
+    loss.backward()
+    torch.testing.assert_close(logp.grad, _t(want_grad))
+    # the weight is truncated at is_cap like the rollout weight: token 0's e^0.5 becomes 1.5
+    logp.grad = None
+    loss, m = policy_loss_reference(logp, _t(behaviour), _t(adv), torch.ones(1, 3), proximal_logp=_t(proximal),
+                                    config=PolicyLossConfig(is_cap=1.5))
+    assert loss.item() == pytest.approx((-math.exp(0.1) * 1.5 - 1.2 + 1.6 * math.exp(0.2)) / 3, rel=1e-12)
+    # naive PPO on the same stale tokens (ratio against the behaviour policy) is another loss
+    naive, _ = policy_loss_reference(logp, _t(behaviour), _t(adv), torch.ones(1, 3))
+    assert abs(naive.item() - want_loss) > 0.1
+
+
 def test_hand_aggregations_and_global_counts():
     # per-token loss is -A when ratio = 1; rows of length 1, 3 and 0
     adv = _t([[1.0, 0.0, 0.0], [2.0, 2.0, 2.0], [5.0, 5.0, 5.0]])

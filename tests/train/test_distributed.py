@@ -1,8 +1,9 @@
 """Data parallel ``fastrl train`` under torchrun (2 gloo processes on the CPU, FSDP2) against
 one process on the same data and seed: equal losses, gradient norms, metrics and parameters
 after 2 steps, for a batch-std advantage mode with a token-mean loss, for REINFORCE++
-(batch whitening) with a seq-mean loss, and with both ranks sampling from one shared
-``fastrl vllm-server`` (rank 0 pushing the weights); a 2-process checkpoint resumed in one
+(batch whitening) with a seq-mean loss, with asynchronous training (each rank's sampler
+process one step ahead), and with both ranks sampling from one shared ``fastrl vllm-server``
+(rank 0 pushing the weights); a 2-process checkpoint resumed in one
 process; bad input refused on every rank before training."""
 
 from __future__ import annotations
@@ -17,6 +18,7 @@ import pytest
 import torch
 from safetensors.torch import load_file
 
+from fastrl.errors import InputError
 from fastrl.train.cli import parse_train_args
 from fastrl.train.trainer import Trainer
 
@@ -52,12 +54,16 @@ CONFIGS = {
     ],
     # every rank samples from one shared `fastrl vllm-server` (the session's, tests/conftest.py),
     # rank 0 pushes the weights; truncated IS from the server's log-probs
+    # asynchronous training: each rank's rollouts sampled one step ahead by a sampler process
+    # of its own (forked from the rank, weights from the trainer's full copy), decoupled PPO
+    "async": ["--async_steps", "1", "--rollout_correction", "decoupled", "--advantage_mode", "batch_std",
+              "--loss_agg", "token-mean", "--kl_coef", "0", "--save_every", "1"],
     "vllm_server": ["--model_hidden_size", "128", "--model_layers", "1", "--sampler", "vllm-server", "{server}",
                     "--rollout_correction", "is", "--advantage_mode", "batch_std"],
 }
 
 COMPARED = ("loss/total", "grad_norm", "loss/pg", "loss/entropy", "reward/mean", "reward/std", "advantage/mean",
-            "advantage/std", "response/length_mean", "kl/approx_old", "ratio/max")
+            "advantage/std", "response/length_mean", "kl/approx_old", "ratio/max", "rollout/is_weight_mean", "async/staleness")
 
 # How far two float32 computations of one metric may differ when only the order of their sums
 # differs (two ranks, each summing its half, then an all-reduce): a relative part for the
@@ -220,3 +226,14 @@ def test_bad_input_is_refused_on_every_rank(two_process_runs):
             assert words in record.split("fastrl train: error: ", 1)[1].splitlines()[0], record
         assert rank_seen["bad_algorithm"] == "exit 2"  # the option parser's usage error, before any work
     assert not (root / "bad1" / "metrics.jsonl").exists() and not (root / "bad2" / "metrics.jsonl").exists()
+
+
+def test_two_process_async_checkpoint_needs_two_processes(two_process_runs, tmp_path):
+    # each rank's rollout in flight is in the checkpoint; one process cannot continue both shares
+    root, _ = two_process_runs
+    checkpoint = root / "two" / "async" / "checkpoints" / "step-000001"
+    assert (checkpoint / "in_flight-rank0.pt").exists() and (checkpoint / "in_flight-rank1.pt").exists()
+    out = tmp_path / "resumed"
+    config = parse_train_args([*base_args(root), *config_args("async"), "--output_dir", str(out), "--resume", str(checkpoint)])
+    with pytest.raises(InputError, match="in-flight rollouts of 2 processes"):
+        Trainer(config)

@@ -1,0 +1,139 @@
+"""One-step asynchronous training (``--async_steps 1``) against the synchronous loop on the
+embedded default task (`fastrl train`, no options: SFT warm-up, then GRPO 150 steps), per seed.
+
+    python benchmarks/bench_async.py --seeds 0 1 2 --out benchmarks/results/async_default_cpu.json
+
+Each run is a fresh process (this script with ``--one``), the runs interleaved per seed
+(sync then async for even seeds, async then sync for odd ones). Pinning: the synchronous
+run (trainer and its in-process sampler) on core 0; the asynchronous run's trainer on core
+0 and its sampler process on core 1 (``os.sched_setaffinity``, torch at one thread in
+each). Recorded per run: the median GRPO step, its stages (generation, and the rest of the
+step: rewards, log-probs, advantages, update, sync), the sampler process's own generation
+time, held-out greedy accuracy and pass@4 at every evaluation (steps 0, 25, ..., 150).
+The async step is compared with ``max(generation, rest)`` of the synchronous run of the
+same seed (the issue's target: at most 1.15x that, instead of their sum). On a shared
+machine other processes only add time: the summary takes the best (smallest) ratio over
+the seeds as the least disturbed estimate and lists every seed's.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import statistics
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(ROOT))
+
+COMMAND = "python benchmarks/bench_async.py --seeds 0 1 2 --out benchmarks/results/async_default_cpu.json"
+TRAINER_CORE, SAMPLER_CORE = 0, 1
+TARGET = 1.15
+"""The issue's bound on the async step: TARGET x max(generation, rest of the step)."""
+
+
+def one_run(seed: int, async_steps: int, out: Path, extra: list[str]) -> dict:
+    """Train in this process (pinned), return the run's figures."""
+    os.sched_setaffinity(0, {TRAINER_CORE})
+    from fastrl.train.async_collect import AsyncCollector
+    from fastrl.train.cli import parse_train_args
+    from fastrl.train.trainer import Trainer
+
+    args = ["--seed", str(seed), "--threads", "1", "--output_dir", str(out), "--progress", "false", *extra]
+    if async_steps:
+        args += ["--async_steps", str(async_steps), "--rollout_correction", "decoupled"]
+    t0 = time.perf_counter()
+    with Trainer(parse_train_args(args)) as trainer:
+        if isinstance(trainer.collector, AsyncCollector):
+            os.sched_setaffinity(trainer.collector.sampler.pid, {SAMPLER_CORE})
+        trainer.train()
+    wall = time.perf_counter() - t0
+    records = [json.loads(line) for line in (out / "metrics.jsonl").read_text().splitlines()]
+    steps = [r for r in records if "event" not in r][1:]  # the first step warms up
+    evals = [r for r in records if r.get("event") == "eval" and "eval/accuracy" in r]
+
+    def median(key: str) -> float:
+        return round(statistics.median(r.get(key, 0.0) for r in steps), 4)
+
+    result = {
+        "step_seconds_median": median("time/step"),
+        "generate_seconds_median": median("time/generate"),
+        "rest_seconds_median": round(statistics.median(r["time/step"] - r["time/generate"] for r in steps), 4),
+        "update_seconds_median": median("time/update"),
+        "eval": [{"step": r["step"], "accuracy": r["eval/accuracy"], "pass@4": r["eval/pass@4"]} for r in evals],
+        "grpo_seconds": round(sum(r["time/step"] for r in steps), 1),
+        "wall_seconds": round(wall, 1),
+    }
+    if async_steps:
+        result["sampler_seconds_median"] = median("async/sampler_seconds")
+        result["staleness_max"] = max(r["async/staleness"] for r in steps)
+    return result
+
+
+def run_fresh(seed: int, async_steps: int, out: Path, extra: list[str]) -> dict:
+    env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONPATH": str(ROOT)}
+    proc = subprocess.run([sys.executable, __file__, "--one", str(seed), str(async_steps), str(out), *extra], env=env,
+                          capture_output=True, text=True, check=True)
+    return json.loads(proc.stdout.strip().splitlines()[-1])
+
+
+def main() -> int:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--seeds", type=int, nargs="+", default=[0, 1, 2])
+    parser.add_argument("--out", type=Path, default=None)
+    parser.add_argument("--machine", default="the project's 2-core CPU, shared with other sessions; runs interleaved per seed")
+    parser.add_argument("--one", nargs=3, metavar=("SEED", "ASYNC_STEPS", "OUT"), help=argparse.SUPPRESS)
+    args, extra = parser.parse_known_args()  # anything else goes to `fastrl train` (a quick check: --steps 4)
+    if args.one:
+        print(json.dumps(one_run(int(args.one[0]), int(args.one[1]), Path(args.one[2]), extra)))
+        return 0
+    from fastrl.bench.harness import write_payload
+
+    runs: dict[str, dict] = {}
+    load_before = os.getloadavg()[0]
+    with tempfile.TemporaryDirectory() as tmp:
+        for i, seed in enumerate(args.seeds):
+            order = [0, 1] if i % 2 == 0 else [1, 0]
+            runs[str(seed)] = {}
+            for a in order:
+                name = "async" if a else "sync"
+                runs[str(seed)][name] = run_fresh(seed, a, Path(tmp) / f"seed{seed}-{name}", extra)
+                print(f"seed {seed} {name}: {json.dumps(runs[str(seed)][name])}", flush=True)
+    ratios = {}
+    for seed, r in runs.items():
+        sync, asy = r["sync"], r["async"]
+        bound = max(sync["generate_seconds_median"], sync["rest_seconds_median"])
+        ratios[seed] = {
+            "async_step_over_sync_step": round(asy["step_seconds_median"] / sync["step_seconds_median"], 3),
+            "async_step_over_max_gen_rest": round(asy["step_seconds_median"] / bound, 3),
+            "final_accuracy_sync": sync["eval"][-1]["accuracy"], "final_accuracy_async": asy["eval"][-1]["accuracy"],
+        }
+    best = min(ratios.values(), key=lambda x: x["async_step_over_max_gen_rest"])
+    acc = {k: [ratios[s][f"final_accuracy_{k}"] for s in ratios] for k in ("sync", "async")}
+    payload = {
+        "what": "embedded default (SFT warm-up, GRPO 150 steps of 16 prompts x 8): --async_steps 1 "
+                "(rollout_correction decoupled, sampler process on its own core) vs the synchronous loop",
+        "command": COMMAND + (" " + " ".join(extra) if extra else ""),
+        "machine": f"{args.machine} (1-minute load average {load_before:.1f} at the start, {os.getloadavg()[0]:.1f} at the end)", "date": time.strftime("%Y-%m-%d"),
+        "pinning": f"sync: trainer + sampler on core {TRAINER_CORE}; async: trainer on core {TRAINER_CORE}, sampler "
+                   f"process on core {SAMPLER_CORE}; torch at 1 thread in each",
+        "runs": runs, "per_seed": ratios,
+        "summary": {
+            "best_async_step_over_max_gen_rest": best["async_step_over_max_gen_rest"],
+            "best_async_step_over_sync_step": min(x["async_step_over_sync_step"] for x in ratios.values()),
+            "target_async_step_over_max_gen_rest": TARGET,
+            "final_accuracy": {k: {"values": v, "mean": round(statistics.mean(v), 3),
+                                   "spread": round(max(v) - min(v), 3)} for k, v in acc.items()},
+        },
+    }
+    write_payload(payload, args.out, stem="async-default-cpu")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,170 @@
+"""Asynchronous collection (``TrainConfig.async_steps = n >= 1``): the rollouts of the next
+``n`` steps are sampled by a process of its own while the trainer updates.
+
+``AsyncCollector`` has the ``Collector`` interface (``collect(sampler=, step=, timer=)``
+returns one step's ``GroupRollout`` and its metrics). At step ``s`` it snapshots the
+trainer's current weights ``w_s`` (the policy after ``s`` updates), submits the rollouts of
+the steps up to ``s + n`` that are not yet in flight (prompts drawn from the batcher in step
+order, each sampled with ``w_s``), then waits for the rollout of step ``s`` (submitted at
+step ``s - n`` with ``w_{s-n}``, or at the run's first step with its weights) and scores
+it. One worker thread talks to the sampler process, in submission order, so rollout ``s +
+n`` is sampled while step ``s`` trains, and a rollout is never more than ``n`` updates
+old: ``async/staleness`` (updates between the rollout's weights and the trainer's) is
+logged every step and checked.
+
+Exact resume: the rollouts in flight are part of the checkpoint (``checkpoint_extra``,
+``<checkpoint>/in_flight-rank<r>.pt``: each waited for, with its prompts, sampling
+settings and weights version). Regenerating them would need the older weights they were
+sampled with, which the checkpoint does not hold; a resumed run continues with exactly
+the rollouts the uninterrupted one trains on.
+
+Scoring runs in the trainer's process when a rollout is taken (the reward pool is started
+and used from the main thread), so the ``reward`` time is not hidden behind the update.
+"""
+
+from __future__ import annotations
+
+import concurrent.futures
+import logging
+from collections import deque
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import torch
+
+from fastrl.errors import InputError
+from fastrl.rollout.base import GroupRollout, RolloutBatch
+from fastrl.rollout.process import ProcessSampler, weights_bytes
+from fastrl.train.checkpoint import extra_file, load_extra
+from fastrl.train.collect import Collector, RolloutRequest
+from fastrl.train.config import TrainConfig
+
+__all__ = ["AsyncCollector", "IN_FLIGHT", "make_collector"]
+
+logger = logging.getLogger(__name__)
+
+IN_FLIGHT = "in_flight"
+"""The name of the in-flight rollouts in a checkpoint (``checkpoint.extra_file``)."""
+
+
+@dataclass
+class InFlight:
+    """A rollout submitted to the sampler process and not yet trained on."""
+
+    step: int
+    """The step that trains on it."""
+    version: int
+    """The updates the weights it is sampled with had seen (the trainer's step at submission)."""
+    request: RolloutRequest
+    future: concurrent.futures.Future
+
+    def saved(self) -> dict[str, Any]:
+        return {"step": self.step, "version": self.version, "request": self.request, "batch": self.future.result()}
+
+    @classmethod
+    def restored(cls, saved: dict[str, Any]) -> "InFlight":
+        future: concurrent.futures.Future = concurrent.futures.Future()
+        future.set_result(saved["batch"])
+        return cls(step=int(saved["step"]), version=int(saved["version"]), request=saved["request"], future=future)
+
+
+class AsyncCollector:
+    """``Collector``'s interface over a ``ProcessSampler`` (see the module docstring).
+
+    ``inner``: the synchronous collector whose ``draw`` and ``score`` it uses; ``weights``:
+    the module whose state is the trainer's current policy (its full copy under torchrun);
+    ``in_flight``: the saved rollouts of a checkpoint being resumed (``load_extra``)."""
+
+    def __init__(self, *, inner: Collector, sampler: ProcessSampler, weights: torch.nn.Module, async_steps: int,
+                 steps: int, in_flight: list[dict[str, Any]] | None = None):
+        self.inner, self.sampler, self.weights = inner, sampler, weights
+        self.async_steps, self.steps = async_steps, steps
+        self.group_size = inner.cfg.group_size
+        self.executor = concurrent.futures.ThreadPoolExecutor(max_workers=1, thread_name_prefix="fastrl-async-sampler")
+        self.pending: deque[InFlight] = deque(InFlight.restored(s) for s in (in_flight or []))
+        self.next_step: int | None = self.pending[-1].step + 1 if self.pending else None
+
+    # ------------------------------------------------------------------ the interface
+    def collect(self, *, sampler: Any, step: int, timer: Any) -> tuple[GroupRollout, dict[str, float]]:
+        """Step ``step``'s rollout (``sampler``, the trainer's in-process one, is not used)."""
+        self._submit_up_to(step)
+        item = self.pending.popleft()
+        if item.step != step:
+            raise RuntimeError(f"async collection out of step: the rollout in flight is step {item.step}'s, the trainer is at {step}")
+        staleness = step - item.version
+        if not 0 <= staleness <= self.async_steps:
+            raise RuntimeError(f"step {step}: a rollout {staleness} updates old, async_steps={self.async_steps}")
+        with timer("generate"):  # only the wait that the update did not hide
+            batch = item.future.result()
+        with timer("reward"):
+            rollout = self.inner.score(item.request, batch)
+        info = {"dynamic/rounds": 0.0, "dynamic/dropped_groups": 0.0, "async/staleness": float(staleness),
+                "async/sampler_seconds": float(batch.stats.seconds)}
+        return rollout, info
+
+    needs_old_logp = False
+    """As the synchronous collector's (the rollout correction decides the old log-probs)."""
+
+    def experience(self, rollout: GroupRollout, *, device: Any) -> Any:
+        return self.inner.experience(rollout, device=device)
+
+    def step_metrics(self, rollout: GroupRollout, exp: Any) -> tuple[dict[str, float], dict[str, list[float]]]:
+        return self.inner.step_metrics(rollout, exp)
+
+    def samples(self, rollout: GroupRollout, tokenizer: Any) -> Any:
+        return self.inner.samples(rollout, tokenizer)
+
+    def checkpoint_extra(self) -> dict[str, Any]:
+        """The rollouts in flight (each waited for), for ``<checkpoint>/in_flight-rank<r>.pt``."""
+        return {IN_FLIGHT: [item.saved() for item in self.pending]}
+
+    def close(self) -> None:
+        self.executor.shutdown(wait=True, cancel_futures=True)
+        self.sampler.close()
+
+    # ------------------------------------------------------------------ internals
+    def _submit_up_to(self, step: int) -> None:
+        """Submit the rollouts of steps ``next_step .. min(step + n, steps - 1)``, sampled with the weights of now."""
+        if self.next_step is None:
+            self.next_step = step
+        last = min(step + self.async_steps, self.steps - 1)
+        if self.next_step > last:
+            return
+        weights = weights_bytes(self.weights)  # w_step, before this step's update changes them
+        while self.next_step <= last:
+            request = self.inner.draw(step=self.next_step, salt=0)
+            future = self.executor.submit(self._generate, request, weights)
+            self.pending.append(InFlight(step=self.next_step, version=step, request=request, future=future))
+            self.next_step += 1
+
+    def _generate(self, request: RolloutRequest, weights: bytes) -> RolloutBatch:
+        return self.sampler.generate(request.prompt_batch.prompt_ids, group_size=self.group_size, sampling=request.sampling,
+                                     prompt_seeds=request.prompt_seeds, weights=weights)
+
+
+def make_collector(*, cfg: TrainConfig, batcher: Any, ranks: Any, scorer: Any, weights: torch.nn.Module,
+                   pad_token_id: int, device: torch.device, resume_dir: Path | None) -> Collector | AsyncCollector:
+    """The step's collector: ``Collector``, or with ``async_steps`` an ``AsyncCollector``
+    (its sampler process forked now, from ``weights``; a resumed run's rollouts in flight
+    restored from ``resume_dir``)."""
+    inner = Collector(cfg=cfg, batcher=batcher, ranks=ranks, scorer=scorer)
+    if not cfg.async_steps:
+        if resume_dir is not None and load_extra(resume_dir, IN_FLIGHT, rank=ranks.rank):
+            logger.warning("resume without async_steps: the %s checkpoint's rollouts in flight are dropped (their prompts "
+                           "are skipped)", resume_dir)
+        return inner
+    if device.type != "cpu":
+        raise InputError(f"async_steps={cfg.async_steps}: the sampler process runs on the CPU (forked from the trainer); "
+                         f"this run's device is {device} (use --device cpu)")
+    in_flight = None
+    if resume_dir is not None:
+        files = sorted(resume_dir.glob(extra_file(IN_FLIGHT, "*")))  # one per rank that wrote the checkpoint
+        written = len(files)
+        if written != ranks.world_size and any(torch.load(f, weights_only=False) for f in files):
+            raise InputError(f"resume: {resume_dir} holds the in-flight rollouts of {written} processes (async_steps); "
+                             f"resume it with {written} processes, this run has {ranks.world_size}")
+        in_flight = load_extra(resume_dir, IN_FLIGHT, rank=ranks.rank)
+    sampler = ProcessSampler(weights, pad_token_id=pad_token_id, timeout_s=cfg.sampler_timeout)
+    return AsyncCollector(inner=inner, sampler=sampler, weights=weights, async_steps=cfg.async_steps, steps=cfg.steps,
+                          in_flight=in_flight)
