@@ -85,3 +85,20 @@ def test_bad_env_input_is_one_line_before_the_first_step(tmp_path, capsys, args,
     lines = capsys.readouterr().err.strip().splitlines()
     assert lines[-1].startswith("fastrl train: error: ") and message in lines[-1]
     assert not (out / "metrics.jsonl").exists()
+
+
+def test_the_agent_options_are_agent_configs_fields_with_its_docs(capsys):
+    import dataclasses
+
+    from fastrl.agents.driver import AgentConfig
+    from fastrl.train.cli import build_train_parser
+    from fastrl.train.config import AGENT_FIELDS
+
+    assert AGENT_FIELDS == tuple(f.name for f in dataclasses.fields(AgentConfig))
+    assert all(f.default is None for f in dataclasses.fields(TrainConfig) if f.name in AGENT_FIELDS)
+    text = " ".join(build_train_parser().format_help().split())
+    assert "--max_turns MAX_TURNS Policy turns per trajectory at most" in text
+    cfg = TrainConfig(env="frozenlake", max_turns=5, failed_trajectories="mask").resolved()
+    assert cfg.agent_config() == AgentConfig(**{**dataclasses.asdict(cfg.agent_config()), "max_turns": 5,
+                                                 "failed_trajectories": "mask"})
+    assert cfg.agent_config().max_turn_tokens == 8  # the built-in environment's default (ENV_TASKS)
