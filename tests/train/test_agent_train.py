@@ -97,7 +97,10 @@ def test_the_agent_options_are_agent_configs_fields_with_its_docs(capsys):
     from fastrl.train.cli import build_train_parser
     from fastrl.train.config import AGENT_FIELDS
 
-    assert AGENT_FIELDS == tuple(f.name for f in dataclasses.fields(AgentConfig))
+    from fastrl.agents.envs import BUILTIN_ENVS
+    from fastrl.train.agent_task import ENV_TASKS
+
+    assert AGENT_FIELDS == tuple(f.name for f in dataclasses.fields(AgentConfig)) and set(ENV_TASKS) == set(BUILTIN_ENVS)
     assert all(f.default is None for f in dataclasses.fields(TrainConfig) if f.name in AGENT_FIELDS)
     text = " ".join(build_train_parser().format_help().split())
     assert "--max_turns MAX_TURNS Policy turns per trajectory at most" in text
