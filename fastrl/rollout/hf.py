@@ -71,6 +71,9 @@ TURN_SEED_STRIDE = 1009
 """Seeds of consecutive turns of one trajectory are this far apart (the agents driver's stride)."""
 CDF_BLOCK = 1024
 """Tokens per block of the two-level inverse-CDF search (block sums, then one block)."""
+CDF_CAST_ELEMENTS = 1 << 17
+"""The block sums are taken over rows holding at most this many entries at a time (their fp64
+cast, 1 MiB, stays in cache instead of a fresh ``[B, V]`` fp64 buffer each step)."""
 TOP_P_FIRST_K = 1024
 """Candidates the top-p filter sorts first (the full sort runs only if their mass is short of ``top_p``)."""
 TRANSPOSED_HEAD_MAX_ROWS = 32
@@ -330,12 +333,18 @@ class _LMHead:
             self.weight_t = w.detach().t().contiguous()
             self._key = key
 
-    def __call__(self, h: torch.Tensor) -> torch.Tensor:
+    def __call__(self, h: torch.Tensor, *, out: torch.Tensor | None = None) -> torch.Tensor:
+        """``[n, H] -> [n, V]`` fp32 logits; ``out``: a ``[n, V]`` buffer to write them into
+        (the weight's dtype; reused across decode steps instead of a fresh allocation)."""
         bias = self.linear.bias
-        if self.weight_t is None:
-            return F.linear(h, self.linear.weight, bias).float()
-        out = torch.matmul(h, self.weight_t)
-        return (out if bias is None else out.add_(bias)).float()
+        w_t = self.weight_t if self.weight_t is not None else self.linear.weight.t()
+        if out is None or out.dtype != h.dtype:
+            y = torch.matmul(h, w_t) if bias is None else torch.addmm(bias, h, w_t)
+        elif bias is None:
+            y = torch.matmul(h, w_t, out=out)
+        else:
+            y = torch.addmm(bias, h, w_t, out=out)
+        return y.float()
 
 
 def _shared_prefix_attention(module, query, key, value, attention_mask, scaling=None, dropout=0.0, **kwargs):
@@ -377,6 +386,7 @@ def process_logits(logits: torch.Tensor, sampling: SamplingConfig) -> torch.Tens
 
 def sample_tokens(
     logits: torch.Tensor, sampling: SamplingConfig, *, uniforms: torch.Tensor | None = None, generator: torch.Generator | None = None,
+    work: torch.Tensor | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """One token per row of ``logits`` ``[B, V]`` and its log-prob under the processed
     distribution (``process_logits``), without materialising that ``[B, V]`` log-softmax.
@@ -386,13 +396,14 @@ def sample_tokens(
     (``[B]`` in [0, 1), fp64; the two-level search of :func:`_inverse_cdf_sample`, whose fp64
     block sums also give the row total), else ``torch.multinomial`` with ``generator``. The
     log-prob is ``x[tok] - max x - log(sum e)``: log-softmax's own formula at one entry.
+    ``work``: an fp32 buffer of at least ``[B, V]`` for ``e`` (reused across steps).
     """
     x = warp_logits(logits, sampling)
     if sampling.greedy:
         tok = torch.argmax(x, dim=-1)
         return tok, x.gather(1, tok[:, None])[:, 0] - torch.logsumexp(x, dim=-1)
     m = x.amax(-1, keepdim=True)
-    e = (x - m).exp_()
+    e = (x - m if work is None else torch.sub(x, m, out=work[: x.shape[0], : x.shape[1]])).exp_()
     if uniforms is not None:
         tok, total = _inverse_cdf(e, uniforms)
     else:
@@ -454,9 +465,12 @@ def _inverse_cdf(probs: torch.Tensor, u: torch.Tensor, *, block: int = CDF_BLOCK
     Bn, V = probs.shape
     nb = -(-V // block)
     full = (V // block) * block
-    sums = probs[:, :full].reshape(Bn, V // block, block).sum(-1, dtype=torch.float64)
+    sums = probs.new_empty(Bn, nb, dtype=torch.float64)
+    rows = max(1, CDF_CAST_ELEMENTS // max(full, 1))  # the fp64 cast of a few rows at a time stays in cache
+    for r in range(0, Bn if full else 0, rows):
+        torch.sum(probs[r : r + rows, :full].reshape(-1, V // block, block), -1, dtype=torch.float64, out=sums[r : r + rows, : V // block])
     if full < V:
-        sums = torch.cat([sums, probs[:, full:].sum(-1, dtype=torch.float64, keepdim=True)], dim=1)
+        torch.sum(probs[:, full:], -1, dtype=torch.float64, keepdim=True, out=sums[:, V // block :])
     cdf_blocks = sums.cumsum(-1)  # [B, nb]
     total = cdf_blocks[:, -1]
     x = torch.minimum(u.to(torch.float64) * total, torch.nextafter(total, torch.zeros_like(total)))
@@ -622,8 +636,8 @@ class HFGroupSampler:
         return out.logits[:, -1].float()
 
     @staticmethod
-    def _project(h: torch.Tensor, head: "_LMHead | None") -> torch.Tensor:
-        return h if head is None else head(h)
+    def _project(h: torch.Tensor, head: "_LMHead | None", out: torch.Tensor | None = None) -> torch.Tensor:
+        return h if head is None else head(h, out=None if out is None else out[: h.shape[0]])
 
     def _prefill(self, distinct_prompts: list[list[int]], device: torch.device, backend: str) -> tuple[CascadeKV, torch.Tensor]:
         """Run the distinct prompts once (packed); returns the store and their last logits ``[U, V]``."""
@@ -679,9 +693,14 @@ class HFGroupSampler:
         n_active = B
         step_fn = None
         steps = 0
+        # [B, V] buffers written by every step (fresh ones would be page-faulted in each step)
+        work = torch.empty(logits.shape, dtype=torch.float32, device=device) if not sampling.greedy else None
+        head_out = None
+        if head is not None and self.decode == "eager" and L > 1:
+            head_out = torch.empty(logits.shape, dtype=head.linear.weight.dtype, device=device)
         for step in range(L):
             u = None if uniforms is None else (uniforms[:, step] if active is None else uniforms[active, step])
-            tok, lp = sample_tokens(logits, sampling, uniforms=u, generator=gen)
+            tok, lp = sample_tokens(logits, sampling, uniforms=u, generator=gen, work=work)
             if active is None:
                 tokens[:, step] = tok
                 logps[:, step] = lp
@@ -705,7 +724,7 @@ class HFGroupSampler:
             if self.decode == "eager":
                 pos = kv.set_forward([1] * B, 1)
                 h = self._forward(kv, tokens[:, step, None], pos, head)
-                logits = self._project(h if active is None else h.index_select(0, active), head)
+                logits = self._project(h if active is None else h.index_select(0, active), head, head_out)
             else:
                 if step_fn is None:
                     kv.start_static()
