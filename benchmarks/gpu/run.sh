@@ -3,9 +3,9 @@
 # after its correctness check passed).
 # Usage (device machine, repo root): bash benchmarks/gpu/run.sh   (results under $OUT)
 # Dry run on a CPU machine: OUT=/tmp/out FASTRL_GPU_DRY_RUN=1 bash benchmarks/gpu/run.sh
-# Budget: under 8 minutes in all; each stage has its own timeout so a hang cannot eat the lease:
+# Budget: under 10 minutes in all; each stage has its own timeout so a hang cannot eat the lease:
 #   tests 170 s + kernels (check, then time decode attention and the log-prob loss) 130 s
-#   + 4 bench modules x 40 s = 460 s, plus start-up.
+#   + 4 bench modules x 40 s + the sampler's decode modes vs generate/vLLM 100 s = 560 s, plus start-up.
 set -uo pipefail
 OUT=${OUT:-/tmp/fastrl-gpu-out}
 mkdir -p "$OUT"
@@ -69,9 +69,13 @@ for module in policy_loss advantages scans rollout; do
   timeout "$bench_timeout" python3 -m fastrl.cli bench "${bench_args[@]}" --only "$module" --out "$OUT/bench-$module.json" 2>&1 | tee -a "$OUT/bench.log"
   echo "bench $module exit: ${PIPESTATUS[0]}" | tee -a "$OUT/bench.log"
 done
+echo "== sampler: decode eager / static / CUDA graph vs HF generate (and vLLM), each timed after its check"
+if [ -n "${FASTRL_GPU_DRY_RUN:-}" ]; then sampler_args=(--dry-run); else sampler_args=(); fi
+timeout 100 python3 benchmarks/gpu/bench_sampler.py "${sampler_args[@]}" --out "$OUT/sampler_gpu.json" 2>&1 | tee "$OUT/sampler.log" | tail -20
+echo "sampler exit: ${PIPESTATUS[0]}"
 echo "== long-trajectory GRPO step (1.5B shape): shared prefix on/off, attention backends"
-# Last and only with time left in the 8-minute budget (the script writes after every case).
-left=$(( 470 - SECONDS ))
+# Last and only with time left in the budget (the script writes after every case).
+left=$(( 570 - SECONDS ))
 if [ "$left" -gt 30 ]; then
   if [ -n "${FASTRL_GPU_DRY_RUN:-}" ]; then long_args=(--dry-run); else
     long_args=(--tokens 8192,32768 --modes repeated,shared:triton,shared:flex --repeats 2); fi
