@@ -42,6 +42,7 @@ else
   # tests/ops/test_no_host_sync.py (CUDA's sync debug mode on every op). The sm_90
   # compile checks (test_compile_*.py) are CPU-side CI checks.
   test_args=(-q tests/ops tests/reference tests/rollout/test_decode_attention.py tests/rollout/test_decode_attention_precision.py
+             tests/rollout/test_hf_static_decode.py
              --ignore=tests/ops/test_compile_sm90.py --ignore=tests/ops/test_compile_keys.py)
   kernel_args=()
   bench_args=(--device cuda)

@@ -15,7 +15,20 @@ prompt. The work it does:
    number of batched ops per layer with no loop over groups
    (``fastrl.ops.decode_attention.padded_prefix_attention`` on CPU; on CUDA the Triton
    kernels of ``shared_prefix_decode_attention`` read each group's prompt once). The only
-   host sync per step is the stop check.
+   host sync per step is the stop check (none when no row can end early).
+3. **Project only what is sampled.** The decode steps run the model's base model and apply
+   its output projection themselves, to the rows still sampling only (rows that hit a stop
+   token or their budget drop out of the LM head and the sampling); on CPU, with at most
+   ``TRANSPOSED_HEAD_MAX_ROWS`` rows, through a contiguous ``W^T`` copied once per rollout
+   (MKL's small-M GEMM is ~1.5x faster on it; the copy is the head's size, held for the
+   rollout only and not counted in ``peak_kv_cache_bytes``). Whether ``lm_head(base_model(x))`` is the
+   model's output is checked at the first prefill; a model that scales or caps its logits
+   keeps its own forward. The logits and ``exp`` buffers are reused across steps.
+
+``decode="static"`` runs each step with static shapes (write slots and the suffix mask from a
+device tensor, attention over the whole suffix capacity, no host value inside), the step
+``decode="cuda_graph"`` captures once per rollout in a CUDA graph and replays; on CPU the
+static step is the tested stand-in (same tokens and log-probs as the eager step).
 
 The model is used unchanged: the sampler registers an attention function
 (``"fastrl_shared_prefix"``) in transformers' ``AttentionInterface``, switches
@@ -30,20 +43,21 @@ turn ``k`` runs only the tokens appended to it (different lengths per trajectory
 left-padded forward); the G trajectories of a prompt keep sharing its stored prompt;
 trajectories that stop drop out and their rows are released. See :meth:`HFGroupSampler.start`.
 
-Sampling and log-probs: the next-token logits are taken in fp32 and divided by the
-temperature; top-k then top-p filtering set the dropped tokens to ``-inf`` (both by a
-partial sort); the sampled token's log-prob is ``log_softmax`` of that filtered, tempered
-distribution (renormalised over the kept tokens) -- the distribution the token was
-actually drawn from. With ``top_k=0, top_p=1`` this equals
+Sampling and log-probs (:func:`sample_tokens`): the next-token logits are taken in fp32 and
+divided by the temperature; top-k then top-p filtering set the dropped tokens to ``-inf``
+(both by a partial sort); the sampled token's log-prob is ``log_softmax`` of that filtered,
+tempered distribution (renormalised over the kept tokens) -- the distribution the token was
+actually drawn from -- computed at the sampled entry only (``x - max - log sum exp``), never
+as a ``[B, V]`` log-softmax. With ``top_k=0, top_p=1`` this equals
 ``log_softmax(model(input_ids).logits / temperature)`` recomputed by the training forward.
 With filtering on, it is larger than that (by ``-log`` of the kept probability mass) and
 importance ratios against the unfiltered training distribution are not 1 at the first
 step; ``greedy=True`` takes the argmax and reports its log-prob under the same (tempered,
-filtered) distribution. Draws: with per-prompt seeds, the inverse CDF of seeded uniforms,
-found by a two-level fp64 search (block sums, then one block: no full-vocabulary fp64
-cumulative sum), which picks the same tokens as the full fp64 CDF the sampler used before
-(bar thresholds within fp64 rounding of a boundary); with ``sampling.seed`` alone,
-``torch.multinomial`` with a seeded generator, as before.
+filtered) distribution. Draws: with per-prompt seeds, the inverse CDF of seeded uniforms over
+``exp(x - max)``, found by a two-level fp64 search (block sums, then one block: no
+full-vocabulary fp64 cumulative sum), which picks the same tokens as a full fp64 CDF (bar
+thresholds within fp64 rounding of a boundary); with ``sampling.seed`` alone,
+``torch.multinomial`` with a seeded generator (over the rows still sampling).
 
 Supported models: decoder-only causal LMs whose attention layers call
 ``ALL_ATTENTION_FUNCTIONS`` (Llama, Qwen2/3, Mistral, ... in transformers >= 4.48) with

@@ -96,3 +96,22 @@ def test_a_model_that_scales_its_logits_keeps_its_own_forward():
         want = torch.log_softmax(logits[:, :-1], dim=-1).gather(-1, batch.input_ids[:, 1:, None])[..., 0]
         mask = batch.response_mask[:, 1:].bool()
         torch.testing.assert_close(batch.sampler_logp[:, 1:][mask], want[mask], rtol=0, atol=1e-5)
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="CUDA graphs need a CUDA device (benchmarks/gpu/run.sh runs this file)")
+def test_cuda_graph_decode_equals_the_eager_step_on_cuda():
+    model = tiny(Qwen2ForCausalLM, Qwen2Config).cuda()
+    eager, graph = HFGroupSampler(model), HFGroupSampler(model, decode="cuda_graph")
+    for cfg, seeds in ((SamplingConfig(greedy=True, max_new_tokens=L), None), (SamplingConfig(temperature=1.0, max_new_tokens=L), [1, 2, 3])):
+        a = eager.generate(PROMPTS, group_size=2, sampling=cfg, prompt_seeds=seeds)
+        b = graph.generate(PROMPTS, group_size=2, sampling=cfg, prompt_seeds=seeds)
+        assert a.completion_ids == b.completion_ids
+        torch.testing.assert_close(a.sampler_logp, b.sampler_logp, rtol=0, atol=1e-4)
+    outs = {}
+    for name, sampler in (("eager", eager), ("graph", graph)):
+        state = sampler.start(PROMPTS[:2], group_size=2, sampling=SamplingConfig(greedy=True))
+        got = [o.token_ids for o in sampler.continue_(state, [[]] * 4, max_new_tokens=[3, 5, 4, 6])]
+        got += [o.token_ids for o in sampler.continue_(state, [[40, 41, 42], [43]], trajectories=[1, 2], max_new_tokens=L)]
+        outs[name] = got
+        sampler.close(state)
+    assert outs["eager"] == outs["graph"]
