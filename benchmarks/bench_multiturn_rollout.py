@@ -15,9 +15,10 @@ prompt x G=8 trajectories, 8 turns of 64 sampled tokens followed by 64 observati
   tokens, but the same number of tokens per turn (no eos, fixed observations).
 
 ``continued`` and ``reprefill`` use the same seeds, so both sample the same tokens (checked). Interleaved rounds, one intra-op
-thread, best of the rounds; prefill tokens and seconds; JSON under ``benchmarks/results/``.
+thread, best of the rounds; prefill tokens, wall and process CPU seconds; JSON under
+``benchmarks/results/``.
 
-    python benchmarks/bench_multiturn_rollout.py --rounds 2
+    taskset -c 0 python benchmarks/bench_multiturn_rollout.py --rounds 2
 """
 
 from __future__ import annotations
@@ -110,11 +111,12 @@ def main(argv: list[str] | None = None) -> int:
     cfg = SamplingConfig(temperature=1.0)
     kw = dict(G=args.G, turns=args.turns, model_tokens=args.model_tokens, obs_tokens=args.obs_tokens, vocab=V)
     times = {k: [] for k in arms}
+    cpu = {k: [] for k in arms}
     prefill = {}
     tokens = {}
     for r in range(args.rounds):
         for name in arms[r % len(arms):] + arms[: r % len(arms)]:
-            t0 = time.perf_counter()
+            t0, c0 = time.perf_counter(), time.process_time()
             with torch.no_grad():
                 if name == "continued":
                     ts = HFTokenSampler(sampler, cfg)
@@ -126,28 +128,35 @@ def main(argv: list[str] | None = None) -> int:
                     tokens[name] = play(rp.continue_sequences, prompt, **kw)
                     prefill[name] = rp.prefill_tokens
             times[name].append(time.perf_counter() - t0)
-            print(name, round(times[name][-1], 2), "s, prefill tokens", prefill[name], flush=True)
+            cpu[name].append(time.process_time() - c0)
+            print(name, round(times[name][-1], 2), "s,", round(cpu[name][-1], 2), "s CPU, prefill tokens", prefill[name], flush=True)
     best = {k: min(v) for k, v in times.items()}
+    best_cpu = {k: min(v) for k, v in cpu.items()}
     payload = {
         "benchmark": "multiturn_rollout_kv_continued_vs_reprefill",
         "command": "python benchmarks/bench_multiturn_rollout.py " + " ".join(sys.argv[1:] if argv is None else argv),
         "environment": environment(torch.device("cpu")),
         "threads": 1,
-        "note": "interleaved rounds, best of rounds; the machine was shared with other jobs (load average ~10 on 2 cores)",
+        "note": "interleaved rounds, best of rounds, one intra-op thread, pinned with taskset to one core; wall and process CPU "
+                "seconds. The 2-core machine was shared with other jobs (load average 10-20): the CPU-time ratios are the reliable ones",
         "created": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime()),
         "shape": {"prompt": args.prompt, "G": args.G, "turns": args.turns, "model_tokens_per_turn": args.model_tokens,
                   "observation_tokens_per_turn": args.obs_tokens,
                   "model": {"arch": "Qwen2ForCausalLM", "vocab": V, "hidden": model.config.hidden_size, "layers": model.config.num_hidden_layers}},
-        "seconds": times, "best_seconds": best, "prefill_tokens": prefill,
+        "seconds": times, "best_seconds": best, "cpu_seconds": cpu, "best_cpu_seconds": best_cpu, "prefill_tokens": prefill,
         "sampled_tokens_per_s": {k: args.G * args.turns * args.model_tokens / v for k, v in best.items()},
     }
     if "continued" in best and "reprefill" in best:
         payload["same_tokens"] = tokens["continued"] == tokens["reprefill"]
         payload["speedup_continued_vs_reprefill"] = best["reprefill"] / best["continued"]
         payload["prefill_ratio_reprefill_over_continued"] = prefill["reprefill"] / max(prefill["continued"], 1)
+    if "continued" in best and "reprefill" in best:
+        payload["cpu_speedup_continued_vs_reprefill"] = best_cpu["reprefill"] / best_cpu["continued"]
     if "hf_generate" in best:
         payload["speed_vs_hf_generate"] = {k: best["hf_generate"] / v for k, v in best.items()}
-    print(json.dumps({k: payload.get(k) for k in ("best_seconds", "prefill_tokens", "same_tokens", "speedup_continued_vs_reprefill", "speed_vs_hf_generate")}))
+        payload["cpu_speed_vs_hf_generate"] = {k: best_cpu["hf_generate"] / v for k, v in best_cpu.items()}
+    payload["cpu_sampled_tokens_per_s"] = {k: args.G * args.turns * args.model_tokens / v for k, v in best_cpu.items()}
+    print(json.dumps({k: payload.get(k) for k in ("best_seconds", "prefill_tokens", "same_tokens", "speedup_continued_vs_reprefill", "cpu_speedup_continued_vs_reprefill", "speed_vs_hf_generate", "cpu_speed_vs_hf_generate")}))
     write_payload(payload, args.out, stem="multiturn-rollout-cpu")
     return 0
 

@@ -85,6 +85,10 @@ TURN_SEED_STRIDE = 1009
 """Seeds of consecutive turns of one trajectory are this far apart (the agents driver's stride)."""
 CDF_BLOCK = 1024
 """Tokens per block of the two-level inverse-CDF search (block sums, then one block)."""
+PREFILL_PAD_WASTE = 2.0
+"""The prefill attends the distinct prompts in one right-padded batch when that costs at most
+this many times the attention over the prompts alone (``U * P_max^2 <= 2 * sum P^2``), else
+one attention call per prompt."""
 CDF_CAST_ELEMENTS = 1 << 17
 """The block sums are taken over rows holding at most this many entries at a time (their fp64
 cast, 1 MiB, stays in cache instead of a fresh ``[B, V]`` fp64 buffer each step)."""
@@ -129,6 +133,16 @@ class CascadeKV:
         for u, n in enumerate(prompt_lens):
             bias[u, n:] = float("-inf")
         self.prefix_bias = bias
+        # the prefill attends all prompts at once, right-padded, unless padding would cost more
+        # than PREFILL_PAD_WASTE times the attention of the prompts themselves
+        U, P = len(prompt_lens), self.P
+        self._prefill_padded = U * P * P <= PREFILL_PAD_WASTE * sum(n * n for n in prompt_lens)
+        if self._prefill_padded and U > 1:
+            t = torch.arange(P, device=device)
+            start = torch.tensor(self.cu_seqlens[:-1], device=device)[:, None]
+            n = torch.tensor(prompt_lens, device=device)[:, None]
+            self._prefill_index = start + torch.minimum(t[None, :], n - 1)  # [U, P]
+            self._prefill_real = (torch.arange(U, device=device)[:, None] * P + t[None, :])[t[None, :] < n]
         self.mode = "prefill"
         self.prefix_k: list[torch.Tensor | None] = [None] * num_layers
         self.prefix_v: list[torch.Tensor | None] = [None] * num_layers
@@ -255,6 +269,22 @@ class CascadeKV:
             pk = key.new_zeros(Hkv, U, self.P, D)
             pv = value.new_zeros(Hkv, U, self.P, D)
             gqa = query.shape[1] != key.shape[1]
+            if U > 1 and self._prefill_padded:
+                # all prompts at once, right-padded to P (pad slots repeat a prompt's last token:
+                # causal attention keeps them out of every real query, and the decode steps'
+                # prefix_bias masks them); one gather in, one SDPA, one gather out
+                P, Hq = self.P, query.shape[1]
+                pad_idx = self._prefill_index  # [U, P] packed positions
+                pk = key[0][:, pad_idx]  # [Hkv, U, P, D]
+                pv = value[0][:, pad_idx]
+                out = F.scaled_dot_product_attention(
+                    query[0][:, pad_idx].transpose(0, 1), pk.transpose(0, 1), pv.transpose(0, 1), is_causal=True, scale=scaling,
+                    enable_gqa=gqa,
+                )  # [U, Hq, P, D]
+                self.prefix_k[layer], self.prefix_v[layer] = pk, pv
+                self.peak_bytes = max(self.peak_bytes, self.bytes())
+                out = out.transpose(1, 2).reshape(U * P, Hq, D).index_select(0, self._prefill_real)
+                return out[None]  # [1, sum P, Hq, D]
             outs = []
             for u, (a, b) in enumerate(zip(cu[:-1], cu[1:])):  # once per rollout, not per token
                 pk[:, u, : b - a] = key[0, :, a:b]
@@ -477,6 +507,11 @@ def _inverse_cdf_sample(probs: torch.Tensor, u: torch.Tensor, *, block: int = CD
 def _inverse_cdf(probs: torch.Tensor, u: torch.Tensor, *, block: int = CDF_BLOCK) -> tuple[torch.Tensor, torch.Tensor]:
     """:func:`_inverse_cdf_sample`, also returning each row's fp64 total ``[B]``."""
     Bn, V = probs.shape
+    if V <= block:  # one block: the full fp64 CDF itself
+        cdf = probs.double().cumsum(-1)
+        total = cdf[:, -1]
+        x = torch.minimum(u.to(torch.float64) * total, torch.nextafter(total, torch.zeros_like(total)))
+        return torch.searchsorted(cdf, x[:, None], right=True)[:, 0].clamp(max=V - 1), total
     nb = -(-V // block)
     full = (V // block) * block
     sums = probs.new_empty(Bn, nb, dtype=torch.float64)
