@@ -20,7 +20,7 @@ prompt. The work it does:
    its output projection themselves, to the rows still sampling only (rows that hit a stop
    token or their budget drop out of the LM head and the sampling); on CPU, with at most
    ``TRANSPOSED_HEAD_MAX_ROWS`` rows, through a contiguous ``W^T`` copied once per rollout
-   (MKL's small-M GEMM is ~1.5x faster on it; the copy is the head's size, held for the
+   (MKL's small-M GEMM is 1.4-2.3x faster on it; the copy is the head's size, held for the
    rollout only and not counted in ``peak_kv_cache_bytes``). Whether ``lm_head(base_model(x))`` is the
    model's output is checked at the first prefill; a model that scales or caps its logits
    keeps its own forward. The logits and ``exp`` buffers are reused across steps.
@@ -94,11 +94,12 @@ CDF_CAST_ELEMENTS = 1 << 17
 cast, 1 MiB, stays in cache instead of a fresh ``[B, V]`` fp64 buffer each step)."""
 TOP_P_FIRST_K = 1024
 """Candidates the top-p filter sorts first (the full sort runs only if their mass is short of ``top_p``)."""
-TRANSPOSED_HEAD_MAX_ROWS = 32
+TRANSPOSED_HEAD_MAX_ROWS = 16
 """On CPU the LM head is applied as ``hidden @ W^T`` with ``W^T`` stored contiguous (a copy made
-once per rollout) when at most this many rows step together: for a few rows MKL's GEMM is
-~1.5x faster on a ``[H, V]`` operand than on the ``[V, H]`` weight (same values; at 64 rows
-it is slower)."""
+once per rollout) when at most this many rows step together: for 1-16 rows MKL's GEMM is
+1.4-2.3x faster (CPU time) on a ``[H, V]`` operand than on the ``[V, H]`` weight, with the same
+logits; at 32 and 64 rows it is slower (``benchmarks/bench_lm_head_layout.py``,
+``benchmarks/results/lm-head-layout-cpu-20261201-235130.json``)."""
 TRANSPOSED_HEAD_MIN_STEPS = 16
 """... and when the rollout runs at least this many decode steps (the copy costs a few steps)."""
 DECODE_MODES = ("eager", "static", "cuda_graph")
