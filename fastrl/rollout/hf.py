@@ -700,7 +700,7 @@ class HFGroupSampler:
         seen: list[torch.Tensor] = []
         hook = None
         if self._split is None:
-            hook = self.model.base_model.register_forward_hook(lambda m, a, out: seen.append(out.last_hidden_state))
+            hook = self.model.base_model.register_forward_hook(lambda m, a, out: seen.append(getattr(out, "last_hidden_state", None)))
         try:
             out = self.model(input_ids=ids, position_ids=pos, use_cache=False, logits_to_keep=last, **{_KV_KWARG: kv})
         finally:
@@ -709,7 +709,7 @@ class HFGroupSampler:
         logits = out.logits[0].float()
         if hook is not None:
             head = self.model.get_output_embeddings()
-            ok = len(seen) == 1
+            ok = len(seen) == 1 and isinstance(seen[0], torch.Tensor)
             if ok:
                 got = F.linear(seen[0][0, last], head.weight, head.bias).float()
                 ok = bool(torch.allclose(got, logits, rtol=1e-4, atol=1e-5 * (1.0 + float(logits.abs().max()))))
@@ -783,16 +783,16 @@ class HFGroupSampler:
                 kv.suffix_len = [n + 1 for n in kv.suffix_len]
                 if active is not None:
                     logits = logits.index_select(0, active)
-        tokens_h = tokens[:, :steps].cpu()
-        logps_h = logps[:, :steps].cpu()
+        rows_h = tokens[:, :steps].tolist()
+        logps_h = logps[:, :steps].cpu().unbind(0)  # one copy; each row's log-probs are a view of it
         stop_set = set(stop_ids.tolist())
         ids_out, logp_out, stopped = [], [], []
         for b in range(B):
-            row = tokens_h[b, : budgets[b]].tolist()
-            end = next((i + 1 for i, t in enumerate(row) if t in stop_set), None)
+            row = rows_h[b][: budgets[b]]
+            end = next((i + 1 for i, t in enumerate(row) if t in stop_set), None) if stop_set else None
             n = end or len(row)
             ids_out.append(row[:n])
-            logp_out.append(logps_h[b, :n].clone())
+            logp_out.append(logps_h[b] if n == steps else logps_h[b][:n])
             stopped.append(end is not None)
         return ids_out, logp_out, stopped
 
