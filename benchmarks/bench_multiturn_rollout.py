@@ -25,6 +25,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import os
 import sys
 import time
 from dataclasses import replace
@@ -104,6 +105,7 @@ def main(argv: list[str] | None = None) -> int:
     args = ap.parse_args(argv)
     arms = args.arms.split(",")
     torch.set_num_threads(1)
+    load_start = os.getloadavg()
     model = qwen2_bench_model()
     V = model.config.vocab_size
     prompt = random_prompt(args.prompt, V)
@@ -138,8 +140,9 @@ def main(argv: list[str] | None = None) -> int:
         "environment": environment(torch.device("cpu")),
         "threads": 1,
         "note": "interleaved rounds, best of rounds, one intra-op thread, pinned with taskset to one core; wall and process CPU "
-                "seconds. The 2-core machine was shared with other jobs (load average 10-20): the CPU-time ratios are the reliable ones",
+                "seconds. The 2-core machine may be shared with other jobs (load averages at start and end recorded): the CPU-time ratios are the reliable ones",
         "created": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime()),
+        "load_average_start_end": [load_start, os.getloadavg()],
         "shape": {"prompt": args.prompt, "G": args.G, "turns": args.turns, "model_tokens_per_turn": args.model_tokens,
                   "observation_tokens_per_turn": args.obs_tokens,
                   "model": {"arch": "Qwen2ForCausalLM", "vocab": V, "hidden": model.config.hidden_size, "layers": model.config.num_hidden_layers}},

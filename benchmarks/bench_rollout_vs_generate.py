@@ -17,6 +17,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import os
 import sys
 import time
 from pathlib import Path
@@ -76,6 +77,7 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--out", default=None)
     args = ap.parse_args(argv)
     torch.set_num_threads(1)
+    load_start = os.getloadavg()
     previous = load_sampler_from_git(args.previous, tag="previous") if args.previous else None
     results = []
     for name in args.shapes.split(","):
@@ -131,9 +133,10 @@ def main(argv: list[str] | None = None) -> int:
         "environment": environment(torch.device("cpu")),
         "threads": 1,
         "note": "interleaved rounds, best of rounds, one intra-op thread, pinned with taskset to one core; wall seconds and process CPU "
-                "seconds. The 2-core machine was shared with other jobs (load average 10-20): wall times include waiting for a core, "
+                "seconds. The 2-core machine may be shared with other jobs (load averages at start and end recorded): wall times include waiting for a core, "
                 "so the CPU-time ratios are the reliable ones (memory-bandwidth contention still inflates both)",
         "created": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime()),
+        "load_average_start_end": [load_start, os.getloadavg()],
         "rows": results,
     }
     write_payload(payload, args.out, stem="rollout-vs-generate-cpu")

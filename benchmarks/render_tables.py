@@ -25,7 +25,7 @@ PAGES = ("README.md", "docs")
 MARKER = re.compile(r"(<!-- table:(?P<name>[a-z_]+) -->\n)(?P<body>.*?)(<!-- /table -->)", re.S)
 
 
-SAMPLER_VS_GENERATE = "rollout-vs-generate-cpu-20261201-234444.json"
+SAMPLER_VS_GENERATE = "rollout-vs-generate-cpu-20261202-000356.json"
 SAMPLER_MULTITURN = "multiturn-rollout-cpu-20261201-234816.json"
 
 
