@@ -26,7 +26,7 @@ MARKER = re.compile(r"(<!-- table:(?P<name>[a-z_]+) -->\n)(?P<body>.*?)(<!-- /ta
 
 
 SAMPLER_VS_GENERATE = "rollout-vs-generate-cpu-20261202-000356.json"
-SAMPLER_MULTITURN = "multiturn-rollout-cpu-20261201-234816.json"
+SAMPLER_MULTITURN = "multiturn-rollout-cpu-20261202-001122.json"
 
 
 def _load(name: str) -> dict:
