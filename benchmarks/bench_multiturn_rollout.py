@@ -9,18 +9,23 @@ prompt x G=8 trajectories, 8 turns of 64 sampled tokens followed by 64 observati
 * ``continued``: ``HFTokenSampler`` (one ``HFGroupSampler`` multi-turn state; turn k runs only
   the observation tokens + the previous turn's last sampled token);
 * ``reprefill``: ``HFGroupSampler.generate`` on the whole history (``group_size=1``, one seed
-  per sequence), what the driver's ``GroupSamplerTokens`` does today.
+  per sequence), what the driver's ``GroupSamplerTokens`` does;
+* ``hf_generate``: HF ``generate`` on the G whole histories each turn (a fresh ``DynamicCache``
+  per turn: what a multi-turn loop over ``generate`` does). Its own random numbers, so other
+  tokens, but the same number of tokens per turn (no eos, fixed observations).
 
-Same seeds, so both sample the same tokens (checked). Interleaved rounds, one intra-op
-thread, best of the rounds; prefill tokens and seconds; JSON under ``benchmarks/results/``.
+``continued`` and ``reprefill`` use the same seeds, so both sample the same tokens (checked). Interleaved rounds, one intra-op
+thread, best of the rounds; prefill tokens, wall and process CPU seconds; JSON under
+``benchmarks/results/``.
 
-    python benchmarks/bench_multiturn_rollout.py --rounds 2
+    taskset -c 0 python benchmarks/bench_multiturn_rollout.py --rounds 2
 """
 
 from __future__ import annotations
 
 import argparse
 import json
+import os
 import sys
 import time
 from dataclasses import replace
@@ -67,6 +72,26 @@ class Reprefill:
         return [TurnOutput(c, lp.tolist(), r == "stop") for c, lp, r in zip(batch.completion_ids, batch.completion_logp, batch.finish_reasons)]
 
 
+class HFGenerate:
+    """HF ``generate`` on the whole histories each turn (all of equal length in this benchmark)."""
+
+    def __init__(self, model):
+        self.model, self.prefill_tokens = model, 0
+
+    def continue_sequences(self, sequences, *, max_new_tokens, seeds):
+        from fastrl.rollout.hf import TurnOutput
+
+        if len({len(s) for s in sequences}) != 1:
+            raise ValueError("hf_generate: the histories must have equal lengths (no padding in this benchmark)")
+        ids = torch.tensor([list(s) for s in sequences])
+        n = max_new_tokens[0]
+        torch.manual_seed(seeds[0])
+        out = self.model.generate(input_ids=ids, attention_mask=torch.ones_like(ids), do_sample=True, max_new_tokens=n,
+                                  min_new_tokens=n, temperature=1.0, top_k=0, top_p=1.0, pad_token_id=0)
+        self.prefill_tokens += ids.numel()
+        return [TurnOutput(row[ids.shape[1]:].tolist(), [], False) for row in out]
+
+
 def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--rounds", type=int, default=2)
@@ -75,21 +100,25 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--obs-tokens", type=int, default=64)
     ap.add_argument("--prompt", type=int, default=256)
     ap.add_argument("--G", type=int, default=8)
+    ap.add_argument("--arms", default="continued,reprefill,hf_generate")
     ap.add_argument("--out", default=None)
     args = ap.parse_args(argv)
+    arms = args.arms.split(",")
     torch.set_num_threads(1)
+    load_start = os.getloadavg()
     model = qwen2_bench_model()
     V = model.config.vocab_size
     prompt = random_prompt(args.prompt, V)
     sampler = HFGroupSampler(model)
     cfg = SamplingConfig(temperature=1.0)
     kw = dict(G=args.G, turns=args.turns, model_tokens=args.model_tokens, obs_tokens=args.obs_tokens, vocab=V)
-    times = {"continued": [], "reprefill": []}
+    times = {k: [] for k in arms}
+    cpu = {k: [] for k in arms}
     prefill = {}
     tokens = {}
     for r in range(args.rounds):
-        for name in (("continued", "reprefill") if r % 2 == 0 else ("reprefill", "continued")):
-            t0 = time.perf_counter()
+        for name in arms[r % len(arms):] + arms[: r % len(arms)]:
+            t0, c0 = time.perf_counter(), time.process_time()
             with torch.no_grad():
                 if name == "continued":
                     ts = HFTokenSampler(sampler, cfg)
@@ -97,29 +126,40 @@ def main(argv: list[str] | None = None) -> int:
                     prefill[name] = sum(ts.state.prefill_tokens)
                     ts.close()
                 else:
-                    rp = Reprefill(sampler, cfg)
+                    rp = Reprefill(sampler, cfg) if name == "reprefill" else HFGenerate(model)
                     tokens[name] = play(rp.continue_sequences, prompt, **kw)
                     prefill[name] = rp.prefill_tokens
             times[name].append(time.perf_counter() - t0)
-            print(name, round(times[name][-1], 2), "s, prefill tokens", prefill[name], flush=True)
+            cpu[name].append(time.process_time() - c0)
+            print(name, round(times[name][-1], 2), "s,", round(cpu[name][-1], 2), "s CPU, prefill tokens", prefill[name], flush=True)
     best = {k: min(v) for k, v in times.items()}
+    best_cpu = {k: min(v) for k, v in cpu.items()}
     payload = {
         "benchmark": "multiturn_rollout_kv_continued_vs_reprefill",
         "command": "python benchmarks/bench_multiturn_rollout.py " + " ".join(sys.argv[1:] if argv is None else argv),
         "environment": environment(torch.device("cpu")),
         "threads": 1,
-        "note": "interleaved rounds, best of rounds; the machine was shared with other jobs (load average ~10 on 2 cores)",
+        "note": "interleaved rounds, best of rounds, one intra-op thread, pinned with taskset to one core; wall and process CPU "
+                "seconds. The 2-core machine may be shared with other jobs (load averages at start and end recorded): the CPU-time ratios are the reliable ones",
         "created": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime()),
+        "load_average_start_end": [load_start, os.getloadavg()],
         "shape": {"prompt": args.prompt, "G": args.G, "turns": args.turns, "model_tokens_per_turn": args.model_tokens,
                   "observation_tokens_per_turn": args.obs_tokens,
                   "model": {"arch": "Qwen2ForCausalLM", "vocab": V, "hidden": model.config.hidden_size, "layers": model.config.num_hidden_layers}},
-        "seconds": times, "best_seconds": best, "prefill_tokens": prefill,
-        "same_tokens": tokens["continued"] == tokens["reprefill"],
-        "speedup_continued_vs_reprefill": best["reprefill"] / best["continued"],
-        "prefill_ratio_reprefill_over_continued": prefill["reprefill"] / max(prefill["continued"], 1),
+        "seconds": times, "best_seconds": best, "cpu_seconds": cpu, "best_cpu_seconds": best_cpu, "prefill_tokens": prefill,
         "sampled_tokens_per_s": {k: args.G * args.turns * args.model_tokens / v for k, v in best.items()},
     }
-    print(json.dumps({k: payload[k] for k in ("best_seconds", "prefill_tokens", "same_tokens", "speedup_continued_vs_reprefill")}))
+    if "continued" in best and "reprefill" in best:
+        payload["same_tokens"] = tokens["continued"] == tokens["reprefill"]
+        payload["speedup_continued_vs_reprefill"] = best["reprefill"] / best["continued"]
+        payload["prefill_ratio_reprefill_over_continued"] = prefill["reprefill"] / max(prefill["continued"], 1)
+    if "continued" in best and "reprefill" in best:
+        payload["cpu_speedup_continued_vs_reprefill"] = best_cpu["reprefill"] / best_cpu["continued"]
+    if "hf_generate" in best:
+        payload["speed_vs_hf_generate"] = {k: best["hf_generate"] / v for k, v in best.items()}
+        payload["cpu_speed_vs_hf_generate"] = {k: best_cpu["hf_generate"] / v for k, v in best_cpu.items()}
+    payload["cpu_sampled_tokens_per_s"] = {k: args.G * args.turns * args.model_tokens / v for k, v in best_cpu.items()}
+    print(json.dumps({k: payload.get(k) for k in ("best_seconds", "prefill_tokens", "same_tokens", "speedup_continued_vs_reprefill", "cpu_speedup_continued_vs_reprefill", "speed_vs_hf_generate", "cpu_speed_vs_hf_generate")}))
     write_payload(payload, args.out, stem="multiturn-rollout-cpu")
     return 0
 

@@ -7,15 +7,17 @@ prompts x G=8, 20-token prompts + 6 tokens). Every implementation samples exactl
 per completion at temperature 1 without top-k (top-p with ``--top-p``): the samplers with per-prompt seeds
 (the trainer's path: inverse CDF), ``generate`` on G copies of each prompt (a standard
 ``DynamicCache``). Interleaved rounds (the order rotates each round), one intra-op thread,
-best of the rounds; the JSON goes to ``benchmarks/results/``.
+best of the rounds, wall and process CPU seconds (the CPU-time ratios hold up on a shared
+machine); the JSON goes to ``benchmarks/results/``.
 
-    python benchmarks/bench_rollout_vs_generate.py --rounds 3 --previous 8697f94
+    taskset -c 1 python benchmarks/bench_rollout_vs_generate.py --rounds 3 --previous 6b76727
 """
 
 from __future__ import annotations
 
 import argparse
 import json
+import os
 import sys
 import time
 from pathlib import Path
@@ -66,6 +68,7 @@ def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--shapes", default="real,default")
     ap.add_argument("--rounds", type=int, default=3)
+    ap.add_argument("--small-rounds-factor", type=int, default=10, help="the default shape (milliseconds a call) runs this many times more rounds")
     ap.add_argument("--previous", default=None, help="git revision of the previous sampler to compare (e.g. 8697f94)")
     ap.add_argument("--L", type=int, default=None, help="override the completion length")
     ap.add_argument("--top-p", type=float, default=1.0, help="nucleus sampling in every implementation (default off)")
@@ -74,6 +77,7 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--out", default=None)
     args = ap.parse_args(argv)
     torch.set_num_threads(1)
+    load_start = os.getloadavg()
     previous = load_sampler_from_git(args.previous, tag="previous") if args.previous else None
     results = []
     for name in args.shapes.split(","):
@@ -94,35 +98,45 @@ def main(argv: list[str] | None = None) -> int:
             for fn in fns.values():  # warm-up
                 fn()
         times: dict[str, list[float]] = {k: [] for k in fns}
+        cpu: dict[str, list[float]] = {k: [] for k in fns}
         keys = list(fns)
-        for r in range(args.rounds):
+        rounds = args.rounds if name == "real" else args.rounds * args.small_rounds_factor
+        for r in range(rounds):
             for k in keys[r % len(keys):] + keys[: r % len(keys)]:
-                t0 = time.perf_counter()
+                t0, c0 = time.perf_counter(), time.process_time()
                 with torch.no_grad():
                     fns[k]()
                 times[k].append(time.perf_counter() - t0)
+                cpu[k].append(time.process_time() - c0)
         tokens = shape["prompts"] * shape["G"] * shape["L"]
         best = {k: min(v) for k, v in times.items()}
+        best_cpu = {k: min(v) for k, v in cpu.items()}
         row = {
             "shape": name, "top_p": args.top_p, "init_std": args.init_std, "prompts": shape["prompts"], "G": shape["G"], "P": shape["P"], "L": shape["L"],
             "model": {"arch": type(model).__name__, "vocab": V, "hidden": model.config.hidden_size,
                       "layers": model.config.num_hidden_layers, "heads": model.config.num_attention_heads,
                       "kv_heads": model.config.num_key_value_heads, "intermediate": model.config.intermediate_size},
-            "seconds": times, "best_seconds": best,
+            "rounds": rounds, "seconds": times, "best_seconds": best, "cpu_seconds": cpu, "best_cpu_seconds": best_cpu,
             "tokens_per_s": {k: tokens / v for k, v in best.items()},
             "speed_vs_hf_generate": {k: best["hf_generate"] / v for k, v in best.items()},
+            "cpu_tokens_per_s": {k: tokens / v for k, v in best_cpu.items()},
+            "cpu_speed_vs_hf_generate": {k: best_cpu["hf_generate"] / v for k, v in best_cpu.items()},
         }
         if "previous" in best:
             row["speed_vs_previous"] = best["previous"] / best["fastrl"]
+            row["cpu_speed_vs_previous"] = best_cpu["previous"] / best_cpu["fastrl"]
         results.append(row)
-        print(json.dumps({k: row[k] for k in ("shape", "tokens_per_s", "speed_vs_hf_generate")} | ({"speed_vs_previous": row.get("speed_vs_previous")}), indent=None), flush=True)
+        print(json.dumps({k: row.get(k) for k in ("shape", "speed_vs_hf_generate", "cpu_speed_vs_hf_generate", "speed_vs_previous", "cpu_speed_vs_previous")}), flush=True)
     payload = {
         "benchmark": "rollout_hf_sampler_vs_generate",
         "command": "python benchmarks/bench_rollout_vs_generate.py " + " ".join(sys.argv[1:] if argv is None else argv),
         "environment": environment(torch.device("cpu")),
         "threads": 1,
-        "note": "interleaved rounds, best of rounds; the machine was shared with other jobs (load average ~10 on 2 cores): ratios are more reliable than absolute figures",
+        "note": "interleaved rounds, best of rounds, one intra-op thread, pinned with taskset to one core; wall seconds and process CPU "
+                "seconds. The 2-core machine may be shared with other jobs (load averages at start and end recorded): wall times include waiting for a core, "
+                "so the CPU-time ratios are the reliable ones (memory-bandwidth contention still inflates both)",
         "created": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime()),
+        "load_average_start_end": [load_start, os.getloadavg()],
         "rows": results,
     }
     write_payload(payload, args.out, stem="rollout-vs-generate-cpu")

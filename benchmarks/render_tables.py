@@ -25,6 +25,10 @@ PAGES = ("README.md", "docs")
 MARKER = re.compile(r"(<!-- table:(?P<name>[a-z_]+) -->\n)(?P<body>.*?)(<!-- /table -->)", re.S)
 
 
+SAMPLER_VS_GENERATE = "rollout-vs-generate-cpu-20261202-000356.json"
+SAMPLER_MULTITURN = "multiturn-rollout-cpu-20261202-001122.json"
+
+
 def _load(name: str) -> dict:
     return json.loads((RESULTS / name).read_text())
 
@@ -116,6 +120,9 @@ def benchmarks_cpu() -> str:
     step_file = _load("trainer_vs_trl_cpu.json")
     step, shapes = step_file["fixed_steps"]["best"], step_file["shapes"]
     f, t = step["fastrl-grpo"], step["trl-grpo"]
+    rvg = _load(SAMPLER_VS_GENERATE)
+    previous_rev = re.search(r"--previous (\S+)", rvg["command"]).group(1)
+    mt = _load(SAMPLER_MULTITURN)
     rows = [
         ["GAE, B=64 T=8192", f"{gae:.1f} ms",
          f"Python loop over T, verl-style carry: {op('gae', 'B=64 T=8192', 'loop (verl-style carry)'):.0f} ms",
@@ -142,6 +149,22 @@ def benchmarks_cpu() -> str:
          f"`model.generate` on G prompt copies: {h256['prefill_tokens_duplicated']} tokens",
          f"{h64['speedup']:.1f}x / {h256['speedup']:.1f}x wall",
          "`python benchmarks/bench_rollout.py --quick --threads 1 [--hidden 256 --layers 4]`"],
+        *[[f"HF sampler vs `generate`, {r['prompts']} prompts x G={r['G']}, P={r['P']} L={r['L']} "
+           f"({'issue 20 real shape: Qwen2 vocab 151936, hidden 256, 4 layers' if r['shape'] == 'real' else 'embedded default model'})",
+           f"{r['cpu_tokens_per_s']['fastrl']:.0f} tokens/s CPU time ({r['tokens_per_s']['fastrl']:.0f} wall)",
+           f"`model.generate` on G copies: {r['cpu_tokens_per_s']['hf_generate']:.0f} ({r['tokens_per_s']['hf_generate']:.0f} wall); "
+           f"the sampler at {previous_rev}: {r['cpu_tokens_per_s']['previous']:.0f}",
+           f"{r['cpu_speed_vs_hf_generate']['fastrl']:.2f}x CPU time ({r['speed_vs_hf_generate']['fastrl']:.2f}x wall); "
+           f"{r['cpu_speed_vs_previous']:.2f}x the previous",
+           f"`{rvg['command']}`" if i == 0 else ""] for i, r in enumerate(rvg["rows"])],
+        [f"multi-turn rollout, {mt['shape']['turns']} turns x {mt['shape']['model_tokens_per_turn']} sampled + "
+         f"{mt['shape']['observation_tokens_per_turn']} observation tokens, G={mt['shape']['G']}, P={mt['shape']['prompt']}",
+         f"KV continued: {mt['cpu_sampled_tokens_per_s']['continued']:.0f} tokens/s CPU time, {mt['prefill_tokens']['continued']} prefill tokens",
+         f"`generate` on the whole history each turn: {mt['cpu_sampled_tokens_per_s']['hf_generate']:.0f}, "
+         f"{mt['prefill_tokens']['hf_generate']} tokens; the sampler re-prefilling: {mt['cpu_sampled_tokens_per_s']['reprefill']:.0f}",
+         f"{mt['cpu_speed_vs_hf_generate']['continued']:.2f}x CPU time ({mt['speed_vs_hf_generate']['continued']:.2f}x wall); "
+         f"{mt['cpu_speedup_continued_vs_reprefill']:.2f}x re-prefilling",
+         f"`{mt['command']}`"],
         ["vLLM n=G with prefix cache, P=2048 G=16 L=64",
          f"{vrows['shared']['prefill_tokens_computed']} prefill tokens, hit rate {vrows['shared']['prefix_cache_hit_rate']:.2f}",
          f"duplicated prompts, no cache: {vrows['duplicated']['prefill_tokens_computed']}",

@@ -3,15 +3,21 @@
 # after its correctness check passed).
 # Usage (device machine, repo root): bash benchmarks/gpu/run.sh   (results under $OUT)
 # Dry run on a CPU machine: OUT=/tmp/out FASTRL_GPU_DRY_RUN=1 bash benchmarks/gpu/run.sh
-# Budget: under 8 minutes in all; each stage has its own timeout so a hang cannot eat the lease:
+# Budget: under 8 minutes (470 s) in all; each stage has its own timeout so a hang cannot eat the lease:
 #   tests 170 s + kernels (check, then time decode attention and the log-prob loss) 130 s
-#   + 4 bench modules x 40 s + the step-wise tree case (at most 90 s) = 550 s at worst, plus
-#   start-up; the long GRPO step gets what is left of 470 s, if anything.
+#   + 4 bench modules x 40 s; then, each only with time left in the 470 s budget (its timeout
+#   cut to what is left): the sampler's decode modes vs generate/vLLM (at most 100 s), the
+#   step-wise tree case (at most 90 s), and the long GRPO step (the rest).
 set -uo pipefail
 OUT=${OUT:-/tmp/fastrl-gpu-out}
 mkdir -p "$OUT"
 export PYTHONUNBUFFERED=1
 cd "$(dirname "$0")/../.."
+BUDGET_S=470  # the whole call: under 8 minutes of the session's 15 (start-up and transfers come on top)
+stage_timeout() {  # a stage's timeout: its own cap, or what is left of the budget if less (at least 1 s)
+  local left=$(( BUDGET_S - SECONDS ))
+  if [ "$left" -lt "$1" ]; then echo $(( left > 1 ? left : 1 )); else echo "$1"; fi
+}
 
 # The device has torch and triton; install fastrl itself without touching them.
 if [ -d .whl ]; then
@@ -43,6 +49,7 @@ else
   # tests/ops/test_no_host_sync.py (CUDA's sync debug mode on every op). The sm_90
   # compile checks (test_compile_*.py) are CPU-side CI checks.
   test_args=(-q tests/ops tests/reference tests/rollout/test_decode_attention.py tests/rollout/test_decode_attention_precision.py
+             tests/rollout/test_hf_static_decode.py
              --ignore=tests/ops/test_compile_sm90.py --ignore=tests/ops/test_compile_keys.py)
   kernel_args=()
   bench_args=(--device cuda)
@@ -70,18 +77,22 @@ for module in policy_loss advantages scans rollout; do
   timeout "$bench_timeout" python3 -m fastrl.cli bench "${bench_args[@]}" --only "$module" --out "$OUT/bench-$module.json" 2>&1 | tee -a "$OUT/bench.log"
   echo "bench $module exit: ${PIPESTATUS[0]}" | tee -a "$OUT/bench.log"
 done
+echo "== sampler: decode eager / static / CUDA graph vs HF generate (and vLLM), each timed after its check"
+if [ -n "${FASTRL_GPU_DRY_RUN:-}" ]; then sampler_args=(--dry-run); else sampler_args=(); fi
+timeout "$(stage_timeout 100)" python3 benchmarks/gpu/bench_sampler.py "${sampler_args[@]}" --out "$OUT/sampler_gpu.json" 2>&1 | tee "$OUT/sampler.log" | tail -20
+echo "sampler exit: ${PIPESTATUS[0]}"
 echo "== step-wise samples of an 8-turn trajectory (1.5B shape): padded vs prefix-tree packed"
 # Only if the tree-attention tests passed on this device; its own timeout (the rest goes to the next stage).
 if python3 benchmarks/gpu/tests_passed.py "$OUT/tests.xml" tree_attention; then
   if [ -n "${FASTRL_GPU_DRY_RUN:-}" ]; then tree_args=(--dry-run --templates strip-thinking --repeats 1); else tree_args=(--templates strip-thinking); fi
-  timeout 90 python3 benchmarks/gpu/bench_stepwise_tree_gpu.py "${tree_args[@]}" --out "$OUT/tree_stepwise_gpu.json" 2>&1 | tee "$OUT/tree_stepwise.log" | tail -12
+  timeout "$(stage_timeout 90)" python3 benchmarks/gpu/bench_stepwise_tree_gpu.py "${tree_args[@]}" --out "$OUT/tree_stepwise_gpu.json" 2>&1 | tee "$OUT/tree_stepwise.log" | tail -12
   echo "tree step-wise exit: ${PIPESTATUS[0]}"
 else
   echo "tree step-wise skipped: its correctness tests failed"
 fi
 echo "== long-trajectory GRPO step (1.5B shape): shared prefix on/off, attention backends"
-# Last and only with time left in the 8-minute budget (the script writes after every case).
-left=$(( 470 - SECONDS ))
+# Last and only with time left in the budget (the script writes after every case).
+left=$(( BUDGET_S - SECONDS ))
 if [ "$left" -gt 30 ]; then
   if [ -n "${FASTRL_GPU_DRY_RUN:-}" ]; then long_args=(--dry-run); else
     long_args=(--tokens 8192,32768 --modes repeated,shared:triton,shared:flex --repeats 2); fi

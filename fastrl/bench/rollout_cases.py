@@ -143,6 +143,7 @@ def load_sampler_from_git(revision: str, *, tag: str):
     does not replace the current sampler's registration."""
     import importlib.util
     import subprocess
+    import sys
     import tempfile
     from pathlib import Path
 
@@ -153,5 +154,6 @@ def load_sampler_from_git(revision: str, *, tag: str):
     path.write_text(src)
     spec = importlib.util.spec_from_file_location(f"hf_sampler_{tag}", path)
     module = importlib.util.module_from_spec(spec)
+    sys.modules[spec.name] = module  # dataclasses resolve string annotations through it
     spec.loader.exec_module(module)
     return module.HFGroupSampler

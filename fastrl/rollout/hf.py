@@ -15,7 +15,20 @@ prompt. The work it does:
    number of batched ops per layer with no loop over groups
    (``fastrl.ops.decode_attention.padded_prefix_attention`` on CPU; on CUDA the Triton
    kernels of ``shared_prefix_decode_attention`` read each group's prompt once). The only
-   host sync per step is the stop check.
+   host sync per step is the stop check (none when no row can end early).
+3. **Project only what is sampled.** The decode steps run the model's base model and apply
+   its output projection themselves, to the rows still sampling only (rows that hit a stop
+   token or their budget drop out of the LM head and the sampling); on CPU, with at most
+   ``TRANSPOSED_HEAD_MAX_ROWS`` rows, through a contiguous ``W^T`` copied once per rollout
+   (MKL's small-M GEMM is 1.4-2.3x faster on it; the copy is the head's size, held for the
+   rollout only and not counted in ``peak_kv_cache_bytes``). Whether ``lm_head(base_model(x))`` is the
+   model's output is checked at the first prefill; a model that scales or caps its logits
+   keeps its own forward. The logits and ``exp`` buffers are reused across steps.
+
+``decode="static"`` runs each step with static shapes (write slots and the suffix mask from a
+device tensor, attention over the whole suffix capacity, no host value inside), the step
+``decode="cuda_graph"`` captures once per rollout in a CUDA graph and replays; on CPU the
+static step is the tested stand-in (same tokens and log-probs as the eager step).
 
 The model is used unchanged: the sampler registers an attention function
 (``"fastrl_shared_prefix"``) in transformers' ``AttentionInterface``, switches
@@ -30,20 +43,21 @@ turn ``k`` runs only the tokens appended to it (different lengths per trajectory
 left-padded forward); the G trajectories of a prompt keep sharing its stored prompt;
 trajectories that stop drop out and their rows are released. See :meth:`HFGroupSampler.start`.
 
-Sampling and log-probs: the next-token logits are taken in fp32 and divided by the
-temperature; top-k then top-p filtering set the dropped tokens to ``-inf`` (both by a
-partial sort); the sampled token's log-prob is ``log_softmax`` of that filtered, tempered
-distribution (renormalised over the kept tokens) -- the distribution the token was
-actually drawn from. With ``top_k=0, top_p=1`` this equals
+Sampling and log-probs (:func:`sample_tokens`): the next-token logits are taken in fp32 and
+divided by the temperature; top-k then top-p filtering set the dropped tokens to ``-inf``
+(both by a partial sort); the sampled token's log-prob is ``log_softmax`` of that filtered,
+tempered distribution (renormalised over the kept tokens) -- the distribution the token was
+actually drawn from -- computed at the sampled entry only (``x - max - log sum exp``), never
+as a ``[B, V]`` log-softmax. With ``top_k=0, top_p=1`` this equals
 ``log_softmax(model(input_ids).logits / temperature)`` recomputed by the training forward.
 With filtering on, it is larger than that (by ``-log`` of the kept probability mass) and
 importance ratios against the unfiltered training distribution are not 1 at the first
 step; ``greedy=True`` takes the argmax and reports its log-prob under the same (tempered,
-filtered) distribution. Draws: with per-prompt seeds, the inverse CDF of seeded uniforms,
-found by a two-level fp64 search (block sums, then one block: no full-vocabulary fp64
-cumulative sum), which picks the same tokens as the full fp64 CDF the sampler used before
-(bar thresholds within fp64 rounding of a boundary); with ``sampling.seed`` alone,
-``torch.multinomial`` with a seeded generator, as before.
+filtered) distribution. Draws: with per-prompt seeds, the inverse CDF of seeded uniforms over
+``exp(x - max)``, found by a two-level fp64 search (block sums, then one block: no
+full-vocabulary fp64 cumulative sum), which picks the same tokens as a full fp64 CDF (bar
+thresholds within fp64 rounding of a boundary); with ``sampling.seed`` alone,
+``torch.multinomial`` with a seeded generator (over the rows still sampling).
 
 Supported models: decoder-only causal LMs whose attention layers call
 ``ALL_ATTENTION_FUNCTIONS`` (Llama, Qwen2/3, Mistral, ... in transformers >= 4.48) with
@@ -61,6 +75,7 @@ import torch
 import torch.nn.functional as F
 
 from fastrl._checks import check_choice, resolve_backend
+from fastrl.errors import InputError
 from fastrl.ops.decode_attention import PrefixRows, padded_prefix_attention, shared_prefix_decode_attention
 from fastrl.rollout.base import RolloutBatch, RolloutStats, SamplingConfig, validate_prompt_seeds, validate_prompts
 
@@ -70,8 +85,27 @@ TURN_SEED_STRIDE = 1009
 """Seeds of consecutive turns of one trajectory are this far apart (the agents driver's stride)."""
 CDF_BLOCK = 1024
 """Tokens per block of the two-level inverse-CDF search (block sums, then one block)."""
+PREFILL_PAD_WASTE = 2.0
+"""The prefill attends the distinct prompts in one right-padded batch when that costs at most
+this many times the attention over the prompts alone (``U * P_max^2 <= 2 * sum P^2``), else
+one attention call per prompt."""
+CDF_CAST_ELEMENTS = 1 << 17
+"""The block sums are taken over rows holding at most this many entries at a time (their fp64
+cast, 1 MiB, stays in cache instead of a fresh ``[B, V]`` fp64 buffer each step)."""
 TOP_P_FIRST_K = 1024
 """Candidates the top-p filter sorts first (the full sort runs only if their mass is short of ``top_p``)."""
+TRANSPOSED_HEAD_MAX_ROWS = 16
+"""On CPU the LM head is applied as ``hidden @ W^T`` with ``W^T`` stored contiguous (a copy made
+once per rollout) when at most this many rows step together: for 1-16 rows MKL's GEMM is
+1.4-2.3x faster (CPU time) on a ``[H, V]`` operand than on the ``[V, H]`` weight, with the same
+logits; at 32 and 64 rows it is slower (``benchmarks/bench_lm_head_layout.py``,
+``benchmarks/results/lm-head-layout-cpu-20261201-235130.json``)."""
+TRANSPOSED_HEAD_MIN_STEPS = 16
+"""... and when the rollout runs at least this many decode steps (the copy costs a few steps)."""
+DECODE_MODES = ("eager", "static", "cuda_graph")
+"""``HFGroupSampler(decode=...)``: the per-token step as variable-shape eager ops, as one
+static-shape step (run eagerly; the CPU test of the captured path), or that step captured
+once per rollout in a CUDA graph and replayed."""
 
 __all__ = ["HFGroupSampler", "CascadeKV", "ATTN_NAME", "MultiTurnState", "TurnOutput", "HFTokenSampler"]
 
@@ -100,6 +134,16 @@ class CascadeKV:
         for u, n in enumerate(prompt_lens):
             bias[u, n:] = float("-inf")
         self.prefix_bias = bias
+        # the prefill attends all prompts at once, right-padded, unless padding would cost more
+        # than PREFILL_PAD_WASTE times the attention of the prompts themselves
+        U, P = len(prompt_lens), self.P
+        self._prefill_padded = U * P * P <= PREFILL_PAD_WASTE * sum(n * n for n in prompt_lens)
+        if self._prefill_padded and U > 1:
+            t = torch.arange(P, device=device)
+            start = torch.tensor(self.cu_seqlens[:-1], device=device)[:, None]
+            n = torch.tensor(prompt_lens, device=device)[:, None]
+            self._prefill_index = start + torch.minimum(t[None, :], n - 1)  # [U, P]
+            self._prefill_real = (torch.arange(U, device=device)[:, None] * P + t[None, :])[t[None, :] < n]
         self.mode = "prefill"
         self.prefix_k: list[torch.Tensor | None] = [None] * num_layers
         self.prefix_v: list[torch.Tensor | None] = [None] * num_layers
@@ -187,6 +231,27 @@ class CascadeKV:
             self._tri_slen = torch.tensor(self.suffix_len, dtype=torch.int32, device=dev)
         return pos
 
+    # ---- static-shape decode steps (one token per row; capturable in a CUDA graph)
+    def start_static(self) -> None:
+        """Before static decode steps: each row's next write slot lives on the device
+        (``static_slot``, advanced in place by :meth:`static_step_end`), and attention reads
+        the whole suffix capacity under a mask built from it, so no shape or host value
+        changes from step to step."""
+        dev = self.device
+        self.static_slot = torch.tensor(self.suffix_len, dtype=torch.long, device=dev)
+        self._brange = torch.arange(self.batch, device=dev)
+        self._slots = torch.arange(self.capacity, device=dev)
+
+    def static_step_begin(self) -> torch.Tensor:
+        """Device ops of a static step before the forward; returns the ``[B, 1]`` positions."""
+        self.mode = "static"
+        see = self._slots[None, :] <= self.static_slot[:, None]  # slots written so far plus this one
+        self.static_bias = torch.zeros(see.shape, device=self.device).masked_fill_(~see, float("-inf"))[:, None, :]
+        return (self.prompt_len_rows + self.static_slot)[:, None]
+
+    def static_step_end(self) -> None:
+        self.static_slot.add_(1)
+
     def bytes(self) -> int:
         total = 0
         for ts in (self.prefix_k, self.prefix_v, self.suffix_k, self.suffix_v):
@@ -205,6 +270,22 @@ class CascadeKV:
             pk = key.new_zeros(Hkv, U, self.P, D)
             pv = value.new_zeros(Hkv, U, self.P, D)
             gqa = query.shape[1] != key.shape[1]
+            if U > 1 and self._prefill_padded:
+                # all prompts at once, right-padded to P (pad slots repeat a prompt's last token:
+                # causal attention keeps them out of every real query, and the decode steps'
+                # prefix_bias masks them); one gather in, one SDPA, one gather out
+                P, Hq = self.P, query.shape[1]
+                pad_idx = self._prefill_index  # [U, P] packed positions
+                pk = key[0][:, pad_idx]  # [Hkv, U, P, D]
+                pv = value[0][:, pad_idx]
+                out = F.scaled_dot_product_attention(
+                    query[0][:, pad_idx].transpose(0, 1), pk.transpose(0, 1), pv.transpose(0, 1), is_causal=True, scale=scaling,
+                    enable_gqa=gqa,
+                )  # [U, Hq, P, D]
+                self.prefix_k[layer], self.prefix_v[layer] = pk, pv
+                self.peak_bytes = max(self.peak_bytes, self.bytes())
+                out = out.transpose(1, 2).reshape(U * P, Hq, D).index_select(0, self._prefill_real)
+                return out[None]  # [1, sum P, Hq, D]
             outs = []
             for u, (a, b) in enumerate(zip(cu[:-1], cu[1:])):  # once per rollout, not per token
                 pk[:, u, : b - a] = key[0, :, a:b]
@@ -220,6 +301,12 @@ class CascadeKV:
             return out.transpose(1, 2)  # [1, sum P, Hq, D]
         # query [B, Hq, T, D], key/value [B, Hkv, T, D]: write the new keys/values in place
         sk, sv = self.suffix_k[layer], self.suffix_v[layer]
+        if self.mode == "static":  # T == 1, slots and mask from device tensors, the full capacity
+            sk[self._brange, :, self.static_slot] = key[:, :, 0]
+            sv[self._brange, :, self.static_slot] = value[:, :, 0]
+            return padded_prefix_attention(
+                query, self.prefix_k[layer], self.prefix_v[layer], self.prefix_bias, self.rows, sk, sv, self.static_bias, scale=scaling,
+            )
         if isinstance(self.write[0], int):
             a, b = self.write
             sk[:, :, a:b] = key
@@ -240,6 +327,69 @@ class CascadeKV:
             query, self.prefix_k[layer], self.prefix_v[layer], self.prefix_bias, self.rows,
             sk[:, :, : self.S], sv[:, :, : self.S], self.suffix_bias, scale=scaling,
         )
+
+
+class _CudaGraphStep:
+    """A static decode step captured in a CUDA graph at its first call (after one warm-up
+    run on a side stream, whose write slot is then rewound) and replayed after that. The
+    graph holds the rollout's buffers: one capture per rollout."""
+
+    def __init__(self, step, kv: CascadeKV):
+        self.step, self.kv = step, kv
+        self.graph = None
+
+    def __call__(self, tok: torch.Tensor) -> torch.Tensor:
+        if self.graph is None:
+            self.tok = tok.clone()
+            slot = self.kv.static_slot.clone()
+            side = torch.cuda.Stream()
+            side.wait_stream(torch.cuda.current_stream())
+            with torch.cuda.stream(side):
+                self.step(self.tok)
+            torch.cuda.current_stream().wait_stream(side)
+            self.kv.static_slot.copy_(slot)
+            self.graph = torch.cuda.CUDAGraph()
+            with torch.cuda.graph(self.graph):
+                self.out = self.step(self.tok)
+        self.tok.copy_(tok)
+        self.graph.replay()
+        return self.out
+
+
+class _LMHead:
+    """The model's output projection, applied by the sampler (hidden states -> fp32 logits).
+
+    ``transposed``: ``hidden @ W^T`` with a contiguous copy of ``W^T`` (``[H, V]``, one copy of
+    the head's weight for as long as the rollout holds this object), refreshed when the weight
+    changed in place (its version counter) or was replaced."""
+
+    def __init__(self, linear: torch.nn.Linear, *, transposed: bool):
+        self.linear = linear
+        self.transposed = transposed
+        self.weight_t: torch.Tensor | None = None
+        self._key: tuple[int, int] | None = None
+        self.refresh()
+
+    def refresh(self) -> None:
+        w = self.linear.weight
+        key = (w.data_ptr(), w._version)
+        if self.transposed and key != self._key:
+            self.weight_t = None
+            self.weight_t = w.detach().t().contiguous()
+            self._key = key
+
+    def __call__(self, h: torch.Tensor, *, out: torch.Tensor | None = None) -> torch.Tensor:
+        """``[n, H] -> [n, V]`` fp32 logits; ``out``: a ``[n, V]`` buffer to write them into
+        (the weight's dtype; reused across decode steps instead of a fresh allocation)."""
+        bias = self.linear.bias
+        w_t = self.weight_t if self.weight_t is not None else self.linear.weight.t()
+        if out is None or out.dtype != h.dtype:
+            y = torch.matmul(h, w_t) if bias is None else torch.addmm(bias, h, w_t)
+        elif bias is None:
+            y = torch.matmul(h, w_t, out=out)
+        else:
+            y = torch.addmm(bias, h, w_t, out=out)
+        return y.float()
 
 
 def _shared_prefix_attention(module, query, key, value, attention_mask, scaling=None, dropout=0.0, **kwargs):
@@ -274,7 +424,42 @@ def _eos_ids(model: torch.nn.Module) -> tuple[int, ...]:
 
 
 def process_logits(logits: torch.Tensor, sampling: SamplingConfig) -> torch.Tensor:
-    """Log-probs ``[B, V]`` (fp32) of the distribution tokens are drawn from.
+    """Log-probs ``[B, V]`` (fp32) of the distribution tokens are drawn from:
+    ``log_softmax(warp_logits(logits, sampling))``."""
+    return torch.log_softmax(warp_logits(logits, sampling), dim=-1)
+
+
+def sample_tokens(
+    logits: torch.Tensor, sampling: SamplingConfig, *, uniforms: torch.Tensor | None = None, generator: torch.Generator | None = None,
+    work: torch.Tensor | None = None,
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """One token per row of ``logits`` ``[B, V]`` and its log-prob under the processed
+    distribution (``process_logits``), without materialising that ``[B, V]`` log-softmax.
+
+    ``x = warp_logits(logits)``; ``greedy``: ``argmax x``. Otherwise ``e = exp(x - max x)``
+    (unnormalised probabilities, one pass) is drawn from: by the inverse CDF at ``uniforms``
+    (``[B]`` in [0, 1), fp64; the two-level search of :func:`_inverse_cdf_sample`, whose fp64
+    block sums also give the row total), else ``torch.multinomial`` with ``generator``. The
+    log-prob is ``x[tok] - max x - log(sum e)``: log-softmax's own formula at one entry.
+    ``work``: an fp32 buffer of at least ``[B, V]`` for ``e`` (reused across steps).
+    """
+    x = warp_logits(logits, sampling)
+    if sampling.greedy:
+        tok = torch.argmax(x, dim=-1)
+        return tok, x.gather(1, tok[:, None])[:, 0] - torch.logsumexp(x, dim=-1)
+    m = x.amax(-1, keepdim=True)
+    e = (x - m if work is None else torch.sub(x, m, out=work[: x.shape[0], : x.shape[1]])).exp_()
+    if uniforms is not None:
+        tok, total = _inverse_cdf(e, uniforms)
+    else:
+        tok = torch.multinomial(e, 1, generator=generator)[:, 0]
+        total = e.sum(-1, dtype=torch.float64)
+    logp = x.gather(1, tok[:, None])[:, 0] - m[:, 0] - torch.log(total).float()
+    return tok, logp
+
+
+def warp_logits(logits: torch.Tensor, sampling: SamplingConfig) -> torch.Tensor:
+    """The logits of the distribution tokens are drawn from ``[B, V]`` (fp32, not normalised).
 
     ``logits / temperature``, then top-k (ties with the k-th value are kept), then top-p
     (the smallest set of most likely tokens whose probability reaches ``top_p``; the most
@@ -305,7 +490,7 @@ def process_logits(logits: torch.Tensor, sampling: SamplingConfig) -> torch.Tens
             probs = torch.softmax(sorted_x, dim=-1)
             drop_sorted = (torch.cumsum(probs, dim=-1) - probs) >= sampling.top_p
             x = x.masked_fill(torch.zeros_like(drop_sorted).scatter(-1, order, drop_sorted), float("-inf"))
-    return torch.log_softmax(x, dim=-1)
+    return x
 
 
 def _inverse_cdf_sample(probs: torch.Tensor, u: torch.Tensor, *, block: int = CDF_BLOCK) -> torch.Tensor:
@@ -317,12 +502,25 @@ def _inverse_cdf_sample(probs: torch.Tensor, u: torch.Tensor, *, block: int = CD
     full-vocabulary fp64 cumulative sum except where the threshold lies within fp64
     rounding (~1e-13 of the total) of a boundary, without its ``[B, V]`` fp64 buffer.
     """
+    return _inverse_cdf(probs, u, block=block)[0]
+
+
+def _inverse_cdf(probs: torch.Tensor, u: torch.Tensor, *, block: int = CDF_BLOCK) -> tuple[torch.Tensor, torch.Tensor]:
+    """:func:`_inverse_cdf_sample`, also returning each row's fp64 total ``[B]``."""
     Bn, V = probs.shape
+    if V <= block:  # one block: the full fp64 CDF itself
+        cdf = probs.double().cumsum(-1)
+        total = cdf[:, -1]
+        x = torch.minimum(u.to(torch.float64) * total, torch.nextafter(total, torch.zeros_like(total)))
+        return torch.searchsorted(cdf, x[:, None], right=True)[:, 0].clamp(max=V - 1), total
     nb = -(-V // block)
     full = (V // block) * block
-    sums = probs[:, :full].reshape(Bn, V // block, block).sum(-1, dtype=torch.float64)
+    sums = probs.new_empty(Bn, nb, dtype=torch.float64)
+    rows = max(1, CDF_CAST_ELEMENTS // max(full, 1))  # the fp64 cast of a few rows at a time stays in cache
+    for r in range(0, Bn if full else 0, rows):
+        torch.sum(probs[r : r + rows, :full].reshape(-1, V // block, block), -1, dtype=torch.float64, out=sums[r : r + rows, : V // block])
     if full < V:
-        sums = torch.cat([sums, probs[:, full:].sum(-1, dtype=torch.float64, keepdim=True)], dim=1)
+        torch.sum(probs[:, full:], -1, dtype=torch.float64, keepdim=True, out=sums[:, V // block :])
     cdf_blocks = sums.cumsum(-1)  # [B, nb]
     total = cdf_blocks[:, -1]
     x = torch.minimum(u.to(torch.float64) * total, torch.nextafter(total, torch.zeros_like(total)))
@@ -336,7 +534,7 @@ def _inverse_cdf_sample(probs: torch.Tensor, u: torch.Tensor, *, block: int = CD
     # j == block only if rounding put the threshold past the block's own sum: its last likely token
     last = torch.where(p > 0, torch.arange(block, device=probs.device)[None, :], -1).amax(-1)
     j = torch.where(j >= block, last, j)
-    return (k * block + j).clamp(max=V - 1)
+    return (k * block + j).clamp(max=V - 1), total
 
 
 @dataclass
@@ -372,6 +570,7 @@ class MultiTurnState:
     history: list[list[int]]
     pending: list[list[int]]
     first_logits: torch.Tensor | None
+    head: "_LMHead | None" = None
     turn: int = 0
     prefill_tokens: list[int] = field(default_factory=list)
     forward_tokens: list[int] = field(default_factory=list)
@@ -389,13 +588,22 @@ class HFGroupSampler:
             ``triton`` or ``torch``.
         max_length: longest prompt + completion allowed (default:
             ``config.max_position_embeddings``).
+        decode: the per-token step (``DECODE_MODES``): ``eager`` (default), ``static`` (one
+            static-shape step: device-side write slots and masks over the whole suffix
+            capacity, no host value inside; the same tokens and log-probs as ``eager``, slower
+            on CPU) or ``cuda_graph`` (that step captured in a CUDA graph once per rollout and
+            replayed; CUDA only).
     """
 
-    def __init__(self, model: torch.nn.Module, *, pad_token_id: int | None = None, backend: str = "auto", max_length: int | None = None):
+    def __init__(self, model: torch.nn.Module, *, pad_token_id: int | None = None, backend: str = "auto", max_length: int | None = None,
+                 decode: str = "eager"):
         config = getattr(model, "config", None)
         if config is None or not hasattr(model, "get_input_embeddings"):
             raise TypeError(f"model must be a Hugging Face PreTrainedModel, got {type(model).__name__}")
         check_choice("backend", backend, ("auto", "triton", "torch"))
+        check_choice("decode", decode, DECODE_MODES)
+        if decode == "cuda_graph" and model.get_input_embeddings().weight.device.type != "cuda":
+            raise InputError("decode='cuda_graph' needs the model on a CUDA device; use decode='eager' (or 'static') on CPU")
         if getattr(config, "is_encoder_decoder", False):
             raise ValueError("HFGroupSampler needs a decoder-only causal LM")
         layer_types = getattr(config, "layer_types", None) or []
@@ -413,6 +621,12 @@ class HFGroupSampler:
         if pad_token_id is None:
             pad_token_id = self.eos_token_ids[0] if self.eos_token_ids else 0
         self.pad_token_id = int(pad_token_id)
+        self.decode = decode
+        self._split: bool | None = None if self._splittable() else False
+        """Whether the sampler runs the base model and applies the output projection itself (to
+        project only the rows still sampling, with a transposed weight on CPU): decided at the
+        first prefill, where the model's own logits must equal ``lm_head`` of its base model's
+        last hidden states (a model that scales or caps its logits keeps its own forward)."""
         _register()
 
     # ------------------------------------------------------------------ weights
@@ -450,9 +664,30 @@ class HFGroupSampler:
             config._attn_implementation = previous
             self.model.train(was_training)
 
-    def _forward(self, kv: CascadeKV, ids: torch.Tensor, pos: torch.Tensor) -> torch.Tensor:
+    def _splittable(self) -> bool:
+        head = self.model.get_output_embeddings()
+        base = getattr(self.model, "base_model", None)
+        return isinstance(head, torch.nn.Linear) and isinstance(base, torch.nn.Module) and base is not self.model
+
+    def _head(self, device: torch.device, *, rows: int, steps: int | None) -> "_LMHead | None":
+        """The output projection for one rollout (None: the model's own forward)."""
+        if not self._split:
+            return None
+        transposed = device.type == "cpu" and rows <= TRANSPOSED_HEAD_MAX_ROWS and (steps is None or steps >= TRANSPOSED_HEAD_MIN_STEPS)
+        return _LMHead(self.model.get_output_embeddings(), transposed=transposed)
+
+    def _forward(self, kv: CascadeKV, ids: torch.Tensor, pos: torch.Tensor, head: "_LMHead | None") -> torch.Tensor:
+        """The last position's output of every row: its hidden state when ``head`` is given
+        (the caller projects the rows it needs), else the model's fp32 logits."""
+        if head is not None:
+            out = self.model.base_model(input_ids=ids, position_ids=pos, use_cache=False, **{_KV_KWARG: kv})
+            return out.last_hidden_state[:, -1]
         out = self.model(input_ids=ids, position_ids=pos, use_cache=False, logits_to_keep=1, **{_KV_KWARG: kv})
         return out.logits[:, -1].float()
+
+    @staticmethod
+    def _project(h: torch.Tensor, head: "_LMHead | None", out: torch.Tensor | None = None) -> torch.Tensor:
+        return h if head is None else head(h, out=None if out is None else out[: h.shape[0]])
 
     def _prefill(self, distinct_prompts: list[list[int]], device: torch.device, backend: str) -> tuple[CascadeKV, torch.Tensor]:
         """Run the distinct prompts once (packed); returns the store and their last logits ``[U, V]``."""
@@ -462,60 +697,120 @@ class HFGroupSampler:
         ids = torch.tensor([t for p in distinct_prompts for t in p], dtype=torch.long, device=device)[None]
         pos = torch.cat([torch.arange(len(p), device=device) for p in distinct_prompts])[None]
         last = torch.tensor(cu[1:], device=device) - 1
-        out = self.model(input_ids=ids, position_ids=pos, use_cache=False, logits_to_keep=last, **{_KV_KWARG: kv})
-        return kv, out.logits[0].float()
+        seen: list[torch.Tensor] = []
+        hook = None
+        if self._split is None:
+            hook = self.model.base_model.register_forward_hook(lambda m, a, out: seen.append(getattr(out, "last_hidden_state", None)))
+        try:
+            out = self.model(input_ids=ids, position_ids=pos, use_cache=False, logits_to_keep=last, **{_KV_KWARG: kv})
+        finally:
+            if hook is not None:
+                hook.remove()
+        logits = out.logits[0].float()
+        if hook is not None:
+            head = self.model.get_output_embeddings()
+            ok = len(seen) == 1 and isinstance(seen[0], torch.Tensor)
+            if ok:
+                got = F.linear(seen[0][0, last], head.weight, head.bias).float()
+                ok = bool(torch.allclose(got, logits, rtol=1e-4, atol=1e-5 * (1.0 + float(logits.abs().max()))))
+            self._split = ok
+        return kv, logits
 
     def _stop_ids(self, sampling: SamplingConfig, device: torch.device) -> torch.Tensor:
         return torch.tensor(sorted(set(sampling.stop_token_ids) | set(self.eos_token_ids)), dtype=torch.long, device=device)
 
     def _decode(self, kv: CascadeKV, logits: torch.Tensor, budgets: list[int], sampling: SamplingConfig, stop_ids: torch.Tensor,
-                uniforms: torch.Tensor | None, gen: torch.Generator | None) -> tuple[list[list[int]], list[torch.Tensor], list[bool]]:
+                uniforms: torch.Tensor | None, gen: torch.Generator | None, head: "_LMHead | None") -> tuple[list[list[int]], list[torch.Tensor], list[bool]]:
         """Sample up to ``budgets[b]`` tokens per row from ``logits`` (each row's next-token
         logits), one batched decode step per token. Returns per row the tokens (cut after a
         stop token), their log-probs and whether a stop token ended them.
 
-        The only host sync per step is the stop check. Every sampled token but the last of
+        The only host sync per step is the stop check (none at all when nothing can end a row
+        early: no stop token and equal budgets). Rows that have ended keep stepping through
+        the model (their keys/values are never read back) with the pad token as input, but
+        are no longer projected to logits nor sampled. Every sampled token but the last of
         each row has been run through the model (its keys/values are in ``kv``)."""
         B = len(budgets)
         L = max(budgets)
         device = logits.device
-        tokens = torch.empty(B, L, dtype=torch.long, device=device)
-        logps = torch.empty(B, L, dtype=torch.float32, device=device)
+        tokens = torch.full((B, L), self.pad_token_id, dtype=torch.long, device=device)
+        logps = torch.zeros(B, L, dtype=torch.float32, device=device)
         finished = torch.zeros(B, dtype=torch.bool, device=device)
         uneven = any(b != L for b in budgets)
+        can_stop = stop_ids.numel() > 0 or uneven
         budget_t = torch.tensor(budgets, device=device)
+        active: torch.Tensor | None = None  # the rows still sampling (None: all)
+        n_active = B
+        step_fn = None
         steps = 0
+        # [B, V] buffers written by every step (fresh ones would be page-faulted in each step)
+        work = torch.empty(logits.shape, dtype=torch.float32, device=device) if not sampling.greedy else None
+        head_out = None
+        if head is not None and self.decode == "eager" and L > 1:
+            head_out = torch.empty(logits.shape, dtype=head.linear.weight.dtype, device=device)
         for step in range(L):
-            logp_all = process_logits(logits, sampling)
-            if sampling.greedy:
-                tok = torch.argmax(logp_all, dim=-1)
-            elif uniforms is not None:
-                tok = _inverse_cdf_sample(logp_all.exp(), uniforms[:, step])
+            u = None if uniforms is None else (uniforms[:, step] if active is None else uniforms[active, step])
+            tok, lp = sample_tokens(logits, sampling, uniforms=u, generator=gen, work=work)
+            if active is None:
+                tokens[:, step] = tok
+                logps[:, step] = lp
             else:
-                tok = torch.multinomial(logp_all.exp(), 1, generator=gen)[:, 0]
-            tokens[:, step] = tok
-            logps[:, step] = logp_all.gather(1, tok[:, None])[:, 0]
+                tokens[active, step] = tok
+                logps[active, step] = lp
             steps = step + 1
-            if stop_ids.numel():
-                finished |= torch.isin(tok, stop_ids)
-            if uneven:
-                finished |= budget_t <= steps
-            if step == L - 1 or bool(finished.all()):
+            if step == L - 1:
                 break
-            pos = kv.set_forward([1] * B, 1)
-            logits = self._forward(kv, tok[:, None], pos)
-        tokens_h = tokens[:, :steps].cpu()
-        logps_h = logps[:, :steps].cpu()
+            if can_stop:
+                if stop_ids.numel():
+                    finished |= torch.isin(tokens[:, step], stop_ids)
+                if uneven:
+                    finished |= budget_t <= steps
+                done = finished.tolist()  # the one host sync of the step
+                if all(done):
+                    break
+                if B - sum(done) < n_active:
+                    active = torch.tensor([b for b, d in enumerate(done) if not d], dtype=torch.long, device=device)
+                    n_active = active.numel()
+            if self.decode == "eager":
+                pos = kv.set_forward([1] * B, 1)
+                h = self._forward(kv, tokens[:, step, None], pos, head)
+                logits = self._project(h if active is None else h.index_select(0, active), head, head_out)
+            else:
+                if step_fn is None:
+                    kv.start_static()
+                    step_fn = self._static_step(kv, head)
+                logits = step_fn(tokens[:, step])
+                kv.suffix_len = [n + 1 for n in kv.suffix_len]
+                if active is not None:
+                    logits = logits.index_select(0, active)
+        rows_h = tokens[:, :steps].tolist()
+        logps_h = logps[:, :steps].cpu().unbind(0)  # one copy; each row's log-probs are a view of it
         stop_set = set(stop_ids.tolist())
         ids_out, logp_out, stopped = [], [], []
         for b in range(B):
-            row = tokens_h[b, : budgets[b]].tolist()
-            end = next((i + 1 for i, t in enumerate(row) if t in stop_set), None)
+            row = rows_h[b][: budgets[b]]
+            end = next((i + 1 for i, t in enumerate(row) if t in stop_set), None) if stop_set else None
             n = end or len(row)
             ids_out.append(row[:n])
-            logp_out.append(logps_h[b, :n].clone())
+            logp_out.append(logps_h[b] if n == steps else logps_h[b][:n])
             stopped.append(end is not None)
         return ids_out, logp_out, stopped
+
+    def _static_step(self, kv: CascadeKV, head: "_LMHead | None"):
+        """One static-shape decode step ``tokens [B] -> logits [B, V]`` (fp32) for this rollout:
+        every shape fixed by the batch and the suffix capacity, write slots and masks from
+        ``kv.static_slot`` (advanced in place). ``decode='cuda_graph'`` captures it at its
+        first call and replays the graph after that."""
+
+        def step(tok: torch.Tensor) -> torch.Tensor:
+            pos = kv.static_step_begin()
+            out = self._project(self._forward(kv, tok[:, None], pos, head), head)
+            kv.static_step_end()
+            return out
+
+        if self.decode == "static":
+            return step
+        return _CudaGraphStep(step, kv)
 
     @torch.no_grad()
     def generate(
@@ -558,10 +853,12 @@ class HFGroupSampler:
         stop_ids = self._stop_ids(sampling, device)
         with self._shared_prefix_attention():
             kv, last_logits = self._prefill([list(p) for p in distinct], device, backend)
+            head = self._head(device, rows=B, steps=L - 1) if L > 1 else None
             kv.set_rows([which[b // G] for b in range(B)], group_size=G)
             kv.reserve(max(L - 1, 0))
             logits = last_logits[torch.tensor(which, device=device)].repeat_interleave(G, dim=0)  # [B, V]
-            completion_ids, completion_logp, stopped = self._decode(kv, logits, [L] * B, sampling, stop_ids, uniforms, gen)
+            completion_ids, completion_logp, stopped = self._decode(kv, logits, [L] * B, sampling, stop_ids, uniforms, gen, head)
+        del head
         computed = kv.cu_seqlens[-1]
         stats = RolloutStats(
             prompts=N,
@@ -625,11 +922,12 @@ class HFGroupSampler:
         B = N * G
         with self._shared_prefix_attention():
             kv, last_logits = self._prefill([list(p) for p in distinct], device, backend)
+        head = self._head(device, rows=B, steps=None)
         kv.set_rows([which[t // G] for t in range(B)], group_size=G)
         first = last_logits[torch.tensor(which, device=device)].repeat_interleave(G, dim=0)
         state = MultiTurnState(kv=kv, sampling=sampling, prompts=prompts, group_size=G, prompt_seeds=seeds,
                                live=list(range(B)), history=[[] for _ in range(B)], pending=[[] for _ in range(B)],
-                               first_logits=first)
+                               first_logits=first, head=head)
         state.prefill_tokens.append(kv.cu_seqlens[-1])
         state.forward_tokens.append(kv.cu_seqlens[-1])
         return state
@@ -674,6 +972,9 @@ class HFGroupSampler:
         kv = state.kv
         device = kv.device
         sampling = state.sampling
+        head = state.head
+        if head is not None:
+            head.refresh()  # the weights may have changed since the last turn
         rows = [state.live.index(t) for t in ids]
         kv.keep(rows)
         first = state.first_logits[torch.tensor(rows, device=device)] if state.first_logits is not None else None
@@ -701,7 +1002,7 @@ class HFGroupSampler:
                     if x:
                         batch_ids[i, T - len(x):] = torch.tensor(x, dtype=torch.long, device=device)
                 pos = kv.set_forward(counts, T)
-                logits = self._forward(kv, batch_ids, pos)
+                logits = self._project(self._forward(kv, batch_ids, pos, head), head)
                 if min(counts) == 0:
                     if first is None:
                         raise RuntimeError("continue_: a trajectory has neither new tokens nor next-token logits")
@@ -710,7 +1011,7 @@ class HFGroupSampler:
             else:
                 logits = first
             after = list(kv.suffix_len)
-            out_ids, out_logp, stopped = self._decode(kv, logits, budgets, sampling, self._stop_ids(sampling, device), uniforms, gen)
+            out_ids, out_logp, stopped = self._decode(kv, logits, budgets, sampling, self._stop_ids(sampling, device), uniforms, gen, head)
         # the last sampled token of each row is run at the start of the next turn
         kv.suffix_len = [s + len(c) - 1 for s, c in zip(after, out_ids)]
         for t, a, c in zip(ids, appended, out_ids):
@@ -733,6 +1034,7 @@ class HFGroupSampler:
             for layer in range(len(ts)):
                 ts[layer] = None
         state.first_logits = None
+        state.head = None
         state.live = []
         state.closed = True
 

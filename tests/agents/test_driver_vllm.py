@@ -55,20 +55,53 @@ def engine(tmp_path_factory):
         os.sched_setaffinity(0, affinity)
 
 
-def _run(engine, sampling):
+class Recorder:
+    """The real vLLM sampler, with each ``generate`` call's prompts, completions and prefix-cache
+    statistics (vLLM's own counters) kept."""
+
+    def __init__(self, sampler):
+        self.sampler = sampler
+        self.max_model_len = sampler.max_model_len
+        self.calls = []
+
+    def generate(self, prompts, **kwargs):
+        batch = self.sampler.generate(prompts, **kwargs)
+        self.calls.append(([list(p) for p in prompts], [list(c) for c in batch.completion_ids], batch.stats))
+        return batch
+
+
+def _run(engine, sampling, recorder=None):
     tokenizer, _, sampler = engine
     rows, _ = frozenlake_rows(num_train=2, num_heldout=0, seed=0, size=3)
-    tokens = GroupSamplerTokens(sampler, SamplingConfig(**sampling, stop_token_ids=STOPS))
+    tokens = GroupSamplerTokens(recorder or sampler, SamplingConfig(**sampling, stop_token_ids=STOPS))
     renderer = ChatRenderer(tokenizer, stop_token_ids=(tokenizer.eos_token_id, *STOPS))
     config = AgentConfig(max_turns=4, max_turn_tokens=6, max_trajectory_tokens=400, split_on_mismatch=False)
     with InProcessRuntime(FrozenLakeEnv) as runtime:
         return run_episodes(rows, group_size=2, runtime=runtime, renderer=renderer, sampler=tokens, config=config, seeds=[3, 4])[0]
 
 
-def test_vllm_greedy_turns_equal_hf_generate_on_the_full_history(engine):
-    tokenizer, model, _ = engine
-    trajectories = _run(engine, {"greedy": True})
+def test_vllm_greedy_turns_equal_hf_generate_on_the_full_history_and_hit_the_prefix_cache(engine):
+    tokenizer, model, sampler = engine
+    assert sampler.prefix_caching
+    recorder = Recorder(sampler)
+    trajectories = _run(engine, {"greedy": True}, recorder)
     assert max(t.turns for t in trajectories) >= 2
+    # every turn after the first is sent as token ids extending an earlier request: vLLM's
+    # counters show at least the earlier prompts' whole blocks served from its prefix cache
+    block = sampler.block_size
+    later = 0
+    for k, (prompts, _, stats) in enumerate(recorder.calls):
+        earlier = [p + c for ps, cs, _ in recorder.calls[:k] for p, c in zip(ps, cs)]
+        bound = 0
+        for p in prompts:
+            prev = [len(e) - 1 for e in earlier if len(e) - 1 <= len(p) and p[: len(e) - 1] == e[:-1]]
+            bound += (max(prev) // block) * block if prev else 0
+        if bound:
+            later += 1
+            assert stats.prefix_tokens_reused >= bound, (k, stats, bound)
+            assert stats.prefill_tokens_computed <= sum(map(len, prompts)) - bound
+            assert stats.prefix_cache_hit_rate > 0
+    assert later >= 1
     for t in trajectories:
         sample = t.samples[0]
         for segment in (s for s in sample.segments if s.role == "policy"):

@@ -53,11 +53,12 @@ def hf_greedy(model, ids, n):
 
 
 class Widths:
-    """Forward pre-hook: the [rows, width] of every input the model runs."""
+    """Forward pre-hook: the [rows, width] of every input the model runs (hooked on its base
+    model: the sampler's decode steps run the base model and apply the output projection)."""
 
     def __init__(self, model):
         self.shapes = []
-        self.handle = model.register_forward_pre_hook(lambda m, a, kw: self.shapes.append(tuple(kw["input_ids"].shape)), with_kwargs=True)
+        self.handle = model.base_model.register_forward_pre_hook(lambda m, a, kw: self.shapes.append(tuple(kw["input_ids"].shape)), with_kwargs=True)
 
 
 @pytest.mark.parametrize("kind", ["llama", "qwen2"])
