@@ -112,6 +112,7 @@ def causal_lm_logprobs(
     *,
     temperature: float = 1.0,
     return_entropy: bool = False,
+    entropy_stride: int = 1,
     logits_to_keep: int | None = None,
     backend: str = "auto",
     **model_kwargs: Any,
@@ -132,7 +133,8 @@ def causal_lm_logprobs(
     hidden = causal_lm_hidden_states(model, input_ids, attention_mask, logits_to_keep=logits_to_keep, **model_kwargs)
     targets = _targets(input_ids, attention_mask, hidden.shape[1])
     return linear_logprobs(
-        hidden, weight, targets, bias=bias, temperature=temperature / mult, return_entropy=return_entropy, backend=backend
+        hidden, weight, targets, bias=bias, temperature=temperature / mult, return_entropy=return_entropy,
+        entropy_stride=entropy_stride, backend=backend,
     )
 
 

@@ -12,7 +12,7 @@ from typing import Callable
 
 import torch
 
-__all__ = ["explained_variance", "masked_mean_std", "pooled_mean_std"]
+__all__ = ["explained_variance", "masked_mean_std", "pooled_mean_std", "sampled_mean"]
 
 AllReduce = Callable[[torch.Tensor], torch.Tensor]
 
@@ -27,6 +27,14 @@ def masked_mean_std(x: torch.Tensor, mask: torch.Tensor, *, all_reduce: AllReduc
     mean = all_reduce((x * mask).sum()) / n
     std = all_reduce(((x - mean) ** 2 * mask).sum()).div(n).sqrt()
     return mean, std
+
+
+def sampled_mean(x: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
+    """Mean (0-dim fp32) of ``x`` over the masked-in entries that are not NaN: a subsample's
+    mean, where the entries outside the subsample are NaN (``linear_logprobs``'s
+    ``entropy_stride``). NaN when no entry is in both."""
+    keep = mask.bool() & ~torch.isnan(x)
+    return torch.where(keep, x.float(), 0.0).sum() / keep.sum()
 
 
 def pooled_mean_std(mean_sum: float, second_moment_sum: float, *, shards: int) -> tuple[float, float]:
