@@ -135,6 +135,8 @@ class BenchSettings:
     """Vocabulary of the ``qwen2-real`` model and tokenizer."""
     prompt_tokens: int = 256
     """Prompt length of the ``qwen2-real`` shape, in tokens."""
+    fastrl_first: bool = False
+    """Fixed-step repeats alternate the order (TRL then fastrl, then fastrl then TRL, ...); True starts with fastrl."""
 
 
 SHAPES = ("task", "qwen2-real")
@@ -713,7 +715,8 @@ def main(argv: list[str] | None = None) -> dict[str, Any] | None:
                    help="issue 20's real shape (REAL_SHAPE: Qwen2, vocab 151,936, hidden 256, 4 layers, 2 prompts x G=8, "
                         "256 + 128 tokens); writes results/trainer_vs_trl_real_shape_cpu.json unless --out")
     for f in dataclasses.fields(BenchSettings):
-        p.add_argument("--" + f.name.replace("_", "-"), type=type(f.default), default=None, help=f"(default {f.default})")
+        kind = (lambda v: v.lower() in ("1", "true", "yes")) if isinstance(f.default, bool) else type(f.default)
+        p.add_argument("--" + f.name.replace("_", "-"), type=kind, default=None, help=f"(default {f.default})")
     p.add_argument("--no-ppo", action="store_true", help="skip the fastrl PPO run of the equal-budget comparison")
     p.add_argument("--in-process", action="store_true",
                    help="run every side in this process instead of fresh ones (smoke tests only: figures are not meaningful)")
@@ -761,9 +764,15 @@ def main(argv: list[str] | None = None) -> dict[str, Any] | None:
     print(f"fixed steps: {s.steps} steps x {s.repeats} repeat(s), interleaved, fresh processes")
     how = dict(in_process=opts.in_process, trl_with_vllm=opts.trl_with_vllm)
     fixed: dict[str, list[dict[str, Any]]] = {"trl-grpo": [], "fastrl-grpo": []}
-    for _ in range(s.repeats):
-        fixed["trl-grpo"].append(_spawn("trl", s, setup["start_dir"], setup["rows_path"], **how))
-        fixed["fastrl-grpo"].append(_spawn("fastrl", s, setup["start_dir"], setup["rows_path"], algorithm="grpo", **how))
+    for repeat in range(s.repeats):  # A B, B A, ...: neither side always runs first
+        for kind in (("fastrl", "trl") if repeat % 2 else ("trl", "fastrl")) if not s.fastrl_first else \
+                (("trl", "fastrl") if repeat % 2 else ("fastrl", "trl")):
+            if kind == "trl":
+                fixed["trl-grpo"].append(_spawn("trl", s, setup["start_dir"], setup["rows_path"], **how))
+            else:
+                fixed["fastrl-grpo"].append(_spawn("fastrl", s, setup["start_dir"], setup["rows_path"], algorithm="grpo", **how))
+            with open(opts.out + ".partial", "w") as f:  # every finished run so far (slow shapes; removed at the end)
+                json.dump({"settings": dataclasses.asdict(s), "fixed_steps_runs": fixed}, f, indent=1)
     best = {k: _best(v) for k, v in fixed.items()}
     f_best, t_best = best["fastrl-grpo"], best["trl-grpo"]
     fixed_summary = {
@@ -821,6 +830,8 @@ def main(argv: list[str] | None = None) -> dict[str, Any] | None:
     os.makedirs(os.path.dirname(os.path.abspath(opts.out)), exist_ok=True)
     with open(opts.out, "w") as f:
         json.dump(record, f, indent=1)
+    if os.path.exists(opts.out + ".partial"):
+        os.remove(opts.out + ".partial")
 
     print()
     print(_table(f"fixed {s.steps} steps (best of {s.repeats}, medians per step, seconds)", list(best.values())))
