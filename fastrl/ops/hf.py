@@ -112,7 +112,7 @@ def causal_lm_logprobs(
     *,
     temperature: float = 1.0,
     return_entropy: bool = False,
-    entropy_stride: int = 1,
+    entropy_rows: torch.Tensor | None = None,
     logits_to_keep: int | None = None,
     backend: str = "auto",
     **model_kwargs: Any,
@@ -134,7 +134,7 @@ def causal_lm_logprobs(
     targets = _targets(input_ids, attention_mask, hidden.shape[1])
     return linear_logprobs(
         hidden, weight, targets, bias=bias, temperature=temperature / mult, return_entropy=return_entropy,
-        entropy_stride=entropy_stride, backend=backend,
+        entropy_rows=entropy_rows, backend=backend,
     )
 
 

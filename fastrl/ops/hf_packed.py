@@ -158,7 +158,7 @@ def packed_causal_lm_logprobs(
     *,
     temperature: float = 1.0,
     return_entropy: bool = False,
-    entropy_stride: int = 1,
+    entropy_rows: torch.Tensor | None = None,
     backend: str = "auto",
     attention_backend: str = "auto",
     **model_kwargs: Any,
@@ -179,7 +179,7 @@ def packed_causal_lm_logprobs(
     hidden = packed_causal_lm_hidden_states(model, packed, attention_backend=attention_backend, **model_kwargs)
     return linear_logprobs(
         hidden, weight, packed.target_ids, bias=bias, temperature=temperature / mult, return_entropy=return_entropy,
-        entropy_stride=entropy_stride, backend=backend,
+        entropy_rows=entropy_rows, backend=backend,
     )
 
 

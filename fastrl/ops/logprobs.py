@@ -228,17 +228,14 @@ def _torch_grads(h, weight, bias, y, lse, ent, gl, ge, inv_temp, need_h, need_w,
 class _LinearLogprobs(torch.autograd.Function):
     @staticmethod
     def forward(ctx, hidden, weight, bias, targets, offset, temperature, with_entropy, ignore_index, group, impl, tiles,
-                entropy_stride):
+                entropy_rows):
         # hidden [N, H], weight [V_local, H], bias [V_local] | None, targets [N] int64 (global ids)
         ctx.set_materialize_grads(False)
         n = hidden.shape[0]
         inv_temp = 1.0 / temperature
         valid = targets != ignore_index
-        # entropy_stride > 1: the entropy of every stride-th scored row only, the first one included
-        # (a metric; not differentiable). A cumulative count: no host sync.
-        sampled = None
-        if with_entropy and entropy_stride > 1:
-            sampled = valid & ((torch.cumsum(valid, 0) - 1) % entropy_stride == 0)
+        # entropy_rows: the entropy of those (scored) rows only -- a metric's subsample; not differentiable
+        sampled = valid & entropy_rows if (with_entropy and entropy_rows is not None) else None
         y_local = targets - offset
         in_shard = valid & (y_local >= 0) & (y_local < weight.shape[0])
         y_local = torch.where(in_shard, y_local, torch.full_like(y_local, -1))
@@ -387,7 +384,7 @@ def linear_logprobs(
     bias: torch.Tensor | None = None,
     temperature: float = 1.0,
     return_entropy: bool = False,
-    entropy_stride: int = 1,
+    entropy_rows: torch.Tensor | None = None,
     ignore_index: int = -100,
     process_group: Any = None,
     backend: str = "auto",
@@ -403,12 +400,13 @@ def linear_logprobs(
         bias: optional [V] LM head bias.
         temperature: logits are divided by it (> 0), as samplers do.
         return_entropy: also return the entropy of the tempered distribution per token.
-        entropy_stride: with ``return_entropy``, 1 (every token; differentiable) or k > 1: a
-            subsample for a metric -- the entropy of every k-th scored (not ignored) token
-            in flattened order, the first one included, NaN at the other scored tokens (0
-            at ignored ones, as always), and no gradient through it. The PyTorch path computes nothing for the other rows
-            (their cost is ``return_entropy=False``'s); the Triton kernel computes every
-            row's in the same pass and the others are set to NaN.
+        entropy_rows: with ``return_entropy``, None (every token; differentiable) or a bool
+            tensor of the shape of ``targets``: a subsample for a metric -- the entropy of
+            those tokens only, NaN at the other scored tokens (0 at ignored ones, as
+            always), and no gradient through it (``fastrl.ops.stats.every_kth`` picks every
+            k-th of a mask). The PyTorch path computes nothing for the other rows (their
+            cost is ``return_entropy=False``'s); the Triton kernel computes every row's in
+            the same pass and the others are set to NaN.
         ignore_index: targets equal to it (padding) cost nothing, give logp = entropy = 0
             and receive zero gradient.
         process_group: tensor-parallel vocabulary (Megatron-style). Each rank passes the
@@ -448,12 +446,18 @@ def linear_logprobs(
 
     offset, vocab_total = _shard_info(weight, process_group)
     _check_target_range(y, ignore_index, vocab_total)
-    if isinstance(entropy_stride, bool) or not isinstance(entropy_stride, int) or entropy_stride < 1:
-        raise ValueError(f"entropy_stride must be an int >= 1, got {entropy_stride!r}")
+    rows = None
+    if entropy_rows is not None:
+        if not isinstance(entropy_rows, torch.Tensor) or entropy_rows.dtype != torch.bool or \
+                tuple(entropy_rows.shape) != tuple(targets.shape):
+            raise ValueError(f"entropy_rows must be a bool tensor of the shape of targets {tuple(targets.shape)}, got "
+                             f"{tuple(entropy_rows.shape) if isinstance(entropy_rows, torch.Tensor) else type(entropy_rows).__name__}"
+                             f"{' ' + str(entropy_rows.dtype) if isinstance(entropy_rows, torch.Tensor) else ''}")
+        rows = entropy_rows.reshape(-1).to(y.device)
 
     logp, ent = _LinearLogprobs.apply(
         h2, w2, b, y, offset, float(temperature), bool(return_entropy), ignore_index, process_group, impl, tiles,
-        int(entropy_stride),
+        rows,
     )
     logp = logp.reshape(targets.shape)
     if return_entropy:

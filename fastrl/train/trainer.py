@@ -35,7 +35,7 @@ from typing import Any, Callable, Sequence
 import torch
 
 from fastrl.ops import GlobalCounts, policy_loss, value_loss
-from fastrl.ops.stats import sampled_mean
+from fastrl.ops.stats import every_kth, sampled_mean
 from fastrl.rollout.base import RolloutBatch, SamplingConfig
 from fastrl.train import advantages, build, seeds
 from fastrl.train import distributed as dist_mod
@@ -83,7 +83,7 @@ ENTROPY_METRIC_STRIDE = 7
 """Without an entropy term in the loss, the ``entropy/mean`` metric is the mean entropy of
 every 7th trained token of each micro-batch (the first included), computed in the training
 forward's own log-prob pass from the logits it already holds (``linear_logprobs``'s
-``entropy_stride``): no full-vocabulary entropy pass. A prime, so the sampled positions shift
+``entropy_rows``): no full-vocabulary entropy pass. A prime, so the sampled positions shift
 from one sequence to the next."""
 
 SHARED_WEIGHTS_PROBE_EVERY = 10
@@ -457,7 +457,7 @@ class Trainer:
         cu_seqlens = self.layout.cu_seqlens(mb)
         uses_entropy = self.loss_config.entropy_coef != 0  # else: the metric's subsample only
         logp, entropy = self.layout.logprobs(self.policy, mb, entropy=True,
-                                             entropy_stride=1 if uses_entropy else ENTROPY_METRIC_STRIDE)
+                                             entropy_rows=None if uses_entropy else every_kth(mask, ENTROPY_METRIC_STRIDE))
         loss_config = self.loss_config if not self.loss_config.kl_coef else self.loss_config.replace(kl_coef=self.kl_ctl.value)
         loss, metrics = policy_loss(
             logp, take(exp.old_logp) if exp.old_logp is not None else logp.detach(), take(exp.advantages), mask,

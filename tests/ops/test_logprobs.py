@@ -16,6 +16,7 @@ from hypothesis import strategies as st
 
 import fastrl.ops.logprobs as lp_mod
 from fastrl.ops.logprobs import linear_logprobs
+from fastrl.ops.stats import every_kth
 from fastrl.reference.logprobs import linear_logprobs_reference
 
 BACKENDS = ["torch", "triton"]
@@ -340,11 +341,11 @@ def test_torch_path_property_matches_reference(n, hdim, vocab, temperature, n_ig
 
 
 @pytest.mark.parametrize("backend", BACKENDS)
-def test_entropy_stride_is_a_subsample_of_the_full_entropy_and_leaves_logp_and_grads_alone(backend, monkeypatch):
-    """entropy_stride=k: the entropy of every k-th scored token (the first included, ignored
-    tokens skipped in the count), equal to the full entropy there; NaN at the other scored
-    tokens, 0 at ignored ones, no gradient; logp and its gradients bitwise those of a call
-    without entropy. The torch path, in 4-row chunks, computes no other row's entropy."""
+def test_entropy_rows_are_a_subsample_of_the_full_entropy_and_leave_logp_and_grads_alone(backend, monkeypatch):
+    """entropy_rows: the entropy of those tokens (here every 3rd scored one), equal to the full
+    entropy there; NaN at the other scored tokens, 0 at ignored ones, no gradient; logp and
+    its gradients bitwise those of a call without entropy. The torch path, in 4-row chunks,
+    computes no other row's entropy (they stay NaN)."""
     if backend == "torch":
         monkeypatch.setattr(lp_mod, "TORCH_CHUNK_BYTES", 4 * 97 * 4)  # 4-row chunks: the subsample spans chunks
     torch.manual_seed(3)
@@ -361,21 +362,20 @@ def test_entropy_stride_is_a_subsample_of_the_full_entropy_and_leaves_logp_and_g
         return logp.detach(), ent, hh.grad, ww.grad
 
     logp0, _, gh0, gw0 = call()
-    logp, ent, gh, gw = call(return_entropy=True, entropy_stride=3)
+    scored = y != -100
+    picked = every_kth(scored, 3)
+    logp, ent, gh, gw = call(return_entropy=True, entropy_rows=picked)
     assert torch.equal(logp, logp0) and torch.equal(gh, gh0) and torch.equal(gw, gw0)
     assert not ent.requires_grad
     full = linear_logprobs(h, w, y, bias=b, temperature=1.3, return_entropy=True, backend=backend)[1]
-    scored = (y != -100).reshape(-1)
-    order = torch.cumsum(scored, 0) - 1
-    picked = scored & (order % 3 == 0)
     e, f = ent.reshape(-1).cpu(), full.reshape(-1).cpu()
-    picked, scored = picked.cpu(), scored.cpu()
+    picked, scored = picked.reshape(-1).cpu(), scored.reshape(-1).cpu()
     assert int(picked.sum()) == (int(scored.sum()) + 2) // 3
     torch.testing.assert_close(e[picked], f[picked], atol=1e-6, rtol=0)
     assert torch.isnan(e[scored & ~picked]).all()
     assert (e[~scored] == 0).all()
-    with pytest.raises(ValueError, match="entropy_stride"):
-        linear_logprobs(h, w, y, return_entropy=True, entropy_stride=0, backend=backend)
+    with pytest.raises(ValueError, match="entropy_rows must be a bool tensor"):
+        linear_logprobs(h, w, y, return_entropy=True, entropy_rows=picked.reshape(-1), backend=backend)
 
 
 def test_chunk_rule_gives_a_weight_gradient_pass_at_least_hidden_rows():

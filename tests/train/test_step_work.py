@@ -2,8 +2,8 @@
 
 - the training forward computes the full-vocabulary entropy only when the loss has an
   entropy term; otherwise only the ``entropy/mean`` metric's subsample (every
-  ``ENTROPY_METRIC_STRIDE``-th token), and the loss and gradients are those of a forward
-  with the full entropy;
+  ``ENTROPY_METRIC_STRIDE``-th trained token), and the loss and gradients are those of a
+  forward with the full entropy;
 - the weight-sync probe scores a short fixed-size sequence and still catches a sampler
   whose weights differ from the trainer's in any one tensor.
 
@@ -42,27 +42,31 @@ def _digit_share(prompts, completions, **kwargs):
 
 class _RecordingLayout:
     """The trainer's layout, recording each ``logprobs`` call made with gradients (the
-    training forward); ``force_stride`` replaces the trainer's entropy stride."""
+    training forward); ``full_entropy`` asks for every token's entropy instead."""
 
-    def __init__(self, inner, force_stride: int | None = None):
-        self.inner, self.force_stride, self.calls = inner, force_stride, []
+    def __init__(self, inner, full_entropy: bool = False):
+        self.inner, self.full_entropy, self.calls = inner, full_entropy, []
 
     def __getattr__(self, name):
         return getattr(self.inner, name)
 
-    def logprobs(self, model, mb, *, entropy, entropy_stride=1):
-        if self.force_stride is not None:
-            entropy_stride = self.force_stride
-        logp, ent = self.inner.logprobs(model, mb, entropy=entropy, entropy_stride=entropy_stride)
+    def logprobs(self, model, mb, *, entropy, entropy_rows=None):
+        if self.full_entropy:
+            entropy_rows = None
+        logp, ent = self.inner.logprobs(model, mb, entropy=entropy, entropy_rows=entropy_rows)
         if torch.is_grad_enabled():
-            self.calls.append({"entropy": entropy, "stride": entropy_stride,
-                               "computed": int((~torch.isnan(ent)).sum()) if ent is not None else 0, "rows": logp.numel()})
+            call = {"entropy": entropy, "subsample": entropy_rows is not None, "rows": logp.numel()}
+            if entropy_rows is not None:
+                call["picked"] = int(entropy_rows.sum())
+                call["nan_outside"] = bool((torch.isnan(ent[~entropy_rows]) | (ent[~entropy_rows] == 0)).all())
+                call["finite_inside"] = bool(torch.isfinite(ent[entropy_rows]).all())
+            self.calls.append(call)
         return logp, ent
 
 
-def _one_step(cfg, force_stride=None):
+def _one_step(cfg, full_entropy=False):
     with Trainer(cfg, reward_functions=[_digit_share]) as trainer:
-        layout = trainer.layout = _RecordingLayout(trainer.layout, force_stride)
+        layout = trainer.layout = _RecordingLayout(trainer.layout, full_entropy)
         metrics = trainer.train_step()
         return metrics, layout.calls, {k: v.detach().clone() for k, v in trainer.policy.state_dict().items()}
 
@@ -70,15 +74,16 @@ def _one_step(cfg, force_stride=None):
 def test_the_training_forward_computes_entropy_only_for_the_loss_or_the_metrics_subsample(tmp_path):
     # no entropy term: every training forward asks for the metric's subsample only
     metrics, calls, after = _one_step(_config(tmp_path, "sub"))
-    assert calls and all(c["entropy"] and c["stride"] == ENTROPY_METRIC_STRIDE for c in calls), calls
-    assert all(c["computed"] <= math.ceil(c["rows"] / ENTROPY_METRIC_STRIDE) for c in calls), calls
+    assert calls and all(c["entropy"] and c["subsample"] for c in calls), calls
+    assert all(1 <= c["picked"] <= math.ceil(c["rows"] / ENTROPY_METRIC_STRIDE) for c in calls), calls
+    assert all(c["nan_outside"] and c["finite_inside"] for c in calls), calls
     vocab = len(char_tokenizer())
     assert 0.0 < metrics["entropy/mean"] <= math.log(vocab)
     assert "loss/entropy" not in metrics
 
     # the same step with the full entropy in the training forward: the same loss, gradients and update
-    full_metrics, full_calls, full_after = _one_step(_config(tmp_path, "full"), force_stride=1)
-    assert all(c["stride"] == 1 for c in full_calls)
+    full_metrics, full_calls, full_after = _one_step(_config(tmp_path, "full"), full_entropy=True)
+    assert full_calls and not any(c["subsample"] for c in full_calls)
     for key in ("loss/total", "loss/policy", "grad_norm"):
         if key in metrics:
             assert metrics[key] == full_metrics[key], key
@@ -88,9 +93,15 @@ def test_the_training_forward_computes_entropy_only_for_the_loss_or_the_metrics_
     # the metric: a subsample of the full mean's tokens, close to it
     assert metrics["entropy/mean"] == pytest.approx(full_metrics["entropy/mean"], rel=0.2)
 
+    # the padded layout ([B, T] rows) picks its subsample the same way
+    padded_metrics, padded_calls, _ = _one_step(_config(tmp_path, "padded", shared_prefix=False))
+    assert padded_calls and all(c["subsample"] and c["picked"] >= 1 and c["nan_outside"] and c["finite_inside"]
+                                for c in padded_calls), padded_calls
+    assert 0.0 < padded_metrics["entropy/mean"] <= math.log(vocab)
+
     # an entropy term: the full, differentiable entropy, and its loss share is reported
     bonus_metrics, bonus_calls, _ = _one_step(_config(tmp_path, "bonus", entropy_coef=0.01))
-    assert bonus_calls and all(c["stride"] == 1 for c in bonus_calls)
+    assert bonus_calls and not any(c["subsample"] for c in bonus_calls)
     assert "loss/entropy" in bonus_metrics and math.isfinite(bonus_metrics["entropy/mean"])
 
 
