@@ -124,7 +124,9 @@ def causal_lm_logprobs(
     ``logits_to_keep=k`` only the last ``k`` tokens are scored ([B, k]; TRL's
     convention for completions). Tokens whose ``attention_mask`` is 0 get logp = 0 (and
     entropy 0) and no gradient. Gradients reach every parameter, including a tied
-    embedding matrix, which receives gradient from both of its uses.
+    embedding matrix, which receives gradient from both of its uses. ``entropy_rows``
+    (bool, the shape of the scored tokens): the entropy of those tokens only, NaN at the
+    others, no gradient (a metric's subsample; ``fastrl.ops.linear_logprobs``).
     """
     from fastrl.ops.logprobs import linear_logprobs
 

@@ -164,7 +164,8 @@ def packed_causal_lm_logprobs(
     **model_kwargs: Any,
 ) -> torch.Tensor | tuple[torch.Tensor, torch.Tensor]:
     """log p(completion token | prompt, earlier completion tokens) for every completion
-    token: ``[M]`` fp32 (``(logp, entropy)`` with ``return_entropy``).
+    token: ``[M]`` fp32 (``(logp, entropy)`` with ``return_entropy``; ``entropy_rows``, bool
+    ``[M]``: the entropy of those tokens only, see ``fastrl.ops.linear_logprobs``).
 
     Equal to ``log_softmax(model(prompt + completion).logits / temperature)`` at the
     completion tokens, with each prompt run once per group. ``packed.to_batch_layout(logp)``
