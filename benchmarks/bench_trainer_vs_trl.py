@@ -50,6 +50,16 @@ fastrl GRPO, TRL GRPO and fastrl PPO.
 
     python benchmarks/bench_trainer_vs_trl.py                 # full run, writes results/trainer_vs_trl_cpu.json
     python benchmarks/bench_trainer_vs_trl.py --quick         # smoke version (a few minutes on a loaded CPU)
+    python benchmarks/bench_trainer_vs_trl.py --real-shape    # issue 20's shape (REAL_SHAPE), writes
+                                                              # results/trainer_vs_trl_real_shape_cpu.json
+
+``--real-shape`` (``BenchSettings.shape = "qwen2-real"``): a seeded random Qwen2 with a 151,936-token
+vocabulary, hidden 256, 4 layers, built from a config; an offline word-level tokenizer of the same size
+(saved beside the model under ``tokenizer/``); random 256-token prompts; 2 prompts x G=8, 128-token
+completions; a CRC reward so every group has a spread. The figures to quote on a shared CPU are the
+process CPU seconds per step and the peak RSS (``step_cpu_time_fastrl_over_trl``,
+``peak_rss_fastrl_over_trl``); fixed-step repeats alternate which side runs first, and each finished
+run is also written to ``OUT.partial`` (a TRL step at this shape is ~100 CPU seconds).
 """
 
 from __future__ import annotations
