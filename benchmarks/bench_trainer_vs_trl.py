@@ -50,6 +50,16 @@ fastrl GRPO, TRL GRPO and fastrl PPO.
 
     python benchmarks/bench_trainer_vs_trl.py                 # full run, writes results/trainer_vs_trl_cpu.json
     python benchmarks/bench_trainer_vs_trl.py --quick         # smoke version (a few minutes on a loaded CPU)
+    python benchmarks/bench_trainer_vs_trl.py --real-shape    # issue 20's shape (REAL_SHAPE), writes
+                                                              # results/trainer_vs_trl_real_shape_cpu.json
+
+``--real-shape`` (``BenchSettings.shape = "qwen2-real"``): a seeded random Qwen2 with a 151,936-token
+vocabulary, hidden 256, 4 layers, built from a config; an offline word-level tokenizer of the same size
+(saved beside the model under ``tokenizer/``); random 256-token prompts; 2 prompts x G=8, 128-token
+completions; a CRC reward so every group has a spread. The figures to quote on a shared CPU are the
+process CPU seconds per step and the peak RSS (``step_cpu_time_fastrl_over_trl``,
+``peak_rss_fastrl_over_trl``); fixed-step repeats alternate which side runs first, and each finished
+run is also written to ``OUT.partial`` (a TRL step at this shape is ~100 CPU seconds).
 """
 
 from __future__ import annotations
@@ -126,6 +136,26 @@ class BenchSettings:
     """Wall-clock training budget of the equal-budget comparison (0: skip it)."""
     eval_batch_size: int = 100
     """Prompts per ``generate`` call of the shared evaluation."""
+    shape: str = "task"
+    """``task``: the tiny model warmed up on the arithmetic task (everything above). ``qwen2-real``: issue 20's
+    real shape (``REAL_SHAPE`` below): a seeded random Qwen2 with a 151,936-token vocabulary and an offline
+    word-level tokenizer of that size, random prompts of exactly ``prompt_tokens`` tokens, a hash reward;
+    no warm-up, no held-out evaluation, no equal-budget runs (the step's cost is the figure)."""
+    vocab_size: int = 151_936
+    """Vocabulary of the ``qwen2-real`` model and tokenizer."""
+    prompt_tokens: int = 256
+    """Prompt length of the ``qwen2-real`` shape, in tokens."""
+    fastrl_first: bool = False
+    """Fixed-step repeats alternate the order (TRL then fastrl, then fastrl then TRL, ...); True starts with fastrl."""
+
+
+SHAPES = ("task", "qwen2-real")
+"""The values of ``BenchSettings.shape``."""
+
+REAL_SHAPE = dict(shape="qwen2-real", hidden_size=256, layers=4, vocab_size=151_936, prompt_tokens=256, group_size=8,
+                  prompts_per_step=2, max_new_tokens=128, sft_steps=0, num_train=64, num_heldout=0, steps=3, repeats=3,
+                  budget_seconds=0.0)
+"""Issue 20's real shape: Qwen2 (vocab 151,936, hidden 256, 4 layers), 2 prompts x G=8, 256 + 128 tokens."""
 
 
 # ---------------------------------------------------------------------------- shared reward and evaluation
@@ -139,6 +169,19 @@ def _completion_text(completion: Any) -> str:
 def exact_match_reward(prompts: list, completions: list, answer: list, **kwargs: Any) -> list[float]:
     """1.0 when the completion, stripped, equals the row's answer; else 0.0 (TRL's reward signature)."""
     return [1.0 if _completion_text(c).strip() == str(a).strip() else 0.0 for c, a in zip(completions, answer)]
+
+
+def hash_reward(prompts: list, completions: list, **kwargs: Any) -> list[float]:
+    """``qwen2-real``: 0 or 1 from a CRC of the completion text (a random model earns no task reward; this gives
+    every group a spread, so neither trainer can skip a group's update). Deterministic, TRL's signature."""
+    import zlib
+
+    return [float(zlib.crc32(_completion_text(c).encode()) & 1) for c in completions]
+
+
+def reward_of(s: "BenchSettings"):
+    """The reward both trainers use for ``s.shape``."""
+    return hash_reward if s.shape == "qwen2-real" else exact_match_reward
 
 
 def prompt_token_ids(tokenizer: Any, prompt: str) -> list[int]:
@@ -252,11 +295,19 @@ def _cpu_summary(step_cpu: list[float]) -> dict[str, Any]:
     return {"step_cpu_s_median": statistics.median(step_cpu) if step_cpu else None, "step_cpu_seconds": step_cpu}
 
 
+def _evaluate(model: Any, tokenizer: Any, rows: list[dict], s: "BenchSettings") -> dict[str, Any]:
+    """``greedy_accuracy`` on the held-out rows; none (accuracy None) when there are none (``qwen2-real``)."""
+    if not rows:
+        return {"accuracy": None, "num_prompts": 0, "seconds": 0.0, "examples": []}
+    return greedy_accuracy(model, tokenizer, rows, max_new_tokens=s.max_new_tokens, batch_size=s.eval_batch_size)
+
+
 def _load_start(start_dir: str):
     import torch
     import transformers
 
-    tokenizer = transformers.AutoTokenizer.from_pretrained(start_dir)
+    own = os.path.join(start_dir, TOKENIZER_SUBDIR)  # qwen2-real: see _prepare_real
+    tokenizer = transformers.AutoTokenizer.from_pretrained(own if os.path.isdir(own) else start_dir)
     model = transformers.AutoModelForCausalLM.from_pretrained(start_dir, dtype=torch.float32)
     return tokenizer, model
 
@@ -288,12 +339,13 @@ def run_fastrl(s: BenchSettings, start_dir: str, rows_path: str, *, algorithm: s
     memory = _Memory()
     t_setup = time.perf_counter()
     trainer = Trainer(config, model=model, tokenizer=tokenizer, train_rows=rows["train"], eval_rows=rows["heldout"],
-                      reward_functions=[exact_match_reward])
+                      reward_functions=[reward_of(s)])
     setup_s = time.perf_counter() - t_setup
     step_seconds: list[float] = []
     stage_rows: list[dict[str, float]] = []
     rewards: list[float] = []
     step_cpu: list[float] = []
+    lengths: list[float] = []
     memory.start_training()
     t0 = time.perf_counter()
     with open(os.path.join(out_dir, "bench_metrics.jsonl"), "w") as log:  # what train() would log, for debugging
@@ -305,20 +357,21 @@ def run_fastrl(s: BenchSettings, start_dir: str, rows_path: str, *, algorithm: s
             step_seconds.append(metrics["time/step"])
             stage_rows.append({k[len("time/"):]: v for k, v in metrics.items() if k.startswith("time/") and k != "time/step"})
             rewards.append(metrics["reward/mean"])
+            lengths.append(metrics["response/length_mean"])
             elapsed = time.perf_counter() - t0
             if (budget is None and trainer.step >= s.steps) or (budget is not None and elapsed >= budget):
                 break
     train_wall = time.perf_counter() - t0
     mem = memory.finish()
     trainer.close()
-    evaluation = greedy_accuracy(trainer.policy, tokenizer, rows["heldout"], max_new_tokens=s.max_new_tokens,
-                                 batch_size=s.eval_batch_size)
+    evaluation = _evaluate(trainer.policy, tokenizer, rows["heldout"], s)
     shutil.rmtree(out_dir, ignore_errors=True)
     return {
         "impl": f"fastrl-{algorithm}", "trainer": "fastrl", "algorithm": algorithm, "budget_s": budget,
         "setup_s": setup_s, **_summarise_steps(step_seconds, stage_rows, train_wall), **_cpu_summary(step_cpu), **mem,
         "train_reward_mean_first": rewards[0], "train_reward_mean_last": rewards[-1],
         "train_reward_mean_all": statistics.fmean(rewards), "train_reward_means": rewards,
+        "completion_length_means": lengths,
         "heldout_accuracy": evaluation["accuracy"], "eval": evaluation,
         "loss_config": dataclasses.asdict(trainer.loss_config) if dataclasses.is_dataclass(trainer.loss_config) else str(trainer.loss_config),
         "threads": torch.get_num_threads(), "modules_loaded": _heavy_modules(),
@@ -400,7 +453,10 @@ def _run_trl(s: BenchSettings, start_dir: str, rows_path: str, *, budget: float 
     rows = json.loads(open(rows_path).read())
     tokenizer, model = _load_start(start_dir)
     # Chat prompts: TRL applies the tokenizer's chat template, which gives the same ids as fastrl's prompt encoding.
-    dataset = Dataset.from_list([{"prompt": [{"role": "user", "content": r["prompt"]}], "answer": r["answer"]} for r in rows["train"]])
+    if s.shape == "qwen2-real":  # plain-text prompts: no chat template, the same ids as fastrl's encoding (checked)
+        dataset = Dataset.from_list([{"prompt": r["prompt"], "answer": r["answer"]} for r in rows["train"]])
+    else:
+        dataset = Dataset.from_list([{"prompt": [{"role": "user", "content": r["prompt"]}], "answer": r["answer"]} for r in rows["train"]])
     args = GRPOConfig(
         output_dir=tempfile.mkdtemp(prefix="trl_bench_"), use_cpu=True, bf16=False, fp16=False,
         gradient_checkpointing=False,  # TRL's default is True; fastrl does not recompute, so neither does TRL here
@@ -416,7 +472,7 @@ def _run_trl(s: BenchSettings, start_dir: str, rows_path: str, *, budget: float 
     t_setup = time.perf_counter()
     with warnings.catch_warnings():
         warnings.simplefilter("ignore")
-        trainer = GRPOTrainer(model=model, reward_funcs=exact_match_reward, args=args, train_dataset=dataset,
+        trainer = GRPOTrainer(model=model, reward_funcs=reward_of(s), args=args, train_dataset=dataset,
                               processing_class=tokenizer, callbacks=[clock])
     setup_s = time.perf_counter() - t_setup
     events.clear()
@@ -444,14 +500,14 @@ def _run_trl(s: BenchSettings, start_dir: str, rows_path: str, *, budget: float 
         step_seconds.append(t_end - t_begin)
     logged = [h for h in trainer.state.log_history if "reward" in h]
     rewards = [float(h["reward"]) for h in logged]
-    evaluation = greedy_accuracy(trainer.model, tokenizer, rows["heldout"], max_new_tokens=s.max_new_tokens,
-                                 batch_size=s.eval_batch_size)
+    evaluation = _evaluate(trainer.model, tokenizer, rows["heldout"], s)
     shutil.rmtree(args.output_dir, ignore_errors=True)
     return {
         "impl": "trl-grpo", "trainer": "trl", "algorithm": "grpo", "budget_s": budget, "setup_s": setup_s,
         **_summarise_steps(step_seconds, stage_rows, train_wall), **_cpu_summary(clock.cpu), **mem,
         "train_reward_mean_first": rewards[0] if rewards else None, "train_reward_mean_last": rewards[-1] if rewards else None,
         "train_reward_mean_all": statistics.fmean(rewards) if rewards else None, "train_reward_means": rewards,
+        "completion_length_means": [float(h["completions/mean_length"]) for h in logged if "completions/mean_length" in h],
         "trl_step_time_logged_median": statistics.median(h["step_time"] for h in logged if "step_time" in h)
         if any("step_time" in h for h in logged) else None,
         "heldout_accuracy": evaluation["accuracy"], "eval": evaluation,
@@ -476,6 +532,8 @@ def prepare(s: BenchSettings, workdir: str) -> dict[str, Any]:
 
 
 def _prepare(s: BenchSettings, workdir: str) -> dict[str, Any]:
+    if s.shape == "qwen2-real":
+        return _prepare_real(s, workdir)
     from fastrl.train.data import encode_prompt
     from fastrl.train.sft import sft_warmup
     from fastrl.train.task import ArithmeticTask, DefaultTask, char_tokenizer, tiny_model
@@ -512,6 +570,63 @@ def _prepare(s: BenchSettings, workdir: str) -> dict[str, Any]:
     }
 
 
+def word_tokenizer(vocab_size: int):
+    """An offline word-level ``PreTrainedTokenizerFast`` of ``vocab_size`` tokens: ``<pad>``, ``<eos>``, then
+    ``w2``..``w{V-1}``; whitespace-split, no special tokens added, no chat template (built in memory, no download)."""
+    from tokenizers import Tokenizer, decoders, models, pre_tokenizers
+    from transformers import PreTrainedTokenizerFast
+
+    vocab = {"<pad>": 0, "<eos>": 1, **{f"w{i}": i for i in range(2, vocab_size)}}
+    backend = Tokenizer(models.WordLevel(vocab=vocab, unk_token="<pad>"))
+    backend.pre_tokenizer = pre_tokenizers.WhitespaceSplit()
+    backend.decoder = decoders.WordPiece(prefix="##", cleanup=False)  # joins words with spaces
+    return PreTrainedTokenizerFast(tokenizer_object=backend, pad_token="<pad>", eos_token="<eos>", padding_side="left")
+
+
+TOKENIZER_SUBDIR = "tokenizer"
+"""``qwen2-real`` saves its tokenizer here, under the model directory: next to a Qwen2 ``config.json``
+``AutoTokenizer`` would load it as a ``Qwen2Tokenizer`` (byte-level BPE), which splits these words differently."""
+
+
+def _prepare_real(s: BenchSettings, workdir: str) -> dict[str, Any]:
+    """``qwen2-real``: the seeded random Qwen2 (``fastrl.bench.rollout_cases.qwen2_bench_model``), the word
+    tokenizer, ``num_train`` random prompts of ``prompt_tokens`` words; checks both trainers' prompt ids agree."""
+    import random
+
+    import transformers
+
+    from fastrl.bench.rollout_cases import qwen2_bench_model
+    from fastrl.train.data import encode_prompt
+
+    tokenizer = word_tokenizer(s.vocab_size)
+    model = qwen2_bench_model(vocab=s.vocab_size, hidden=s.hidden_size, layers=s.layers, seed=s.seed)
+    model.config.pad_token_id, model.config.eos_token_id = 0, 1
+    model.generation_config.pad_token_id, model.generation_config.eos_token_id = 0, 1
+    rng = random.Random(s.seed)
+    train = [{"prompt": " ".join(f"w{rng.randrange(2, s.vocab_size)}" for _ in range(s.prompt_tokens)), "answer": ""}
+             for _ in range(s.num_train)]
+    start_dir = os.path.join(workdir, "start")
+    model.save_pretrained(start_dir, safe_serialization=True)
+    tokenizer.save_pretrained(os.path.join(start_dir, TOKENIZER_SUBDIR))
+    rows_path = os.path.join(workdir, "rows.json")
+    with open(rows_path, "w") as f:
+        json.dump({"train": train, "heldout": []}, f)
+    reloaded = _load_start(start_dir)[0]
+    for r in train[:8]:
+        ids_fastrl = encode_prompt(reloaded, r["prompt"])
+        ids_trl = reloaded(r["prompt"], add_special_tokens=False)["input_ids"]
+        if ids_fastrl != ids_trl or len(ids_fastrl) != s.prompt_tokens:
+            raise SystemExit(f"prompt ids differ or are not {s.prompt_tokens} long: {len(ids_fastrl)} vs {len(ids_trl)}")
+    return {
+        "start_dir": start_dir, "rows_path": rows_path, "start_heldout_accuracy": None, "sft": {},
+        "model": {"arch": "qwen2", "hidden_size": s.hidden_size, "layers": s.layers, "heads": model.config.num_attention_heads,
+                  "kv_heads": model.config.num_key_value_heads, "intermediate_size": model.config.intermediate_size,
+                  "tie_word_embeddings": bool(model.config.tie_word_embeddings), "vocab_size": len(reloaded),
+                  "parameters": sum(p.numel() for p in model.parameters())},
+        "prompt_example": {"prompt": train[0]["prompt"][:80] + " ...", "ids": encode_prompt(reloaded, train[0]["prompt"])},
+    }
+
+
 def _in_process(kind: str, s: BenchSettings, start_dir: str, rows_path: str, *, algorithm: str, budget: float | None) -> dict[str, Any]:
     """Run one side in this process (smoke tests only: shared imports and heap, so no figure is meaningful)."""
     import torch
@@ -536,7 +651,8 @@ def _spawn(kind: str, s: BenchSettings, start_dir: str, rows_path: str, *, algor
         result = _child_process(kind, s, start_dir, rows_path, algorithm=algorithm, budget=budget, trl_with_vllm=trl_with_vllm)
     result["process_wall_s"] = time.perf_counter() - t0
     log(f"  {result['impl']:12s} budget={budget}  steps={result['steps']}  median step {result['step_s_median']:.3f}s  "
-        f"peak RSS {result['peak_rss_mib']:.0f} MiB  held-out acc {result['heldout_accuracy']:.3f}")
+        f"peak RSS {result['peak_rss_mib']:.0f} MiB  CPU/step {result['step_cpu_s_median']:.2f}s  "
+        f"held-out acc {_fmt(result['heldout_accuracy'])}")
     return result
 
 
@@ -557,6 +673,10 @@ def _child_process(kind: str, s: BenchSettings, start_dir: str, rows_path: str, 
         sys.stderr.write(proc.stdout[-4000:] + proc.stderr[-8000:])
         raise SystemExit(f"{kind} ({algorithm}, budget={budget}) run failed with exit code {proc.returncode}")
     return json.loads(lines[-1][len(RESULT_PREFIX) :])
+
+
+def _fmt(x: float | None) -> str:
+    return "-" if x is None else f"{x:.3f}"
 
 
 def _best(runs: list[dict[str, Any]]) -> dict[str, Any]:
@@ -593,7 +713,7 @@ def _table(title: str, runs: list[dict[str, Any]]) -> str:
         lines.append(
             f"{r['impl']:14s} {r['steps']:5d} {r['step_s_median']:7.3f} {r['wall_per_step_s']:9.3f} "
             + " ".join(f"{st[x]:9.3f}" if x in st else f"{'-':>9s}" for x in stages)
-            + f" {r['peak_rss_mib']:8.0f} {inc if inc is None else round(inc):>10} {r['heldout_accuracy']:8.3f}"
+            + f" {r['peak_rss_mib']:8.0f} {inc if inc is None else round(inc):>10} {_fmt(r['heldout_accuracy']):>8s}"
         )
     return "\n".join(lines)
 
@@ -601,12 +721,17 @@ def _table(title: str, runs: list[dict[str, Any]]) -> str:
 def main(argv: list[str] | None = None) -> dict[str, Any] | None:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--quick", action="store_true", help="smoke version: tiny batch, 2 steps, 6 s budget, 20-step warm-up")
+    p.add_argument("--real-shape", action="store_true",
+                   help="issue 20's real shape (REAL_SHAPE: Qwen2, vocab 151,936, hidden 256, 4 layers, 2 prompts x G=8, "
+                        "256 + 128 tokens); writes results/trainer_vs_trl_real_shape_cpu.json unless --out")
     for f in dataclasses.fields(BenchSettings):
-        p.add_argument("--" + f.name.replace("_", "-"), type=type(f.default), default=None, help=f"(default {f.default})")
+        kind = (lambda v: v.lower() in ("1", "true", "yes")) if isinstance(f.default, bool) else type(f.default)
+        p.add_argument("--" + f.name.replace("_", "-"), type=kind, default=None, help=f"(default {f.default})")
     p.add_argument("--no-ppo", action="store_true", help="skip the fastrl PPO run of the equal-budget comparison")
     p.add_argument("--in-process", action="store_true",
                    help="run every side in this process instead of fresh ones (smoke tests only: figures are not meaningful)")
-    p.add_argument("--out", default=os.path.join(HERE, "results", "trainer_vs_trl_cpu.json"))
+    p.add_argument("--out", default=None, help="results JSON (default results/trainer_vs_trl_cpu.json, "
+                   "results/trainer_vs_trl_real_shape_cpu.json with --real-shape)")
     p.add_argument("--trl-with-vllm", action="store_true",
                    help="let TRL import vLLM when it is installed (default: hidden from TRL, as on a CPU machine without it; "
                         "TRL imports vLLM and Ray even with use_vllm=False)")
@@ -627,8 +752,12 @@ def main(argv: list[str] | None = None) -> dict[str, Any] | None:
         print(RESULT_PREFIX + json.dumps(result), flush=True)
         return None
 
-    s = BenchSettings()
-    if opts.quick:
+    s = BenchSettings(**REAL_SHAPE) if opts.real_shape else BenchSettings()
+    if opts.out is None:
+        opts.out = os.path.join(HERE, "results", "trainer_vs_trl_real_shape_cpu.json" if opts.real_shape else "trainer_vs_trl_cpu.json")
+    if opts.quick and opts.real_shape:  # the real model and vocabulary, short sequences, one step
+        s = dataclasses.replace(s, num_train=8, prompt_tokens=16, max_new_tokens=8, steps=1, repeats=1)
+    elif opts.quick:
         s = dataclasses.replace(s, num_train=200, num_heldout=20, sft_steps=20, group_size=4, prompts_per_step=4,
                                 steps=2, repeats=1, budget_seconds=6.0)
     for f in dataclasses.fields(BenchSettings):
@@ -640,14 +769,20 @@ def main(argv: list[str] | None = None) -> dict[str, Any] | None:
     workdir = tempfile.mkdtemp(prefix="fastrl_bench_trainer_vs_trl_")
     print(f"preparing the shared start model (SFT warm-up, {s.sft_steps} steps) in {workdir}")
     setup = prepare(s, workdir)
-    print(f"  start model held-out greedy accuracy {setup['start_heldout_accuracy']:.3f}")
+    print(f"  start model held-out greedy accuracy {_fmt(setup['start_heldout_accuracy'])}")
 
     print(f"fixed steps: {s.steps} steps x {s.repeats} repeat(s), interleaved, fresh processes")
     how = dict(in_process=opts.in_process, trl_with_vllm=opts.trl_with_vllm)
     fixed: dict[str, list[dict[str, Any]]] = {"trl-grpo": [], "fastrl-grpo": []}
-    for _ in range(s.repeats):
-        fixed["trl-grpo"].append(_spawn("trl", s, setup["start_dir"], setup["rows_path"], **how))
-        fixed["fastrl-grpo"].append(_spawn("fastrl", s, setup["start_dir"], setup["rows_path"], algorithm="grpo", **how))
+    for repeat in range(s.repeats):  # A B, B A, ...: neither side always runs first
+        for kind in (("fastrl", "trl") if repeat % 2 else ("trl", "fastrl")) if not s.fastrl_first else \
+                (("trl", "fastrl") if repeat % 2 else ("fastrl", "trl")):
+            if kind == "trl":
+                fixed["trl-grpo"].append(_spawn("trl", s, setup["start_dir"], setup["rows_path"], **how))
+            else:
+                fixed["fastrl-grpo"].append(_spawn("fastrl", s, setup["start_dir"], setup["rows_path"], algorithm="grpo", **how))
+            with open(opts.out + ".partial", "w") as f:  # every finished run so far (slow shapes; removed at the end)
+                json.dump({"settings": dataclasses.asdict(s), "fixed_steps_runs": fixed}, f, indent=1)
     best = {k: _best(v) for k, v in fixed.items()}
     f_best, t_best = best["fastrl-grpo"], best["trl-grpo"]
     fixed_summary = {
@@ -661,6 +796,13 @@ def main(argv: list[str] | None = None) -> dict[str, Any] | None:
     }
     fixed_summary["target_step_time_at_most_half"] = fixed_summary["step_time_fastrl_over_trl"] <= 0.5
     fixed_summary["target_lower_peak_memory"] = fixed_summary["peak_rss_fastrl_over_trl"] < 1.0
+    fixed_summary["stage_s_fastrl_over_trl"] = {
+        k: f_best["stage_s_median"][k] / t_best["stage_s_median"][k]
+        for k in ("generate", "ref_logp", "update") if t_best["stage_s_median"].get(k) and k in f_best["stage_s_median"]
+    }
+    if s.shape == "qwen2-real":  # issue 20's targets
+        fixed_summary["target_cpu_time_at_most_0.35"] = fixed_summary["step_cpu_time_fastrl_over_trl"] <= 0.35
+        fixed_summary["target_peak_memory_at_most_0.3"] = fixed_summary["peak_rss_fastrl_over_trl"] <= 0.3
 
     budget_runs: dict[str, dict[str, Any]] = {}
     if s.budget_seconds > 0:
@@ -698,6 +840,8 @@ def main(argv: list[str] | None = None) -> dict[str, Any] | None:
     os.makedirs(os.path.dirname(os.path.abspath(opts.out)), exist_ok=True)
     with open(opts.out, "w") as f:
         json.dump(record, f, indent=1)
+    if os.path.exists(opts.out + ".partial"):
+        os.remove(opts.out + ".partial")
 
     print()
     print(_table(f"fixed {s.steps} steps (best of {s.repeats}, medians per step, seconds)", list(best.values())))

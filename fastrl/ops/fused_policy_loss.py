@@ -99,7 +99,7 @@ def fused_linear_policy_loss(
     PyTorch on CPU with token-level ratios: each token chunk's logits are computed once and
     turned into grad_hidden / grad_weight in the same pass (3 GEMM passes, like the logits
     path); those gradients are held until backward (``one_pass=False`` switches it off).
-    The PyTorch token chunks hold at most ``fastrl.ops.logprobs.chunk_rows(V)`` rows.
+    The PyTorch token chunks hold at most ``fastrl.ops.logprobs.chunk_rows(V, weight_grad_hidden=H)`` rows.
     """
     check_float("hidden", hidden, ndim=3)
     check_int("targets", targets, ndim=2)
@@ -260,7 +260,7 @@ def _fused_eager_torch(
     gh_full = torch.zeros(B * T, hd, dtype=dtype, device=hidden.device) if need_h else None
     gw = torch.zeros(V, hd, **f32) if need_w else None
     gb = torch.zeros(V, **f32) if need_b else None
-    step = _lp.chunk_rows(V)
+    step = _lp.chunk_rows(V, weight_grad_hidden=hd if need_w else 0)
     w_logits = _lp._logits_weight(w2)
     for i in range(0, n, step):
         sl = slice(i, min(i + step, n))

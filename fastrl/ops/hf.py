@@ -112,6 +112,7 @@ def causal_lm_logprobs(
     *,
     temperature: float = 1.0,
     return_entropy: bool = False,
+    entropy_rows: torch.Tensor | None = None,
     logits_to_keep: int | None = None,
     backend: str = "auto",
     **model_kwargs: Any,
@@ -123,7 +124,9 @@ def causal_lm_logprobs(
     ``logits_to_keep=k`` only the last ``k`` tokens are scored ([B, k]; TRL's
     convention for completions). Tokens whose ``attention_mask`` is 0 get logp = 0 (and
     entropy 0) and no gradient. Gradients reach every parameter, including a tied
-    embedding matrix, which receives gradient from both of its uses.
+    embedding matrix, which receives gradient from both of its uses. ``entropy_rows``
+    (bool, the shape of the scored tokens): the entropy of those tokens only, NaN at the
+    others, no gradient (a metric's subsample; ``fastrl.ops.linear_logprobs``).
     """
     from fastrl.ops.logprobs import linear_logprobs
 
@@ -132,7 +135,8 @@ def causal_lm_logprobs(
     hidden = causal_lm_hidden_states(model, input_ids, attention_mask, logits_to_keep=logits_to_keep, **model_kwargs)
     targets = _targets(input_ids, attention_mask, hidden.shape[1])
     return linear_logprobs(
-        hidden, weight, targets, bias=bias, temperature=temperature / mult, return_entropy=return_entropy, backend=backend
+        hidden, weight, targets, bias=bias, temperature=temperature / mult, return_entropy=return_entropy,
+        entropy_rows=entropy_rows, backend=backend,
     )
 
 

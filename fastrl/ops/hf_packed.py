@@ -174,12 +174,14 @@ def packed_causal_lm_logprobs(
     *,
     temperature: float = 1.0,
     return_entropy: bool = False,
+    entropy_rows: torch.Tensor | None = None,
     backend: str = "auto",
     attention_backend: str = "auto",
     **model_kwargs: Any,
 ) -> torch.Tensor | tuple[torch.Tensor, torch.Tensor]:
     """log p(completion token | prompt, earlier completion tokens) for every completion
-    token: ``[M]`` fp32 (``(logp, entropy)`` with ``return_entropy``).
+    token: ``[M]`` fp32 (``(logp, entropy)`` with ``return_entropy``; ``entropy_rows``, bool
+    ``[M]``: the entropy of those tokens only, see ``fastrl.ops.linear_logprobs``).
 
     Equal to ``log_softmax(model(prompt + completion).logits / temperature)`` at the
     completion tokens, with each prompt run once per group. ``packed.to_batch_layout(logp)``
@@ -193,7 +195,8 @@ def packed_causal_lm_logprobs(
     weight, bias, mult = lm_head_params(model)
     hidden = packed_causal_lm_hidden_states(model, packed, attention_backend=attention_backend, **model_kwargs)
     return linear_logprobs(
-        hidden, weight, packed.target_ids, bias=bias, temperature=temperature / mult, return_entropy=return_entropy, backend=backend
+        hidden, weight, packed.target_ids, bias=bias, temperature=temperature / mult, return_entropy=return_entropy,
+        entropy_rows=entropy_rows, backend=backend,
     )
 
 

@@ -45,12 +45,25 @@ DEFAULT_CHUNK_MB = 48
 TORCH_CHUNK_BYTES = int(float(os.environ.get("FASTRL_LOGPROBS_CHUNK_MB", str(DEFAULT_CHUNK_MB))) * 2**20)
 
 
-def chunk_rows(vocab: int) -> int:
+def chunk_rows(vocab: int, *, weight_grad_hidden: int = 0) -> int:
     """Tokens per chunk of the PyTorch path (``linear_logprobs`` and
-    ``fused_linear_policy_loss``): as many as fit one fp32 [rows, vocab] buffer in
-    ``TORCH_CHUNK_BYTES`` (one at least). A function of the vocabulary only, never of the
-    token count (the Triton path has no such buffer: fixed tiles, see csrc_triton/logprobs.py)."""
-    return max(1, TORCH_CHUNK_BYTES // (4 * max(vocab, 1)))
+    ``fused_linear_policy_loss``), from the vocabulary ``V`` and, in a pass that forms the
+    LM head's weight gradient, the hidden size ``H`` (``weight_grad_hidden``; 0 otherwise):
+
+        rows = max(TORCH_CHUNK_BYTES // (4 V), H, 1)
+
+    The byte budget bounds the fp32 [rows, V] logits buffer, so the token chunk shrinks as V
+    grows and no buffer follows the token count (the Triton path has no such buffer: fixed
+    tiles, see csrc_triton/logprobs.py). A pass that forms the weight gradient adds each
+    chunk's ``g.T @ h`` into the fp32 [V, H] gradient, re-reading and re-writing its 4 V H
+    bytes once per chunk, and that GEMM's inner dimension is the chunk's rows: at V =
+    151,936 the budget alone gives 82 rows, so a 2,048-token micro-batch re-accumulated the
+    155 MB gradient 25 times in skinny GEMMs. At least H rows there: ceil(N / H)
+    accumulations (8 at H = 256), and the chunk buffer is then at most as large as the
+    weight gradient the pass produces anyway (the op's extra memory stays O(V H), not
+    O(N V)). Forward-only passes (no weight gradient) keep the budget's rows.
+    Before/after: benchmarks/bench_logprobs_chunk.py."""
+    return max(1, TORCH_CHUNK_BYTES // (4 * max(vocab, 1)), int(weight_grad_hidden))
 
 
 # --------------------------------------------------------------------------- helpers
@@ -123,13 +136,17 @@ def _torch_logits(h, weight, bias, inv_temp):
     return z
 
 
-def _torch_stats(h, weight, bias, y, inv_temp, with_entropy):
-    """(m, s, w, t) for rows of ``h``, chunked over rows: peak extra memory O(chunk x V)."""
+def _torch_stats(h, weight, bias, y, inv_temp, with_entropy, sampled=None):
+    """(m, s, w, t) for rows of ``h``, chunked over rows: peak extra memory O(chunk x V).
+
+    ``sampled`` (bool [rows], with ``with_entropy``): the entropy term ``w`` of those rows
+    only (NaN elsewhere), from a copy of their logits taken before the chunk's buffer is
+    exponentiated in place -- the other rows cost what ``with_entropy=False`` costs."""
     n = h.shape[0]
     f32 = dict(dtype=torch.float32, device=h.device)
     m, s, t = torch.empty(n, **f32), torch.empty(n, **f32), torch.empty(n, **f32)
-    w = torch.empty(n, **f32) if with_entropy else None
-    step = chunk_rows(weight.shape[0])
+    w = (torch.empty(n, **f32) if sampled is None else torch.full((n,), float("nan"), **f32)) if with_entropy else None
+    step = chunk_rows(weight.shape[0])  # forward: no weight gradient formed here
     w_logits = _logits_weight(weight)
     for i in range(0, n, step):
         sl = slice(i, min(i + step, n))
@@ -140,7 +157,14 @@ def _torch_stats(h, weight, bias, y, inv_temp, with_entropy):
         tc = z.gather(1, yc.clamp(min=0)[:, None]).squeeze(1) + mc
         t[sl] = torch.where(yc >= 0, tc, torch.zeros_like(tc))
         m[sl] = mc
-        if with_entropy:
+        if with_entropy and sampled is not None:  # the subsample's rows, then in place as without entropy
+            rows = sampled[sl].nonzero().squeeze(1)
+            zs = z.index_select(0, rows)
+            e = torch.exp(zs)
+            w[sl].index_copy_(0, rows, torch.linalg.vecdot(e, zs))
+            del e, zs
+            s[sl] = z.exp_().sum(1)
+        elif with_entropy:
             e = torch.exp(z)
             s[sl] = e.sum(1)
             w[sl] = torch.linalg.vecdot(e, z)
@@ -158,7 +182,7 @@ def _torch_grads(h, weight, bias, y, lse, ent, gl, ge, inv_temp, need_h, need_w,
     gh = torch.empty(n, hd, dtype=h.dtype, device=h.device) if need_h else None
     gw = torch.zeros(v, hd, dtype=torch.float32, device=h.device) if need_w else None
     gb = torch.zeros(v, dtype=torch.float32, device=h.device) if need_b else None
-    step = chunk_rows(v)
+    step = chunk_rows(v, weight_grad_hidden=hd if need_w else 0)
     w_logits = _logits_weight(weight)
     for i in range(0, n, step):
         sl = slice(i, min(i + step, n))
@@ -203,12 +227,15 @@ def _torch_grads(h, weight, bias, y, lse, ent, gl, ge, inv_temp, need_h, need_w,
 
 class _LinearLogprobs(torch.autograd.Function):
     @staticmethod
-    def forward(ctx, hidden, weight, bias, targets, offset, temperature, with_entropy, ignore_index, group, impl, tiles):
+    def forward(ctx, hidden, weight, bias, targets, offset, temperature, with_entropy, ignore_index, group, impl, tiles,
+                entropy_rows):
         # hidden [N, H], weight [V_local, H], bias [V_local] | None, targets [N] int64 (global ids)
         ctx.set_materialize_grads(False)
         n = hidden.shape[0]
         inv_temp = 1.0 / temperature
         valid = targets != ignore_index
+        # entropy_rows: the entropy of those (scored) rows only -- a metric's subsample; not differentiable
+        sampled = valid & entropy_rows if (with_entropy and entropy_rows is not None) else None
         y_local = targets - offset
         in_shard = valid & (y_local >= 0) & (y_local < weight.shape[0])
         y_local = torch.where(in_shard, y_local, torch.full_like(y_local, -1))
@@ -234,7 +261,8 @@ class _LinearLogprobs(torch.autograd.Function):
                 idx, h_w, y_w = None, torch.where(valid[:, None], hidden, 0.0), y_local
                 row_ok = valid
             n_work = None
-            m, s, w, t = _torch_stats(h_w, weight, bias, y_w, inv_temp, with_entropy)
+            sampled_w = sampled.index_select(0, idx) if (sampled is not None and idx is not None) else sampled
+            m, s, w, t = _torch_stats(h_w, weight, bias, y_w, inv_temp, with_entropy, sampled_w)
 
         lse, logp_w, ent_w = _combine(m, s, w, t, group)
         if row_ok is not None:
@@ -250,9 +278,13 @@ class _LinearLogprobs(torch.autograd.Function):
             )
         else:
             logp, ent = logp_w, ent_w
+        if sampled is not None:  # (the Triton kernel computes every row's: keep the subsample's only)
+            ent = torch.where(sampled | ~valid, ent, torch.full_like(ent, float("nan")))
+            ctx.mark_non_differentiable(ent)
+            ent_w = None
 
         ctx.save_for_backward(h_w, weight, bias, y_w, lse, ent_w, idx, n_work, row_ok if idx is None else None)
-        ctx.cfg = (n, inv_temp, group, impl, tiles, with_entropy)
+        ctx.cfg = (n, inv_temp, group, impl, tiles, with_entropy and sampled is None)
         if with_entropy:
             return logp, ent
         return logp, None
@@ -263,7 +295,7 @@ class _LinearLogprobs(torch.autograd.Function):
         n, inv_temp, group, impl, tiles, with_entropy = ctx.cfg
         need_h, need_w, need_b = ctx.needs_input_grad[0], ctx.needs_input_grad[1], bias is not None and ctx.needs_input_grad[2]
         if grad_logp is None and grad_ent is None:
-            return (None,) * 11
+            return (None,) * 12
         dev = h_w.device
         if grad_logp is None:
             grad_logp = torch.zeros(n, dtype=torch.float32, device=dev)
@@ -300,7 +332,7 @@ class _LinearLogprobs(torch.autograd.Function):
             grad_weight = gw.to(weight.dtype)
         if need_b:
             grad_bias = gb.to(bias.dtype)
-        return grad_hidden, grad_weight, grad_bias, None, None, None, None, None, None, None, None
+        return grad_hidden, grad_weight, grad_bias, None, None, None, None, None, None, None, None, None
 
 
 # --------------------------------------------------------------------------- public op
@@ -352,6 +384,7 @@ def linear_logprobs(
     bias: torch.Tensor | None = None,
     temperature: float = 1.0,
     return_entropy: bool = False,
+    entropy_rows: torch.Tensor | None = None,
     ignore_index: int = -100,
     process_group: Any = None,
     backend: str = "auto",
@@ -367,6 +400,13 @@ def linear_logprobs(
         bias: optional [V] LM head bias.
         temperature: logits are divided by it (> 0), as samplers do.
         return_entropy: also return the entropy of the tempered distribution per token.
+        entropy_rows: with ``return_entropy``, None (every token; differentiable) or a bool
+            tensor of the shape of ``targets``: a subsample for a metric -- the entropy of
+            those tokens only, NaN at the other scored tokens (0 at ignored ones, as
+            always), and no gradient through it (``fastrl.ops.stats.every_kth`` picks every
+            k-th of a mask). The PyTorch path computes nothing for the other rows (their
+            cost is ``return_entropy=False``'s); the Triton kernel computes every row's in
+            the same pass and the others are set to NaN.
         ignore_index: targets equal to it (padding) cost nothing, give logp = entropy = 0
             and receive zero gradient.
         process_group: tensor-parallel vocabulary (Megatron-style). Each rank passes the
@@ -406,9 +446,18 @@ def linear_logprobs(
 
     offset, vocab_total = _shard_info(weight, process_group)
     _check_target_range(y, ignore_index, vocab_total)
+    rows = None
+    if entropy_rows is not None:
+        if not isinstance(entropy_rows, torch.Tensor) or entropy_rows.dtype != torch.bool or \
+                tuple(entropy_rows.shape) != tuple(targets.shape):
+            raise ValueError(f"entropy_rows must be a bool tensor of the shape of targets {tuple(targets.shape)}, got "
+                             f"{tuple(entropy_rows.shape) if isinstance(entropy_rows, torch.Tensor) else type(entropy_rows).__name__}"
+                             f"{' ' + str(entropy_rows.dtype) if isinstance(entropy_rows, torch.Tensor) else ''}")
+        rows = entropy_rows.reshape(-1).to(y.device)
 
     logp, ent = _LinearLogprobs.apply(
-        h2, w2, b, y, offset, float(temperature), bool(return_entropy), ignore_index, process_group, impl, tiles
+        h2, w2, b, y, offset, float(temperature), bool(return_entropy), ignore_index, process_group, impl, tiles,
+        rows,
     )
     logp = logp.reshape(targets.shape)
     if return_entropy:

@@ -12,7 +12,7 @@ from typing import Callable
 
 import torch
 
-__all__ = ["explained_variance", "masked_mean_std", "pooled_mean_std"]
+__all__ = ["every_kth", "explained_variance", "masked_mean_std", "pooled_mean_std", "sampled_mean"]
 
 AllReduce = Callable[[torch.Tensor], torch.Tensor]
 
@@ -27,6 +27,23 @@ def masked_mean_std(x: torch.Tensor, mask: torch.Tensor, *, all_reduce: AllReduc
     mean = all_reduce((x * mask).sum()) / n
     std = all_reduce(((x - mean) ** 2 * mask).sum()).div(n).sqrt()
     return mean, std
+
+
+def every_kth(mask: torch.Tensor, k: int) -> torch.Tensor:
+    """Bool, shape of ``mask``: every ``k``-th masked-in entry in flattened order, the first
+    one included (none when the mask is empty). A cumulative count: no host sync."""
+    if isinstance(k, bool) or not isinstance(k, int) or k < 1:
+        raise ValueError(f"k must be an int >= 1, got {k!r}")
+    m = mask.reshape(-1) != 0
+    return (m & ((torch.cumsum(m, 0) - 1) % k == 0)).reshape(mask.shape)
+
+
+def sampled_mean(x: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
+    """Mean (0-dim fp32) of ``x`` over the masked-in entries that are not NaN: a subsample's
+    mean, where the entries outside the subsample are NaN (``linear_logprobs``'s
+    ``entropy_rows``). NaN when no entry is in both."""
+    keep = mask.bool() & ~torch.isnan(x)
+    return torch.where(keep, x.float(), 0.0).sum() / keep.sum()
 
 
 def pooled_mean_std(mean_sum: float, second_moment_sum: float, *, shards: int) -> tuple[float, float]:

@@ -18,6 +18,21 @@ def masked_mean_std_reference(x: torch.Tensor, mask: torch.Tensor) -> tuple[floa
     return mean, math.sqrt(sum((v - mean) ** 2 for v in vals) / n)
 
 
+def every_kth_reference(mask: torch.Tensor, k: int) -> list[bool]:
+    """Flattened: True at the 1st, (k+1)-th, (2k+1)-th, ... masked-in entry."""
+    out, seen = [], 0
+    for m in mask.reshape(-1).tolist():
+        out.append(bool(m) and seen % k == 0)
+        seen += bool(m)
+    return out
+
+
+def sampled_mean_reference(x: torch.Tensor, mask: torch.Tensor) -> float:
+    """Mean of the masked-in entries that are not NaN (NaN when none)."""
+    vals = [float(v) for v, m in zip(x.reshape(-1).tolist(), mask.reshape(-1).tolist()) if m > 0 and not math.isnan(v)]
+    return sum(vals) / len(vals) if vals else float("nan")
+
+
 def pooled_mean_std_reference(means: list[float], stds: list[float]) -> tuple[float, float]:
     """Mean and population std of the union of equal-sized shards, from each shard's mean and
     population std: E[x^2] of a shard is std^2 + mean^2, and the union's variance is

@@ -112,8 +112,11 @@ class Layout:
         raise NotImplementedError
 
     # ------------------------------------------------------------------ per micro-batch
-    def logprobs(self, model: torch.nn.Module, mb: MicroBatch, *, entropy: bool) -> tuple[torch.Tensor, torch.Tensor | None]:
-        """fp32 log-probs (and entropies) of the micro-batch's scored tokens, in loss form."""
+    def logprobs(self, model: torch.nn.Module, mb: MicroBatch, *, entropy: bool,
+                 entropy_rows: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor | None]:
+        """fp32 log-probs (and entropies) of the micro-batch's scored tokens, in loss form.
+        ``entropy_rows`` (bool, loss form): the entropy of those tokens only, NaN at the
+        others, not differentiable (``fastrl.ops.linear_logprobs``): a metric's subsample."""
         raise NotImplementedError
 
     def values(self, critic: Any, mb: MicroBatch) -> torch.Tensor:
@@ -158,11 +161,11 @@ class PaddedLayout(Layout):
                        attention_mask=batch.attention_mask[rows, :Tm].to(self.device), k=k)
         return self._micro_batch(exp, groups, data)
 
-    def logprobs(self, model, mb, *, entropy):
+    def logprobs(self, model, mb, *, entropy, entropy_rows=None):
         d: _Padded = mb.data
         with self.forward_context():
             out = causal_lm_logprobs(model, d.input_ids, d.attention_mask, temperature=self.temperature, logits_to_keep=d.k,
-                                     return_entropy=entropy)
+                                     return_entropy=entropy, entropy_rows=entropy_rows)
         if entropy:
             return out[0].float(), out[1].float()
         return out.float(), None
@@ -219,13 +222,14 @@ class GroupPackedLayout(Layout):
                           cu_seqlens=PackedLayout.from_lengths(packed.completion_lens, device=self.device))
         return mb
 
-    def logprobs(self, model, mb, *, entropy):
+    def logprobs(self, model, mb, *, entropy, entropy_rows=None):
         from fastrl.ops.hf_packed import packed_causal_lm_logprobs
 
         if self._of(mb):
             return self.padded.logprobs(model, mb, entropy=entropy)
         with self.forward_context():
-            out = packed_causal_lm_logprobs(model, mb.data.packed, temperature=self.temperature, return_entropy=entropy)
+            out = packed_causal_lm_logprobs(model, mb.data.packed, temperature=self.temperature, return_entropy=entropy,
+                                            entropy_rows=entropy_rows[0] if entropy_rows is not None else None)
         if entropy:
             return out[0].float()[None], out[1].float()[None]
         return out.float()[None], None

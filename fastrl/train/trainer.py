@@ -37,6 +37,7 @@ from typing import Any, Callable, Sequence
 import torch
 
 from fastrl.ops import GlobalCounts, policy_loss, value_loss
+from fastrl.ops.stats import every_kth, sampled_mean
 from fastrl.rollout.base import RolloutBatch, SamplingConfig
 from fastrl.train import advantages, agent_build, build, seeds
 from fastrl.train import distributed as dist_mod
@@ -81,6 +82,13 @@ class TrainResult:
 
 AUTO_CHECKPOINTING_TOKENS = 2048
 """activation_checkpointing=auto turns it on for trajectories at least this long."""
+
+ENTROPY_METRIC_STRIDE = 7
+"""Without an entropy term in the loss, the ``entropy/mean`` metric is the mean entropy of
+every 7th trained token of each micro-batch (the first included), computed in the training
+forward's own log-prob pass from the logits it already holds (``linear_logprobs``'s
+``entropy_rows``): no full-vocabulary entropy pass. A prime, so the sampled positions shift
+from one sequence to the next."""
 
 SHARED_WEIGHTS_PROBE_EVERY = 10
 """Default steps between weight-sync probes for a sampler that runs the policy module itself
@@ -472,7 +480,9 @@ class Trainer:
 
         mask = take(exp.loss_mask) if live else torch.zeros_like(take(exp.loss_mask))
         cu_seqlens = self.layout.cu_seqlens(mb)
-        logp, entropy = self.layout.logprobs(self.policy, mb, entropy=True)
+        uses_entropy = self.loss_config.entropy_coef != 0  # else: the metric's subsample only
+        logp, entropy = self.layout.logprobs(self.policy, mb, entropy=True,
+                                             entropy_rows=None if uses_entropy else every_kth(mask, ENTROPY_METRIC_STRIDE))
         loss_config = self.loss_config if not self.loss_config.kl_coef else self.loss_config.replace(kl_coef=self.kl_ctl.value)
         logp_inputs = rollout_correction(cfg.rollout_correction).loss_inputs(  # old/rollout/proximal log-probs
             sampler=take(exp.sampler_logp), trainer=take(exp.old_logp) if exp.old_logp is not None else None,
@@ -480,12 +490,14 @@ class Trainer:
         loss, metrics = policy_loss(
             logp, advantages=take(exp.advantages), mask=mask,
             ref_logp=take(exp.ref_logp) if (exp.ref_logp is not None and self.loss_config.kl_coef) else None,
-            entropy=entropy,
+            entropy=entropy if uses_entropy else None,
             **logp_inputs,
             config=loss_config,
             global_counts=counts,
             cu_seqlens=cu_seqlens,
         )
+        if not uses_entropy:
+            metrics = {**metrics, "entropy_mean": sampled_mean(entropy.detach(), mask)}
         total = loss
         if self.critic is not None:
             values = self.layout.values(self.critic, mb)

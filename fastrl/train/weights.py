@@ -4,7 +4,16 @@ After every update the sampler must sample from the new weights. A sampler that 
 trainer's own module needs nothing; one that holds its own copy gets ``update_weights``;
 under torchrun the trainer's full copy of the (sharded) policy is refreshed first and rank 0
 uploads it to a shared server while the other ranks wait for the version it reports. The
-probe compares the sampler's log-probs of a fixed greedy sequence with the trainer's.
+probe compares the sampler's log-probs of a short greedy sequence with the trainer's.
+
+The probe is short on purpose: its guarantee -- the sampler scores tokens with the
+trainer's weights -- needs every weight to take part in scoring, not a long sequence. Any
+token's log-prob runs every layer and the whole LM head (the log-softmax normaliser reads
+every vocabulary row), so ``PROBE_TOKENS`` greedy tokens after the last
+``PROBE_PROMPT_TOKENS`` tokens of the probe prompt check the same weights as a full-length
+sequence did (what neither checks: embedding rows of tokens not in the sequence), at a
+fixed cost that no longer grows with the prompt or ``max_new_tokens``: a 16-token prefill
+and 4 one-row decode steps on the sampler, one 20-token forward on the trainer.
 """
 
 from __future__ import annotations
@@ -18,13 +27,16 @@ from fastrl.ops.hf import causal_lm_logprobs
 from fastrl.rollout.base import SamplingConfig
 from fastrl.train import distributed as dist_mod
 
-__all__ = ["WeightSyncError", "check_gap", "probe_gap", "push_weights"]
+__all__ = ["PROBE_PROMPT_TOKENS", "PROBE_TOKENS", "WeightSyncError", "check_gap", "probe_gap", "push_weights"]
 
 FAILED_UPLOAD = -(1 << 40)
 """The version rank 0 contributes when its upload failed: the summed version is then negative on every rank."""
 
-PROBE_TOKENS = 8
-"""Greedy tokens of the weight-sync probe (at most ``max_new_tokens``)."""
+PROBE_TOKENS = 4
+"""Greedy tokens of the weight-sync probe (at most ``max_new_tokens``): the positions compared."""
+
+PROBE_PROMPT_TOKENS = 16
+"""Tokens of the probe prompt the probe continues (its last ones): the context of the compared positions."""
 
 
 class WeightSyncError(RuntimeError):
@@ -69,9 +81,11 @@ def push_weights(sampler: Any, *, policy: torch.nn.Module, full_copy: torch.nn.M
 
 @torch.no_grad()
 def probe_gap(sampler: Any, policy: torch.nn.Module, prompt: list[int], *, max_new_tokens: int, device: torch.device) -> float:
-    """Largest |sampler log-prob - trainer log-prob| over a greedy continuation of ``prompt``."""
+    """Largest |sampler log-prob - trainer log-prob| over a greedy continuation of the last
+    ``PROBE_PROMPT_TOKENS`` tokens of ``prompt`` (``PROBE_TOKENS`` tokens at most; see the
+    module docstring for why a short sequence keeps the guarantee)."""
     probe = sampler.generate(
-        [prompt], group_size=1,
+        [list(prompt[-PROBE_PROMPT_TOKENS:])], group_size=1,
         sampling=SamplingConfig(greedy=True, temperature=1.0, max_new_tokens=min(PROBE_TOKENS, max_new_tokens)),
     )
     was_training = policy.training

@@ -76,3 +76,21 @@ def test_quick_mode_writes_every_field(tmp_path):
         assert 0.0 <= run["heldout_accuracy"] <= 1.0
     assert budget["runs"]["fastrl-ppo"]["algorithm"] == "ppo"
     assert "target_fastrl_at_least_trl_success" in budget["summary"]
+
+
+def test_real_shape_mode_builds_its_model_tokenizer_and_prompts_offline(tmp_path):
+    """--real-shape (issue 20's shape) at a tiny vocabulary and width: the word tokenizer gives both trainers
+    the same prompt ids of exactly --prompt-tokens tokens, the hash reward has TRL's signature, both sides run."""
+    bench = _load_bench()
+    assert bench.hash_reward(["p"] * 2, ["w5 w7", [{"role": "assistant", "content": "w5 w7"}]]) == [bench.hash_reward(["p"], ["w5 w7"])[0]] * 2
+    out = tmp_path / "real.json"
+    record = bench.main(["--real-shape", "--quick", "--in-process", "--out", str(out), "--vocab-size", "600",
+                         "--hidden-size", "32", "--layers", "1", "--prompt-tokens", "12", "--group-size", "2"])
+    payload = json.loads(out.read_text())
+    assert payload == json.loads(json.dumps(record)) and not (tmp_path / "real.json.partial").exists()
+    assert payload["settings"]["shape"] == "qwen2-real" and payload["shapes"]["vocab_size"] == 600
+    assert payload["shapes"]["arch"] == "qwen2" and len(payload["setup"]["prompt_example"]["ids"]) == 12
+    summary = payload["fixed_steps"]["summary"]
+    assert {"target_cpu_time_at_most_0.35", "target_peak_memory_at_most_0.3", "stage_s_fastrl_over_trl"} <= set(summary)
+    for run in payload["fixed_steps"]["best"].values():
+        assert run["steps"] == 1 and run["heldout_accuracy"] is None and run["completion_length_means"]

@@ -16,6 +16,7 @@ from hypothesis import strategies as st
 
 import fastrl.ops.logprobs as lp_mod
 from fastrl.ops.logprobs import linear_logprobs
+from fastrl.ops.stats import every_kth
 from fastrl.reference.logprobs import linear_logprobs_reference
 
 BACKENDS = ["torch", "triton"]
@@ -190,7 +191,7 @@ class _LargestVocabRows(torch.utils._python_dispatch.TorchDispatchMode):
     def __torch_dispatch__(self, func, types, args=(), kwargs=None):
         out = func(*args, **(kwargs or {}))
         for t in out if isinstance(out, (tuple, list)) else (out,):
-            if isinstance(t, torch.Tensor) and t.dim() == 2 and t.shape[1] == self.vocab:
+            if isinstance(t, torch.Tensor) and t.dim() == 2 and t.shape[1] == self.vocab and not func.is_view:  # (not weight.T)
                 self.most_rows = max(self.most_rows, t.shape[0])
         return out
 
@@ -337,3 +338,65 @@ def test_torch_path_property_matches_reference(n, hdim, vocab, temperature, n_ig
     torch.testing.assert_close(got[1].double(), ref[1], atol=1e-5, rtol=0)
     for g, r in zip(got[2:], ref[2:]):
         torch.testing.assert_close(g.double(), r, atol=1e-5 * max(1.0, r.abs().max().item()), rtol=1e-4)
+
+
+@pytest.mark.parametrize("backend", BACKENDS)
+def test_entropy_rows_are_a_subsample_of_the_full_entropy_and_leave_logp_and_grads_alone(backend, monkeypatch):
+    """entropy_rows: the entropy of those tokens (here every 3rd scored one), equal to the full
+    entropy there; NaN at the other scored tokens, 0 at ignored ones, no gradient; logp and
+    its gradients bitwise those of a call without entropy. The torch path, in 4-row chunks,
+    computes no other row's entropy (they stay NaN)."""
+    if backend == "torch":
+        monkeypatch.setattr(lp_mod, "TORCH_CHUNK_BYTES", 4 * 97 * 4)  # 4-row chunks: the subsample spans chunks
+    torch.manual_seed(3)
+    h, w, b, y = _inputs((3, 7), 16, 97, bias=True, n_ignore=5)
+    dev = DEVICE
+    h, w, b, y = h.to(dev), w.to(dev), b.to(dev), y.to(dev)
+    full = linear_logprobs(h, w, y, bias=b, return_entropy=True, backend=backend)[1]
+
+    def call(**kw):
+        hh, ww = h.clone().requires_grad_(), w.clone().requires_grad_()
+        out = linear_logprobs(hh, ww, y, bias=b, temperature=1.3, backend=backend, **kw)
+        logp, ent = out if kw.get("return_entropy") else (out, None)
+        logp.sum().backward()
+        return logp.detach(), ent, hh.grad, ww.grad
+
+    logp0, _, gh0, gw0 = call()
+    scored = y != -100
+    picked = every_kth(scored, 3)
+    logp, ent, gh, gw = call(return_entropy=True, entropy_rows=picked)
+    assert torch.equal(logp, logp0) and torch.equal(gh, gh0) and torch.equal(gw, gw0)
+    assert not ent.requires_grad
+    full = linear_logprobs(h, w, y, bias=b, temperature=1.3, return_entropy=True, backend=backend)[1]
+    e, f = ent.reshape(-1).cpu(), full.reshape(-1).cpu()
+    picked, scored = picked.reshape(-1).cpu(), scored.reshape(-1).cpu()
+    assert int(picked.sum()) == (int(scored.sum()) + 2) // 3
+    torch.testing.assert_close(e[picked], f[picked], atol=1e-6, rtol=0)
+    assert torch.isnan(e[scored & ~picked]).all()
+    assert (e[~scored] == 0).all()
+    with pytest.raises(ValueError, match="entropy_rows must be a bool tensor"):
+        linear_logprobs(h, w, y, return_entropy=True, entropy_rows=picked.reshape(-1), backend=backend)
+
+
+def test_chunk_rule_gives_a_weight_gradient_pass_at_least_hidden_rows():
+    """rows = max(budget // 4V, H) in a pass that forms the weight gradient: at V = 151,936 and
+    H = 256 a 2,048-token micro-batch adds into the [V, H] gradient 8 times, not 25."""
+    budget_rows = lp_mod.chunk_rows(151936)
+    assert budget_rows == lp_mod.TORCH_CHUNK_BYTES // (4 * 151936)
+    assert lp_mod.chunk_rows(151936, weight_grad_hidden=256) == max(budget_rows, 256)
+    assert lp_mod.chunk_rows(32000, weight_grad_hidden=64) == lp_mod.chunk_rows(32000)  # the budget already exceeds H
+    assert lp_mod.chunk_rows(2**20, weight_grad_hidden=0) >= 1
+
+
+@pytest.mark.parametrize("need_weight_grad", [True, False])
+def test_torch_backward_chunks_are_hidden_rows_when_it_forms_the_weight_gradient(monkeypatch, need_weight_grad):
+    B, T, H, V = 4, 50, 64, 257
+    monkeypatch.setattr(lp_mod, "TORCH_CHUNK_BYTES", 4 * V * 37)  # 37-row budget chunks, H = 64 > 37
+    h, w, b, y = _inputs((B, T), H, V)
+    hh, ww = h.clone().requires_grad_(), w.clone().requires_grad_(need_weight_grad)
+    logp = linear_logprobs(hh, ww, y, backend="torch")
+    with _LargestVocabRows(V) as seen:
+        logp.sum().backward()
+    assert seen.most_rows == (H if need_weight_grad else 37)
+    ref = _run(None, h, w, b, y, entropy=False, gl=torch.ones(B, T))
+    torch.testing.assert_close(hh.grad.double(), ref[2], atol=1e-5, rtol=1e-4)

@@ -9,9 +9,12 @@ import pytest
 import torch
 
 from fastrl.ops.shaping import sequence_rewards, token_rewards
-from fastrl.ops.stats import explained_variance, masked_mean_std, pooled_mean_std
+from fastrl.ops.stats import every_kth, explained_variance, masked_mean_std, pooled_mean_std, sampled_mean
 from fastrl.reference.shaping import sequence_rewards_reference, token_rewards_reference
-from fastrl.reference.stats import explained_variance_reference, masked_mean_std_reference, pooled_mean_std_reference
+from fastrl.reference.stats import (
+    every_kth_reference, explained_variance_reference, masked_mean_std_reference, pooled_mean_std_reference,
+    sampled_mean_reference,
+)
 
 
 def test_token_rewards_by_hand():
@@ -59,6 +62,30 @@ def test_masked_mean_std_by_hand_and_against_the_reference():
     twice = masked_mean_std(x, mask, all_reduce=lambda t: 2 * t)
     torch.testing.assert_close(torch.stack(twice), torch.stack([mean, std]))
     assert [float(v) for v in masked_mean_std(x, torch.zeros_like(mask))] == [0.0, 0.0]
+
+
+def test_every_kth_by_hand_and_against_the_reference():
+    mask = torch.tensor([[0.0, 1.0, 1.0, 0.0], [1.0, 1.0, 1.0, 1.0]])
+    assert every_kth(mask, 2).tolist() == [[False, True, False, False], [True, False, True, False]]
+    assert every_kth(mask, 1).tolist() == (mask != 0).tolist() and not every_kth(0 * mask, 3).any()
+    g = torch.Generator().manual_seed(1)
+    for k in (1, 3, 7):
+        m = (torch.rand(6, 11, generator=g) < 0.6).float()
+        assert every_kth(m, k).reshape(-1).tolist() == every_kth_reference(m, k)
+    with pytest.raises(ValueError, match="k must be an int >= 1"):
+        every_kth(mask, 0)
+
+
+def test_sampled_mean_by_hand_and_against_the_reference():
+    nan = float("nan")
+    x = torch.tensor([[1.0, nan, 3.0], [nan, 8.0, 100.0]])
+    mask = torch.tensor([[1.0, 1.0, 1.0], [1.0, 1.0, 0.0]])
+    assert float(sampled_mean(x, mask)) == (1.0 + 3.0 + 8.0) / 3 == sampled_mean_reference(x, mask)
+    assert math.isnan(float(sampled_mean(x, torch.zeros_like(mask)))) and math.isnan(sampled_mean_reference(x, 0 * mask))
+    g = torch.Generator().manual_seed(0)
+    y = torch.randn(5, 9, generator=g).masked_fill(torch.rand(5, 9, generator=g) < 0.4, nan)
+    m = (torch.rand(5, 9, generator=g) < 0.7).float()
+    assert float(sampled_mean(y, m)) == pytest.approx(sampled_mean_reference(y, m), rel=1e-6)
 
 
 def test_pooled_mean_std_equals_the_statistics_of_the_union():
