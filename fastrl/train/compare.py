@@ -53,6 +53,7 @@ __all__ = [
     "parse_budget",
     "check_budget_fits",
     "reward_drop",
+    "reward_std_collapse",
     "mean_std",
     "run_metrics",
     "summarize",
@@ -88,6 +89,13 @@ KL_BLOWUP = 1.0
 ENTROPY_BLOWUP_FACTOR = 2.0
 """A step whose mean token entropy exceeds this multiple of the run's first step is an entropy
 blow-up (the policy drifting towards uniform); a collapse shows as a low end/start ratio."""
+ECHO_TRAP_STD_FRACTION = 0.2
+"""Reward-std collapse (the "Echo Trap" of RAGEN, Wang et al. 2025, arXiv:2504.20073): a step
+whose trailing ``SMOOTHING_STEPS``-step mean of the batch reward std is below this fraction of
+that curve's earlier peak, while the trailing mean reward is below ``ECHO_TRAP_SOLVED`` of the
+best reward seen (a batch that is all solved has no spread either, and that is no trap)."""
+ECHO_TRAP_SOLVED = 0.95
+"""Share of the best logged reward (``reward/max``) above which a collapsed std counts as solved."""
 STAGES = ("generate", "reward", "old_logp", "ref_logp", "values", "advantages", "update", "sync")
 """Per-stage timers the trainer logs as ``time/<stage>`` (reported disjoint: ``advantages``
 without the critic's ``values`` pass, which the trainer times inside it)."""
@@ -237,6 +245,23 @@ def reward_drop(rewards: Sequence[float], *, window: int = SMOOTHING_STEPS) -> f
     return worst
 
 
+def reward_std_collapse(stds: Sequence[float], means: Sequence[float], best: float, *,
+                        window: int = SMOOTHING_STEPS) -> tuple[int, int | None]:
+    """Steps in the reward-std collapse (``ECHO_TRAP_STD_FRACTION``) and the index of the first
+    (None: never): ``stds``/``means`` are the per-step batch reward std and mean, ``best`` the
+    highest reward logged."""
+    count, first, peak = 0, None, -math.inf
+    for i, (s, m) in enumerate(zip(moving_average(stds, window), moving_average(means, window))):
+        if not (math.isfinite(s) and math.isfinite(m)):
+            continue
+        peak = max(peak, s)
+        solved = math.isfinite(best) and m >= ECHO_TRAP_SOLVED * best
+        if peak > 0 and s < ECHO_TRAP_STD_FRACTION * peak and not solved:
+            count += 1
+            first = i if first is None else first
+    return count, first
+
+
 def run_metrics(steps: Sequence[dict[str, Any]], evals: Sequence[dict[str, Any]], *, pass_k: int | None = None) -> dict[str, Any]:
     """Success, stability and cost of one run from its logged step and evaluation records
     (``metrics.jsonl`` lines: step lines, and ``event: eval`` lines with ``eval/*`` keys).
@@ -280,10 +305,14 @@ def run_metrics(steps: Sequence[dict[str, Any]], evals: Sequence[dict[str, Any]]
     stage_seconds = {k: v for k, v in stage_seconds.items() if v > 0}
     peaks = [_num(r.get("memory/peak_gb")) for r in steps]
     last = rewards[-SMOOTHING_STEPS:]
+    best_reward = max((v for v in (_num(r.get("reward/max")) for r in steps) if math.isfinite(v)), default=float("nan"))
+    collapse, collapse_at = reward_std_collapse([_num(r.get("reward/std")) for r in steps], rewards, best_reward)
     return {
         "curve": {
             "step": step_ids, "seconds": seconds, "generated_tokens": generated, "trained_tokens": trained,
-            "reward": rewards, "kl": [_num(r.get("kl/ref")) for r in steps], "entropy": [_num(r.get("entropy/mean")) for r in steps],
+            "reward": rewards, "reward_std": [_num(r.get("reward/std")) for r in steps],
+            "reward_max": [_num(r.get("reward/max")) for r in steps],
+            "kl": [_num(r.get("kl/ref")) for r in steps], "entropy": [_num(r.get("entropy/mean")) for r in steps],
         },
         "evals": eval_points,
         "success": {
@@ -300,6 +329,8 @@ def run_metrics(steps: Sequence[dict[str, Any]], evals: Sequence[dict[str, Any]]
             "entropy_end_over_start": (entropies[-1] / first_entropy) if entropies and first_entropy > 0 else float("nan"),
             "entropy_blowups": sum(1 for e in entropies if not (e <= ENTROPY_BLOWUP_FACTOR * first_entropy)) if entropies else 0,
             "non_finite_steps": non_finite,
+            "reward_std_collapse_steps": collapse,
+            "reward_std_collapse_step": step_ids[collapse_at] if collapse_at is not None else None,
         },
         "cost": {
             "steps": len(steps),
@@ -328,6 +359,8 @@ def chain_phases(first: dict[str, Any], second: dict[str, Any]) -> dict[str, Any
         "generated_tokens": c1["generated_tokens"] + [g + g0 for g in c2["generated_tokens"]],
         "trained_tokens": c1["trained_tokens"] + [g + tr0 for g in c2["trained_tokens"]],
         "reward": c1["reward"] + c2["reward"],
+        "reward_std": c1["reward_std"] + c2["reward_std"],
+        "reward_max": c1["reward_max"] + c2["reward_max"],
         "kl": c1["kl"] + c2["kl"],
         "entropy": c1["entropy"] + c2["entropy"],
     }
@@ -352,6 +385,10 @@ def chain_phases(first: dict[str, Any], second: dict[str, Any]) -> dict[str, Any
         "entropy_blowups": sum(1 for e in curve["entropy"] if entropies and not (e <= ENTROPY_BLOWUP_FACTOR * entropies[0])),
         "non_finite_steps": s1["non_finite_steps"] + s2["non_finite_steps"],
     }
+    best = max((v for v in curve["reward_max"] if math.isfinite(v)), default=float("nan"))
+    collapse, collapse_at = reward_std_collapse(curve["reward_std"], curve["reward"], best)
+    stability.update(reward_std_collapse_steps=collapse,
+                     reward_std_collapse_step=curve["step"][collapse_at] if collapse_at is not None else None)
     k1, k2 = first["cost"], second["cost"]
     stages = dict(k1["stage_seconds"])
     for k, v in k2["stage_seconds"].items():
@@ -404,6 +441,7 @@ METRICS: tuple[Metric, ...] = (
     Metric("stability", "entropy_end_over_start", "entropy end / start", None),
     Metric("stability", "entropy_blowups", f"entropy blow-up steps (> {ENTROPY_BLOWUP_FACTOR:g}x)", False, ".1f"),
     Metric("stability", "non_finite_steps", "non-finite steps", False, ".1f"),
+    Metric("stability", "reward_std_collapse_steps", "reward-std collapse steps (Echo Trap)", False, ".1f"),
     Metric("cost", "steps", "RL steps", None, ".1f"),
     Metric("cost", "train_seconds", "RL seconds (eval excluded)", False, ".1f"),
     Metric("cost", "wall_seconds", "process wall seconds", False, ".1f"),
@@ -554,10 +592,14 @@ def verdicts(summary: dict[str, dict[str, Any]], *, budget_kind: str) -> list[di
             v for v in e["entropy_blowups"]["values"] if math.isfinite(v))
         if blowups:
             bits.append(f"{int(blowups)} KL/entropy blow-up step(s)")
+        trapped = sum(1 for v in e["reward_std_collapse_steps"]["values"] if math.isfinite(v) and v > 0)
+        if trapped:
+            bits.append(f"Echo Trap warning (reward std collapsed below {ECHO_TRAP_STD_FRACTION:g}x its peak, unsolved) "
+                        f"in {trapped} seed(s)")
         if bits:
             trouble.append(f"{a}: " + ", ".join(bits))
     spread = ", ".join(f"{a} {_fmt(e['final_accuracy']['std'], '.3f')}" for a, e in summary.items())
-    note = f"seed spread of the final accuracy (std): {spread}; " + ("; ".join(trouble) if trouble else "no NaN stops or blow-ups")
+    note = f"seed spread of the final accuracy (std): {spread}; " + ("; ".join(trouble) if trouble else "no NaN stops, blow-ups or reward-std collapse")
     out.append(axis_verdict("stability", "worst drop of the reward curve", vals("reward_drop"), higher_is_better=False, note=note))
     if budget_kind == "seconds":
         out.append(axis_verdict("cost", "generated tokens in the same RL seconds", vals("generated_tokens"),
@@ -1042,6 +1084,9 @@ def build_report(plan: ComparePlan, runs: list[dict[str, Any]], *, start: dict[s
             "reward_drop": f"largest fall of the {SMOOTHING_STEPS}-step trailing mean of the batch reward below its earlier peak",
             "kl_blowups": f"steps whose mean per-token KL to the reference exceeds {KL_BLOWUP}",
             "entropy_blowups": f"steps whose mean token entropy exceeds {ENTROPY_BLOWUP_FACTOR}x the first step's",
+            "reward_std_collapse_steps": f"steps whose {SMOOTHING_STEPS}-step mean batch reward std is below "
+                                         f"{ECHO_TRAP_STD_FRACTION}x its earlier peak while the mean reward is below "
+                                         f"{ECHO_TRAP_SOLVED}x the best reward (the Echo Trap warning)",
             "peak_memory_gb": "CUDA max allocated on a GPU; the process's peak RSS on a CPU",
             "distinguishable": "the mean ± std (sample std over seeds) intervals of winner and runner-up do not overlap",
         },

@@ -22,6 +22,7 @@ from fastrl.train.compare import (
     parse_budget,
     plan_compare,
     reward_drop,
+    reward_std_collapse,
     run_metrics,
     summarize,
     verdicts,
@@ -107,6 +108,22 @@ def test_reward_drop_is_the_worst_fall_of_the_smoothed_curve():
     # a one-step dip is smoothed away by the 5-step mean: 1 - mean(1, 1, 1, 1, 0) = 0.2
     assert reward_drop([1.0] * 5 + [0.0], window=5) == pytest.approx(0.2)
     assert reward_drop([float("nan"), 1.0, 0.5], window=1) == 0.5
+
+
+def test_reward_std_collapse_is_the_echo_trap_warning_not_a_solved_batch():
+    # the spread falls to 0 while the reward stays at 0.3: a collapse from step index 5 on (window 1)
+    stds = [0.5, 0.5, 0.4, 0.2, 0.15, 0.05, 0.0, 0.0]
+    assert reward_std_collapse(stds, [0.3] * 8, 1.0, window=1) == (3, 5)
+    # the same spread falling because every sample is solved (mean 1 = the best reward): no warning
+    assert reward_std_collapse(stds, [0.3] * 4 + [1.0] * 4, 1.0, window=1) == (0, None)
+    assert reward_std_collapse(stds, [0.3] * 6 + [1.0] * 2, 1.0, window=1) == (1, 5)
+    assert reward_std_collapse(stds, [1.0] * 8, 1.0, window=1) == (0, None)
+    assert reward_std_collapse([0.0] * 4, [0.0] * 4, 0.0) == (0, None)  # never any spread: nothing collapsed
+    steps = _steps([0.3] * 8)
+    for rec, s in zip(steps, stds):
+        rec["reward/std"], rec["reward/max"] = s, 1.0
+    m = run_metrics(steps, [])
+    assert m["stability"]["reward_std_collapse_steps"] > 0 and m["stability"]["reward_std_collapse_step"] >= 6
 
 
 def test_run_metrics_from_logged_records():
