@@ -96,6 +96,11 @@ that curve's earlier peak, while the trailing mean reward is below ``ECHO_TRAP_S
 best reward seen (a batch that is all solved has no spread either, and that is no trap)."""
 ECHO_TRAP_SOLVED = 0.95
 """Share of the best logged reward (``reward/max``) above which a collapsed std counts as solved."""
+ENV_CALLS_METRIC = "agent/env_calls"
+"""Per step: environment calls of the rollout (resets + steps; ``fastrl.agents.driver.agent_metrics``)."""
+TOOL_CALLS_METRIC = "agent/tool_calls_per_trajectory"
+SAMPLES_METRIC = "rollout/samples"
+"""Per step: trajectories (samples) of the rollout."""
 STAGES = ("generate", "reward", "old_logp", "ref_logp", "values", "advantages", "update", "sync")
 """Per-stage timers the trainer logs as ``time/<stage>`` (reported disjoint: ``advantages``
 without the critic's ``values`` pass, which the trainer times inside it)."""
@@ -262,13 +267,18 @@ def reward_std_collapse(stds: Sequence[float], means: Sequence[float], best: flo
     return count, first
 
 
-def run_metrics(steps: Sequence[dict[str, Any]], evals: Sequence[dict[str, Any]], *, pass_k: int | None = None) -> dict[str, Any]:
+def run_metrics(steps: Sequence[dict[str, Any]], evals: Sequence[dict[str, Any]], *, pass_k: int | None = None,
+                group_size: int | None = None) -> dict[str, Any]:
     """Success, stability and cost of one run from its logged step and evaluation records
     (``metrics.jsonl`` lines: step lines, and ``event: eval`` lines with ``eval/*`` keys).
 
     Curves are indexed by step; ``seconds`` is the cumulative time of the RL steps
     (evaluation excluded) and ``generated_tokens`` the cumulative completion tokens, so an
     evaluation after step k sits at the totals of steps 1..k (step 0: the start).
+
+    Agent runs (``--env``) also cost environment calls (``ENV_CALLS_METRIC``) and tool calls;
+    ``group_size`` (the run's trajectories per prompt) turns them into calls per prompt.
+    Single-turn runs leave these NaN (not measured).
     """
     steps = sorted(steps, key=lambda r: r["step"])
     step_ids = [int(r["step"]) for r in steps]
@@ -305,6 +315,12 @@ def run_metrics(steps: Sequence[dict[str, Any]], evals: Sequence[dict[str, Any]]
     stage_seconds = {k: v for k, v in stage_seconds.items() if v > 0}
     peaks = [_num(r.get("memory/peak_gb")) for r in steps]
     last = rewards[-SMOOTHING_STEPS:]
+    agent = any(ENV_CALLS_METRIC in r for r in steps)
+    nan = float("nan")
+    env_calls = sum(_num(r.get(ENV_CALLS_METRIC, 0.0)) for r in steps) if agent else nan
+    trajectories = sum(_num(r.get(SAMPLES_METRIC, 0.0)) for r in steps) if agent else nan
+    tool_calls = sum(_num(r.get(TOOL_CALLS_METRIC, 0.0)) * _num(r.get(SAMPLES_METRIC, 0.0)) for r in steps) if agent else nan
+    prompts = trajectories / group_size if agent and group_size else nan
     best_reward = max((v for v in (_num(r.get("reward/max")) for r in steps) if math.isfinite(v)), default=float("nan"))
     collapse, collapse_at = reward_std_collapse([_num(r.get("reward/std")) for r in steps], rewards, best_reward)
     return {
@@ -340,6 +356,11 @@ def run_metrics(steps: Sequence[dict[str, Any]], evals: Sequence[dict[str, Any]]
             "trained_tokens": trained[-1] if trained else 0.0,
             "peak_memory_gb": max((p for p in peaks if math.isfinite(p)), default=float("nan")),
             "stage_seconds": stage_seconds,
+            "env_calls": env_calls,
+            "tool_calls": tool_calls,
+            "trajectories": trajectories,
+            "prompts": prompts,
+            "env_calls_per_prompt": env_calls / prompts if prompts and math.isfinite(prompts) else nan,
         },
     }
 
@@ -402,6 +423,9 @@ def chain_phases(first: dict[str, Any], second: dict[str, Any]) -> dict[str, Any
         "peak_memory_gb": max(k1["peak_memory_gb"], k2["peak_memory_gb"]),
         "stage_seconds": stages,
     }
+    for key in ("env_calls", "tool_calls", "trajectories", "prompts"):
+        cost[key] = _num(k1.get(key)) + _num(k2.get(key))
+    cost["env_calls_per_prompt"] = cost["env_calls"] / cost["prompts"] if cost["prompts"] > 0 else float("nan")
     return {"curve": curve, "evals": evals, "success": success, "stability": stability, "cost": cost}
 
 
@@ -448,6 +472,9 @@ METRICS: tuple[Metric, ...] = (
     Metric("cost", "generated_tokens", "generated tokens", None, ".0f"),
     Metric("cost", "trained_tokens", "trained tokens", None, ".0f"),
     Metric("cost", "peak_memory_gb", "peak memory (GB)", False, ".2f"),
+    Metric("cost", "env_calls", "environment calls (resets + steps)", False, ".0f"),
+    Metric("cost", "env_calls_per_prompt", "environment calls per prompt", False, ".1f"),
+    Metric("cost", "tool_calls", "tool calls", None, ".0f"),
 )
 
 
@@ -606,6 +633,11 @@ def verdicts(summary: dict[str, dict[str, Any]], *, budget_kind: str) -> list[di
                                 higher_is_better=True, fmt=".0f"))
     else:
         out.append(axis_verdict("cost", "RL seconds for the budget", vals("train_seconds"), higher_is_better=False, fmt=".1f"))
+    if any(math.isfinite(v) for e in summary.values() for v in e["env_calls"]["values"]):
+        # agent runs: what the environment is asked for, the cost GRPO's G trajectories per prompt multiply
+        per_prompt = ", ".join(f"{a} {_fmt(e['env_calls_per_prompt']['mean'], '.1f')}" for a, e in summary.items())
+        out.append(axis_verdict("cost", "environment calls for the budget", vals("env_calls"), higher_is_better=False,
+                                fmt=".0f", note=f"environment calls per prompt: {per_prompt}"))
     out.append(axis_verdict("memory", "peak memory in GB", vals("peak_memory_gb"), higher_is_better=False, fmt=".2f"))
     return out
 
@@ -941,7 +973,11 @@ def _run_phase(directory: Path, fields: dict[str, Any]) -> dict[str, Any]:
         tail = [line for line in log_text.splitlines() if line.strip()][-3:]
         error = f"exit status {proc.returncode}: " + " | ".join(tail)
     pass_k = int(fields.get("pass_k", TrainConfig.pass_k))
-    metrics = run_metrics(steps, evals, pass_k=pass_k if pass_k > 1 else None) if (steps or evals) else None
+    config_file = directory / "config.yaml"  # the run's resolved options (an environment's defaults included)
+    resolved = yaml.safe_load(config_file.read_text()) if config_file.exists() else {}
+    group_size = int(resolved.get("group_size") or fields.get("group_size", TrainConfig.group_size))
+    metrics = (run_metrics(steps, evals, pass_k=pass_k if pass_k > 1 else None, group_size=group_size)
+               if (steps or evals) else None)
     return {"returncode": proc.returncode, "status": status, "error": error, "wall_seconds": wall,
             "stopped_by": summary.get("stopped_by"), "metrics": metrics, "final_model": summary.get("final_model"),
             "dir": str(directory)}

@@ -150,6 +150,32 @@ def test_run_metrics_from_logged_records():
     assert math.isnan(m["success"]["final_accuracy"])
 
 
+def test_agent_runs_cost_environment_calls_per_prompt():
+    """GRPO's G trajectories per prompt each call the environment: calls per prompt scale with G."""
+    def agent_steps(samples, calls_per_trajectory):
+        steps = _steps([0.2, 0.4])
+        for rec in steps:
+            rec.update({"agent/env_calls": samples * calls_per_trajectory, "rollout/samples": samples,
+                        "agent/tool_calls_per_trajectory": calls_per_trajectory - 1})
+        return steps
+
+    grpo = run_metrics(agent_steps(16, 3), [], group_size=8)["cost"]  # 2 prompts x 8 trajectories, 3 calls each
+    assert (grpo["env_calls"], grpo["tool_calls"], grpo["trajectories"], grpo["prompts"]) == (96, 64, 32, 4)
+    assert grpo["env_calls_per_prompt"] == 24.0
+    ppo = run_metrics(agent_steps(16, 3), [], group_size=1)["cost"]  # 16 prompts x 1 trajectory
+    assert ppo["env_calls_per_prompt"] == 3.0
+    assert math.isnan(run_metrics(_steps([0.1]), [], group_size=8)["cost"]["env_calls"])  # single-turn: not measured
+    chained = chain_phases(run_metrics(agent_steps(16, 3), [], group_size=8), run_metrics(agent_steps(16, 3), [], group_size=1))
+    assert chained["cost"]["env_calls"] == 192 and chained["cost"]["prompts"] == 4 + 32
+    assert chained["cost"]["env_calls_per_prompt"] == pytest.approx(192 / 36)
+    runs = [{"algorithm": a, "seed": s, "status": "ok", "wall_seconds": 1.0,
+             **run_metrics(agent_steps(16, 3 + s + (a == "grpo")), [{"step": 0, "eval/accuracy": 0.1}], group_size=g)}
+            for a, g in (("grpo", 8), ("ppo", 1)) for s in (0, 1)]
+    found = [v for v in verdicts(summarize(runs), budget_kind="steps") if v["metric"] == "environment calls for the budget"]
+    assert len(found) == 1 and found[0]["winner"] == "ppo" and "environment calls per prompt: grpo" in found[0]["text"]
+    assert "environment calls per prompt" in format_table(summarize(runs), found)
+
+
 def test_hybrid_phases_chain_into_one_curve():
     first = run_metrics(_steps([0.1, 0.2]), [{"step": 0, "eval/accuracy": 0.3}, {"step": 2, "eval/accuracy": 0.4}])
     second = run_metrics(_steps([0.3, 0.4, 0.5], seconds=2.0), [{"step": 0, "eval/accuracy": 0.4}, {"step": 3, "eval/accuracy": 0.7}])
