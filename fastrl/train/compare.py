@@ -738,6 +738,22 @@ def plot_runs(runs: Sequence[dict[str, Any]], path: Path, *, title: str) -> Path
 
 
 # ============================================================================ planning (validation before any run)
+def ppo_fields(of: TrainConfig, group_size: int) -> dict[str, Any]:
+    """The fields that give a PPO run ``group_size`` samples per prompt and as many samples per
+    step as ``of`` (the resolved run configuration without them): ``prompts_per_step`` scaled
+    by ``of.group_size / group_size`` (a ``prompt_token_budget`` batcher already packs by
+    samples). CompareError when the group sizes do not divide."""
+    fields: dict[str, Any] = {"group_size": group_size}
+    if of.prompt_token_budget is None:
+        samples = of.prompts_per_step * of.group_size
+        if samples % group_size:
+            raise CompareError(f"--ppo_group_size {group_size} does not divide the {samples} samples a step "
+                               f"(prompts_per_step {of.prompts_per_step} x group_size {of.group_size})")
+        fields["prompts_per_step"] = samples // group_size
+    return fields
+
+
+
 @dataclass
 class ComparePlan:
     algorithms: list[str]
@@ -751,6 +767,12 @@ class ComparePlan:
     warmup: bool
     """The configuration has a supervised warm-up: run it once, start every run from its model."""
     hybrid_split: float
+    ppo_group_size: int | None
+    """Trajectories per prompt of PPO runs (and the PPO phase of ``grpo_then_ppo``); None: the
+    runs' ``group_size``. PPO needs no group: with fewer per prompt it gets proportionally more
+    prompts per step (``ppo_fields``), so every algorithm samples as many trajectories a step."""
+    ppo_overrides: dict[str, Any]
+    """The ``TrainConfig`` fields ``ppo_group_size`` sets on PPO runs (empty without it)."""
     warmup_seed: int
     steps_cap: int | None
     eval_every: int
@@ -785,6 +807,11 @@ def build_compare_parser() -> argparse.ArgumentParser:
     parser.add_argument("--overwrite", action="store_true", help="replace an earlier comparison in --output_dir")
     parser.add_argument("--hybrid_split", type=float, default=0.5,
                         help=f"share of the budget {HYBRID} spends on GRPO before PPO (default 0.5)")
+    parser.add_argument("--ppo_group_size", type=int, default=None, metavar="K",
+                        help="samples (trajectories) per prompt of PPO and of the PPO phase of grpo_then_ppo, with "
+                             "prompts_per_step scaled by group_size / K so each step samples as many as the others "
+                             "(1: one trajectory per prompt; with --env, GRPO then pays group_size trajectories' "
+                             "environment calls per prompt and PPO one). Default: the runs' group_size")
     parser.add_argument("--warmup_seed", type=int, default=1,
                         help="seed of the shared warm-up (model init and SFT data order; default 1, which reaches the built-in "
                              "task's probe target in fewer SFT steps than seed 0)")
@@ -819,6 +846,10 @@ def plan_compare(argv: Sequence[str]) -> ComparePlan:
     if not 0.0 < args.hybrid_split < 1.0:
         raise CompareError(f"--hybrid_split must be in (0, 1), got {args.hybrid_split}")
     budget = parse_budget(args.budget)
+    ppo_runs = "ppo" in args.algorithms or HYBRID in args.algorithms
+    if args.ppo_group_size is not None and (args.ppo_group_size < 1 or not ppo_runs):
+        raise CompareError(f"--ppo_group_size must be >= 1 and needs ppo or {HYBRID} in --algorithms, "
+                           f"got {args.ppo_group_size} with {' '.join(args.algorithms)}")
     explicit = _explicit_train_options(rest)
     for name, instead in FORBIDDEN_TRAIN_OPTIONS.items():
         if name in explicit:
@@ -840,19 +871,21 @@ def plan_compare(argv: Sequence[str]) -> ComparePlan:
             raise CompareError(f"{name} (set in the --config file) is set by the comparison itself; "
                                f"use {FORBIDDEN_TRAIN_OPTIONS[name]}")
 
-    def resolve(algorithm: str) -> TrainConfig:
+    def resolve(algorithm: str, overrides: dict[str, Any] | None = None) -> TrainConfig:
         try:
             return TrainConfig(**{**defaults, **user_fields, "algorithm": algorithm,
-                                  **budget.train_fields(steps_cap=user_fields.get("steps"))}).resolved()
+                                  **budget.train_fields(steps_cap=user_fields.get("steps")), **(overrides or {})}).resolved()
         except ValueError as e:
             raise CompareError(f"{algorithm}: {e}") from None
+
+    ppo_overrides = ppo_fields(resolve("ppo"), args.ppo_group_size) if args.ppo_group_size is not None else {}
 
     if budget.kind != "tokens":  # needs no configuration: checked before any other option
         check_budget_fits(budget, None, phases=2 if HYBRID in args.algorithms else 1)
     resolved = {}
     for algo in args.algorithms:
         for phase in (("grpo", "ppo") if algo == HYBRID else (algo,)):
-            resolved[phase] = resolve(phase)
+            resolved[phase] = resolve(phase, ppo_overrides if phase == "ppo" else None)
             check_budget_fits(budget, resolved[phase], phases=2 if algo == HYBRID else 1)
     base = resolve(args.algorithms[0] if args.algorithms[0] != HYBRID else "grpo")
     eval_every = user_fields.get("eval_every", None)
@@ -863,7 +896,8 @@ def plan_compare(argv: Sequence[str]) -> ComparePlan:
         raise CompareError("--eval_every 0 turns held-out evaluation off, and success is measured by it")
     return ComparePlan(
         algorithms=list(args.algorithms), seeds=list(range(args.seeds)), budget=budget, output_dir=Path(args.output_dir),
-        user_fields=user_fields, base=base, warmup=base.sft_steps > 0, hybrid_split=args.hybrid_split, warmup_seed=args.warmup_seed,
+        user_fields=user_fields, base=base, warmup=base.sft_steps > 0, hybrid_split=args.hybrid_split,
+        ppo_group_size=args.ppo_group_size, ppo_overrides=ppo_overrides, warmup_seed=args.warmup_seed,
         steps_cap=user_fields.get("steps"), eval_every=eval_every, overwrite=args.overwrite, argv=list(argv),
     )
 
@@ -989,7 +1023,7 @@ def run_fields_for(plan: ComparePlan, start_fields: dict[str, Any], algorithm: s
     return {
         **plan.user_fields, **start_fields, "algorithm": algorithm, "seed": seed, "output_dir": str(directory),
         "eval_every": plan.eval_every, "progress": False, "tensorboard": plan.user_fields.get("tensorboard", False),
-        **budget.train_fields(steps_cap=plan.steps_cap),
+        **budget.train_fields(steps_cap=plan.steps_cap), **(plan.ppo_overrides if algorithm == "ppo" else {}),
     }
 
 
@@ -1110,6 +1144,7 @@ def build_report(plan: ComparePlan, runs: list[dict[str, Any]], *, start: dict[s
         "seeds": plan.seeds,
         "budget": {"kind": plan.budget.kind, "amount": plan.budget.amount, "text": plan.budget.text},
         "hybrid_split": plan.hybrid_split if HYBRID in plan.algorithms else None,
+        "ppo_group_size": plan.ppo_group_size,
         "eval_every": plan.eval_every,
         "train_options": plan.user_fields,
         "start": start,

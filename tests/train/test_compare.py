@@ -22,6 +22,7 @@ from fastrl.train.compare import (
     parse_budget,
     plan_compare,
     reward_drop,
+    run_fields_for,
     reward_std_collapse,
     run_metrics,
     summarize,
@@ -272,6 +273,8 @@ def test_summary_verdicts_and_table_from_synthetic_runs():
     (["--group_size", "1"], "grpo: group_size must be >= 2"),
     (["--hybrid_split", "1.5"], "hybrid_split"),
     (["--eval_every", "0"], "success is measured"),
+    (["--algorithms", "grpo", "--ppo_group_size", "1"], "needs ppo or grpo_then_ppo"),
+    (["--ppo_group_size", "3"], "does not divide the 128 samples"),
 ])
 def test_bad_input_is_an_error_before_any_run(args, needle, tmp_path, capsys):
     out = tmp_path / "cmp"
@@ -354,6 +357,16 @@ def test_the_hybrid_runs_ppo_from_the_grpo_policy(tmp_path, capsys):
     assert run["cost"]["steps"] == 3 and run["curve"]["step"] == [1, 2, 3]
     assert "values" in run["cost"]["stage_seconds"]  # the PPO phase ran its critic
     assert [e["step"] for e in run["evals"]] == [0, 1, 2, 3]
+
+
+def test_ppo_group_size_gives_ppo_fewer_samples_per_prompt_and_more_prompts(tmp_path):
+    plan = plan_compare(["--algorithms", "grpo", "ppo", HYBRID, "--budget", "2-steps", "--ppo_group_size", "2",
+                         "--prompts_per_step", "4"])
+    assert plan.ppo_overrides == {"group_size": 2, "prompts_per_step": 16}  # 4 x 8 samples a step, as GRPO's
+    ppo = run_fields_for(plan, {}, "ppo", 0, tmp_path, plan.budget)
+    grpo = run_fields_for(plan, {}, "grpo", 0, tmp_path, plan.budget)
+    assert (ppo["group_size"], ppo["prompts_per_step"]) == (2, 16) and "group_size" not in grpo
+    assert grpo["prompts_per_step"] == 4
 
 
 def test_train_options_take_the_vllm_server_form():
