@@ -50,6 +50,35 @@ def default_train_seeds() -> str:
     return table + f"\n`{data['command']}`; {data['machine']}; {data['date']}.\n"
 
 
+ENV_SEEDS = ("calculator", "sql", "frozenlake")
+"""The built-in environments whose seed study (benchmarks/env_train_seeds.py) the README shows,
+from ``env_train_<env>_3seeds_cpu.json`` where it exists."""
+
+
+def env_train_seeds() -> str:
+    """`fastrl train --env NAME` per seed: held-out success and tool-call rate before/after RL."""
+    rows, notes = [], []
+    for env in ENV_SEEDS:
+        path = RESULTS / f"env_train_{env}_3seeds_cpu.json"
+        if not path.exists():
+            continue
+        data = json.loads(path.read_text())
+        for seed, run in sorted(data["runs"].items(), key=lambda kv: int(kv[0])):
+            first, last = run["eval"][0], run["eval"][-1]
+            sft = f"{run['sft_steps']:.0f} ({run['sft_seconds']:.0f} s)" if run.get("sft_steps") is not None else "none"
+            loads = "/".join(f"{x:.1f}" for x in run["load_average_before_after"])
+            rows.append([env, seed, sft, f"{first['accuracy']:.2f} -> **{last['accuracy']:.2f}**",
+                         f"{first['tool_call_rate']:.2f} -> {last['tool_call_rate']:.2f}",
+                         f"{run['rl_steps']} ({run['rl_step_seconds_median']:.2f} s)", f"{run['wall_seconds']:.0f} s", loads])
+        notes.append(f"`{data['command']}` ({data['date']})")
+    if not rows:
+        return "No seed study in benchmarks/results yet.\n"
+    table = _rows(["env", "seed", "warm-up steps (s)", "held-out success, step 0 -> end", "tool-call rate, step 0 -> end",
+                   "RL steps (median step)", "whole run", "load before/after"], rows)
+    return table + "\n" + "; ".join(notes) + "; step 0 is after the warm-up, before RL; the project's 2-core CPU, " \
+        "shared with other sessions (load average = runnable processes).\n"
+
+
 def _bench_row(results: list[dict], op: str, shape: str, impl: str) -> dict:
     return next(r for r in results if r["op"] == op and r["shape"] == shape and r["impl"] == impl)
 
@@ -193,7 +222,7 @@ def compare_default() -> str:
     return table + f"\n`{data['command']}`: {len(data['seeds'])} seeds, budget {data['budget']['text']}.\n"
 
 
-TABLES: dict[str, Callable[[], str]] = {"default_train_seeds": default_train_seeds, "headline": headline,
+TABLES: dict[str, Callable[[], str]] = {"default_train_seeds": default_train_seeds, "env_train_seeds": env_train_seeds, "headline": headline,
                                         "compare_default": compare_default, "benchmarks_cpu": benchmarks_cpu}
 
 
