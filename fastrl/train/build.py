@@ -23,6 +23,7 @@ from fastrl.errors import InputError
 from fastrl.rollout.base import GroupSampler
 from fastrl.train.config import TrainConfig
 from fastrl.train.critic import ValueModel
+from fastrl.train.data import model_context_length
 from fastrl.train.schedule import warmup_cosine
 
 __all__ = ["SAMPLERS", "Optimizers", "SamplerContext", "SamplerSpec", "build_sampler", "sampler_spec"]
@@ -170,9 +171,11 @@ def load_policy(cfg: TrainConfig, *, model: torch.nn.Module | None, tokenizer: A
 
         default = DefaultTask()
         tok = char_tokenizer()
+        # an agent run's tiny model takes its longest trajectory
+        positions = default.max_position_embeddings if cfg.env is None else cfg.max_trajectory_tokens
         policy = tiny_model(
             tok, hidden_size=cfg.model_hidden_size, layers=cfg.model_layers, heads=default.heads, arch=default.arch,
-            max_position_embeddings=default.max_position_embeddings, seed=cfg.seed,
+            max_position_embeddings=positions, seed=cfg.seed,
         )
         return tok, policy.to(device).train()
     tok = transformers.AutoTokenizer.from_pretrained(cfg.tokenizer or cfg.model)
@@ -312,6 +315,8 @@ def check_distributed(cfg: TrainConfig, ctx: Any) -> None:
     refusal = sampler_spec(cfg.sampler).torchrun
     if refusal is not None:
         raise InputError(refusal)
+    if cfg.env is not None:
+        raise InputError("--env (agent training) runs in one process for now; start it without torchrun")
     if cfg.prompt_token_budget is not None:
         raise InputError("prompt_token_budget gives batches of varying prompt counts; under torchrun use prompts_per_step")
     if cfg.prompts_per_step % world:

@@ -15,7 +15,7 @@ import re
 import sys
 import typing
 
-from fastrl.train.config import ALGORITHM_PRESETS, TrainConfig
+from fastrl.train.config import AGENT_FIELDS, ALGORITHM_PRESETS, TrainConfig
 
 DESCRIPTION = """Train a causal LM with GRPO-family algorithms or PPO.
 
@@ -23,6 +23,8 @@ With no options: the embedded default, offline on a CPU in a few minutes -- a ti
 built from a config, the built-in arithmetic task and tokenizer, a short supervised
 warm-up, then GRPO; held-out accuracy before and after is printed.
 With --model and --dataset: any Hugging Face causal LM and a jsonl/parquet/hub dataset.
+With --env calculator|sql|frozenlake|module:Class: an agent trained on multi-turn, tool-using
+trajectories (a built-in environment brings its rows, tiny model and warm-up).
 Algorithms: """ + ", ".join(f"{k} ({v.citation})" for k, v in ALGORITHM_PRESETS.items())
 
 EPILOG = """Options are spelled with underscores (--group_size 8), as in a --config YAML file; the
@@ -52,6 +54,8 @@ HELP_GROUPS: dict[str, tuple[str, ...]] = {
                      "adam_betas", "warmup_steps", "min_lr_ratio", "grad_clip", "seed"),
     "logging and evaluation": ("eval_every", "eval_prompts", "pass_k", "tensorboard", "progress"),
     "output and checkpoints": ("output_dir", "save_every", "keep_checkpoints", "overwrite", "resume"),
+    "agents (--env)": ("env", "env_workers", "env_step_timeout", "env_trajectory_timeout", "env_call_format",
+                       "env_max_repeated_calls", *AGENT_FIELDS),
 }
 
 
@@ -146,6 +150,21 @@ def _group_help(parser) -> None:
                     group._group_actions.append(action)
 
 
+def _agent_help(parser) -> None:
+    """The --help text of the options derived from ``AgentConfig`` (``AGENT_FIELDS``): that
+    class's field docstrings, so the words are written once."""
+    from docstring_parser import parse_from_object
+
+    from fastrl.agents.driver import AgentConfig
+
+    docs = {p.arg_name: " ".join(p.description.split()) for p in parse_from_object(AgentConfig).params}
+    defaults = AgentConfig()
+    for action in parser._actions:
+        if action.dest in AGENT_FIELDS:
+            action.help = (f"{docs.get(action.dest, '')} None: the environment's default "
+                           f"(a user's environment: {getattr(defaults, action.dest)!r}).")
+
+
 def build_train_parser():
     from jsonargparse import ActionConfigFile, set_parsing_settings
 
@@ -155,6 +174,7 @@ def build_train_parser():
                              epilog=EPILOG, formatter_class=_formatter())
     parser.add_argument("--config", action=ActionConfigFile, help="A YAML file of options (any field below).")
     parser.add_class_arguments(TrainConfig, None, as_group=False)
+    _agent_help(parser)
     _group_help(parser)
     return parser
 

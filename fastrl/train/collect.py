@@ -13,6 +13,8 @@ from typing import Any
 from fastrl.rollout.base import GroupRollout, SamplingConfig, merge_rollouts
 from fastrl.train import seeds
 from fastrl.train.config import TrainConfig
+from fastrl.train.experience import Experience
+from fastrl.train.metrics import best_and_worst, rollout_metrics
 
 __all__ = ["Collector", "rollout_sampling"]
 
@@ -24,7 +26,9 @@ def rollout_sampling(cfg: TrainConfig, *, step: int, salt: int) -> SamplingConfi
 
 
 class Collector:
-    """``collect(sampler=, step=, timer=)``: one step's rollout and its ``dynamic/...`` metrics."""
+    """``collect(sampler=, step=, timer=)``: one step's rollout and its ``dynamic/...`` metrics;
+    ``experience``, ``step_metrics`` and ``samples`` of it for the loop (the interface
+    ``agent_collect.AgentCollector`` shares)."""
 
     def __init__(self, *, cfg: TrainConfig, batcher: Any, ranks: Any, scorer: Any):
         self.cfg, self.batcher, self.ranks, self.scorer = cfg, batcher, ranks, scorer
@@ -56,6 +60,21 @@ class Collector:
             # nothing informative: train on the first batch (all advantages are 0; the step only logs)
             return first, info
         return merge_rollouts(kept, group_size=G, limit=target, pad_token_id=sampler.pad_token_id), info
+
+    needs_old_logp = False
+    """Whether the trainer must compute old log-probs for this collector's metrics (no)."""
+
+    def experience(self, rollout: GroupRollout, *, device: Any) -> Experience:
+        """The step's ``Experience`` of a collected rollout."""
+        return Experience.from_rollout(rollout.batch, group_size=self.cfg.group_size, rewards=rollout.rewards, device=device)
+
+    def step_metrics(self, rollout: GroupRollout, exp: Experience) -> tuple[dict[str, float], dict[str, list[float]]]:
+        """Reward, length and rollout metrics, and the rewards' histogram (``metrics.rollout_metrics``)."""
+        return rollout_metrics(rollout, self.ranks)
+
+    def samples(self, rollout: GroupRollout, tokenizer: Any) -> tuple[tuple[str, str, float], tuple[str, str, float]]:
+        """``(prompt, completion, reward)`` of the best and worst sample (``samples.txt``)."""
+        return best_and_worst(rollout, tokenizer, self.cfg.group_size)
 
     def rollout(self, *, sampler: Any, step: int, salt: int, timer: Any) -> GroupRollout:
         """Sample and score this rank's share of the next prompt batch."""

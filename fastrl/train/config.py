@@ -19,6 +19,8 @@ import typing
 from dataclasses import dataclass, field
 from typing import Literal, Optional
 
+from fastrl.agents.driver import AgentConfig
+from fastrl.agents.tools import CALL_FORMATS
 from fastrl.config import KLEstimator, LossAgg, PolicyLossConfig, Surrogate
 from fastrl.errors import InputError
 from fastrl.reference.advantages import GroupMode
@@ -69,6 +71,11 @@ ALGORITHM_PRESETS: dict[str, AlgorithmPreset] = {
 ALGORITHMS: tuple[str, ...] = tuple(ALGORITHM_PRESETS)
 """The algorithm names: the presets' keys (one list)."""
 Algorithm = Literal[ALGORITHMS]  # type: ignore[valid-type]  (the CLI's choices, derived from the presets)
+CallFormat = Literal[CALL_FORMATS]  # type: ignore[valid-type]  (the tool-call formats fastrl.agents.tools parses)
+
+AGENT_FIELDS: tuple[str, ...] = tuple(f.name for f in dataclasses.fields(AgentConfig))
+"""The agent limits and policies: ``TrainConfig`` has one option per ``AgentConfig`` field, of
+the same name and meaning (``None``: the environment's default), derived from this list."""
 
 
 # Held-out prompts per evaluation on a user's dataset (TrainConfig.eval_prompts=None): at 64,
@@ -287,6 +294,33 @@ class TrainConfig:
     whiten_advantages: bool = True
     """PPO: whiten GAE advantages over the batch."""
 
+    # ------------------------------------------------------------------ agents (fastrl train --env)
+    env: Optional[str] = None
+    """Train an agent on multi-turn, tool-using trajectories: a built-in environment
+    (calculator, sql, frozenlake: rows, tiny model, warm-up and limits come with it) or a
+    user's environment as ``module:Class`` (any zero-argument callable returning one; its rows
+    come from ``dataset``). None: single-turn training on prompts."""
+    env_workers: int = 2
+    """Environment worker processes: each trajectory's environment lives in one; the steps of
+    one turn run concurrently across them."""
+    env_step_timeout: float = 10.0
+    """Seconds one environment call (``reset`` or ``step``) may take; past it the worker is
+    killed with its process group and replaced, and that trajectory ends (``failed_trajectories``)."""
+    env_trajectory_timeout: float = 60.0
+    """Seconds all environment calls of one trajectory may take together."""
+    env_call_format: Optional[CallFormat] = None
+    """How tool calls are written: ``hermes`` (``<tool_call>{json}</tool_call>``, the tools
+    shown through the chat template) or ``compact`` (``name(args)``, for the built-in
+    character tokenizer). None: compact with the built-in model, hermes otherwise."""
+    env_max_repeated_calls: int = 3
+    """A built-in environment ends a trajectory after the same tool call this many times in a
+    row (``agent/stop/repeated_call``); 0: no limit."""
+    # one option per AgentConfig field (AGENT_FIELDS), same name and docs; None: the environment's default
+    for _field in dataclasses.fields(AgentConfig):
+        __annotations__[_field.name] = f"Optional[{_field.type}]"
+        vars()[_field.name] = None
+    del _field
+
     # ------------------------------------------------------------------ evaluation, logging, checkpoints
     eval_every: int = 25
     """Held-out evaluation every N steps (and before the first and after the last); 0: off."""
@@ -338,8 +372,12 @@ class TrainConfig:
         if c.dynamic_sampling is None:
             c.dynamic_sampling = preset.dynamic_sampling
         builtin_model = c.model is None and not model_given
-        builtin_task = c.dataset is None and builtin_model
+        builtin_task = c.dataset is None and builtin_model and c.env is None
         default = _default_task()
+        if c.env is not None:
+            from fastrl.train.agent_task import apply_env_defaults
+
+            apply_env_defaults(c, builtin_model=builtin_model)
         if c.max_new_tokens is None:
             c.max_new_tokens = default.max_new_tokens if builtin_task else 256
         if c.eval_prompts is None:
@@ -377,7 +415,8 @@ class TrainConfig:
         agg = overrides.get("loss_agg") or PolicyLossConfig.preset_settings(preset.loss_preset).get("loss_agg")
         if agg == "seq-mean-token-sum-norm":
             # Dr. GRPO's constant: the longest completion, the same for every micro-batch.
-            overrides["norm_length"] = float(self.max_new_tokens)
+            # (an agent run's trajectories: the longest trajectory sample)
+            overrides["norm_length"] = float(self.max_trajectory_tokens if self.env is not None else self.max_new_tokens)
         return PolicyLossConfig.preset(preset.loss_preset, **overrides)
 
     @property
@@ -428,6 +467,7 @@ class TrainConfig:
         for name in ("eval_every", "save_every", "warmup_steps", "max_resample_rounds", "reward_workers", "kl_horizon",
                      "top_k", "seed"):
             positive_int(name, allow_zero=True)
+        self._validate_agent(positive_int, number)
         if self.seed > _MAX_SEED:
             raise InputError(f"seed must be an int in [0, {_MAX_SEED}] (it seeds Python, NumPy and torch), got {self.seed!r}")
         positive_int("sft_steps", allow_zero=True)
@@ -505,6 +545,35 @@ class TrainConfig:
             raise
         except (ValueError, TypeError) as error:
             raise InputError(f"loss options (clip_low, clip_high, dual_clip, loss_agg, surrogate, kl_*, entropy_coef): {error}") from None
+
+    def _validate_agent(self, positive_int, number) -> None:
+        """The ``--env`` options: only with an environment, within range, and what an agent run cannot do."""
+        if self.env is None:
+            given = [name for name in (*AGENT_FIELDS, "env_call_format") if getattr(self, name) is not None]
+            if given:
+                raise InputError(f"{given[0]} is an agent option: it needs --env (a built-in environment or module:Class)")
+            return
+        if not self.env:
+            raise InputError("env must name a built-in environment or module:Class, got ''")
+        positive_int("env_workers")
+        positive_int("env_max_repeated_calls", allow_zero=True)
+        if self.env_max_repeated_calls == 1:
+            raise InputError("env_max_repeated_calls must be 0 (no limit) or >= 2 (a first call is never a repeat), got 1")
+        for name in ("env_step_timeout", "env_trajectory_timeout"):
+            number(name, low=0.0, low_open=True)
+        self.agent_config()  # AgentConfig's own checks name the field
+        if self.dynamic_sampling:
+            raise InputError("dynamic_sampling (DAPO's refill of all-equal groups) is not supported with --env yet; "
+                             "set --dynamic_sampling false")
+        if self.prompt_token_budget is not None:
+            raise InputError("prompt_token_budget batches prompts by their length; with --env use prompts_per_step")
+
+    def agent_config(self) -> AgentConfig:
+        """The run's ``AgentConfig``: its ``AGENT_FIELDS`` (a resolved config has them all)."""
+        missing = [name for name in AGENT_FIELDS if getattr(self, name) is None]
+        if missing:
+            raise InputError(f"{missing[0]} is not set: resolve the config first (TrainConfig.resolved())")
+        return AgentConfig(**{name: getattr(self, name) for name in AGENT_FIELDS})
 
     @property
     def builtin_model(self) -> bool:

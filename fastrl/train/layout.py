@@ -131,9 +131,8 @@ class PaddedLayout(Layout):
 
     def cost(self, exp: Experience, groups: Sequence[int]) -> int:
         lengths = exp.sequence_lengths
-        G = exp.group_size
-        longest = max(lengths[r] for g in groups for r in range(g * G, (g + 1) * G))
-        return longest * G * len(groups)
+        rows = exp.rows(groups).tolist()
+        return max(lengths[r] for r in rows) * len(rows)
 
     def make(self, exp: Experience, groups: Sequence[int]) -> MicroBatch:
         batch = exp.batch
@@ -168,15 +167,35 @@ class PaddedLayout(Layout):
 
 
 class GroupPackedLayout(Layout):
-    """Groups packed as ``[prompt | c_1 | ... | c_G]``; a micro-batch costs ``P + sum(L_i)`` per group."""
+    """Groups packed as ``[prompt | c_1 | ... | c_G]``; a micro-batch costs ``P + sum(L_i)`` per group.
+
+    An experience whose groups are not ``G`` rows sharing the prompt (``Experience.packable``
+    is False: agent trajectories split into several samples, or a group with a failed
+    environment) runs on padded rows instead (``PaddedLayout``), micro-batch by micro-batch."""
+
+    def __init__(self, **kwargs: Any):
+        super().__init__(**kwargs)
+        self.padded = PaddedLayout(**kwargs)
+
+    def _of(self, mb: MicroBatch) -> Layout | None:
+        return self.padded if isinstance(mb.data, _Padded) else None
+
+    def micro_batches(self, exp: Experience, groups: Sequence[int] | None = None) -> list[MicroBatch]:
+        if not exp.packable:
+            return self.padded.micro_batches(exp, groups)
+        return super().micro_batches(exp, groups)
 
     def cost(self, exp: Experience, groups: Sequence[int]) -> int:
+        if not exp.packable:
+            return self.padded.cost(exp, groups)
         batch = exp.batch
         return sum(len(batch.prompt_ids[g]) + sum(len(c) for c in batch.completion_ids[exp.group(g)]) for g in groups)
 
     def make(self, exp: Experience, groups: Sequence[int]) -> MicroBatch:
         from fastrl.ops.shared_prefix_attention import PackedGroups
 
+        if not exp.packable:
+            return self.padded.make(exp, groups)
         batch = exp.batch
         packed = PackedGroups.from_groups([(batch.prompt_ids[g], batch.completion_ids[exp.group(g)]) for g in groups],
                                           device=self.device)
@@ -188,6 +207,8 @@ class GroupPackedLayout(Layout):
     def logprobs(self, model, mb, *, entropy):
         from fastrl.ops.hf_packed import packed_causal_lm_logprobs
 
+        if self._of(mb):
+            return self.padded.logprobs(model, mb, entropy=entropy)
         with self.forward_context():
             out = packed_causal_lm_logprobs(model, mb.data.packed, temperature=self.temperature, return_entropy=entropy)
         if entropy:
@@ -197,23 +218,32 @@ class GroupPackedLayout(Layout):
     def values(self, critic, mb):
         from fastrl.ops.hf_packed import packed_causal_lm_hidden_states
 
+        if self._of(mb):
+            return self.padded.values(critic, mb)
         with self.forward_context():
             hidden = packed_causal_lm_hidden_states(critic.body, mb.data.packed)
             return critic.head(hidden)[None]
 
     def gather(self, mb, x):
+        if self._of(mb):
+            return self.padded.gather(mb, x)
         if x.dim() == 1:
             return x[mb.rows_device]
         return x[mb.data.tok_rows, mb.data.tok_cols][None]
 
     def scatter(self, mb, out, grid):
+        if self._of(mb):
+            return self.padded.scatter(mb, out, grid)
         grid[mb.data.tok_rows, mb.data.tok_cols] = out[0]
 
     def cu_seqlens(self, mb):
-        return mb.data.cu_seqlens
+        return None if self._of(mb) else mb.data.cu_seqlens
 
     def attention(self, mb, models):
         from fastrl.ops.hf_packed import shared_prefix_attention_enabled
+
+        if self._of(mb):
+            return contextlib.nullcontext()
 
         stack = contextlib.ExitStack()
         for m in models:

@@ -46,6 +46,9 @@ def describe_run(cfg: Any) -> str:
     batch = (f"{cfg.prompts_per_step} prompts x {cfg.group_size} samples" if not cfg.prompt_token_budget
              else f"{cfg.prompt_token_budget}-token prompt batches x {cfg.group_size} samples")
     rl = f"{cfg.steps} {algorithm_label(cfg)} steps of {batch} (up to {cfg.max_new_tokens} new tokens each)"
+    if getattr(cfg, "env", None) is not None:
+        rl = (f"{cfg.steps} {algorithm_label(cfg)} steps of {cfg.prompts_per_step} rows x {cfg.group_size} trajectories in "
+              f"{cfg.env} (up to {cfg.max_turns} turns, {cfg.max_trajectory_tokens} tokens each)")
     parts.append(("then " if parts else "") + rl)
     if cfg.eval_every:
         parts.append(f"held-out evaluation ({cfg.eval_prompts} prompts) before step 1, every {cfg.eval_every} steps "
@@ -57,6 +60,9 @@ def describe_run(cfg: Any) -> str:
 
 def describe_evaluation(cfg: Any, prompts: int, step: int) -> str:
     """The line shown when a held-out evaluation starts (it generates for every prompt)."""
+    if getattr(cfg, "env", None) is not None:
+        return (f"held-out evaluation at RL step {step}: {prompts} greedy episodes of {cfg.env} "
+                f"(up to {cfg.max_turns} turns) ...")
     sampled = f" + {cfg.pass_k} samples each for pass@{cfg.pass_k}" if cfg.pass_k > 1 else ""
     return (f"held-out evaluation at RL step {step}: {prompts} prompts, greedy{sampled}, "
             f"up to {cfg.max_new_tokens} new tokens ...")

@@ -18,7 +18,7 @@ import torch
 from fastrl.ops.hf import causal_lm_logprobs
 from fastrl.train.data import check_rows, encode_prompt
 
-__all__ = ["encode_sft_example", "collate_sft", "sft_loss", "sft_warmup", "sft_to_target"]
+__all__ = ["encode_sft_example", "collate_sft", "sft_loss", "sft_warmup", "sft_batches", "sft_to_target"]
 
 
 def encode_sft_example(
@@ -113,6 +113,36 @@ def sft_warmup(
     examples = [
         encode_sft_example(tokenizer, row[prompt_column], row[answer_column], chat_template=chat_template) for row in rows
     ]
+    return sft_batches(
+        model, len(examples), lambda picked: collate_sft([examples[i] for i in picked], pad_token_id=pad_id), steps=steps, lr=lr,
+        batch_size=batch_size, seed=seed, weight_decay=weight_decay, warmup_steps=warmup_steps, schedule=schedule,
+        max_grad_norm=max_grad_norm, callback=callback, on_step=on_step,
+    )
+
+
+def sft_batches(
+    model: torch.nn.Module,
+    num_examples: int,
+    collate: Callable[[list[int]], tuple[torch.Tensor, torch.Tensor, torch.Tensor]],
+    *,
+    steps: int,
+    lr: float,
+    batch_size: int,
+    seed: int = 0,
+    weight_decay: float = 0.0,
+    warmup_steps: int = 0,
+    schedule: str = "constant",
+    max_grad_norm: float | None = 1.0,
+    callback: Callable[[int, float], bool | None] | None = None,
+    on_step: Callable[[int, float], None] | None = None,
+) -> dict[str, Any]:
+    """``sft_warmup``'s loop over any examples: ``collate(indices) -> (input_ids,
+    attention_mask, loss_mask [B, T-1])`` of the examples picked (seeded shuffled epochs of
+    ``range(num_examples)``); the rest as ``sft_warmup`` (the agent warm-up passes
+    ``fastrl.agents.batch.collate_samples`` of demonstrations)."""
+    if num_examples < 1 and steps > 0:
+        raise ValueError("the warm-up needs at least one example")
+    examples = range(num_examples)
     params = [p for p in model.parameters() if p.requires_grad]
     optimizer = torch.optim.AdamW(params, lr=lr, weight_decay=weight_decay)
     device = model.get_input_embeddings().weight.device
@@ -131,7 +161,7 @@ def sft_warmup(
             take = min(batch_size - len(picked), len(order) - position)
             picked.extend(order[position : position + take].tolist())
             position += take
-        input_ids, attention_mask, loss_mask = collate_sft([examples[i] for i in picked], pad_token_id=pad_id)
+        input_ids, attention_mask, loss_mask = collate(picked)
         input_ids, attention_mask, loss_mask = input_ids.to(device), attention_mask.to(device), loss_mask.to(device)
         for group in optimizer.param_groups:
             group["lr"] = _learning_rate(step, steps=steps, lr=lr, warmup_steps=warmup_steps, schedule=schedule)

@@ -36,7 +36,7 @@ import torch
 
 from fastrl.ops import GlobalCounts, policy_loss, value_loss
 from fastrl.rollout.base import RolloutBatch, SamplingConfig
-from fastrl.train import advantages, build, seeds
+from fastrl.train import advantages, agent_build, build, seeds
 from fastrl.train import distributed as dist_mod
 from fastrl.train.checkpoint import RunCheckpoint, check_algorithm, checkpoint_dir, claim_output_dir, resolve_resume, save_final, set_rng_state
 from fastrl.train.collect import Collector, rollout_sampling
@@ -47,7 +47,7 @@ from fastrl.train.experience import Experience
 from fastrl.train.faults import TrainingDivergedError, divergence_message
 from fastrl.train.layout import MicroBatch, make_layout
 from fastrl.train.metrics import (
-    LOSS_SHARES, MetricsLogger, SilentLogger, StageTimer, best_and_worst, peak_memory_bytes, rollout_metrics, update_metric_name,
+    LOSS_SHARES, MetricsLogger, SilentLogger, StageTimer, peak_memory_bytes, update_metric_name,
 )
 from fastrl.train.progress import describe_evaluation, rl_progress_label
 from fastrl.train.ranks import Ranks
@@ -140,8 +140,14 @@ class Trainer:
         check_tokenizer_matches_model(self.tokenizer, self.policy)
         if cfg.shared_prefix:
             build.check_shared_prefix_support(self.policy)
-        prompts = build.encode_prompts(cfg, self.tokenizer, self.policy, *build.load_rows(cfg, train_rows, eval_rows),
-                                       sharded=ranks.sharded)
+        self.agent = None  # an agent run's environment side (fastrl train --env), checked on a real row here
+        if cfg.env is not None:
+            context = build.model_context_length(self.policy)
+            self.agent = agent_build.build_agent(cfg, self.tokenizer, train_rows=train_rows, eval_rows=eval_rows, max_length=context)
+            prompts = agent_build.agent_prompts(cfg, self.agent, max_length=context, sharded=ranks.sharded)
+        else:
+            prompts = build.encode_prompts(cfg, self.tokenizer, self.policy, *build.load_rows(cfg, train_rows, eval_rows),
+                                           sharded=ranks.sharded)
         self.train_rows, self.encoded, self.eval_rows, self.eval_encoded = (prompts.train_rows, prompts.train_ids,
                                                                             prompts.eval_rows, prompts.eval_ids)
         self.max_length, self.dropped_prompts, self.batcher = prompts.max_length, prompts.dropped, prompts.batcher
@@ -151,7 +157,8 @@ class Trainer:
         self.connected = None
         if self.spec.connect is not None:
             self.connected = self.spec.connect(cfg)
-            longest = max(len(ids) for ids in [*self.encoded, *self.eval_encoded]) + cfg.max_new_tokens
+            longest = (max(len(ids) for ids in [*self.encoded, *self.eval_encoded]) + cfg.max_new_tokens if self.agent is None
+                       else cfg.max_trajectory_tokens)
             build.check_served_model(self.connected, cfg=cfg, policy=self.policy, longest=longest)
 
         # ---- rewards: checked on real rows before any training work
@@ -159,11 +166,15 @@ class Trainer:
         self.rewards = RewardPool(specs, weights=cfg.reward_weights, timeout_s=cfg.reward_timeout, num_workers=cfg.reward_workers)
         self.scorer = GroupScorer(tokenizer=self.tokenizer, rewards=self.rewards, prompt_column=cfg.prompt_column)
         probe_rows = self.train_rows[: min(2, len(self.train_rows))]
-        self.rewards.validate([r[cfg.prompt_column] for r in probe_rows], ["" for _ in probe_rows], self.scorer.columns(probe_rows))
+        if self.agent is None:  # an agent's outcome is its environment's reward
+            self.rewards.validate([r[cfg.prompt_column] for r in probe_rows], ["" for _ in probe_rows], self.scorer.columns(probe_rows))
 
         # ---- warm-up (not on resume: the checkpoint has the warmed-up policy)
         self.sft_metrics: dict[str, float] = {}
-        if cfg.sft_steps and self.resume_dir is None:
+        if cfg.sft_steps and self.resume_dir is None and self.agent is not None:
+            self.sft_metrics = agent_build.agent_warm_up(cfg, self.policy, self.tokenizer, self.agent, ranks=ranks,
+                                                         progress=cfg.progress and self.is_main)
+        elif cfg.sft_steps and self.resume_dir is None:
             self.sft_metrics = build.warm_up(cfg, self.policy, self.tokenizer, self.train_rows, score_fn=self.scorer.answer_score,
                                              progress=cfg.progress and self.is_main)
         if ranks.sharded:
@@ -171,7 +182,7 @@ class Trainer:
             dist_mod.broadcast_module(self.policy)
 
         # ---- memory at length
-        longest = max(len(ids) for ids in self.encoded) + cfg.max_new_tokens
+        longest = max(len(ids) for ids in self.encoded) + cfg.max_new_tokens if self.agent is None else cfg.max_trajectory_tokens
         self.checkpointing = cfg.activation_checkpointing == "layer" or (
             cfg.activation_checkpointing == "auto" and longest >= AUTO_CHECKPOINTING_TOKENS
         )
@@ -220,12 +231,16 @@ class Trainer:
         if self.spec.push_on_start:
             self._push_weights()  # the policy's weights (after warm-up or resume) before the first rollout
         self.probe_prompt = self.encoded[0]
-        self.collector = Collector(cfg=cfg, batcher=self.batcher, ranks=ranks, scorer=self.scorer)
-        self.evaluator = HeldOutEvaluator(
-            sampler=self.sampler, scorer=self.scorer, ranks=ranks, rows=self.eval_rows, prompt_ids=self.eval_encoded,
-            max_new_tokens=cfg.max_new_tokens, pass_k=cfg.pass_k, temperature=cfg.temperature, top_p=cfg.top_p, top_k=cfg.top_k,
-            seed=cfg.seed, prompt_seeds=self._prompt_seeds,
-        )
+        if self.agent is not None:
+            self.collector, self.evaluator = agent_build.agent_loop(cfg, self.agent, batcher=self.batcher, ranks=ranks,
+                                                                    sampler=self.sampler, pad_token_id=self.tokenizer.pad_token_id)
+        else:
+            self.collector = Collector(cfg=cfg, batcher=self.batcher, ranks=ranks, scorer=self.scorer)
+            self.evaluator = HeldOutEvaluator(
+                sampler=self.sampler, scorer=self.scorer, ranks=ranks, rows=self.eval_rows, prompt_ids=self.eval_encoded,
+                max_new_tokens=cfg.max_new_tokens, pass_k=cfg.pass_k, temperature=cfg.temperature, top_p=cfg.top_p,
+                top_k=cfg.top_k, seed=cfg.seed, prompt_seeds=self._prompt_seeds,
+            )
         self._write_config()
 
     # ================================================================== the run
@@ -285,12 +300,12 @@ class Trainer:
         self.timer = StageTimer(self.device)
         t_step = time.perf_counter()
         rollout, metrics = self.collector.collect(sampler=self.sampler, step=self.step, timer=self.timer)
-        exp = Experience.from_rollout(rollout.batch, group_size=cfg.group_size, rewards=rollout.rewards, device=self.device)
+        exp = self.collector.experience(rollout, device=self.device)
 
         # ---- log-probs of the behaviour and reference policies
         if cfg.rollout_correction == "bypass":
             exp.old_logp = exp.sampler_logp
-        elif not cfg.on_policy or cfg.kl_in_reward or cfg.rollout_correction == "is":
+        elif not cfg.on_policy or cfg.kl_in_reward or cfg.rollout_correction == "is" or self.collector.needs_old_logp:
             with self.timer("old_logp"):
                 exp.old_logp = self._token_logprobs(self.policy, exp)
         if self.reference is not None:
@@ -315,12 +330,12 @@ class Trainer:
 
         self.step += 1
         # ---- metrics
-        step_metrics, self._reward_histogram = rollout_metrics(rollout, self.ranks)
+        step_metrics, self._reward_histogram = self.collector.step_metrics(rollout, exp)
         metrics.update(step_metrics)
         if self.dropped_prompts:
             metrics["data/dropped_long_prompts"] = float(self.dropped_prompts)
         if self.logger is not None:  # the logged samples are this rank's (rank 0 logs)
-            self.logger.write_samples(self.step, *best_and_worst(rollout, self.tokenizer, cfg.group_size))
+            self.logger.write_samples(self.step, *self.collector.samples(rollout, self.tokenizer))
         metrics["time/step"] = time.perf_counter() - t_step
         for stage, s in self.timer.seconds.items():
             metrics[f"time/{stage}"] = s
@@ -573,6 +588,8 @@ class Trainer:
         if self.run_lock is not None:
             self.run_lock.release()
         self.rewards.close()
+        if self.agent is not None:
+            self.agent.close()
         if hasattr(self.sampler, "close"):
             self.sampler.close()
         self.ranks.close()

@@ -1,0 +1,197 @@
+"""What an agent run (``fastrl train --env``) is built from, before its first step.
+
+``build_agent(cfg, tokenizer, ...)`` resolves the environment (a built-in name or
+``module:Class``; a class missing a method, a tool without type hints or docstring, a
+spec naming nothing importable are ``InputError`` here), takes its rows (a built-in's
+seeded row builder, the user's ``dataset``, or ``{"index": i}`` rows), starts the
+environment workers (``EnvRuntime``), builds the ``ChatRenderer`` (a tools run with a
+template that does not render tools is an ``InputError``) and resets one environment on the
+first training row (a ``reset`` that fails, hangs or returns the wrong type is an
+``InputError``): everything a user can get wrong fails before the first step.
+
+``agent_warm_up``: the supervised warm-up of a built-in environment on its oracle's
+transcripts (``synthetic_transcripts``), laid out exactly as RL's trajectories
+(``demonstration_sample``: loss on the policy turns only), until greedy episodes on
+training rows succeed ``sft_target_accuracy`` of the time.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Any, Callable, Sequence
+
+import json
+
+import torch
+
+from fastrl.agents.batch import collate_samples
+from fastrl.agents.driver import AgentConfig
+from fastrl.agents.envs import BUILTIN_ENVS, resolve_environment, synthetic_transcripts
+from fastrl.agents.render import ChatRenderer, demonstration_sample
+from fastrl.agents.runtime import EnvRuntime
+from fastrl.agents.tools import tool_schemas
+from fastrl.errors import InputError
+from fastrl.train.agent_task import USER_ENV_ROWS
+from fastrl.train.config import TrainConfig
+from fastrl.workers import OK
+
+__all__ = ["AgentSetup", "build_agent", "agent_prompts", "agent_loop", "agent_warm_up", "env_rows"]
+
+
+@dataclass
+class AgentSetup:
+    """An agent run's environment side."""
+
+    factory: Callable[[], Any]
+    """Zero-argument environment factory (what the workers build)."""
+    runtime: EnvRuntime
+    renderer: ChatRenderer
+    agent: AgentConfig
+    train_rows: list[dict]
+    eval_rows: list[dict]
+    probe_prompt: list[int]
+    """The first training row's prompt ids (the weight-sync probe's prompt)."""
+
+    def close(self) -> None:
+        self.runtime.close()
+
+
+def env_rows(cfg: TrainConfig, train_rows: Sequence[dict] | None, eval_rows: Sequence[dict] | None) -> tuple[list[dict], list[dict]]:
+    """``(train, held-out)`` rows of an env run: given, ``dataset``'s, the built-in
+    environment's seeded rows, or ``{"index": i}`` rows for a user's environment."""
+    from fastrl.train import build
+
+    if train_rows is not None or cfg.dataset is not None:
+        return build.load_rows(cfg, train_rows, eval_rows)
+    if cfg.env in BUILTIN_ENVS:
+        train, heldout = BUILTIN_ENVS[cfg.env].rows(num_train=cfg.task_train_size, num_heldout=cfg.task_eval_size, seed=cfg.seed)
+    else:
+        n_train = cfg.task_train_size or USER_ENV_ROWS[0]
+        n_eval = cfg.task_eval_size or USER_ENV_ROWS[1]
+        train = [{"index": i} for i in range(n_eval, n_eval + n_train)]
+        heldout = [{"index": i} for i in range(n_eval)]
+    if not train:
+        raise InputError(f"--env {cfg.env}: no training rows")
+    return train, heldout[: cfg.eval_prompts]
+
+
+def build_agent(cfg: TrainConfig, tokenizer: Any, *, train_rows: Sequence[dict] | None = None,
+                eval_rows: Sequence[dict] | None = None, max_length: int | None = None) -> AgentSetup:
+    """The environment, its rows, workers and renderer, checked on a real row (module docstring).
+    ``max_length``: the model's context; a trajectory limit past it is an ``InputError``."""
+    agent = cfg.agent_config()
+    if max_length is not None and agent.max_trajectory_tokens > max_length:
+        raise InputError(f"max_trajectory_tokens={agent.max_trajectory_tokens} is longer than the model's context ({max_length} tokens)")
+    options: dict[str, Any] = {}
+    if cfg.env in BUILTIN_ENVS:
+        options = {"call_format": cfg.env_call_format, "max_repeated_calls": cfg.env_max_repeated_calls or None}
+    factory = resolve_environment(cfg.env, **options)
+    probe = factory()
+    try:
+        tools = getattr(probe, "tools", None)
+        schemas = tool_schemas(tools, owner=f"environment {cfg.env!r}") if tools else None
+    finally:
+        close = getattr(probe, "close", None)
+        if callable(close):
+            close()
+    # hermes calls are shown to the model through the template's tools= (which must render them)
+    renderer = ChatRenderer(tokenizer, tools=schemas if schemas and cfg.env_call_format == "hermes" else None)
+    train, evals = env_rows(cfg, train_rows, eval_rows)
+    runtime = EnvRuntime(factory, num_workers=cfg.env_workers, step_timeout_s=cfg.env_step_timeout,
+                         trajectory_timeout_s=cfg.env_trajectory_timeout)
+    try:
+        reply = runtime.reset([(-1, train[0], cfg.seed)])[0]
+        runtime.release([-1])
+        if reply.status != OK:
+            first = reply.message.strip().splitlines()[0] if reply.message else ""
+            raise InputError(f"--env {cfg.env}: reset() failed on the first training row ({reply.status}): {first}")
+        probe_prompt = renderer.prompt_ids(reply.value)
+        if len(probe_prompt) >= agent.max_trajectory_tokens:
+            raise InputError(f"--env {cfg.env}: the first row's prompt has {len(probe_prompt)} tokens, not less than "
+                             f"max_trajectory_tokens={agent.max_trajectory_tokens}")
+    except BaseException:
+        runtime.close()
+        raise
+    return AgentSetup(factory=factory, runtime=runtime, renderer=renderer, agent=agent, train_rows=train, eval_rows=evals,
+                      probe_prompt=probe_prompt)
+
+
+def agent_prompts(cfg: TrainConfig, setup: AgentSetup, *, max_length: int | None, sharded: bool):
+    """The run's ``build.Prompts`` for an env run: the batcher over the training rows (each
+    row's identity is its JSON, so a resumed run checks it has the same rows), the probe
+    prompt as the only encoded prompt (the weight-sync probe's), no encoded held-out prompts
+    (the agent evaluator renders its own)."""
+    from fastrl.train.build import Prompts
+    from fastrl.train.data import PromptBatcher
+
+    identities = [list(json.dumps(row, sort_keys=True, default=str).encode()) for row in setup.train_rows]
+    batcher = PromptBatcher(setup.train_rows, identities, batch_size=cfg.prompts_per_step, group_size=cfg.group_size,
+                            seed=cfg.seed, drop_last=sharded)
+    return Prompts(train_rows=setup.train_rows, train_ids=[setup.probe_prompt], eval_rows=setup.eval_rows, eval_ids=[],
+                   max_length=max_length, dropped=0, batcher=batcher)
+
+
+def agent_loop(cfg: TrainConfig, setup: AgentSetup, *, batcher: Any, ranks: Any, sampler: Any, pad_token_id: int):
+    """The loop's ``(collector, evaluator)`` of an env run: ``AgentCollector`` and ``AgentEvaluator``."""
+    from fastrl.train.agent_collect import AgentCollector
+    from fastrl.train.agent_evaluate import AgentEvaluator
+
+    collector = AgentCollector(cfg=cfg, batcher=batcher, ranks=ranks, runtime=setup.runtime, renderer=setup.renderer,
+                               pad_token_id=pad_token_id)
+    evaluator = AgentEvaluator(sampler=sampler, ranks=ranks, rows=setup.eval_rows, runtime=setup.runtime, renderer=setup.renderer,
+                               agent=setup.agent, seed=cfg.seed)
+    return collector, evaluator
+
+
+def agent_warm_up(cfg: TrainConfig, policy: torch.nn.Module, tokenizer: Any, setup: AgentSetup, *, ranks: Any,
+                  progress: bool) -> dict[str, float]:
+    """The supervised warm-up of a built-in environment (module docstring); returns its
+    ``sft/...`` metrics, the policy back in train mode. The probe plays greedy episodes with
+    the HF sampler on the first ``sft_probe_rows`` training rows."""
+    from fastrl.rollout import HFGroupSampler
+    from fastrl.train.agent_evaluate import AgentEvaluator
+    from fastrl.train.progress import WarmupProgress
+    from fastrl.train.sft import sft_batches
+
+    pad_id = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else tokenizer.eos_token_id
+    prober = AgentEvaluator(sampler=HFGroupSampler(policy, pad_token_id=pad_id), ranks=ranks, rows=[], runtime=setup.runtime,
+                            renderer=setup.renderer, agent=setup.agent, seed=cfg.seed)
+    success_rate = prober.success_rate
+
+    if cfg.env not in BUILTIN_ENVS:
+        raise InputError(f"sft_steps > 0 with --env {cfg.env}: a warm-up needs demonstrations, which exist for the built-in "
+                         f"environments ({', '.join(BUILTIN_ENVS)}); set --sft_steps 0")
+    pairs = synthetic_transcripts(cfg.env, setup.train_rows, call_format=cfg.env_call_format, seed=cfg.seed)
+    samples = [demonstration_sample(setup.renderer, prompt, transcript) for prompt, transcript in pairs]
+    longest = max(len(s.token_ids) for s in samples)
+    if longest > setup.agent.max_trajectory_tokens:
+        samples = [s for s in samples if len(s.token_ids) <= setup.agent.max_trajectory_tokens]
+        if not samples:
+            raise InputError(f"every warm-up transcript of {cfg.env} is longer than max_trajectory_tokens="
+                             f"{setup.agent.max_trajectory_tokens} (the longest has {longest} tokens)")
+    pad = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else tokenizer.eos_token_id
+    probe_rows = setup.train_rows[: cfg.sft_probe_rows]
+    history: list[tuple[int, float]] = []
+    warm = WarmupProgress(cfg.sft_steps, target_accuracy=cfg.sft_target_accuracy, enabled=progress)
+
+    def check(step: int, loss: float) -> bool:
+        if cfg.sft_target_accuracy is None or (step + 1) % cfg.sft_check_every:
+            return False
+        rate = success_rate(probe_rows)
+        policy.train()
+        history.append((step + 1, rate))
+        warm.on_probe(step + 1, rate)
+        return rate >= cfg.sft_target_accuracy
+
+    result = sft_batches(
+        policy, len(samples), lambda picked: collate_samples([samples[i] for i in picked], pad_token_id=pad),
+        steps=cfg.sft_steps, lr=cfg.sft_lr, batch_size=cfg.sft_batch_size, seed=cfg.seed, warmup_steps=cfg.sft_warmup_steps,
+        callback=check, on_step=warm.on_step,
+    )
+    warm.close()
+    policy.train()
+    metrics = {"sft/steps": float(result["steps"]), "sft/first_loss": float(result["first_loss"]),
+               "sft/final_loss": float(result["final_loss"]), "sft/seconds": float(result["seconds"])}
+    if history:
+        metrics["sft/probe_accuracy"] = float(history[-1][1])
+    return metrics

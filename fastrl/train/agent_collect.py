@@ -1,0 +1,149 @@
+"""Collection for agent runs (``fastrl train --env``): the next rows played as multi-turn
+trajectories, into one step's ``AgentRollout`` -- the agent counterpart of ``collect.Collector``,
+with the same interface, so the loop does not ask which one it runs.
+
+One step: the batcher's next rows (this rank's share), ``group_size`` trajectories per row
+(``fastrl.agents.driver.run_episodes``: every active trajectory continued by the sampler
+together each turn, their environment steps concurrent in the ``EnvRuntime`` workers), the
+trajectories as the step's ``[R, T]`` tensors (``AgentBatch``), and from those the
+``Experience`` (``Experience.from_agent_batch``: packed groups when the trajectories of
+every group share the prompt and none was split, padded rows otherwise).
+
+Samplers: the HF sampler continues each trajectory's own keys/values across turns
+(``HFTokenSampler``: turn k prefills only the new environment tokens); vLLM and the server
+get each turn as token ids (``GroupSamplerTokens``, with their prefix caching).
+
+Seeds: row ``i`` of the whole (all-rank) batch of step ``s`` plays with environment seed
+``seeds.prompt_seeds(rollout_seed(seed, s, 0), first, n)[i]``; its trajectories' sampling
+seeds derive from it (``run_episodes``), so a resumed run plays the same trajectories.
+
+The collector's other methods give the trainer what it logs: ``step_metrics`` (reward,
+length and the ``agent/...`` metrics of issue 18 §5, the sampler-vs-trainer log-prob gap on
+policy tokens when old log-probs exist: ``needs_old_logp``) and ``samples`` (the best and
+worst whole trajectories with their roles, for ``samples.txt``).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, replace
+from typing import Any, Sequence
+
+import torch
+
+from fastrl.agents.batch import AgentBatch
+from fastrl.agents.driver import AgentConfig, GroupSamplerTokens, run_episodes
+from fastrl.agents.render import ChatRenderer
+from fastrl.agents.trajectory import Trajectory, format_trajectory
+from fastrl.rollout.base import SamplingConfig
+from fastrl.train import seeds
+from fastrl.train.collect import rollout_sampling
+from fastrl.train.config import TrainConfig
+from fastrl.train.experience import Experience
+from fastrl.train.metrics import histogram
+
+__all__ = ["AgentRollout", "AgentCollector", "play_episodes", "token_sampler", "turn_sampling"]
+
+
+def token_sampler(sampler: Any, sampling: SamplingConfig) -> Any:
+    """The driver's ``TokenSampler`` over the run's sampler: KV-continuing sessions for the HF
+    sampler, each turn's token ids for the others."""
+    from fastrl.rollout.hf import HFGroupSampler, HFTokenSampler
+
+    if isinstance(sampler, HFGroupSampler):
+        return HFTokenSampler(sampler, sampling)
+    return GroupSamplerTokens(sampler, sampling)
+
+
+def turn_sampling(sampling: SamplingConfig, *, agent: AgentConfig, renderer: ChatRenderer) -> SamplingConfig:
+    """``sampling`` for policy turns: at most ``max_turn_tokens``, ending on the renderer's stop tokens."""
+    return replace(sampling, max_new_tokens=agent.max_turn_tokens, stop_token_ids=tuple(renderer.stop_token_ids))
+
+
+def play_episodes(rows: Sequence[dict], *, group_size: int, sampler: Any, sampling: SamplingConfig, runtime: Any,
+                  renderer: ChatRenderer, agent: AgentConfig, env_seeds: Sequence[int]) -> tuple[list[Trajectory], dict[str, float]]:
+    """``run_episodes`` with the run's sampler (``token_sampler``), its session closed after."""
+    tokens = token_sampler(sampler, turn_sampling(sampling, agent=agent, renderer=renderer))
+    try:
+        return run_episodes(rows, group_size=group_size, runtime=runtime, renderer=renderer, sampler=tokens, config=agent,
+                            seeds=list(env_seeds))
+    finally:
+        close = getattr(tokens, "close", None)
+        if callable(close):
+            close()
+
+
+@dataclass
+class AgentRollout:
+    """One step's trajectories and their tensors."""
+
+    trajectories: list[Trajectory]
+    batch: AgentBatch
+    metrics: dict[str, float]
+    """``run_episodes``' metrics (``agent/...``, ``tokenization/...``, ``time/env_seconds`` ...)."""
+
+
+class AgentCollector:
+    """``collect(sampler=, step=, timer=)``: one step's ``AgentRollout`` (see the module docstring)."""
+
+    needs_old_logp = True
+    """The trainer computes old log-probs every step, for the sampler-vs-trainer gap on policy tokens."""
+
+    def __init__(self, *, cfg: TrainConfig, batcher: Any, ranks: Any, runtime: Any, renderer: ChatRenderer, pad_token_id: int):
+        self.cfg, self.batcher, self.ranks = cfg, batcher, ranks
+        self.runtime, self.renderer, self.pad_token_id = runtime, renderer, int(pad_token_id)
+        self.agent = cfg.agent_config()
+
+    def collect(self, *, sampler: Any, step: int, timer: Any) -> tuple[AgentRollout, dict[str, float]]:
+        prompt_batch, first = self.ranks.shard(next(self.batcher))
+        rows = list(prompt_batch.rows)
+        sampling = rollout_sampling(self.cfg, step=step, salt=0)
+        env_seeds = seeds.prompt_seeds(sampling.seed, first, len(rows))
+        with timer("generate"):  # generation and environment steps interleave: both are here (time/env_seconds splits them)
+            trajectories, metrics = play_episodes(
+                rows, group_size=self.cfg.group_size, sampler=sampler, sampling=sampling, runtime=self.runtime,
+                renderer=self.renderer, agent=self.agent, env_seeds=env_seeds,
+            )
+        batch = AgentBatch.from_trajectories(trajectories, group_size=self.cfg.group_size, pad_token_id=self.pad_token_id)
+        return AgentRollout(trajectories, batch, metrics), {}
+
+    def experience(self, rollout: AgentRollout, *, device: torch.device) -> Experience:
+        return Experience.from_agent_batch(rollout.batch, device=device)
+
+    def step_metrics(self, rollout: AgentRollout, exp: Experience) -> tuple[dict[str, float], dict[str, list[float]]]:
+        """The step's reward, length and agent metrics, and the outcome rewards' histogram."""
+        trajectories = rollout.trajectories
+        outcome = self.ranks.gather(torch.tensor([t.outcome_reward for t in trajectories], dtype=torch.float32))
+        metrics: dict[str, float] = dict(rollout.metrics)
+        metrics["reward/mean"] = float(outcome.mean())
+        metrics["reward/std"] = float(outcome.std()) if outcome.numel() > 1 else 0.0
+        metrics["reward/min"], metrics["reward/max"] = float(outcome.min()), float(outcome.max())
+        turn_rewards = [r for t in trajectories for r in t.turn_rewards]
+        metrics["reward/turn_mean"] = sum(turn_rewards) / max(len(turn_rewards), 1)
+        policy = torch.tensor([t.count("policy") for t in trajectories], dtype=torch.float32)
+        lengths = torch.tensor([sum(len(s.token_ids) for s in t.samples) for t in trajectories], dtype=torch.float32)
+        metrics["response/length_mean"] = float(policy.mean())
+        metrics["response/length_max"] = float(policy.max())
+        metrics["agent/trajectory_tokens_mean"] = float(lengths.mean())
+        metrics["response/truncated_frac"] = float(sum(t.stop_reason in ("turn_length", "max_trajectory_tokens")
+                                                       for t in trajectories) / max(len(trajectories), 1))
+        metrics["rollout/samples"] = float(len(trajectories))
+        metrics["rollout/generated_tokens"] = float(self.ranks.sum(policy.sum()))
+        if exp.old_logp is not None:
+            mask = exp.loss_mask > 0
+            gap = (exp.old_logp - exp.sampler_logp).abs()[mask]
+            metrics["agent/logp_gap_mean"] = float(gap.mean()) if gap.numel() else 0.0
+            metrics["agent/logp_gap_max"] = float(gap.max()) if gap.numel() else 0.0
+        env_s, gen_s = metrics.get("time/env_seconds", 0.0), metrics.get("time/generation_seconds", 0.0)
+        metrics["agent/env_time_share"] = env_s / (env_s + gen_s) if env_s + gen_s > 0 else 0.0
+        return metrics, histogram(outcome)
+
+    def samples(self, rollout: AgentRollout, tokenizer: Any) -> tuple[tuple[str, str, float], tuple[str, str, float]]:
+        """``("", whole trajectory with its roles, outcome)`` of the step's best and worst trajectory."""
+        trajectories = rollout.trajectories
+        best = max(trajectories, key=lambda t: t.outcome_reward)
+        worst = min(trajectories, key=lambda t: t.outcome_reward)
+
+        def text(t: Trajectory) -> tuple[str, str, float]:
+            return "", format_trajectory(t, lambda ids: tokenizer.decode(ids, skip_special_tokens=False)), float(t.outcome_reward)
+
+        return text(best), text(worst)

@@ -1,0 +1,98 @@
+"""The defaults of ``fastrl train --env NAME``: what each built-in environment brings (the
+agent counterpart of ``task.DefaultTask``).
+
+``ENV_TASKS`` has one ``EnvTask`` per built-in environment (its keys are
+``fastrl.agents.envs.BUILTIN_ENVS``'s): its rows, the limits of its trajectories, the tiny
+model and the supervised warm-up on synthetic transcripts (``synthetic_transcripts``) that
+make a random model able to call its tool, and the RL settings. ``apply_env_defaults(cfg)``
+fills the fields a ``TrainConfig`` left at ``None`` from them; a user's environment
+(``module:Class``) gets ``AgentConfig``'s limits and no warm-up.
+
+How the calculator's values were chosen is in ``docs/agents.md`` (the figures of the runs
+behind them).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from dataclasses import dataclass
+from typing import Any
+
+from fastrl.agents.driver import AgentConfig
+
+__all__ = ["EnvTask", "ENV_TASKS", "USER_ENV_ROWS", "apply_env_defaults"]
+
+USER_ENV_ROWS = (256, 32)
+"""``(train, held-out)`` rows ``{"index": i}`` of a user's environment run without a ``dataset``."""
+
+
+@dataclass(frozen=True)
+class EnvTask:
+    """Defaults of ``fastrl train --env NAME`` for one built-in environment."""
+
+    agent: dict[str, Any]
+    """``AgentConfig`` fields that differ from its defaults (the trajectory limits)."""
+    num_train: int
+    """Training rows (from the environment's seeded row builder)."""
+    num_heldout: int
+    """Held-out rows (disjoint from the training ones), all evaluated."""
+    hidden_size: int = 64
+    """Width of the built-in tiny model."""
+    layers: int = 4
+    """Decoder layers of the built-in tiny model."""
+    sft_max_steps: int = 600
+    """Most warm-up steps on the oracle's transcripts (teacher-forced on the policy turns)."""
+    sft_target_accuracy: float = 0.3
+    """The warm-up stops once greedy episodes on training rows succeed this often: GRPO needs
+    groups that are sometimes right, and the rise after it is RL's."""
+    sft_lr: float = 3e-3
+    """Warm-up AdamW learning rate."""
+    sft_batch_size: int = 64
+    """Transcripts per warm-up step."""
+    sft_warmup_steps: int = 20
+    """Linear learning-rate warm-up of the supervised stage."""
+    lr: float = 5e-4
+    """RL AdamW learning rate."""
+
+
+ENV_TASKS: dict[str, EnvTask] = {
+    # 59 tokens for an oracle transcript (prompt, calc call, result, answer) in the character tokenizer
+    "calculator": EnvTask(agent=dict(max_turns=3, max_turn_tokens=24, max_trajectory_tokens=128, max_observation_tokens=16),
+                          num_train=2000, num_heldout=100),
+    # up to ~330 tokens (the schema line, one query, its rows, the answer)
+    "sql": EnvTask(agent=dict(max_turns=3, max_turn_tokens=112, max_trajectory_tokens=448, max_observation_tokens=48),
+                   num_train=1000, num_heldout=50),
+    # a 4x4 grid per observation; up to 6 moves
+    "frozenlake": EnvTask(agent=dict(max_turns=6, max_turn_tokens=8, max_trajectory_tokens=320, max_observation_tokens=48),
+                          num_train=1000, num_heldout=50),
+}
+
+
+def apply_env_defaults(cfg: Any, *, builtin_model: bool) -> None:
+    """Fill ``cfg``'s ``None`` fields (in place) for its ``env``: the built-in environment's
+    ``EnvTask``, or ``AgentConfig``'s limits for a user's environment. ``builtin_model``: the
+    run builds the tiny model (the warm-up and the model sizes apply)."""
+    task = ENV_TASKS.get(cfg.env)
+    limits = dataclasses.asdict(AgentConfig(**(task.agent if task is not None else {})))
+    for name, value in limits.items():
+        if getattr(cfg, name) is None:
+            setattr(cfg, name, value)
+    if cfg.max_new_tokens is None:
+        cfg.max_new_tokens = cfg.max_turn_tokens  # the weight-sync probe's length; the loss's norm_length
+    if task is None:
+        train, heldout = USER_ENV_ROWS
+        fills = {"task_train_size": train, "task_eval_size": heldout}
+        if cfg.sft_steps is None:
+            cfg.sft_steps = 0
+    else:
+        fills = {"task_train_size": task.num_train, "task_eval_size": task.num_heldout, "sft_lr": task.sft_lr, "sft_batch_size": task.sft_batch_size, "sft_warmup_steps": task.sft_warmup_steps}
+        if builtin_model:
+            fills.update(model_hidden_size=task.hidden_size, model_layers=task.layers, lr=task.lr,
+                         sft_steps=task.sft_max_steps, sft_target_accuracy=task.sft_target_accuracy)
+    for name, value in fills.items():
+        if getattr(cfg, name) is None:
+            setattr(cfg, name, value)
+    if cfg.eval_prompts is None:
+        cfg.eval_prompts = cfg.task_eval_size  # every held-out row
+    if cfg.env_call_format is None:
+        cfg.env_call_format = "compact" if builtin_model else "hermes"

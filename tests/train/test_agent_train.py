@@ -1,0 +1,87 @@
+"""``fastrl train --env``: real tiny-model runs through the real loop and the real worker pool
+(the built-in environments and a user's ``module:Class``), exact resume of an env run, and the
+mistakes of §6 of issue 18 as one-line errors (exit 2) before the first step."""
+
+import json
+
+import pytest
+import torch
+
+from fastrl.cli import main
+from fastrl.train import TrainConfig
+from fastrl.train.trainer import Trainer
+
+# tiny and quick: a 1-layer model, 2 rows x 2 trajectories per step, short turns
+TINY = dict(steps=2, prompts_per_step=2, group_size=2, task_train_size=16, task_eval_size=2, model_hidden_size=16,
+            model_layers=1, sft_steps=2, sft_check_every=1000, env_workers=1, reward_workers=0, max_turns=2,
+            max_turn_tokens=8, progress=False, tensorboard=False, seed=0, threads=1)
+
+
+def read_metrics(run_dir):
+    return [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines()]
+
+
+def run(tmp_path, name, stop_after=None, **changes):
+    cfg = TrainConfig(**{**TINY, "env": "calculator", "output_dir": str(tmp_path / name), "eval_every": 2, **changes})
+    with Trainer(cfg) as trainer:
+        trainer.train(stop_after=stop_after)
+        return {k: v.detach().clone() for k, v in trainer.policy.state_dict().items()}
+
+
+def test_an_env_run_resumes_exactly_and_logs_trajectories(tmp_path):
+    straight = run(tmp_path, "a")
+    run(tmp_path, "b", stop_after=1)
+    resumed = run(tmp_path, "b", resume="latest")
+    for k in straight:
+        assert torch.equal(straight[k], resumed[k]), k
+    steps_a = [m for m in read_metrics(tmp_path / "a") if "event" not in m]
+    steps_b = [m for m in read_metrics(tmp_path / "b") if "event" not in m]
+    assert [m["step"] for m in steps_b] == [1, 2]
+    for key in ("loss/total", "reward/mean", "agent/turns_mean", "agent/env_token_share"):
+        assert steps_a[-1][key] == steps_b[-1][key], key
+    last = steps_a[-1]
+    assert last["rollout/samples"] == 4 and 1 <= last["agent/turns_mean"] <= 2
+    assert last["agent/logp_gap_max"] < 1e-3  # the HF sampler's log-probs are the trainer's (policy tokens only)
+    assert last["time/env_seconds"] > 0 and 0 <= last["tokenization/mismatch_rate"] <= 1
+    evals = [m for m in read_metrics(tmp_path / "a") if m.get("event") == "eval" and "eval/accuracy" in m]
+    assert [m["step"] for m in evals] == [0, 2] and all(0 <= m["eval/tool_call_rate"] <= 1 for m in evals)
+    samples = (tmp_path / "a" / "samples.txt").read_text()
+    assert "=== step 2 best" in samples and "[prompt] <bos><|user|>Compute " in samples and "[policy 0] " in samples
+
+
+@pytest.mark.parametrize("env, extra", [
+    ("sql", ["--max_turn_tokens", "8"]),
+    ("frozenlake", ["--algorithm", "ppo"]),
+    ("agent_user_envs:EchoEnv", ["--failed_trajectories", "mask"]),
+])
+def test_fastrl_train_env_runs_a_step(tmp_path, env, extra):
+    out = tmp_path / "run"
+    args = ["train", "--env", env, "--output_dir", str(out), "--steps", "1", "--eval_every", "1"]
+    for name in ("prompts_per_step", "group_size", "task_train_size", "task_eval_size", "model_hidden_size", "model_layers",
+                 "env_workers", "reward_workers", "max_turns", "progress", "tensorboard", "threads"):
+        if f"--{name}" not in extra:
+            args += [f"--{name}", str(TINY[name]).lower()]
+    if ":" not in env:
+        args += ["--sft_steps", "1", "--sft_check_every", "1000"]
+    assert main(args + extra) == 0
+    step = [m for m in read_metrics(out) if "event" not in m][0]
+    assert step["rollout/samples"] == 4 and step["agent/turns_mean"] >= 1 and "agent/stop/max_turns" in step
+    assert (out / "final" / "config.json").exists()
+
+
+@pytest.mark.parametrize("args, message", [
+    (["--env", "agent_user_envs:NoStepEnv"], "has no step() method"),
+    (["--env", "agent_user_envs:UndocumentedToolEnv"], "lookup"),
+    (["--env", "agent_user_envs:TextResetEnv"], "reset()"),
+    (["--env", "no_such_module:Env"], "could not be imported"),
+    (["--env", "agent_user_envs:Missing"], "has no class or callable"),
+    (["--env", "calculator", "--env_call_format", "hermes"], "does not render tools"),
+    (["--max_turns", "3"], "needs --env"),
+])
+def test_bad_env_input_is_one_line_before_the_first_step(tmp_path, capsys, args, message):
+    out = tmp_path / "run"
+    assert main(["train", *args, "--output_dir", str(out), "--progress", "false", "--tensorboard", "false",
+                 "--model_layers", "1", "--model_hidden_size", "16", "--env_workers", "1", "--reward_workers", "0"]) == 2
+    lines = capsys.readouterr().err.strip().splitlines()
+    assert lines[-1].startswith("fastrl train: error: ") and message in lines[-1]
+    assert not (out / "metrics.jsonl").exists()
