@@ -43,7 +43,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Sequence
 
-from fastrl.train.config import ALGORITHMS, TrainConfig
+from fastrl.train.config import AGENT_FIELDS, ALGORITHMS, TrainConfig
 
 __all__ = [
     "HYBRID",
@@ -950,8 +950,12 @@ def prepare_start(plan: ComparePlan) -> dict[str, Any]:
                                   "sft_steps": 0, "sft_target_accuracy": None}
     if model_dir is not None:
         run_fields.update(model=str(model_dir), tokenizer=str(model_dir))
-    # defaults that depend on the built-in model/task, spelled out now that runs name a model
-    for name in ("max_new_tokens", "lr", "eval_prompts"):
+    # defaults that depend on the built-in model/task (or environment), spelled out now that runs name a model
+    spelled = ("max_new_tokens", "lr", "eval_prompts")
+    if plan.base.env is not None:
+        # an environment's defaults for the built-in model: its tool-call format and its trajectory limits
+        spelled += ("env_call_format", *AGENT_FIELDS)
+    for name in spelled:
         run_fields[name] = getattr(plan.base, name)
     (start / "start.json").write_text(json.dumps(info, indent=1))
     return {"fields": run_fields, "info": info}

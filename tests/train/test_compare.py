@@ -373,3 +373,35 @@ def test_train_options_take_the_vllm_server_form():
     plan = plan_compare(["--algorithms", "grpo", "ppo", "--budget", "2-steps", "--sampler", "vllm-server",
                          "http://127.0.0.1:8000", "--sft_steps", "0"])
     assert plan.user_fields["sampler"] == "vllm-server" and plan.base.sampler_url == "http://127.0.0.1:8000"
+
+
+ENV_TINY = ["--prompts_per_step", "2", "--group_size", "2", "--task_train_size", "16", "--task_eval_size", "2",
+            "--model_hidden_size", "16", "--model_layers", "1", "--sft_steps", "2", "--sft_check_every", "1000",
+            "--env_workers", "1", "--reward_workers", "0", "--max_turns", "2", "--max_turn_tokens", "8", "--threads", "1"]
+
+
+def test_an_agent_comparison_counts_environment_calls(tmp_path, capsys):
+    """compare --env: the environment reaches every run (from the shared warm-up, with the
+    environment's tool-call format), and cost counts environment calls per prompt: GRPO's 2
+    trajectories per prompt against PPO's one (--ppo_group_size 1, twice the prompts)."""
+    out = tmp_path / "cmp"
+    assert main(["compare", "--env", "calculator", "--algorithms", "grpo", "ppo", "--seeds", "1", "--budget", "2-steps",
+                 "--ppo_group_size", "1", "--output_dir", str(out), *ENV_TINY]) == 0
+    printed = capsys.readouterr().out
+    report = json.loads((out / "compare.json").read_text())
+    assert "environment calls per prompt" in printed and "cost (environment calls for the budget" in printed
+    runs = {r["algorithm"]: r for r in report["runs"]}
+    for algo, group_size, prompts in (("grpo", 2, 2), ("ppo", 1, 4)):
+        run = runs[algo]
+        assert run["status"] == "ok", run.get("error")
+        cfg = yaml.safe_load((out / "runs" / f"{algo}-seed0" / "config.yaml").read_text())
+        assert cfg["env"] == "calculator" and cfg["env_call_format"] == "compact" and cfg["sft_steps"] == 0
+        assert (cfg["group_size"], cfg["prompts_per_step"]) == (group_size, prompts)
+        steps = [json.loads(line) for line in (out / "runs" / f"{algo}-seed0" / "metrics.jsonl").read_text().splitlines()
+                 if "event" not in json.loads(line)]
+        cost = run["cost"]
+        assert cost["trajectories"] == 2 * 4 and cost["prompts"] == 2 * prompts
+        assert cost["env_calls"] == sum(s["agent/env_calls"] for s in steps) >= cost["trajectories"]  # a reset each
+        assert cost["env_calls_per_prompt"] == pytest.approx(cost["env_calls"] / cost["prompts"])
+        assert cost["env_calls_per_prompt"] >= group_size  # each of a prompt's trajectories is reset at least
+        assert set(run["stability"]) >= {"reward_std_collapse_steps", "non_finite_steps"}
