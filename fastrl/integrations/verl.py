@@ -12,6 +12,7 @@ verl function                                           fastrl ops
 ``compute_grpo_outcome_advantage``                      ``group_advantages(mode="grpo" | "dr_grpo")``
 ``compute_rloo_outcome_advantage``                      ``group_advantages(mode="rloo")``
 ``compute_reinforce_plus_plus_outcome_advantage``       ``discounted_returns`` + ``masked_whiten``
+(none: fastrl's turn credit, issue 19)                  ``turn_advantages(mode="gigpo" | "turn_discounted")``
 ``compute_policy_loss_vanilla`` (PPO, dual-clip)        ``policy_loss``
 ``compute_policy_loss_gspo``                            ``policy_loss`` (token ratios carrying the
                                                         sequence ratio, verl's GSPO-token gradient)
@@ -24,7 +25,8 @@ Use in verl (>= 0.9, < 0.10; tested with 0.9.1): call :func:`register` in every 
 computes losses or advantages (the driver and the actor/critic workers, e.g. from Ray's
 ``worker_process_setup_hook``), then select the fastrl versions by name::
 
-    algorithm.adv_estimator=fastrl_grpo                  # or fastrl_rloo, fastrl_reinforce_plus_plus
+    algorithm.adv_estimator=fastrl_grpo                  # or fastrl_rloo, fastrl_reinforce_plus_plus,
+                                                         # fastrl_gigpo, fastrl_turn_discounted
     actor_rollout_ref.actor.policy_loss.loss_mode=fastrl_vanilla   # or fastrl_gspo
 
 verl's trainer calls GAE and GRPO through ``core_algos.<name>`` directly; ``register(
@@ -33,6 +35,21 @@ and ``core_algos.compute_grpo_outcome_advantage`` at the fastrl versions, so
 ``algorithm.adv_estimator=gae`` / ``grpo`` run on fastrl too. ``kl_penalty``, ``agg_loss``
 and ``compute_value_loss`` are imported by name inside verl's workers; use them from this
 module in custom code.
+
+Turn credit for multi-turn rollouts (verl's agent loop: one row per trajectory, its
+``response_mask`` 1 on the model's tokens and 0 on tool/observation tokens) has no verl
+namesake: ``compute_gigpo_advantage`` and ``compute_turn_discounted_advantage`` read each
+maximal run of ``response_mask == 1`` as one policy turn, turn k's reward as the sum of
+``token_level_rewards`` from turn k's first token to turn k + 1's (its tokens and the
+observation after it; verl puts the score on the last response token, so that is the final
+turn's reward), the outcome as the row's sum (verl's score), and group by ``index`` (uid);
+``algorithm.gamma`` is the discount over turns, ``norm_adv_by_std_in_grpo`` picks F_norm. GiGPO
+needs the state each turn acted in: ``non_tensor_batch["anchor_keys"]`` (per row, one hashable
+key per turn) when the rollout provides it, else the default, a hash of the observation tokens
+before the turn (``responses`` between turn k - 1 and turn k; turn 0: the group's shared prompt).
+verl passes the batch to registered estimators only for its GDPO, so :func:`register` also
+wraps ``ray_trainer.compute_advantage`` to hand ``data.batch`` and ``data.non_tensor_batch``
+to these two (every other estimator goes to verl's function unchanged).
 
 Where the outputs differ from verl, it is only at masked-out positions that no verl loss
 or metric reads: fastrl's advantages and returns are 0 at ``response_mask == 0`` tokens,
@@ -56,11 +73,13 @@ __all__ = [
     "SUPPORTED_VERL",
     "agg_loss",
     "compute_gae_advantage_return",
+    "compute_gigpo_advantage",
     "compute_grpo_outcome_advantage",
     "compute_policy_loss_gspo",
     "compute_policy_loss_vanilla",
     "compute_reinforce_plus_plus_outcome_advantage",
     "compute_rloo_outcome_advantage",
+    "compute_turn_discounted_advantage",
     "compute_value_loss",
     "kl_penalty",
     "register",
@@ -215,6 +234,115 @@ def compute_reinforce_plus_plus_outcome_advantage(
         returns = _ops.discounted_returns(token_level_rewards, response_mask, gamma=_as_float(config.gamma))
         adv = _ops.masked_whiten(returns, response_mask, shift_mean=True, eps=_WHITEN_EPS)
     return adv.to(token_level_rewards.dtype), returns.to(token_level_rewards.dtype)
+
+
+_MIX = (-7046029254386353131, -4658895280553007687, 7640891576956012809)  # odd int64 multipliers (wrapping)
+"""Constants of the observation-token hash (golden-ratio / splitmix64 multipliers as signed int64)."""
+_NO_TURN = 0  # anchor key of turn 0 (the group's shared prompt): any constant; groups are per uid
+
+
+def _turns(response_mask: torch.Tensor, token_level_rewards: torch.Tensor):
+    """The policy turns of verl rows: turn index of each token (-1 before the first turn),
+    ``num_turns [bs]``, K, and the turn rewards ``[bs, K]`` (float64)."""
+    on = response_mask != 0
+    starts = on & ~torch.nn.functional.pad(on[:, :-1], (1, 0), value=False)
+    seg = torch.cumsum(starts.to(torch.int64), 1) - 1  # the latest turn starting at or before each token
+    num_turns = starts.sum(1)
+    K = max(int(num_turns.max()) if num_turns.numel() else 0, 1)
+    rewards = torch.zeros(seg.shape[0], K, dtype=torch.float64, device=seg.device)
+    rewards.scatter_add_(1, seg.clamp(min=0), token_level_rewards.to(torch.float64))
+    return seg, on, num_turns, K, rewards
+
+
+def _observation_keys(responses: torch.Tensor, on: torch.Tensor, seg: torch.Tensor, K: int) -> torch.Tensor:
+    """``[bs, K]`` int64: turn k's anchor key = a hash of the observation tokens between turn
+    k - 1 and turn k (their ids and offsets, mixed and summed with wrapping int64 arithmetic);
+    turn 0: ``_NO_TURN``. Padding after the last turn is never an anchor."""
+    T = responses.shape[1]
+    pos = torch.arange(T, device=responses.device).expand_as(responses)
+    last_policy = torch.cummax(torch.where(on, pos, -1), dim=1).values
+    x = (responses.to(torch.int64) + 1) * _MIX[0] + (pos - last_policy) * _MIX[1]
+    x = (x ^ (x >> 31)) * _MIX[2]
+    gap = torch.where(~on & (seg >= 0), x, 0)
+    after = torch.zeros(responses.shape[0], K, dtype=torch.int64, device=responses.device)
+    after.scatter_add_(1, seg.clamp(min=0), gap)
+    return torch.cat([torch.full_like(after[:, :1], _NO_TURN), after[:, :-1]], dim=1)
+
+
+def _given_keys(anchor_keys: Any, K: int) -> torch.Tensor:
+    """``non_tensor_batch["anchor_keys"]`` (per row, one hashable key per turn) -> ``[bs, K]`` int64."""
+    from fastrl.train.advantages import state_key_hash
+
+    rows = list(anchor_keys)
+    out = torch.zeros(len(rows), K, dtype=torch.int64)
+    for b, keys in enumerate(rows):  # Python objects: hashed on the host, once per turn
+        keys = list(keys)[:K]
+        out[b, : len(keys)] = torch.tensor([state_key_hash(k) for k in keys], dtype=torch.int64)
+    return out
+
+
+def _turn_estimator(mode: str, token_level_rewards, response_mask, index, epsilon, config, *, step_coef=1.0,
+                    turn_coef=1.0, outcome_coef=0.0, batch=None, non_tensor_batch=None):
+    with torch.no_grad():
+        seg, on, num_turns, K, rewards = _turns(response_mask, token_level_rewards)
+        gid, _ = _group_ids(index, token_level_rewards.device)
+        keys = None
+        if mode == "gigpo":
+            given = None if non_tensor_batch is None else non_tensor_batch.get("anchor_keys")
+            if given is not None:
+                keys = _given_keys(given, K).to(seg.device)
+            elif batch is not None and "responses" in batch.keys():
+                keys = _observation_keys(batch["responses"], on, seg, K)
+            else:
+                raise ValueError("fastrl_gigpo needs the state each turn acted in: non_tensor_batch['anchor_keys'] or "
+                                 "batch['responses'] (call fastrl.integrations.verl.register() so verl's trainer passes them)")
+        norm = "std" if _get(config, "norm_adv_by_std_in_grpo", True) else "none"
+        adv, _ = _ops.turn_advantages(
+            torch.where(on, seg, -1), response_mask, rewards, num_turns, token_level_rewards.sum(-1).to(torch.float64),
+            gid, mode=mode, state_keys=keys, gamma=_as_float(_get(config, "gamma", 1.0)), step_coef=step_coef,
+            turn_coef=turn_coef, outcome_coef=outcome_coef, norm=norm, eps=epsilon,
+        )
+        adv = adv.to(token_level_rewards.dtype)
+    return adv, adv
+
+
+def compute_gigpo_advantage(
+    token_level_rewards: torch.Tensor,
+    response_mask: torch.Tensor,
+    index: np.ndarray,
+    epsilon: float = 1e-6,
+    config: Any = None,
+    *,
+    step_coef: float = 1.0,
+    batch: Any = None,
+    non_tensor_batch: Any = None,
+    **kwargs: Any,
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """GiGPO (arXiv:2505.10978) on verl's multi-turn rows (see the module docstring): the
+    episode advantage of the row's score plus ``step_coef`` (omega) times the step advantage of
+    each turn's discounted return within its (uid, anchor state) group. Returns (advantages,
+    advantages) ``[bs, response_length]``, 0 off the response mask."""
+    return _turn_estimator("gigpo", token_level_rewards, response_mask, index, epsilon, config, step_coef=step_coef,
+                           batch=batch, non_tensor_batch=non_tensor_batch)
+
+
+def compute_turn_discounted_advantage(
+    token_level_rewards: torch.Tensor,
+    response_mask: torch.Tensor,
+    index: np.ndarray,
+    epsilon: float = 1e-6,
+    config: Any = None,
+    *,
+    turn_coef: float = 1.0,
+    outcome_coef: float = 0.0,
+    **kwargs: Any,
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """Turn-discounted advantages on verl's multi-turn rows: each turn's discounted return
+    normalised within its (uid, turn index) group, times ``turn_coef``, plus ``outcome_coef``
+    times the episode advantage (MT-GRPO: ``algorithm.gamma=0``, ``outcome_coef=1``,
+    ``turn_coef=lambda``). Returns (advantages, advantages), 0 off the response mask."""
+    return _turn_estimator("turn_discounted", token_level_rewards, response_mask, index, epsilon, config,
+                           turn_coef=turn_coef, outcome_coef=outcome_coef)
 
 
 # ----------------------------------------------------------------------------- losses
@@ -388,6 +516,8 @@ ADV_ESTIMATORS = {
     "fastrl_grpo": _fastrl_grpo,
     "fastrl_rloo": compute_rloo_outcome_advantage,
     "fastrl_reinforce_plus_plus": compute_reinforce_plus_plus_outcome_advantage,
+    "fastrl_gigpo": compute_gigpo_advantage,
+    "fastrl_turn_discounted": compute_turn_discounted_advantage,
 }
 """Advantage estimators :func:`register` adds to verl's registry (``algorithm.adv_estimator``).
 (GAE needs the critic values, which verl passes only to its built-in ``gae`` branch.)"""
@@ -398,13 +528,46 @@ POLICY_LOSSES = {
 }
 """Policy losses :func:`register` adds (``actor_rollout_ref.actor.policy_loss.loss_mode``)."""
 
+TURN_ESTIMATORS = ("fastrl_gigpo", "fastrl_turn_discounted")
+"""The estimators verl's ``compute_advantage`` must hand the batch to (``register`` wraps it)."""
+
+
+def _wrap_compute_advantage(original):
+    """verl's ``ray_trainer.compute_advantage`` with the turn estimators given ``data.batch``
+    and ``data.non_tensor_batch`` (as verl does for its GDPO); everything else unchanged."""
+    if getattr(original, "_fastrl_turns", False):
+        return original
+
+    def compute_advantage(data, adv_estimator, *args, **kwargs):
+        if str(adv_estimator) not in TURN_ESTIMATORS:
+            return original(data, adv_estimator, *args, **kwargs)
+        config = kwargs.get("config", args[5] if len(args) > 5 else None)
+        if "response_mask" not in data.batch.keys():
+            from verl.trainer.ppo.ray_trainer import compute_response_mask
+
+            data.batch["response_mask"] = compute_response_mask(data)
+        adv, returns = ADV_ESTIMATORS[str(adv_estimator)](
+            token_level_rewards=data.batch["token_level_rewards"], response_mask=data.batch["response_mask"],
+            index=data.non_tensor_batch["uid"], config=config, batch=data.batch,
+            non_tensor_batch=data.non_tensor_batch,
+        )
+        data.batch["advantages"] = adv
+        data.batch["returns"] = returns
+        return data
+
+    compute_advantage._fastrl_turns = True  # type: ignore[attr-defined]
+    compute_advantage.__wrapped__ = original  # type: ignore[attr-defined]
+    return compute_advantage
+
 
 def register(*, replace_builtin: bool = False) -> None:
     """Add fastrl's estimators and losses to verl's registries under ``fastrl_*`` names.
 
     Idempotent. With ``replace_builtin=True`` also points ``core_algos.compute_gae_advantage_return``
     and ``core_algos.compute_grpo_outcome_advantage`` (which verl's trainer calls by module
-    attribute for ``adv_estimator=gae`` / ``grpo``) at the fastrl versions.
+    attribute for ``adv_estimator=gae`` / ``grpo``) at the fastrl versions. Wraps
+    ``ray_trainer.compute_advantage`` (where it imports) so the turn estimators
+    (``TURN_ESTIMATORS``) get the batch.
     """
     from verl.trainer.ppo import core_algos
 
@@ -414,6 +577,12 @@ def register(*, replace_builtin: bool = False) -> None:
             core_algos.register_adv_est(name)(fn)
     for name, fn in POLICY_LOSSES.items():
         core_algos.register_policy_loss(name)(fn)
+    try:  # the driver's trainer module (needs verl's trainer extras, e.g. torchdata; absent in workers is fine)
+        from verl.trainer.ppo import ray_trainer
+    except ImportError:
+        ray_trainer = None
+    if ray_trainer is not None:
+        ray_trainer.compute_advantage = _wrap_compute_advantage(ray_trainer.compute_advantage)
     if replace_builtin:
         core_algos.compute_gae_advantage_return = compute_gae_advantage_return
         core_algos.compute_grpo_outcome_advantage = compute_grpo_outcome_advantage

@@ -24,14 +24,22 @@ from fastrl.agents.tools import CALL_FORMATS
 from fastrl.config import KLEstimator, LossAgg, PolicyLossConfig, Surrogate
 from fastrl.errors import InputError
 from fastrl.reference.advantages import GroupMode
+from fastrl.reference.turn_advantages import NORMS, TURN_ADVANTAGE_MODES
 
 _FLOAT32_MAX = 3.4028234663852886e38
 """Largest finite float32: a float option beyond it overflows the first tensor it enters."""
 _MAX_SEED = 2**32 - 1
 """Largest seed every generator accepts (NumPy's legacy seeding stops at 2**32 - 1)."""
 
-AdvantageMode = Literal[GroupMode, "gae"]
-"""``TrainConfig.advantage_mode``: a ``group_advantages`` mode, or ``gae`` (critic + GAE)."""
+TURN_MODES: tuple[str, ...] = tuple(m for m in TURN_ADVANTAGE_MODES if m != "broadcast")
+"""The ``turn_advantages`` modes ``advantage_mode`` names (agent trajectories only). The op's
+``broadcast`` (GRPO's episode advantage on every policy token) is what the group modes already
+do on agent trajectories: it is ``advantage_mode grpo`` (``dr_grpo`` for F_norm = 1)."""
+AdvantageMode = Literal[GroupMode, "gae", Literal[TURN_MODES]]  # type: ignore[valid-type]
+"""``TrainConfig.advantage_mode``: a ``group_advantages`` mode, ``gae`` (critic + GAE), or a
+turn mode (``TURN_MODES``: ``turn_advantages`` over the turns of agent trajectories)."""
+TurnNorm = Literal[NORMS]  # type: ignore[valid-type]
+"""F_norm of the turn modes: ``std`` (std + eps) or ``none`` (1)."""
 
 
 @dataclass(frozen=True)
@@ -45,6 +53,12 @@ class AlgorithmPreset:
     dynamic_sampling: bool = False
     """Drop groups whose rewards are all equal and refill the batch (DAPO)."""
     citation: str = ""
+    turn_gamma: float = 1.0
+    """Discount over turns of the turn modes' returns (``TrainConfig.turn_gamma``'s default)."""
+    turn_coef: float = 1.0
+    """``turn_discounted``: weight of the per-turn-index advantage (MT-GRPO's lambda)."""
+    outcome_coef: float = 0.0
+    """``turn_discounted``: weight of the episode (outcome) advantage (MT-GRPO: 1)."""
 
     @property
     def kl_coef(self) -> float:
@@ -67,6 +81,10 @@ ALGORITHM_PRESETS: dict[str, AlgorithmPreset] = {
     "rloo": AlgorithmPreset("ppo", "rloo", citation="Ahmadian et al. 2024, arXiv:2402.14740"),
     "reinforce_pp": AlgorithmPreset("ppo", "reinforce_pp", citation="Hu 2025, arXiv:2501.03262"),
     "ppo": AlgorithmPreset("ppo", "gae", citation="Schulman et al. 2017; Ouyang et al. 2022"),
+    # agent trajectories only (fastrl train --env): step-level credit without a critic
+    "gigpo": AlgorithmPreset("grpo", "gigpo", turn_gamma=0.95, citation="Feng et al. 2025, arXiv:2505.10978"),
+    "mt_grpo": AlgorithmPreset("grpo", "turn_discounted", turn_gamma=0.0, turn_coef=1.0, outcome_coef=1.0,
+                               citation="Zeng et al. 2025, arXiv:2505.11821"),
 }
 ALGORITHMS: tuple[str, ...] = tuple(ALGORITHM_PRESETS)
 """The algorithm names: the presets' keys (one list)."""
@@ -92,8 +110,9 @@ class TrainConfig:
     algorithm: Algorithm = "grpo"
     """Preset: grpo (DeepSeekMath), dr_grpo (no length/std bias), dapo (clip-higher, token-mean,
     dynamic sampling), gspo (sequence-level ratio), rloo (leave-one-out baseline), reinforce_pp
-    (REINFORCE++: group baseline, batch whitening), ppo (critic + GAE). Fields left unset below
-    take the preset's values."""
+    (REINFORCE++: group baseline, batch whitening), ppo (critic + GAE); on agent trajectories
+    (``--env``) also gigpo (GiGPO: episode + step-group advantages) and mt_grpo (MT-GRPO: outcome
+    + per-turn advantages). Fields left unset below take the preset's values."""
 
     # ------------------------------------------------------------------ model and data
     model: Optional[str] = None
@@ -214,8 +233,27 @@ class TrainConfig:
     ``fastrl.config.Surrogate``), with that config's default hyperparameters; None: the
     algorithm's, PPO clip."""
     advantage_mode: Optional[AdvantageMode] = None
-    """A ``group_advantages`` mode (``fastrl.reference.advantages.GroupMode``) or ``gae``
-    (critic + GAE); None: preset."""
+    """A ``group_advantages`` mode (``fastrl.reference.advantages.GroupMode``), ``gae`` (critic +
+    GAE; on agent trajectories GAE over the policy tokens with per-turn rewards), or a turn mode
+    for agent trajectories (``--env``): ``gigpo`` or ``turn_discounted``
+    (``fastrl.ops.turn_advantages``). A group mode on agent trajectories gives every policy token
+    its trajectory's advantage (the op's ``broadcast``). None: preset."""
+    turn_gamma: Optional[float] = None
+    """Turn modes: discount gamma in [0, 1] over turns of the turn returns
+    G_k = sum_j gamma^(j-k) r_j (not GAE's per-token ``gamma``). None: preset (gigpo 0.95,
+    mt_grpo 0, else 1)."""
+    step_coef: float = 1.0
+    """``gigpo``: GiGPO's omega, the weight of the step-group advantage added to the episode
+    advantage (the paper's 1)."""
+    turn_norm: TurnNorm = "std"
+    """Turn modes: F_norm of both levels, ``std`` ((x - mean) / (std + eps)) or ``none``
+    (x - mean)."""
+    turn_coef: Optional[float] = None
+    """``turn_discounted``: weight of the per-turn-index advantage (MT-GRPO's lambda). None:
+    preset (1)."""
+    outcome_coef: Optional[float] = None
+    """``turn_discounted``: weight of the episode (outcome) advantage. None: preset (mt_grpo 1,
+    else 0: the plain turn-discount form)."""
     kl_coef: Optional[float] = None
     """KL weight beta to the frozen reference policy (None: preset; 0 skips the reference model)."""
     kl_estimator: KLEstimator = "k3"
@@ -371,6 +409,9 @@ class TrainConfig:
             c.kl_coef = preset.kl_coef
         if c.dynamic_sampling is None:
             c.dynamic_sampling = preset.dynamic_sampling
+        for name in ("turn_gamma", "turn_coef", "outcome_coef"):
+            if getattr(c, name) is None:
+                setattr(c, name, getattr(preset, name))
         builtin_model = c.model is None and not model_given
         builtin_task = c.dataset is None and builtin_model and c.env is None
         default = _default_task()
@@ -422,6 +463,11 @@ class TrainConfig:
     @property
     def uses_critic(self) -> bool:
         return self.advantage_mode == "gae"
+
+    @property
+    def uses_turns(self) -> bool:
+        """A turn mode (``TURN_MODES``): needs agent trajectories."""
+        return self.advantage_mode in TURN_MODES
 
     @property
     def uses_reference(self) -> bool:
@@ -476,8 +522,15 @@ class TrainConfig:
                 positive_int(name)
         if self.max_seconds is not None:
             number("max_seconds", low=0.0, low_open=True)
-        if self.advantage_mode not in (*GROUP_MODES, "gae"):
-            raise InputError(f"advantage_mode must be one of {(*GROUP_MODES, 'gae')}, got {self.advantage_mode!r}")
+        if self.advantage_mode not in (*GROUP_MODES, "gae", *TURN_MODES):
+            raise InputError(f"advantage_mode must be one of {(*GROUP_MODES, 'gae', *TURN_MODES)}, "
+                             f"got {self.advantage_mode!r}")
+        if self.uses_turns and self.env is None:
+            raise InputError(f"advantage_mode {self.advantage_mode} (algorithm {self.algorithm}) credits the turns of "
+                             "agent trajectories: give an environment with --env (e.g. --env frozenlake)")
+        number("turn_gamma", low=0.0, high=1.0)
+        for name in ("step_coef", "turn_coef", "outcome_coef"):
+            number(name)
         if self.advantage_mode != "gae" and self.group_size < 2:
             raise InputError(f"group_size must be >= 2 for group advantages ({self.advantage_mode}), got {self.group_size}")
         if not self.task_operations or set(self.task_operations) - set("+-*"):

@@ -255,7 +255,7 @@ def test_register_puts_fastrl_functions_into_verl_registries(monkeypatch):
     assert core_algos.get_policy_loss_fn("fastrl_vanilla") is fv.compute_policy_loss_vanilla
     assert core_algos.get_policy_loss_fn("fastrl_gspo") is fv.compute_policy_loss_gspo
     assert core_algos.get_policy_loss_fn("vanilla") is not fv.compute_policy_loss_vanilla
-    for name in ("fastrl_grpo", "fastrl_rloo", "fastrl_reinforce_plus_plus"):
+    for name in ("fastrl_grpo", "fastrl_rloo", "fastrl_reinforce_plus_plus", "fastrl_gigpo", "fastrl_turn_discounted"):
         assert core_algos.get_adv_estimator_fn(name) is fv.ADV_ESTIMATORS[name]
     fv.register(replace_builtin=True)
     assert core_algos.compute_gae_advantage_return is fv.compute_gae_advantage_return
@@ -271,6 +271,115 @@ def test_register_puts_fastrl_functions_into_verl_registries(monkeypatch):
         )
         ref = core_algos.get_adv_estimator_fn("grpo")(rewards, mask, _index(), norm_adv_by_std_in_grpo=norm)
         torch.testing.assert_close(got[0], ref[0], rtol=1e-5, atol=1e-6)
+
+
+# ----------------------------------------------------------------------------- turn credit (issue 19)
+def _multi_turn_rows():
+    """verl agent-loop rows: 2 uids x 3 rows of [turn | observation | turn | observation | turn],
+    observations drawn from two texts (so some turns of a uid act in the same state), a
+    tool reward on some turns' last token and the score on the last response token."""
+    g = torch.Generator().manual_seed(5)
+    L = 16
+    layouts = [[(0, 3), (5, 8), (10, 12)], [(0, 2), (4, 6)], [(0, 3), (5, 7), (9, 11)],
+               [(0, 1)], [(0, 2), (4, 7), (9, 13)], [(0, 3), (5, 6)]]
+    observations = [[7, 8], [9, 9]]
+    responses = torch.randint(20, 40, (6, L), generator=g)
+    mask = torch.zeros(6, L)
+    rewards = torch.zeros(6, L)
+    for b, spans in enumerate(layouts):
+        for k, (s, e) in enumerate(spans):
+            mask[b, s:e] = 1
+            if k + 1 < len(spans):
+                responses[b, e:spans[k + 1][0]] = torch.tensor(observations[(b + k) % 3 == 0])
+                rewards[b, e - 1] = float(torch.rand((), generator=g) < 0.5) * 0.25
+        rewards[b, spans[-1][1] - 1] += float(torch.randint(0, 2, (), generator=g))
+    uid = np.array(["p", "p", "p", "q", "q", "q"], dtype=object)
+    return responses, mask, rewards, uid, layouts
+
+
+def _turn_reference(mode, responses, mask, rewards, uid, layouts, *, gamma, step_coef=1.0, turn_coef=1.0,
+                    outcome_coef=0.0, keys=None, norm="std"):
+    """fastrl's reference op on the rows' turns, found by Python loops (the anchor of turn k:
+    the observation tokens before it as a tuple, or ``keys``)."""
+    from fastrl.reference.turn_advantages import turn_advantages_reference
+
+    Bm, L = mask.shape
+    K = max(len(s) for s in layouts)
+    ti = torch.full((Bm, L), -1, dtype=torch.int64)
+    r = torch.zeros(Bm, K, dtype=torch.float64)
+    anchors = torch.zeros(Bm, K, dtype=torch.int64)
+    names: dict = {}
+    for b, spans in enumerate(layouts):
+        for k, (s, e) in enumerate(spans):
+            ti[b, s:e] = k
+            nxt = spans[k + 1][0] if k + 1 < len(spans) else L
+            r[b, k] = float(rewards[b, s:nxt].double().sum())
+            key = ("start",) if k == 0 else tuple(responses[b, spans[k - 1][1]:s].tolist())
+            if keys is not None:
+                key = keys[b][k]
+            anchors[b, k] = names.setdefault(key, len(names))
+    gid = torch.tensor([0 if u == "p" else 1 for u in uid])
+    return turn_advantages_reference(ti, mask, r, torch.tensor([len(s) for s in layouts]),
+                                     rewards.double().sum(-1), gid, mode=mode,
+                                     state_keys=anchors if mode == "gigpo" else None, gamma=gamma,
+                                     step_coef=step_coef, turn_coef=turn_coef, outcome_coef=outcome_coef, norm=norm)[0]
+
+
+@pytest.mark.parametrize("norm", [True, False])
+def test_turn_estimators_through_verls_registry_match_the_reference(norm):
+    fv.register()
+    responses, mask, rewards, uid, layouts = _multi_turn_rows()
+    algo = AlgoConfig(gamma=0.9, norm_adv_by_std_in_grpo=norm)
+    f_norm = "std" if norm else "none"
+    gigpo = core_algos.get_adv_estimator_fn("fastrl_gigpo")
+    got, returns = gigpo(token_level_rewards=rewards, response_mask=mask, index=uid, config=algo,
+                         batch={"responses": responses})
+    want = _turn_reference("gigpo", responses, mask, rewards, uid, layouts, gamma=0.9, norm=f_norm)
+    _assert_masked_close(got.double(), want, mask, rtol=1e-5, atol=1e-6)
+    assert torch.equal(got, returns)
+    assert (got[mask.bool()] != got[mask.bool()][0]).any()  # per-token credit, not one value per row
+    # the state keys the rollout names (non_tensor_batch["anchor_keys"]) replace the observation hash
+    keys = [[f"s{(b * 7 + k) % 4}" for k in range(len(s))] for b, s in enumerate(layouts)]
+    given = np.empty(len(keys), dtype=object)
+    given[:] = keys
+    got_k, _ = gigpo(token_level_rewards=rewards, response_mask=mask, index=uid, config=algo,
+                     non_tensor_batch={"anchor_keys": given, "uid": uid})
+    want_k = _turn_reference("gigpo", responses, mask, rewards, uid, layouts, gamma=0.9, keys=keys, norm=f_norm)
+    _assert_masked_close(got_k.double(), want_k, mask, rtol=1e-5, atol=1e-6)
+    with pytest.raises(ValueError, match="anchor_keys"):
+        gigpo(token_level_rewards=rewards, response_mask=mask, index=uid, config=algo)
+    # turn_discounted needs nothing more than verl passes every estimator
+    td = core_algos.get_adv_estimator_fn("fastrl_turn_discounted")
+    got_t, _ = td(token_level_rewards=rewards, response_mask=mask, index=uid,
+                  config=AlgoConfig(gamma=0.0, norm_adv_by_std_in_grpo=norm), outcome_coef=1.0, turn_coef=0.5)
+    want_t = _turn_reference("turn_discounted", responses, mask, rewards, uid, layouts, gamma=0.0, turn_coef=0.5,
+                             outcome_coef=1.0, norm=f_norm)
+    _assert_masked_close(got_t.double(), want_t, mask, rtol=1e-5, atol=1e-6)
+
+
+def test_the_wrapped_compute_advantage_hands_the_batch_to_the_turn_estimators():
+    """verl's trainer gives registered estimators only token rewards, mask, uid and config;
+    the wrapper ``register`` installs passes the DataProto's batch for fastrl_gigpo and leaves
+    every other estimator to verl's function."""
+    from verl import DataProto
+
+    responses, mask, rewards, uid, layouts = _multi_turn_rows()
+    data = DataProto.from_dict(tensors={"responses": responses, "response_mask": mask, "token_level_rewards": rewards},
+                               non_tensors={"uid": uid})
+    seen = []
+
+    def verls(data, adv_estimator, *args, **kwargs):  # the function being wrapped (a seam: verl's needs torchdata)
+        seen.append(adv_estimator)
+        return data
+
+    wrapped = fv._wrap_compute_advantage(verls)
+    assert fv._wrap_compute_advantage(wrapped) is wrapped  # idempotent
+    out = wrapped(data, "fastrl_gigpo", gamma=1.0, lam=1.0, config=AlgoConfig(gamma=0.9))
+    want = _turn_reference("gigpo", responses, mask, rewards, uid, layouts, gamma=0.9)
+    _assert_masked_close(out.batch["advantages"].double(), want, mask, rtol=1e-5, atol=1e-6)
+    assert seen == []
+    wrapped(data, "grpo", config=AlgoConfig())
+    assert seen == ["grpo"]
 
 
 # ----------------------------------------------------------------------------- the README's route, fresh process

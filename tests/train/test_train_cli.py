@@ -252,7 +252,7 @@ def _parse_error(capsys, argv):
 def test_a_prefix_is_not_an_option_and_the_error_is_two_lines_with_the_closest(capsys):
     code, lines = _parse_error(capsys, ["--step", "5"])
     assert code == 2 and lines == ["usage: fastrl train [OPTIONS]   (fastrl train --help lists them)",
-                                   "fastrl train: error: unknown option --step (did you mean --steps or --sft_steps or --seed?)"]
+                                   "fastrl train: error: unknown option --step (did you mean --steps or --step_coef or --sft_steps?)"]
     code, lines = _parse_error(capsys, ["--steps", "x"])
     assert code == 2 and len(lines) == 2 and lines[1].startswith("fastrl train: error: --steps:")
 

@@ -12,8 +12,11 @@ from fastrl.train.config import ALGORITHM_PRESETS, ALGORITHMS, TrainConfig
 
 @pytest.mark.parametrize("algorithm", ALGORITHMS)
 def test_presets_map_onto_op_presets(algorithm):
-    cfg = TrainConfig(algorithm=algorithm).resolved()
+    from fastrl.train.config import TURN_MODES
+
     preset = ALGORITHM_PRESETS[algorithm]
+    agent = {"env": "frozenlake"} if preset.advantage in TURN_MODES else {}  # turn credit needs trajectories
+    cfg = TrainConfig(algorithm=algorithm, **agent).resolved()
     loss = cfg.policy_loss_config()
     expected = PolicyLossConfig.preset(preset.loss_preset, norm_length=cfg.max_new_tokens) if algorithm == "dr_grpo" else PolicyLossConfig.preset(preset.loss_preset)
     for name in ("ratio_level", "clip_low", "clip_high", "loss_agg"):
@@ -114,6 +117,30 @@ def test_semantic_errors_from_the_command_line_exit_cleanly(capsys):
     assert "bypass" in capsys.readouterr().err
 
 
+@pytest.mark.parametrize("argv", [["--algorithm", "gigpo"], ["--algorithm", "mt_grpo"],
+                                  ["--advantage_mode", "turn_discounted"]])
+def test_turn_modes_without_an_environment_are_one_line(argv, capsys, tmp_path):
+    assert _train_exit_code(["--output_dir", str(tmp_path / "run"), *argv]) == 2
+    message = capsys.readouterr().err.strip()
+    assert len(message.splitlines()) == 1 and "--env" in message and "Traceback" not in message, message
+    assert not (tmp_path / "run").exists()
+
+
+def test_turn_presets_fill_the_turn_hyperparameters():
+    from fastrl.train.config import TURN_MODES
+
+    assert TURN_MODES == ("gigpo", "turn_discounted")
+    gigpo, mt = ALGORITHM_PRESETS["gigpo"], ALGORITHM_PRESETS["mt_grpo"]
+    assert (gigpo.advantage, gigpo.turn_gamma) == ("gigpo", 0.95)
+    assert (mt.advantage, mt.turn_gamma, mt.turn_coef, mt.outcome_coef) == ("turn_discounted", 0.0, 1.0, 1.0)
+    # a group preset with a turn mode chosen by hand: the plain turn-discount form
+    plain = ALGORITHM_PRESETS["grpo"]
+    assert (plain.turn_gamma, plain.turn_coef, plain.outcome_coef) == (1.0, 1.0, 0.0)
+    cfg = TrainConfig(algorithm="mt_grpo", env="frozenlake", turn_coef=0.5).resolved()
+    assert (cfg.advantage_mode, cfg.turn_gamma, cfg.turn_coef, cfg.outcome_coef) == ("turn_discounted", 0.0, 0.5, 1.0)
+    assert TrainConfig(algorithm="gigpo", env="frozenlake").resolved().turn_gamma == 0.95
+
+
 def test_each_vocabulary_has_one_list():
     """Algorithm names come from the presets; the loss options' choices are the op-level Literals."""
     import typing
@@ -128,14 +155,21 @@ def test_each_vocabulary_has_one_list():
     assert hints["loss_agg"] == typing.Optional[LossAgg]
     assert hints["surrogate"] == typing.Optional[Surrogate]
     assert hints["kl_estimator"] == KLEstimator
-    assert typing.get_args(typing.get_args(hints["advantage_mode"])[0]) == (*GROUP_MODES, "gae")
+    from fastrl.reference.turn_advantages import TURN_ADVANTAGE_MODES
+    from fastrl.train.config import TURN_MODES
+
+    assert typing.get_args(typing.get_args(hints["advantage_mode"])[0]) == (*GROUP_MODES, "gae", *TURN_MODES)
+    assert set(TURN_MODES) == set(TURN_ADVANTAGE_MODES) - {"broadcast"}
 
 
 def test_kl_coef_default_is_the_loss_presets():
     # GRPO's 0.04 is written once, in PolicyLossConfig.preset("grpo")
+    from fastrl.train.config import TURN_MODES
+
     for name, preset in ALGORITHM_PRESETS.items():
         want = PolicyLossConfig.preset_settings(preset.loss_preset).get("kl_coef", PolicyLossConfig().kl_coef)
-        assert TrainConfig(algorithm=name).resolved().kl_coef == want, name
+        agent = {"env": "frozenlake"} if preset.advantage in TURN_MODES else {}
+        assert TrainConfig(algorithm=name, **agent).resolved().kl_coef == want, name
     assert TrainConfig(algorithm="grpo").resolved().kl_coef == PolicyLossConfig.preset("grpo").kl_coef > 0
 
 
