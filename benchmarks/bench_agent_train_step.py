@@ -10,8 +10,8 @@ backward -- the same calls, in the same order, as the trainer makes.
 
 The trajectories are multi-turn, built as the agents driver builds them
 (``fastrl.agents.trajectory.TrajectorySample.append`` of ``prompt``, ``policy`` and ``env``
-segments; seeded random token ids), laid out by ``fastrl.agents.batch.AgentBatch`` and
-viewed as the trainer's ``RolloutBatch`` (``as_rollout_batch``: loss mask = policy tokens).
+segments; seeded random token ids), laid out by ``fastrl.agents.batch.AgentBatch`` and turned
+into the trainer's ``Experience`` (``Experience.from_agent_batch``: loss mask = policy tokens).
 Shape per trajectory: a ``P``-token prompt shared by the group's G=8 trajectories, then
 ``turns`` x (policy turn + observation), the last turn without an observation. ``fixed``: every
 turn exactly ``model_tokens`` + ``obs_tokens`` (the issue's 8 x 64 + 64); ``variable``: turns
@@ -113,8 +113,7 @@ def build_experience(shape: str, *, group_size: int, groups: int, vocab: int):
     trajectories = make_trajectories(prompt_len=P, turns=turns, model_tokens=m, obs_tokens=o, variable=variable,
                                      group_size=group_size, groups=groups, vocab=vocab)
     agent = AgentBatch.from_trajectories(trajectories, group_size=group_size, pad_token_id=0)
-    exp = Experience.from_rollout(agent.as_rollout_batch(), group_size=group_size, rewards=agent.rewards,
-                                  device=torch.device("cpu"))
+    exp = Experience.from_agent_batch(agent, device=torch.device("cpu"))  # what the trainer's AgentCollector builds
     # GRPO's group advantage (the per-sequence [B] form the trainer's group estimators give)
     r = exp.rewards.view(-1, group_size)
     exp.advantages = ((r - r.mean(1, keepdim=True)) / (r.std(1, keepdim=True) + 1e-4)).reshape(-1)

@@ -79,6 +79,60 @@ def env_train_seeds() -> str:
         "shared with other sessions (load average = runnable processes).\n"
 
 
+MULTITURN_ROLLOUT = "multiturn-rollout-cpu-20261201-205008.json"
+"""benchmarks/bench_multiturn_rollout.py's run (3 interleaved rounds) the agent table quotes."""
+
+
+def agent_benchmarks() -> str:
+    """The agent benchmarks of issue 18: multi-turn rollout (KV continued vs re-prefill) and the
+    training step (prompt shared per group vs repeated, environment tokens masked)."""
+    mt = _load(MULTITURN_ROLLOUT)
+    sh = mt["shape"]
+    rows = [[f"rollout, {sh['turns']} turns x {sh['model_tokens_per_turn']} + {sh['observation_tokens_per_turn']} tokens, "
+             f"prompt {sh['prompt']}, G={sh['G']}",
+             f"KV continued: {mt['best_seconds']['continued']:.1f} s, {mt['prefill_tokens']['continued']} prefill tokens",
+             f"re-prefill each turn: {mt['best_seconds']['reprefill']:.1f} s, {mt['prefill_tokens']['reprefill']} prefill tokens",
+             f"{mt['speedup_continued_vs_reprefill']:.2f}x time, 1/{mt['prefill_ratio_reprefill_over_continued']:.1f} prefill",
+             f"`{mt['command']}`"]]
+    step = _load("agent_train_step_cpu.json")
+    for r in step["results"]:
+        kind = "fixed lengths" if not r["variable"] else "turns and lengths varying"
+        mem = r.get("memory", {})
+        rows.append([f"training step, prompt {r['prompt_len']}, G={step['group_size']}, {r['turns']} turns x "
+                     f"{r['model_tokens_per_turn']} + {r['obs_tokens_per_turn']} ({kind})",
+                     f"prompt once per group: {r['best_s']['packed']:.1f} s, {r['tokens_forward']['packed']} tokens, "
+                     f"{mem['packed']['peak_extra_mb']:.0f} MiB",
+                     f"prompt per trajectory: {r['best_s']['padded']:.1f} s, {r['tokens_forward']['padded']} tokens, "
+                     f"{mem['padded']['peak_extra_mb']:.0f} MiB",
+                     f"{r['speedup_packed_over_padded']:.2f}x time, {r['tokens_ratio_padded_over_packed']:.2f}x tokens, "
+                     f"{r['memory_ratio_padded_over_packed']:.2f}x memory; grads equal to {r['grad_max_rel_diff']:.0e}, "
+                     f"d loss / d logp at env tokens = {r['max_abs_grad_at_env_tokens']:g}", f"`{step['command']}`"])
+    return _rows(["what (CPU)", "fastrl", "baseline", "ratio", "command"], rows)
+
+
+def compare_frozenlake() -> str:
+    """`fastrl compare --env frozenlake`: every algorithm's mean +- std over seeds, then the verdicts."""
+    data = _load("compare_frozenlake_cpu/compare.json")
+    algorithms, summary = data["algorithms"], data["summary"]
+    shown = [("final_accuracy", "held-out success, end", ".2f"), ("best_accuracy", "held-out success, best", ".2f"),
+             ("reward_drop", "worst reward drop", ".3f"), ("reward_std_collapse_steps", "reward-std collapse steps", ".1f"),
+             ("non_finite_steps", "non-finite steps", ".1f"), ("train_seconds", "RL seconds", ".0f"),
+             ("generated_tokens", "generated tokens", ".0f"), ("env_calls", "environment calls", ".0f"),
+             ("env_calls_per_prompt", "environment calls per prompt", ".1f"), ("peak_memory_gb", "peak memory (GB)", ".2f")]
+
+    def cell(entry, fmt):
+        if entry["mean"] is None:
+            return "n/a"
+        return f"{entry['mean']:{fmt}} ± {entry['std']:{fmt}}" if len(entry["values"]) > 1 else f"{entry['mean']:{fmt}}"
+
+    rows = [[label, *(cell(summary[a][key], fmt) for a in algorithms)] for key, label, fmt in shown]
+    rows.append(["NaN stops / failed runs", *(f"{summary[a]['nan_stops']} / {summary[a]['failed']}" for a in algorithms)])
+    table = _rows(["", *algorithms], rows)
+    verdicts = "\n".join(f"- {v['text']}" for v in data["verdicts"])
+    return (table + f"\n{verdicts}\n\n`{data['command']}`: {len(data['seeds'])} seeds, budget {data['budget']['text']}, "
+            f"{data['total_seconds'] / 60:.0f} min on the shared 2-core CPU.\n")
+
+
 def _bench_row(results: list[dict], op: str, shape: str, impl: str) -> dict:
     return next(r for r in results if r["op"] == op and r["shape"] == shape and r["impl"] == impl)
 
@@ -222,7 +276,8 @@ def compare_default() -> str:
     return table + f"\n`{data['command']}`: {len(data['seeds'])} seeds, budget {data['budget']['text']}.\n"
 
 
-TABLES: dict[str, Callable[[], str]] = {"default_train_seeds": default_train_seeds, "env_train_seeds": env_train_seeds, "headline": headline,
+TABLES: dict[str, Callable[[], str]] = {"default_train_seeds": default_train_seeds, "env_train_seeds": env_train_seeds,
+                                        "agent_benchmarks": agent_benchmarks, "compare_frozenlake": compare_frozenlake, "headline": headline,
                                         "compare_default": compare_default, "benchmarks_cpu": benchmarks_cpu}
 
 
