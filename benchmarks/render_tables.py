@@ -52,17 +52,15 @@ def default_train_seeds() -> str:
 
 ENV_SEEDS = ("calculator", "sql", "frozenlake")
 """The built-in environments whose seed study (benchmarks/env_train_seeds.py) the README shows,
-from ``env_train_<env>_3seeds_cpu.json`` where it exists."""
+in this order, from every ``env_train_<env>_*cpu.json`` that exists."""
 
 
 def env_train_seeds() -> str:
     """`fastrl train --env NAME` per seed: held-out success and tool-call rate before/after RL."""
     rows, notes = [], []
-    for env in ENV_SEEDS:
-        path = RESULTS / f"env_train_{env}_3seeds_cpu.json"
-        if not path.exists():
-            continue
+    for path in (p for env in ENV_SEEDS for p in sorted(RESULTS.glob(f"env_train_{env}_*cpu.json"))):
         data = json.loads(path.read_text())
+        env = data["env"]
         for seed, run in sorted(data["runs"].items(), key=lambda kv: int(kv[0])):
             first, last = run["eval"][0], run["eval"][-1]
             sft = f"{run['sft_steps']:.0f} ({run['sft_seconds']:.0f} s)" if run.get("sft_steps") is not None else "none"

@@ -17,8 +17,10 @@
             its prompts come in a fresh order rather than repeating GRPO's).
 3. report   Each run's ``metrics.jsonl`` gives success (held-out accuracy: start, end, best,
             curves over RL seconds and generated tokens), stability (worst drop of the reward
-            curve, KL and entropy blow-ups, NaN stops) and cost (seconds, tokens, peak
-            memory, seconds per stage). Per algorithm: mean ± std over seeds; per axis a
+            curve, KL and entropy blow-ups, the reward-std collapse or "Echo Trap", NaN stops)
+            and cost (seconds, tokens, peak memory, seconds per stage; with ``--env`` also
+            environment calls, tool calls and environment calls per prompt, which
+            ``--ppo_group_size`` lowers for PPO). Per algorithm: mean ± std over seeds; per axis a
             verdict naming the winner, by how much, and whether the seeds can tell the
             algorithms apart (mean ± std intervals that overlap: "not distinguishable").
             Output: a table on the terminal, ``compare.json``, ``compare.png``.
@@ -751,7 +753,6 @@ def ppo_fields(of: TrainConfig, group_size: int) -> dict[str, Any]:
                                f"(prompts_per_step {of.prompts_per_step} x group_size {of.group_size})")
         fields["prompts_per_step"] = samples // group_size
     return fields
-
 
 
 @dataclass
