@@ -108,29 +108,6 @@ def agent_benchmarks() -> str:
     return _rows(["what (CPU)", "fastrl", "baseline", "ratio", "command"], rows)
 
 
-def compare_frozenlake() -> str:
-    """`fastrl compare --env frozenlake`: every algorithm's mean +- std over seeds, then the verdicts."""
-    data = _load("compare_frozenlake_cpu/compare.json")
-    algorithms, summary = data["algorithms"], data["summary"]
-    shown = [("final_accuracy", "held-out success, end", ".2f"), ("best_accuracy", "held-out success, best", ".2f"),
-             ("reward_drop", "worst reward drop", ".3f"), ("reward_std_collapse_steps", "reward-std collapse steps", ".1f"),
-             ("non_finite_steps", "non-finite steps", ".1f"), ("train_seconds", "RL seconds", ".0f"),
-             ("generated_tokens", "generated tokens", ".0f"), ("env_calls", "environment calls", ".0f"),
-             ("env_calls_per_prompt", "environment calls per prompt", ".1f"), ("peak_memory_gb", "peak memory (GB)", ".2f")]
-
-    def cell(entry, fmt):
-        if entry["mean"] is None:
-            return "n/a"
-        return f"{entry['mean']:{fmt}} ± {entry['std']:{fmt}}" if len(entry["values"]) > 1 else f"{entry['mean']:{fmt}}"
-
-    rows = [[label, *(cell(summary[a][key], fmt) for a in algorithms)] for key, label, fmt in shown]
-    rows.append(["NaN stops / failed runs", *(f"{summary[a]['nan_stops']} / {summary[a]['failed']}" for a in algorithms)])
-    table = _rows(["", *algorithms], rows)
-    verdicts = "\n".join(f"- {v['text']}" for v in data["verdicts"])
-    return (table + f"\n{verdicts}\n\n`{data['command']}`: {len(data['seeds'])} seeds, budget {data['budget']['text']}, "
-            f"{data['total_seconds'] / 60:.0f} min on the shared 2-core CPU.\n")
-
-
 def _bench_row(results: list[dict], op: str, shape: str, impl: str) -> dict:
     return next(r for r in results if r["op"] == op and r["shape"] == shape and r["impl"] == impl)
 
@@ -275,7 +252,7 @@ def compare_default() -> str:
 
 
 TABLES: dict[str, Callable[[], str]] = {"default_train_seeds": default_train_seeds, "env_train_seeds": env_train_seeds,
-                                        "agent_benchmarks": agent_benchmarks, "compare_frozenlake": compare_frozenlake, "headline": headline,
+                                        "agent_benchmarks": agent_benchmarks, "headline": headline,
                                         "compare_default": compare_default, "benchmarks_cpu": benchmarks_cpu}
 
 
