@@ -29,8 +29,17 @@ EVAL_KEYS = {"accuracy": "eval/accuracy", "tool_call_rate": "eval/tool_call_rate
 """What each held-out evaluation record gives (``fastrl.train.agent_evaluate``)."""
 
 
+def code_version() -> str:
+    """The commit the run's fastrl is (``+dirty`` when the worktree has uncommitted changes)."""
+    head = subprocess.run(["git", "-C", str(ROOT), "rev-parse", "--short", "HEAD"], capture_output=True, text=True).stdout.strip()
+    dirty = subprocess.run(["git", "-C", str(ROOT), "status", "--porcelain", "--untracked-files=no"], capture_output=True,
+                           text=True).stdout.strip()
+    return head + ("+dirty" if dirty else "")
+
+
 def run_seed(env_name: str, seed: int, out: Path, extra: list[str]) -> dict:
     env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONPATH": str(ROOT)}
+    commit = code_version()
     load_before = os.getloadavg()
     t0 = time.perf_counter()
     cmd = [sys.executable, "-m", "fastrl.cli", "train", "--env", env_name, "--seed", str(seed), "--threads", "1",
@@ -54,6 +63,7 @@ def run_seed(env_name: str, seed: int, out: Path, extra: list[str]) -> dict:
         if steps else None,
         "env_calls": sum(r.get("agent/env_calls", 0.0) for r in steps),
         "stopped_by": summary.get("stopped_by"),
+        "commit": commit,
         "wall_seconds": round(wall, 1),
         "load_average_before_after": [round(load_before[0], 2), round(os.getloadavg()[0], 2)],
     }
