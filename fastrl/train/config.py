@@ -169,8 +169,9 @@ class TrainConfig:
     """Linear learning-rate warm-up of the supervised stage (None: DefaultTask's)."""
     sft_probe_rows: int = 100
     """Training prompts the warm-up's accuracy probe evaluates."""
-    sft_check_every: int = 50
-    """Warm-up steps between accuracy probes."""
+    sft_check_every: Optional[int] = None
+    """Warm-up steps between accuracy probes (None: DefaultTask's 50; a built-in environment's
+    own, ``fastrl/train/agent_task.py``)."""
     sft_lr: Optional[float] = None
     """Learning rate of the warm-up (None: DefaultTask's)."""
     sft_batch_size: Optional[int] = None
@@ -432,6 +433,8 @@ class TrainConfig:
                 setattr(c, name, value)
         if c.sft_steps is None:
             c.sft_steps = default.sft_max_steps if builtin_model else 0
+        if c.sft_check_every is None:
+            c.sft_check_every = default.sft_check_every
         if c.sft_target_accuracy is None and builtin_task:
             c.sft_target_accuracy = default.sft_target_accuracy
         if c.lr is None:

@@ -116,7 +116,8 @@ class Experience:
         the rows as a ``RolloutBatch`` (``as_rollout_batch`` when the groups can be packed,
         else padded rows with each row's own prompt), the loss mask 1 exactly on policy tokens
         of rows that are not ``excluded``, the policy spans with their turns and state keys,
-        and the per-turn rewards."""
+        and the per-turn rewards. A trajectory split into several samples contributes each of
+        them to its group's statistics (each with the trajectory's outcome reward)."""
         try:
             batch = agent.as_rollout_batch()
         except ValueError:  # split samples, a failed reset, prompts that differ: padded rows

@@ -163,7 +163,8 @@ class Trainer:
 
         # ---- rewards: checked on real rows before any training work
         specs = list(reward_functions) if reward_functions is not None else list(cfg.rewards)
-        self.rewards = RewardPool(specs, weights=cfg.reward_weights, timeout_s=cfg.reward_timeout, num_workers=cfg.reward_workers)
+        workers = cfg.reward_workers if self.agent is None else 0  # an agent run scores with its environment
+        self.rewards = RewardPool(specs, weights=cfg.reward_weights, timeout_s=cfg.reward_timeout, num_workers=workers)
         self.scorer = GroupScorer(tokenizer=self.tokenizer, rewards=self.rewards, prompt_column=cfg.prompt_column)
         probe_rows = self.train_rows[: min(2, len(self.train_rows))]
         if self.agent is None:  # an agent's outcome is its environment's reward

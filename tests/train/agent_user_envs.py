@@ -44,3 +44,17 @@ class UndocumentedToolEnv(EchoEnv):
 class TextResetEnv(EchoEnv):
     def reset(self, row, seed):
         return "hi"  # not a list of messages
+
+
+class HangingEnv(EchoEnv):
+    """EchoEnv whose ``reset`` never returns for an odd seed (the rows of a step have
+    consecutive seeds: one of every two rows): its worker is killed at the time limit, its
+    trajectories end (``env_timeout``) and, with ``failed_trajectories=mask``, leave the loss
+    and the baselines; the step goes on with the other rows."""
+
+    def reset(self, row, seed):
+        if seed % 2:
+            import time
+
+            time.sleep(1000)
+        return super().reset(row, seed)

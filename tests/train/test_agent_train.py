@@ -52,7 +52,8 @@ def test_an_env_run_resumes_exactly_and_logs_trajectories(tmp_path):
 @pytest.mark.parametrize("env, extra", [
     ("sql", ["--max_turn_tokens", "8"]),
     ("frozenlake", ["--algorithm", "ppo"]),
-    ("agent_user_envs:EchoEnv", ["--failed_trajectories", "mask"]),
+    ("agent_user_envs:EchoEnv", []),
+    ("agent_user_envs:HangingEnv", ["--failed_trajectories", "mask", "--env_step_timeout", "3"]),
 ])
 def test_fastrl_train_env_runs_a_step(tmp_path, env, extra):
     out = tmp_path / "run"
@@ -65,7 +66,9 @@ def test_fastrl_train_env_runs_a_step(tmp_path, env, extra):
         args += ["--sft_steps", "1", "--sft_check_every", "1000"]
     assert main(args + extra) == 0
     step = [m for m in read_metrics(out) if "event" not in m][0]
-    assert step["rollout/samples"] == 4 and step["agent/turns_mean"] >= 1 and "agent/stop/max_turns" in step
+    assert step["rollout/samples"] == 4 and step["agent/turns_mean"] > 0 and "agent/stop/max_turns" in step
+    if "Hanging" in env:  # one of the step's two rows hangs at reset, in both of its trajectories
+        assert step["agent/stop/env_timeout"] == step["agent/excluded"] == 2
     assert (out / "final" / "config.json").exists()
 
 
@@ -85,3 +88,23 @@ def test_bad_env_input_is_one_line_before_the_first_step(tmp_path, capsys, args,
     lines = capsys.readouterr().err.strip().splitlines()
     assert lines[-1].startswith("fastrl train: error: ") and message in lines[-1]
     assert not (out / "metrics.jsonl").exists()
+
+
+def test_the_agent_options_are_agent_configs_fields_with_its_docs(capsys):
+    import dataclasses
+
+    from fastrl.agents.driver import AgentConfig
+    from fastrl.train.cli import build_train_parser
+    from fastrl.train.config import AGENT_FIELDS
+
+    from fastrl.agents.envs import BUILTIN_ENVS
+    from fastrl.train.agent_task import ENV_TASKS
+
+    assert AGENT_FIELDS == tuple(f.name for f in dataclasses.fields(AgentConfig)) and set(ENV_TASKS) == set(BUILTIN_ENVS)
+    assert all(f.default is None for f in dataclasses.fields(TrainConfig) if f.name in AGENT_FIELDS)
+    text = " ".join(build_train_parser().format_help().split())
+    assert "--max_turns MAX_TURNS Policy turns per trajectory at most" in text
+    cfg = TrainConfig(env="frozenlake", max_turns=5, failed_trajectories="mask").resolved()
+    assert cfg.agent_config() == AgentConfig(**{**dataclasses.asdict(cfg.agent_config()), "max_turns": 5,
+                                                 "failed_trajectories": "mask"})
+    assert cfg.agent_config().max_turn_tokens == 8  # the built-in environment's default (ENV_TASKS)
