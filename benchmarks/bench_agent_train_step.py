@@ -120,6 +120,11 @@ def build_experience(shape: str, *, group_size: int, groups: int, vocab: int):
     return exp
 
 
+def env_tokens(exp) -> int:
+    """Environment (observation) tokens of the step: tokens after each row's prompt that are not trained on."""
+    return sum(len(c) for c in exp.batch.completion_ids) - int(exp.loss_mask.sum())
+
+
 def build_step(*, layout: str, shape: str, group_size: int = 8, groups: int = 1, threads: int = 1,
                model: dict[str, int] | None = None, grads_out: str | None = None,
                env_grad_out: str | None = None) -> Callable[[], None]:
@@ -169,7 +174,7 @@ def build_step(*, layout: str, shape: str, group_size: int = 8, groups: int = 1,
     step.tokens_forward = sum(lay.cost(exp, [g]) for g in range(exp.num_groups))  # type: ignore[attr-defined]
     step.tokens_trained = int(exp.loss_mask.sum())  # type: ignore[attr-defined]
     step.micro_batches = len(micro)  # type: ignore[attr-defined]
-    step.env_tokens = int((exp.batch.response_mask.sum() - exp.loss_mask.sum()))  # type: ignore[attr-defined]
+    step.env_tokens = env_tokens(exp)  # type: ignore[attr-defined]
     gc.collect()
     step.device = torch.device("cpu")  # type: ignore[attr-defined]
     return step

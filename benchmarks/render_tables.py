@@ -97,7 +97,8 @@ def agent_benchmarks() -> str:
         kind = "fixed lengths" if not r["variable"] else "turns and lengths varying"
         mem = r.get("memory", {})
         rows.append([f"training step, prompt {r['prompt_len']}, G={step['group_size']}, {r['turns']} turns x "
-                     f"{r['model_tokens_per_turn']} + {r['obs_tokens_per_turn']} ({kind})",
+                     f"{r['model_tokens_per_turn']} + {r['obs_tokens_per_turn']} ({kind}; {r['tokens_trained']['packed']} policy + "
+                     f"{r['env_tokens']} environment tokens)",
                      f"prompt once per group: {r['best_s']['packed']:.1f} s, {r['tokens_forward']['packed']} tokens, "
                      f"{mem['packed']['peak_extra_mb']:.0f} MiB",
                      f"prompt per trajectory: {r['best_s']['padded']:.1f} s, {r['tokens_forward']['padded']} tokens, "
