@@ -50,16 +50,15 @@ def default_train_seeds() -> str:
     return table + f"\n`{data['command']}`; {data['machine']}; {data['date']}.\n"
 
 
-ENV_SEEDS = ("calculator", "sql", "frozenlake")
-"""The built-in environments whose seed study (benchmarks/env_train_seeds.py) the README shows,
-in this order, from every ``env_train_<env>_*cpu.json`` that exists."""
+ENV_SEED_FILES = ("env_train_calculator_3seeds_cpu_agenttrain3c42318.json",)
+"""The seed studies of built-in environments (benchmarks/env_train_seeds.py) the README shows, in order."""
 
 
 def env_train_seeds() -> str:
     """`fastrl train --env NAME` per seed: held-out success and tool-call rate before/after RL."""
     rows, notes = [], []
-    for path in (p for env in ENV_SEEDS for p in sorted(RESULTS.glob(f"env_train_{env}_*cpu.json"))):
-        data = json.loads(path.read_text())
+    for name in ENV_SEED_FILES:
+        data = _load(name)
         env = data["env"]
         for seed, run in sorted(data["runs"].items(), key=lambda kv: int(kv[0])):
             first, last = run["eval"][0], run["eval"][-1]
@@ -68,9 +67,9 @@ def env_train_seeds() -> str:
             rows.append([env, seed, sft, f"{first['accuracy']:.2f} -> **{last['accuracy']:.2f}**",
                          f"{first['tool_call_rate']:.2f} -> {last['tool_call_rate']:.2f}",
                          f"{run['rl_steps']} ({run['rl_step_seconds_median']:.2f} s)", f"{run['wall_seconds']:.0f} s", loads])
-        notes.append(f"`{data['command']}` ({data['date']})")
-    if not rows:
-        return "No seed study in benchmarks/results yet.\n"
+        commits = sorted({run["commit"] for run in data["runs"].values() if run.get("commit")})
+        code = data.get("code") or (f"code {', '.join(commits)}" if commits else "")
+        notes.append(f"`{data['command']}` ({data['date']}{'; ' + code if code else ''})")
     table = _rows(["env", "seed", "warm-up steps (s)", "held-out success, step 0 -> end", "tool-call rate, step 0 -> end",
                    "RL steps (median step)", "whole run", "load before/after"], rows)
     return table + "\n" + "; ".join(notes) + "; step 0 is after the warm-up, before RL; the project's 2-core CPU, " \
