@@ -54,6 +54,66 @@ def default_train_seeds() -> str:
     return table + f"\n`{data['command']}`; {data['machine']}; {data['date']}.\n"
 
 
+ENV_SEED_FILES = ("env_train_calculator_3seeds_cpu.json",)
+"""The seed studies of built-in environments (benchmarks/env_train_seeds.py) the README shows, in order
+(``env_train_calculator_3seeds_cpu_agenttrain3c42318.json``: the same study on agenttrain's first
+defaults, whose warm-up overshot its target)."""
+
+
+def env_train_seeds() -> str:
+    """`fastrl train --env NAME` per seed: held-out success and tool-call rate before/after RL."""
+    rows, notes = [], []
+    for name in ENV_SEED_FILES:
+        data = _load(name)
+        env = data["env"]
+        for seed, run in sorted(data["runs"].items(), key=lambda kv: int(kv[0])):
+            first, last = run["eval"][0], run["eval"][-1]
+            sft = f"{run['sft_steps']:.0f} ({run['sft_seconds']:.0f} s)" if run.get("sft_steps") is not None else "none"
+            loads = "/".join(f"{x:.1f}" for x in run["load_average_before_after"])
+            rows.append([env, seed, sft, f"{first['accuracy']:.2f} -> **{last['accuracy']:.2f}**",
+                         f"{first['tool_call_rate']:.2f} -> {last['tool_call_rate']:.2f}",
+                         f"{run['rl_steps']} ({run['rl_step_seconds_median']:.2f} s)", f"{run['wall_seconds']:.0f} s", loads])
+        commits = sorted({run["commit"] for run in data["runs"].values() if run.get("commit")})
+        code = data.get("code") or (f"code {', '.join(commits)}" if commits else "")
+        notes.append(f"`{data['command']}` ({data['date']}{'; ' + code if code else ''})")
+    table = _rows(["env", "seed", "warm-up steps (s)", "held-out success, step 0 -> end", "tool-call rate, step 0 -> end",
+                   "RL steps (median step)", "whole run", "load before/after"], rows)
+    return table + "\n" + "; ".join(notes) + "; step 0 is after the warm-up, before RL; the project's 2-core CPU, " \
+        "shared with other sessions (load average = runnable processes).\n"
+
+
+MULTITURN_ROLLOUT = "multiturn-rollout-cpu-20261201-205008.json"
+"""benchmarks/bench_multiturn_rollout.py's run (3 interleaved rounds) the agent table quotes."""
+
+
+def agent_benchmarks() -> str:
+    """The agent benchmarks of issue 18: multi-turn rollout (KV continued vs re-prefill) and the
+    training step (prompt shared per group vs repeated, environment tokens masked)."""
+    mt = _load(MULTITURN_ROLLOUT)
+    sh = mt["shape"]
+    rows = [[f"rollout, {sh['turns']} turns x {sh['model_tokens_per_turn']} + {sh['observation_tokens_per_turn']} tokens, "
+             f"prompt {sh['prompt']}, G={sh['G']}",
+             f"KV continued: {mt['best_seconds']['continued']:.1f} s, {mt['prefill_tokens']['continued']} prefill tokens",
+             f"re-prefill each turn: {mt['best_seconds']['reprefill']:.1f} s, {mt['prefill_tokens']['reprefill']} prefill tokens",
+             f"{mt['speedup_continued_vs_reprefill']:.2f}x time, 1/{mt['prefill_ratio_reprefill_over_continued']:.1f} prefill",
+             f"`{mt['command']}`"]]
+    step = _load("agent_train_step_cpu.json")
+    for r in step["results"]:
+        kind = "fixed lengths" if not r["variable"] else "turns and lengths varying"
+        mem = r.get("memory", {})
+        rows.append([f"training step, prompt {r['prompt_len']}, G={step['group_size']}, {r['turns']} turns x "
+                     f"{r['model_tokens_per_turn']} + {r['obs_tokens_per_turn']} ({kind}; {r['tokens_trained']['packed']} policy + "
+                     f"{r['env_tokens']} environment tokens)",
+                     f"prompt once per group: {r['best_s']['packed']:.1f} s, {r['tokens_forward']['packed']} tokens, "
+                     f"{mem['packed']['peak_extra_mb']:.0f} MiB",
+                     f"prompt per trajectory: {r['best_s']['padded']:.1f} s, {r['tokens_forward']['padded']} tokens, "
+                     f"{mem['padded']['peak_extra_mb']:.0f} MiB",
+                     f"{r['speedup_packed_over_padded']:.2f}x time, {r['tokens_ratio_padded_over_packed']:.2f}x tokens, "
+                     f"{r['memory_ratio_padded_over_packed']:.2f}x memory; grads equal to {r['grad_max_rel_diff']:.0e}, "
+                     f"d loss / d logp at env tokens = {r['max_abs_grad_at_env_tokens']:g}", f"`{step['command']}`"])
+    return _rows(["what (CPU)", "fastrl", "baseline", "ratio", "command"], rows)
+
+
 def _bench_row(results: list[dict], op: str, shape: str, impl: str) -> dict:
     return next(r for r in results if r["op"] == op and r["shape"] == shape and r["impl"] == impl)
 
@@ -248,7 +308,8 @@ def async_default() -> str:
                     f"{data['date']}.\n")
 
 
-TABLES: dict[str, Callable[[], str]] = {"default_train_seeds": default_train_seeds, "headline": headline,
+TABLES: dict[str, Callable[[], str]] = {"default_train_seeds": default_train_seeds, "env_train_seeds": env_train_seeds,
+                                        "agent_benchmarks": agent_benchmarks, "headline": headline,
                                         "compare_default": compare_default, "benchmarks_cpu": benchmarks_cpu,
                                         "async_default": async_default}
 

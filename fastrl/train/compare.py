@@ -17,8 +17,10 @@
             its prompts come in a fresh order rather than repeating GRPO's).
 3. report   Each run's ``metrics.jsonl`` gives success (held-out accuracy: start, end, best,
             curves over RL seconds and generated tokens), stability (worst drop of the reward
-            curve, KL and entropy blow-ups, NaN stops) and cost (seconds, tokens, peak
-            memory, seconds per stage). Per algorithm: mean ± std over seeds; per axis a
+            curve, KL and entropy blow-ups, the reward-std collapse or "Echo Trap", NaN stops)
+            and cost (seconds, tokens, peak memory, seconds per stage; with ``--env`` also
+            environment calls, tool calls and environment calls per prompt, which
+            ``--ppo_group_size`` lowers for PPO). Per algorithm: mean ± std over seeds; per axis a
             verdict naming the winner, by how much, and whether the seeds can tell the
             algorithms apart (mean ± std intervals that overlap: "not distinguishable").
             Output: a table on the terminal, ``compare.json``, ``compare.png``.
@@ -43,7 +45,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Sequence
 
-from fastrl.train.config import ALGORITHMS, TrainConfig
+from fastrl.train.config import AGENT_FIELDS, ALGORITHMS, TrainConfig
 
 __all__ = [
     "HYBRID",
@@ -53,6 +55,7 @@ __all__ = [
     "parse_budget",
     "check_budget_fits",
     "reward_drop",
+    "reward_std_collapse",
     "mean_std",
     "run_metrics",
     "summarize",
@@ -88,6 +91,18 @@ KL_BLOWUP = 1.0
 ENTROPY_BLOWUP_FACTOR = 2.0
 """A step whose mean token entropy exceeds this multiple of the run's first step is an entropy
 blow-up (the policy drifting towards uniform); a collapse shows as a low end/start ratio."""
+ECHO_TRAP_STD_FRACTION = 0.2
+"""Reward-std collapse (the "Echo Trap" of RAGEN, Wang et al. 2025, arXiv:2504.20073): a step
+whose trailing ``SMOOTHING_STEPS``-step mean of the batch reward std is below this fraction of
+that curve's earlier peak, while the trailing mean reward is below ``ECHO_TRAP_SOLVED`` of the
+best reward seen (a batch that is all solved has no spread either, and that is no trap)."""
+ECHO_TRAP_SOLVED = 0.95
+"""Share of the best logged reward (``reward/max``) above which a collapsed std counts as solved."""
+ENV_CALLS_METRIC = "agent/env_calls"
+"""Per step: environment calls of the rollout (resets + steps; ``fastrl.agents.driver.agent_metrics``)."""
+TOOL_CALLS_METRIC = "agent/tool_calls_per_trajectory"
+SAMPLES_METRIC = "rollout/samples"
+"""Per step: trajectories (samples) of the rollout."""
 STAGES = ("generate", "reward", "old_logp", "ref_logp", "values", "advantages", "update", "sync")
 """Per-stage timers the trainer logs as ``time/<stage>`` (reported disjoint: ``advantages``
 without the critic's ``values`` pass, which the trainer times inside it)."""
@@ -237,13 +252,35 @@ def reward_drop(rewards: Sequence[float], *, window: int = SMOOTHING_STEPS) -> f
     return worst
 
 
-def run_metrics(steps: Sequence[dict[str, Any]], evals: Sequence[dict[str, Any]], *, pass_k: int | None = None) -> dict[str, Any]:
+def reward_std_collapse(stds: Sequence[float], means: Sequence[float], best: float, *,
+                        window: int = SMOOTHING_STEPS) -> tuple[int, int | None]:
+    """Steps in the reward-std collapse (``ECHO_TRAP_STD_FRACTION``) and the index of the first
+    (None: never): ``stds``/``means`` are the per-step batch reward std and mean, ``best`` the
+    highest reward logged."""
+    count, first, peak = 0, None, -math.inf
+    for i, (s, m) in enumerate(zip(moving_average(stds, window), moving_average(means, window))):
+        if not (math.isfinite(s) and math.isfinite(m)):
+            continue
+        peak = max(peak, s)
+        solved = math.isfinite(best) and m >= ECHO_TRAP_SOLVED * best
+        if peak > 0 and s < ECHO_TRAP_STD_FRACTION * peak and not solved:
+            count += 1
+            first = i if first is None else first
+    return count, first
+
+
+def run_metrics(steps: Sequence[dict[str, Any]], evals: Sequence[dict[str, Any]], *, pass_k: int | None = None,
+                group_size: int | None = None) -> dict[str, Any]:
     """Success, stability and cost of one run from its logged step and evaluation records
     (``metrics.jsonl`` lines: step lines, and ``event: eval`` lines with ``eval/*`` keys).
 
     Curves are indexed by step; ``seconds`` is the cumulative time of the RL steps
     (evaluation excluded) and ``generated_tokens`` the cumulative completion tokens, so an
     evaluation after step k sits at the totals of steps 1..k (step 0: the start).
+
+    Agent runs (``--env``) also cost environment calls (``ENV_CALLS_METRIC``) and tool calls;
+    ``group_size`` (the run's trajectories per prompt) turns them into calls per prompt.
+    Single-turn runs leave these NaN (not measured).
     """
     steps = sorted(steps, key=lambda r: r["step"])
     step_ids = [int(r["step"]) for r in steps]
@@ -280,10 +317,20 @@ def run_metrics(steps: Sequence[dict[str, Any]], evals: Sequence[dict[str, Any]]
     stage_seconds = {k: v for k, v in stage_seconds.items() if v > 0}
     peaks = [_num(r.get("memory/peak_gb")) for r in steps]
     last = rewards[-SMOOTHING_STEPS:]
+    agent = any(ENV_CALLS_METRIC in r for r in steps)
+    nan = float("nan")
+    env_calls = sum(_num(r.get(ENV_CALLS_METRIC, 0.0)) for r in steps) if agent else nan
+    trajectories = sum(_num(r.get(SAMPLES_METRIC, 0.0)) for r in steps) if agent else nan
+    tool_calls = sum(_num(r.get(TOOL_CALLS_METRIC, 0.0)) * _num(r.get(SAMPLES_METRIC, 0.0)) for r in steps) if agent else nan
+    prompts = trajectories / group_size if agent and group_size else nan
+    best_reward = max((v for v in (_num(r.get("reward/max")) for r in steps) if math.isfinite(v)), default=float("nan"))
+    collapse, collapse_at = reward_std_collapse([_num(r.get("reward/std")) for r in steps], rewards, best_reward)
     return {
         "curve": {
             "step": step_ids, "seconds": seconds, "generated_tokens": generated, "trained_tokens": trained,
-            "reward": rewards, "kl": [_num(r.get("kl/ref")) for r in steps], "entropy": [_num(r.get("entropy/mean")) for r in steps],
+            "reward": rewards, "reward_std": [_num(r.get("reward/std")) for r in steps],
+            "reward_max": [_num(r.get("reward/max")) for r in steps],
+            "kl": [_num(r.get("kl/ref")) for r in steps], "entropy": [_num(r.get("entropy/mean")) for r in steps],
         },
         "evals": eval_points,
         "success": {
@@ -300,6 +347,8 @@ def run_metrics(steps: Sequence[dict[str, Any]], evals: Sequence[dict[str, Any]]
             "entropy_end_over_start": (entropies[-1] / first_entropy) if entropies and first_entropy > 0 else float("nan"),
             "entropy_blowups": sum(1 for e in entropies if not (e <= ENTROPY_BLOWUP_FACTOR * first_entropy)) if entropies else 0,
             "non_finite_steps": non_finite,
+            "reward_std_collapse_steps": collapse,
+            "reward_std_collapse_step": step_ids[collapse_at] if collapse_at is not None else None,
         },
         "cost": {
             "steps": len(steps),
@@ -309,6 +358,11 @@ def run_metrics(steps: Sequence[dict[str, Any]], evals: Sequence[dict[str, Any]]
             "trained_tokens": trained[-1] if trained else 0.0,
             "peak_memory_gb": max((p for p in peaks if math.isfinite(p)), default=float("nan")),
             "stage_seconds": stage_seconds,
+            "env_calls": env_calls,
+            "tool_calls": tool_calls,
+            "trajectories": trajectories,
+            "prompts": prompts,
+            "env_calls_per_prompt": env_calls / prompts if prompts and math.isfinite(prompts) else nan,
         },
     }
 
@@ -328,6 +382,8 @@ def chain_phases(first: dict[str, Any], second: dict[str, Any]) -> dict[str, Any
         "generated_tokens": c1["generated_tokens"] + [g + g0 for g in c2["generated_tokens"]],
         "trained_tokens": c1["trained_tokens"] + [g + tr0 for g in c2["trained_tokens"]],
         "reward": c1["reward"] + c2["reward"],
+        "reward_std": c1["reward_std"] + c2["reward_std"],
+        "reward_max": c1["reward_max"] + c2["reward_max"],
         "kl": c1["kl"] + c2["kl"],
         "entropy": c1["entropy"] + c2["entropy"],
     }
@@ -352,6 +408,10 @@ def chain_phases(first: dict[str, Any], second: dict[str, Any]) -> dict[str, Any
         "entropy_blowups": sum(1 for e in curve["entropy"] if entropies and not (e <= ENTROPY_BLOWUP_FACTOR * entropies[0])),
         "non_finite_steps": s1["non_finite_steps"] + s2["non_finite_steps"],
     }
+    best = max((v for v in curve["reward_max"] if math.isfinite(v)), default=float("nan"))
+    collapse, collapse_at = reward_std_collapse(curve["reward_std"], curve["reward"], best)
+    stability.update(reward_std_collapse_steps=collapse,
+                     reward_std_collapse_step=curve["step"][collapse_at] if collapse_at is not None else None)
     k1, k2 = first["cost"], second["cost"]
     stages = dict(k1["stage_seconds"])
     for k, v in k2["stage_seconds"].items():
@@ -365,6 +425,9 @@ def chain_phases(first: dict[str, Any], second: dict[str, Any]) -> dict[str, Any
         "peak_memory_gb": max(k1["peak_memory_gb"], k2["peak_memory_gb"]),
         "stage_seconds": stages,
     }
+    for key in ("env_calls", "tool_calls", "trajectories", "prompts"):
+        cost[key] = _num(k1.get(key)) + _num(k2.get(key))
+    cost["env_calls_per_prompt"] = cost["env_calls"] / cost["prompts"] if cost["prompts"] > 0 else float("nan")
     return {"curve": curve, "evals": evals, "success": success, "stability": stability, "cost": cost}
 
 
@@ -404,12 +467,16 @@ METRICS: tuple[Metric, ...] = (
     Metric("stability", "entropy_end_over_start", "entropy end / start", None),
     Metric("stability", "entropy_blowups", f"entropy blow-up steps (> {ENTROPY_BLOWUP_FACTOR:g}x)", False, ".1f"),
     Metric("stability", "non_finite_steps", "non-finite steps", False, ".1f"),
+    Metric("stability", "reward_std_collapse_steps", "reward-std collapse steps (Echo Trap)", False, ".1f"),
     Metric("cost", "steps", "RL steps", None, ".1f"),
     Metric("cost", "train_seconds", "RL seconds (eval excluded)", False, ".1f"),
     Metric("cost", "wall_seconds", "process wall seconds", False, ".1f"),
     Metric("cost", "generated_tokens", "generated tokens", None, ".0f"),
     Metric("cost", "trained_tokens", "trained tokens", None, ".0f"),
     Metric("cost", "peak_memory_gb", "peak memory (GB)", False, ".2f"),
+    Metric("cost", "env_calls", "environment calls (resets + steps)", False, ".0f"),
+    Metric("cost", "env_calls_per_prompt", "environment calls per prompt", False, ".1f"),
+    Metric("cost", "tool_calls", "tool calls", None, ".0f"),
 )
 
 
@@ -554,16 +621,25 @@ def verdicts(summary: dict[str, dict[str, Any]], *, budget_kind: str) -> list[di
             v for v in e["entropy_blowups"]["values"] if math.isfinite(v))
         if blowups:
             bits.append(f"{int(blowups)} KL/entropy blow-up step(s)")
+        trapped = sum(1 for v in e["reward_std_collapse_steps"]["values"] if math.isfinite(v) and v > 0)
+        if trapped:
+            bits.append(f"Echo Trap warning (reward std collapsed below {ECHO_TRAP_STD_FRACTION:g}x its peak, unsolved) "
+                        f"in {trapped} seed(s)")
         if bits:
             trouble.append(f"{a}: " + ", ".join(bits))
     spread = ", ".join(f"{a} {_fmt(e['final_accuracy']['std'], '.3f')}" for a, e in summary.items())
-    note = f"seed spread of the final accuracy (std): {spread}; " + ("; ".join(trouble) if trouble else "no NaN stops or blow-ups")
+    note = f"seed spread of the final accuracy (std): {spread}; " + ("; ".join(trouble) if trouble else "no NaN stops, blow-ups or reward-std collapse")
     out.append(axis_verdict("stability", "worst drop of the reward curve", vals("reward_drop"), higher_is_better=False, note=note))
     if budget_kind == "seconds":
         out.append(axis_verdict("cost", "generated tokens in the same RL seconds", vals("generated_tokens"),
                                 higher_is_better=True, fmt=".0f"))
     else:
         out.append(axis_verdict("cost", "RL seconds for the budget", vals("train_seconds"), higher_is_better=False, fmt=".1f"))
+    if any(math.isfinite(v) for e in summary.values() for v in e["env_calls"]["values"]):
+        # agent runs: what the environment is asked for, the cost GRPO's G trajectories per prompt multiply
+        per_prompt = ", ".join(f"{a} {_fmt(e['env_calls_per_prompt']['mean'], '.1f')}" for a, e in summary.items())
+        out.append(axis_verdict("cost", "environment calls for the budget", vals("env_calls"), higher_is_better=False,
+                                fmt=".0f", note=f"environment calls per prompt: {per_prompt}"))
     out.append(axis_verdict("memory", "peak memory in GB", vals("peak_memory_gb"), higher_is_better=False, fmt=".2f"))
     return out
 
@@ -664,6 +740,21 @@ def plot_runs(runs: Sequence[dict[str, Any]], path: Path, *, title: str) -> Path
 
 
 # ============================================================================ planning (validation before any run)
+def ppo_fields(of: TrainConfig, group_size: int) -> dict[str, Any]:
+    """The fields that give a PPO run ``group_size`` samples per prompt and as many samples per
+    step as ``of`` (the resolved run configuration without them): ``prompts_per_step`` scaled
+    by ``of.group_size / group_size`` (a ``prompt_token_budget`` batcher already packs by
+    samples). CompareError when the group sizes do not divide."""
+    fields: dict[str, Any] = {"group_size": group_size}
+    if of.prompt_token_budget is None:
+        samples = of.prompts_per_step * of.group_size
+        if samples % group_size:
+            raise CompareError(f"--ppo_group_size {group_size} does not divide the {samples} samples a step "
+                               f"(prompts_per_step {of.prompts_per_step} x group_size {of.group_size})")
+        fields["prompts_per_step"] = samples // group_size
+    return fields
+
+
 @dataclass
 class ComparePlan:
     algorithms: list[str]
@@ -677,6 +768,12 @@ class ComparePlan:
     warmup: bool
     """The configuration has a supervised warm-up: run it once, start every run from its model."""
     hybrid_split: float
+    ppo_group_size: int | None
+    """Trajectories per prompt of PPO runs (and the PPO phase of ``grpo_then_ppo``); None: the
+    runs' ``group_size``. PPO needs no group: with fewer per prompt it gets proportionally more
+    prompts per step (``ppo_fields``), so every algorithm samples as many trajectories a step."""
+    ppo_overrides: dict[str, Any]
+    """The ``TrainConfig`` fields ``ppo_group_size`` sets on PPO runs (empty without it)."""
     warmup_seed: int
     steps_cap: int | None
     eval_every: int
@@ -711,6 +808,11 @@ def build_compare_parser() -> argparse.ArgumentParser:
     parser.add_argument("--overwrite", action="store_true", help="replace an earlier comparison in --output_dir")
     parser.add_argument("--hybrid_split", type=float, default=0.5,
                         help=f"share of the budget {HYBRID} spends on GRPO before PPO (default 0.5)")
+    parser.add_argument("--ppo_group_size", type=int, default=None, metavar="K",
+                        help="samples (trajectories) per prompt of PPO and of the PPO phase of grpo_then_ppo, with "
+                             "prompts_per_step scaled by group_size / K so each step samples as many as the others "
+                             "(1: one trajectory per prompt; with --env, GRPO then pays group_size trajectories' "
+                             "environment calls per prompt and PPO one). Default: the runs' group_size")
     parser.add_argument("--warmup_seed", type=int, default=1,
                         help="seed of the shared warm-up (model init and SFT data order; default 1, which reaches the built-in "
                              "task's probe target in fewer SFT steps than seed 0)")
@@ -745,6 +847,10 @@ def plan_compare(argv: Sequence[str]) -> ComparePlan:
     if not 0.0 < args.hybrid_split < 1.0:
         raise CompareError(f"--hybrid_split must be in (0, 1), got {args.hybrid_split}")
     budget = parse_budget(args.budget)
+    ppo_runs = "ppo" in args.algorithms or HYBRID in args.algorithms
+    if args.ppo_group_size is not None and (args.ppo_group_size < 1 or not ppo_runs):
+        raise CompareError(f"--ppo_group_size must be >= 1 and needs ppo or {HYBRID} in --algorithms, "
+                           f"got {args.ppo_group_size} with {' '.join(args.algorithms)}")
     explicit = _explicit_train_options(rest)
     for name, instead in FORBIDDEN_TRAIN_OPTIONS.items():
         if name in explicit:
@@ -766,19 +872,21 @@ def plan_compare(argv: Sequence[str]) -> ComparePlan:
             raise CompareError(f"{name} (set in the --config file) is set by the comparison itself; "
                                f"use {FORBIDDEN_TRAIN_OPTIONS[name]}")
 
-    def resolve(algorithm: str) -> TrainConfig:
+    def resolve(algorithm: str, overrides: dict[str, Any] | None = None) -> TrainConfig:
         try:
             return TrainConfig(**{**defaults, **user_fields, "algorithm": algorithm,
-                                  **budget.train_fields(steps_cap=user_fields.get("steps"))}).resolved()
+                                  **budget.train_fields(steps_cap=user_fields.get("steps")), **(overrides or {})}).resolved()
         except ValueError as e:
             raise CompareError(f"{algorithm}: {e}") from None
+
+    ppo_overrides = ppo_fields(resolve("ppo"), args.ppo_group_size) if args.ppo_group_size is not None else {}
 
     if budget.kind != "tokens":  # needs no configuration: checked before any other option
         check_budget_fits(budget, None, phases=2 if HYBRID in args.algorithms else 1)
     resolved = {}
     for algo in args.algorithms:
         for phase in (("grpo", "ppo") if algo == HYBRID else (algo,)):
-            resolved[phase] = resolve(phase)
+            resolved[phase] = resolve(phase, ppo_overrides if phase == "ppo" else None)
             check_budget_fits(budget, resolved[phase], phases=2 if algo == HYBRID else 1)
     base = resolve(args.algorithms[0] if args.algorithms[0] != HYBRID else "grpo")
     eval_every = user_fields.get("eval_every", None)
@@ -789,7 +897,8 @@ def plan_compare(argv: Sequence[str]) -> ComparePlan:
         raise CompareError("--eval_every 0 turns held-out evaluation off, and success is measured by it")
     return ComparePlan(
         algorithms=list(args.algorithms), seeds=list(range(args.seeds)), budget=budget, output_dir=Path(args.output_dir),
-        user_fields=user_fields, base=base, warmup=base.sft_steps > 0, hybrid_split=args.hybrid_split, warmup_seed=args.warmup_seed,
+        user_fields=user_fields, base=base, warmup=base.sft_steps > 0, hybrid_split=args.hybrid_split,
+        ppo_group_size=args.ppo_group_size, ppo_overrides=ppo_overrides, warmup_seed=args.warmup_seed,
         steps_cap=user_fields.get("steps"), eval_every=eval_every, overwrite=args.overwrite, argv=list(argv),
     )
 
@@ -842,8 +951,12 @@ def prepare_start(plan: ComparePlan) -> dict[str, Any]:
                                   "sft_steps": 0, "sft_target_accuracy": None}
     if model_dir is not None:
         run_fields.update(model=str(model_dir), tokenizer=str(model_dir))
-    # defaults that depend on the built-in model/task, spelled out now that runs name a model
-    for name in ("max_new_tokens", "lr", "eval_prompts"):
+    # defaults that depend on the built-in model/task (or environment), spelled out now that runs name a model
+    spelled = ("max_new_tokens", "lr", "eval_prompts")
+    if plan.base.env is not None:
+        # an environment's defaults for the built-in model: its tool-call format and its trajectory limits
+        spelled += ("env_call_format", *AGENT_FIELDS)
+    for name in spelled:
         run_fields[name] = getattr(plan.base, name)
     (start / "start.json").write_text(json.dumps(info, indent=1))
     return {"fields": run_fields, "info": info}
@@ -899,7 +1012,11 @@ def _run_phase(directory: Path, fields: dict[str, Any]) -> dict[str, Any]:
         tail = [line for line in log_text.splitlines() if line.strip()][-3:]
         error = f"exit status {proc.returncode}: " + " | ".join(tail)
     pass_k = int(fields.get("pass_k", TrainConfig.pass_k))
-    metrics = run_metrics(steps, evals, pass_k=pass_k if pass_k > 1 else None) if (steps or evals) else None
+    config_file = directory / "config.yaml"  # the run's resolved options (an environment's defaults included)
+    resolved = yaml.safe_load(config_file.read_text()) if config_file.exists() else {}
+    group_size = int(resolved.get("group_size") or fields.get("group_size", TrainConfig.group_size))
+    metrics = (run_metrics(steps, evals, pass_k=pass_k if pass_k > 1 else None, group_size=group_size)
+               if (steps or evals) else None)
     return {"returncode": proc.returncode, "status": status, "error": error, "wall_seconds": wall,
             "stopped_by": summary.get("stopped_by"), "metrics": metrics, "final_model": summary.get("final_model"),
             "dir": str(directory)}
@@ -911,7 +1028,7 @@ def run_fields_for(plan: ComparePlan, start_fields: dict[str, Any], algorithm: s
     return {
         **plan.user_fields, **start_fields, "algorithm": algorithm, "seed": seed, "output_dir": str(directory),
         "eval_every": plan.eval_every, "progress": False, "tensorboard": plan.user_fields.get("tensorboard", False),
-        **budget.train_fields(steps_cap=plan.steps_cap),
+        **budget.train_fields(steps_cap=plan.steps_cap), **(plan.ppo_overrides if algorithm == "ppo" else {}),
     }
 
 
@@ -1032,6 +1149,7 @@ def build_report(plan: ComparePlan, runs: list[dict[str, Any]], *, start: dict[s
         "seeds": plan.seeds,
         "budget": {"kind": plan.budget.kind, "amount": plan.budget.amount, "text": plan.budget.text},
         "hybrid_split": plan.hybrid_split if HYBRID in plan.algorithms else None,
+        "ppo_group_size": plan.ppo_group_size,
         "eval_every": plan.eval_every,
         "train_options": plan.user_fields,
         "start": start,
@@ -1042,6 +1160,9 @@ def build_report(plan: ComparePlan, runs: list[dict[str, Any]], *, start: dict[s
             "reward_drop": f"largest fall of the {SMOOTHING_STEPS}-step trailing mean of the batch reward below its earlier peak",
             "kl_blowups": f"steps whose mean per-token KL to the reference exceeds {KL_BLOWUP}",
             "entropy_blowups": f"steps whose mean token entropy exceeds {ENTROPY_BLOWUP_FACTOR}x the first step's",
+            "reward_std_collapse_steps": f"steps whose {SMOOTHING_STEPS}-step mean batch reward std is below "
+                                         f"{ECHO_TRAP_STD_FRACTION}x its earlier peak while the mean reward is below "
+                                         f"{ECHO_TRAP_SOLVED}x the best reward (the Echo Trap warning)",
             "peak_memory_gb": "CUDA max allocated on a GPU; the process's peak RSS on a CPU",
             "distinguishable": "the mean ± std (sample std over seeds) intervals of winner and runner-up do not overlap",
         },

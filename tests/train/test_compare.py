@@ -22,6 +22,8 @@ from fastrl.train.compare import (
     parse_budget,
     plan_compare,
     reward_drop,
+    run_fields_for,
+    reward_std_collapse,
     run_metrics,
     summarize,
     verdicts,
@@ -109,6 +111,22 @@ def test_reward_drop_is_the_worst_fall_of_the_smoothed_curve():
     assert reward_drop([float("nan"), 1.0, 0.5], window=1) == 0.5
 
 
+def test_reward_std_collapse_is_the_echo_trap_warning_not_a_solved_batch():
+    # the spread falls to 0 while the reward stays at 0.3: a collapse from step index 5 on (window 1)
+    stds = [0.5, 0.5, 0.4, 0.2, 0.15, 0.05, 0.0, 0.0]
+    assert reward_std_collapse(stds, [0.3] * 8, 1.0, window=1) == (3, 5)
+    # the same spread falling because every sample is solved (mean 1 = the best reward): no warning
+    assert reward_std_collapse(stds, [0.3] * 4 + [1.0] * 4, 1.0, window=1) == (0, None)
+    assert reward_std_collapse(stds, [0.3] * 6 + [1.0] * 2, 1.0, window=1) == (1, 5)
+    assert reward_std_collapse(stds, [1.0] * 8, 1.0, window=1) == (0, None)
+    assert reward_std_collapse([0.0] * 4, [0.0] * 4, 0.0) == (0, None)  # never any spread: nothing collapsed
+    steps = _steps([0.3] * 8)
+    for rec, s in zip(steps, stds):
+        rec["reward/std"], rec["reward/max"] = s, 1.0
+    m = run_metrics(steps, [])
+    assert m["stability"]["reward_std_collapse_steps"] > 0 and m["stability"]["reward_std_collapse_step"] >= 6
+
+
 def test_run_metrics_from_logged_records():
     steps = _steps([0.1, 0.5, 0.2, 0.6], kl=[0.01, 0.02, 3.0, 0.01], entropy=[1.0, 1.2, 2.5, 0.5])
     evals = [{"step": 0, "event": "eval", "eval/accuracy": 0.3, "eval/pass@4": 0.5, "time/eval": 2.0},
@@ -131,6 +149,32 @@ def test_run_metrics_from_logged_records():
     m = run_metrics(bad, [])
     assert m["stability"]["non_finite_steps"] == 1 and math.isnan(m["stability"]["kl_max"])
     assert math.isnan(m["success"]["final_accuracy"])
+
+
+def test_agent_runs_cost_environment_calls_per_prompt():
+    """GRPO's G trajectories per prompt each call the environment: calls per prompt scale with G."""
+    def agent_steps(samples, calls_per_trajectory):
+        steps = _steps([0.2, 0.4])
+        for rec in steps:
+            rec.update({"agent/env_calls": samples * calls_per_trajectory, "rollout/samples": samples,
+                        "agent/tool_calls_per_trajectory": calls_per_trajectory - 1})
+        return steps
+
+    grpo = run_metrics(agent_steps(16, 3), [], group_size=8)["cost"]  # 2 prompts x 8 trajectories, 3 calls each
+    assert (grpo["env_calls"], grpo["tool_calls"], grpo["trajectories"], grpo["prompts"]) == (96, 64, 32, 4)
+    assert grpo["env_calls_per_prompt"] == 24.0
+    ppo = run_metrics(agent_steps(16, 3), [], group_size=1)["cost"]  # 16 prompts x 1 trajectory
+    assert ppo["env_calls_per_prompt"] == 3.0
+    assert math.isnan(run_metrics(_steps([0.1]), [], group_size=8)["cost"]["env_calls"])  # single-turn: not measured
+    chained = chain_phases(run_metrics(agent_steps(16, 3), [], group_size=8), run_metrics(agent_steps(16, 3), [], group_size=1))
+    assert chained["cost"]["env_calls"] == 192 and chained["cost"]["prompts"] == 4 + 32
+    assert chained["cost"]["env_calls_per_prompt"] == pytest.approx(192 / 36)
+    runs = [{"algorithm": a, "seed": s, "status": "ok", "wall_seconds": 1.0,
+             **run_metrics(agent_steps(16, 3 + s + (a == "grpo")), [{"step": 0, "eval/accuracy": 0.1}], group_size=g)}
+            for a, g in (("grpo", 8), ("ppo", 1)) for s in (0, 1)]
+    found = [v for v in verdicts(summarize(runs), budget_kind="steps") if v["metric"] == "environment calls for the budget"]
+    assert len(found) == 1 and found[0]["winner"] == "ppo" and "environment calls per prompt: grpo" in found[0]["text"]
+    assert "environment calls per prompt" in format_table(summarize(runs), found)
 
 
 def test_hybrid_phases_chain_into_one_curve():
@@ -229,6 +273,8 @@ def test_summary_verdicts_and_table_from_synthetic_runs():
     (["--group_size", "1"], "grpo: group_size must be >= 2"),
     (["--hybrid_split", "1.5"], "hybrid_split"),
     (["--eval_every", "0"], "success is measured"),
+    (["--algorithms", "grpo", "--ppo_group_size", "1"], "needs ppo or grpo_then_ppo"),
+    (["--ppo_group_size", "3"], "does not divide the 128 samples"),
 ])
 def test_bad_input_is_an_error_before_any_run(args, needle, tmp_path, capsys):
     out = tmp_path / "cmp"
@@ -313,7 +359,49 @@ def test_the_hybrid_runs_ppo_from_the_grpo_policy(tmp_path, capsys):
     assert [e["step"] for e in run["evals"]] == [0, 1, 2, 3]
 
 
+def test_ppo_group_size_gives_ppo_fewer_samples_per_prompt_and_more_prompts(tmp_path):
+    plan = plan_compare(["--algorithms", "grpo", "ppo", HYBRID, "--budget", "2-steps", "--ppo_group_size", "2",
+                         "--prompts_per_step", "4"])
+    assert plan.ppo_overrides == {"group_size": 2, "prompts_per_step": 16}  # 4 x 8 samples a step, as GRPO's
+    ppo = run_fields_for(plan, {}, "ppo", 0, tmp_path, plan.budget)
+    grpo = run_fields_for(plan, {}, "grpo", 0, tmp_path, plan.budget)
+    assert (ppo["group_size"], ppo["prompts_per_step"]) == (2, 16) and "group_size" not in grpo
+    assert grpo["prompts_per_step"] == 4
+
+
 def test_train_options_take_the_vllm_server_form():
     plan = plan_compare(["--algorithms", "grpo", "ppo", "--budget", "2-steps", "--sampler", "vllm-server",
                          "http://127.0.0.1:8000", "--sft_steps", "0"])
     assert plan.user_fields["sampler"] == "vllm-server" and plan.base.sampler_url == "http://127.0.0.1:8000"
+
+
+ENV_TINY = ["--prompts_per_step", "2", "--group_size", "2", "--task_train_size", "16", "--task_eval_size", "2",
+            "--model_hidden_size", "16", "--model_layers", "1", "--sft_steps", "2", "--sft_check_every", "1000",
+            "--env_workers", "1", "--reward_workers", "0", "--max_turns", "2", "--max_turn_tokens", "8", "--threads", "1"]
+
+
+def test_an_agent_comparison_counts_environment_calls(tmp_path, capsys):
+    """compare --env: the environment reaches every run (from the shared warm-up, with the
+    environment's tool-call format), and cost counts environment calls per prompt: GRPO's 2
+    trajectories per prompt against PPO's one (--ppo_group_size 1, twice the prompts)."""
+    out = tmp_path / "cmp"
+    assert main(["compare", "--env", "calculator", "--algorithms", "grpo", "ppo", "--seeds", "1", "--budget", "2-steps",
+                 "--ppo_group_size", "1", "--output_dir", str(out), *ENV_TINY]) == 0
+    printed = capsys.readouterr().out
+    report = json.loads((out / "compare.json").read_text())
+    assert "environment calls per prompt" in printed and "cost (environment calls for the budget" in printed
+    runs = {r["algorithm"]: r for r in report["runs"]}
+    for algo, group_size, prompts in (("grpo", 2, 2), ("ppo", 1, 4)):
+        run = runs[algo]
+        assert run["status"] == "ok", run.get("error")
+        cfg = yaml.safe_load((out / "runs" / f"{algo}-seed0" / "config.yaml").read_text())
+        assert cfg["env"] == "calculator" and cfg["env_call_format"] == "compact" and cfg["sft_steps"] == 0
+        assert (cfg["group_size"], cfg["prompts_per_step"]) == (group_size, prompts)
+        steps = [json.loads(line) for line in (out / "runs" / f"{algo}-seed0" / "metrics.jsonl").read_text().splitlines()
+                 if "event" not in json.loads(line)]
+        cost = run["cost"]
+        assert cost["trajectories"] == 2 * 4 and cost["prompts"] == 2 * prompts
+        assert cost["env_calls"] == sum(s["agent/env_calls"] for s in steps) >= cost["trajectories"]  # a reset each
+        assert cost["env_calls_per_prompt"] == pytest.approx(cost["env_calls"] / cost["prompts"])
+        assert cost["env_calls_per_prompt"] >= group_size  # each of a prompt's trajectories is reset at least
+        assert set(run["stability"]) >= {"reward_std_collapse_steps", "non_finite_steps"}

@@ -1,0 +1,96 @@
+"""`fastrl train --env NAME` (a built-in environment with its defaults) per seed: the warm-up,
+held-out success and tool-call rate at step 0 (after the warm-up, before RL) and after RL, the
+median RL step, the whole run's wall time.
+
+    nice python benchmarks/env_train_seeds.py --env calculator --seeds 0 1 2 \
+        --out benchmarks/results/env_train_calculator_3seeds_cpu.json
+
+Each seed is a fresh `OMP_NUM_THREADS=1 fastrl train --env NAME --seed S --threads 1` process,
+one after the other (under `nice` when this script is); the machine's load average is recorded
+before and after each run (the CPU is shared). benchmarks/render_tables.py turns the JSON into
+the README's table.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import statistics
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parents[1]
+COMMAND = "OMP_NUM_THREADS=1 fastrl train --env {env} --seed S --threads 1"
+EVAL_KEYS = {"accuracy": "eval/accuracy", "tool_call_rate": "eval/tool_call_rate", "turns_mean": "eval/turns_mean"}
+"""What each held-out evaluation record gives (``fastrl.train.agent_evaluate``)."""
+
+
+def code_version() -> str:
+    """The commit the run's fastrl is (``+dirty`` when the worktree has uncommitted changes)."""
+    head = subprocess.run(["git", "-C", str(ROOT), "rev-parse", "--short", "HEAD"], capture_output=True, text=True).stdout.strip()
+    dirty = subprocess.run(["git", "-C", str(ROOT), "status", "--porcelain", "--untracked-files=no"], capture_output=True,
+                           text=True).stdout.strip()
+    return head + ("+dirty" if dirty else "")
+
+
+def run_seed(env_name: str, seed: int, out: Path, extra: list[str]) -> dict:
+    env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONPATH": str(ROOT)}
+    commit = code_version()
+    load_before = os.getloadavg()
+    t0 = time.perf_counter()
+    cmd = [sys.executable, "-m", "fastrl.cli", "train", "--env", env_name, "--seed", str(seed), "--threads", "1",
+           "--output_dir", str(out), "--progress", "false", *extra]
+    proc = subprocess.run(cmd, env=env, capture_output=True, text=True)
+    wall = time.perf_counter() - t0
+    if proc.returncode != 0:
+        raise SystemExit(f"seed {seed}: exit {proc.returncode}\n{proc.stdout[-2000:]}\n{proc.stderr[-3000:]}")
+    records = [json.loads(line) for line in (out / "metrics.jsonl").read_text().splitlines()]
+    sft = next((r for r in records if r.get("event") == "eval" and "sft/steps" in r), {})
+    evals = [r for r in records if r.get("event") == "eval" and "eval/accuracy" in r]
+    steps = [r for r in records if "event" not in r]
+    summary = json.loads((out / "summary.json").read_text()) if (out / "summary.json").exists() else {}
+    return {
+        "sft_steps": sft.get("sft/steps"), "sft_seconds": round(sft["sft/seconds"], 1) if "sft/seconds" in sft else None,
+        "sft_probe_accuracy": sft.get("sft/probe_accuracy"),
+        "eval": [{"step": r["step"], **{k: r.get(v) for k, v in EVAL_KEYS.items()}} for r in evals],
+        "rl_steps": len(steps),
+        "rl_step_seconds_median": round(statistics.median(r["time/step"] for r in steps), 3) if steps else None,
+        "train_tool_call_rate_first_last": [steps[0].get("agent/tool_call_rate"), steps[-1].get("agent/tool_call_rate")]
+        if steps else None,
+        "env_calls": sum(r.get("agent/env_calls", 0.0) for r in steps),
+        "stopped_by": summary.get("stopped_by"),
+        "commit": commit,
+        "wall_seconds": round(wall, 1),
+        "load_average_before_after": [round(load_before[0], 2), round(os.getloadavg()[0], 2)],
+    }
+
+
+def main() -> int:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--env", required=True, help="a built-in environment: calculator, sql, frozenlake")
+    parser.add_argument("--seeds", type=int, nargs="+", default=[0, 1, 2])
+    parser.add_argument("--out", type=Path, required=True)
+    parser.add_argument("--machine", default="the project's 2-core CPU, shared with other sessions; seeds one after the other")
+    parser.add_argument("extra", nargs="*", help="more `fastrl train` options after --, given to every seed")
+    args = parser.parse_args()
+    runs = {}
+    with tempfile.TemporaryDirectory() as tmp:
+        for seed in args.seeds:
+            runs[str(seed)] = run_seed(args.env, seed, Path(tmp) / f"seed{seed}", args.extra)
+            print(f"seed {seed}: {json.dumps(runs[str(seed)])}", flush=True)
+    command = COMMAND.format(env=args.env) + (" " + " ".join(args.extra) if args.extra else "")
+    payload = {"what": f"fastrl train --env {args.env} (built-in defaults: warm-up on synthetic transcripts, then RL) per seed",
+               "env": args.env, "command": command, "machine": args.machine, "niceness": os.nice(0),
+               "date": time.strftime("%Y-%m-%d"), "runs": runs}
+    args.out.parent.mkdir(parents=True, exist_ok=True)
+    args.out.write_text(json.dumps(payload, indent=1) + "\n")
+    print(f"written to {args.out}")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
