@@ -226,7 +226,7 @@ class GroupPackedLayout(Layout):
         from fastrl.ops.hf_packed import packed_causal_lm_logprobs
 
         if self._of(mb):
-            return self.padded.logprobs(model, mb, entropy=entropy)
+            return self.padded.logprobs(model, mb, entropy=entropy, entropy_rows=entropy_rows)
         with self.forward_context():
             out = packed_causal_lm_logprobs(model, mb.data.packed, temperature=self.temperature, return_entropy=entropy,
                                             entropy_rows=entropy_rows[0] if entropy_rows is not None else None)
@@ -313,7 +313,9 @@ class TreePackedLayout(GroupPackedLayout):
                         cu_seqlens=PackedLayout.from_lengths(tree.scored_lens, device=self.device))
         return mb
 
-    def logprobs(self, model, mb, *, entropy):
+    def logprobs(self, model, mb, *, entropy, entropy_rows=None):
+        """``entropy_rows`` is not used: the trie's scored tokens are shared between rows, so the
+        full entropy is computed (the metric's subsample is then read from it)."""
         from fastrl.ops.hf_tree import tree_causal_lm_logprobs
 
         with self.forward_context():
