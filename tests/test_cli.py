@@ -209,8 +209,8 @@ def test_a_parse_error_is_the_usage_line_and_one_error_line_with_the_closest_opt
     (["--steps", "abc"], "--steps: expected an integer, got 'abc'"),  # int
     (["--steps=1.5"], "--steps: expected an integer, got '1.5'"),
     (["--overwrite", "maybe"], "--overwrite: expected true or false, got 'maybe'"),  # bool
-    (["--algorithm", "foo"], "--algorithm: expected one of grpo, dr_grpo, dapo, gspo, rloo, reinforce_pp, ppo, "
-                             "got 'foo'"),  # Literal
+    (["--algorithm", "foo"], "--algorithm: expected one of grpo, dr_grpo, dapo, gspo, rloo, reinforce_pp, ppo, gigpo, "
+                             "mt_grpo, got 'foo'"),  # Literal
     (["--surrogate", "foo"], "--surrogate: expected one of ppo_clip, cispo, sapo, vespo (or null), got 'foo'"),
     (["--adam-betas", "[0.9,x]"], "--adam_betas: expected a list of finite numbers (e.g. [a, b]), got '[0.9,x]'"),
 ])
