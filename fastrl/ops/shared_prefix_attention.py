@@ -579,6 +579,13 @@ def shared_prefix_attention(
 
 
 def _check(q, k, v, layout, scale) -> None:
+    check_packed_attention_inputs(q, k, v, layout, scale, layout_type=SharedPrefixLayout)
+
+
+def check_packed_attention_inputs(q, k, v, layout, scale, *, layout_type: type) -> None:
+    """The input rules of a packed attention op (``[N, H, D]`` q/k/v over a layout of
+    ``layout_type`` with ``num_tokens`` and ``device``): shared by the shared-prefix and the
+    prefix-tree ops."""
     check_float("q", q, ndim=3)
     N, Hq, D = q.shape
     check_float("k", k, ndim=3)
@@ -590,8 +597,8 @@ def _check(q, k, v, layout, scale) -> None:
         raise ValueError(f"q has {Hq} heads, which is not a multiple of k's {Hkv} kv heads")
     if q.dtype != k.dtype or q.dtype != v.dtype:
         raise TypeError(f"q, k and v must share one dtype, got {q.dtype}, {k.dtype}, {v.dtype}")
-    if not isinstance(layout, SharedPrefixLayout):
-        raise TypeError(f"layout must be a SharedPrefixLayout, got {type(layout).__name__}")
+    if not isinstance(layout, layout_type):
+        raise TypeError(f"layout must be a {layout_type.__name__}, got {type(layout).__name__}")
     if layout.num_tokens != N:
         raise ValueError(f"layout describes {layout.num_tokens} tokens, q has {N}")
     if layout.device != q.device or k.device != q.device or v.device != q.device:

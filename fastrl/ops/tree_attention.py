@@ -38,8 +38,8 @@ from typing import Sequence
 import torch
 import torch.nn.functional as F
 
-from fastrl._checks import check_choice, check_float, resolve_backend
-from fastrl.ops.shared_prefix_attention import DENSE_MAX_TOKENS, SharedPrefixLayout
+from fastrl._checks import check_choice, resolve_backend
+from fastrl.ops.shared_prefix_attention import DENSE_MAX_TOKENS, SharedPrefixLayout, check_packed_attention_inputs
 
 __all__ = ["TreeLayout", "PackedTree", "tree_attention", "trie_size"]
 
@@ -522,25 +522,4 @@ def tree_attention(
 
 
 def _check(q, k, v, layout, scale) -> None:
-    check_float("q", q, ndim=3)
-    N, Hq, D = q.shape
-    check_float("k", k, ndim=3)
-    if k.shape[0] != N or k.shape[2] != D:
-        raise ValueError(f"k must have shape ({N}, Hkv, {D}) like q, got {tuple(k.shape)}")
-    check_float("v", v, shape=tuple(k.shape))
-    Hkv = k.shape[1]
-    if Hkv == 0 or Hq % Hkv != 0:
-        raise ValueError(f"q has {Hq} heads, which is not a multiple of k's {Hkv} kv heads")
-    if q.dtype != k.dtype or q.dtype != v.dtype:
-        raise TypeError(f"q, k and v must share one dtype, got {q.dtype}, {k.dtype}, {v.dtype}")
-    if not isinstance(layout, TreeLayout):
-        raise TypeError(f"layout must be a TreeLayout, got {type(layout).__name__}")
-    if layout.num_tokens != N:
-        raise ValueError(f"layout describes {layout.num_tokens} tokens, q has {N}")
-    if layout.device != q.device or k.device != q.device or v.device != q.device:
-        raise ValueError(f"q, k, v and the layout must share one device, got {q.device}, {k.device}, {v.device}, {layout.device}")
-    if isinstance(scale, bool) or not isinstance(scale, (int, float)) or not scale > 0:
-        raise ValueError(f"scale must be a positive number, got {scale!r}")
-    for name, t in (("q", q), ("k", k), ("v", v)):
-        if t.stride(-1) != 1:
-            raise ValueError(f"{name} must be contiguous in its last (head) dimension")
+    check_packed_attention_inputs(q, k, v, layout, scale, layout_type=TreeLayout)
