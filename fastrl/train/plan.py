@@ -684,7 +684,8 @@ DEFAULT_PLAN_PROMPT_LENGTH = 512
 # `fastrl train` options the plan reads (same names, same defaults: a run's --config YAML
 # works for both); the other TrainConfig fields in that file do not change the memory plan.
 TRAIN_OPTIONS = ("model", "algorithm", "kl_coef", "group_size", "max_prompt_length", "max_new_tokens", "dtype",
-                 "device", "shared_prefix", "activation_checkpointing", "offload_activations")
+                 "device", "shared_prefix", "prefix_tree", "activation_checkpointing", "offload_activations", "env",
+                 "max_trajectory_tokens")
 
 
 def _bool(text: str) -> bool:
@@ -725,6 +726,15 @@ def add_plan_arguments(parser: argparse.ArgumentParser) -> argparse.ArgumentPars
       help="auto: CUDA when this machine has it, else CPU (as fastrl train)")
     t("--shared_prefix", type=_bool, default=argparse.SUPPRESS, metavar="{true,false}",
       help="the training forward packs each prompt once per group (fastrl train's default: true)")
+    t("--prefix_tree", type=_bool, default=argparse.SUPPRESS, metavar="{true,false}",
+      help="the training forward packs samples as the trie of their tokens; planned as the prompt once per group "
+           "(deeper sharing, step-wise samples' earlier turns, is not credited: an upper bound)")
+    t("--env", default=argparse.SUPPRESS, metavar="NAME",
+      help="an agent run (fastrl train --env NAME): a sample is a whole trajectory of max_trajectory_tokens "
+           "(prompt, policy and environment tokens); its limits are the environment's defaults unless given")
+    t("--max_trajectory_tokens", type=int, default=argparse.SUPPRESS,
+      help="with --env: tokens of a trajectory in all; P is --max_prompt_length (default 0: the environment is "
+           "not built, so no prompt sharing is credited) and L the rest")
     t("--activation_checkpointing", choices=("auto", "off", "layer"), default=argparse.SUPPRESS,
       help="auto: on from 2048-token trajectories (as fastrl train)")
     t("--offload_activations", type=_bool, default=argparse.SUPPRESS, metavar="{true,false}",
@@ -801,21 +811,41 @@ def _plan_settings(args: argparse.Namespace) -> dict[str, Any]:
         device = train.device.split(":")[0]
     precision = args.precision or ("fp32" if train.dtype == "float32" or (train.dtype == "auto" and device == "cpu")
                                    else "bf16-mixed")
-    prompt_len = train.max_prompt_length or DEFAULT_PLAN_PROMPT_LENGTH
-    if train.model is None and not train.max_prompt_length:  # the built-in model: what its context leaves
-        from fastrl.train.task import DefaultTask
+    if train.env is not None:
+        # an agent run: a sample is a whole trajectory; the prompt its G samples share is not
+        # known without building the environment, so it is what the user says (0: none)
+        sample_len = train.max_trajectory_tokens
+        prompt_len = train.max_prompt_length or 0
+        if prompt_len >= sample_len:
+            raise InputError(f"--max_prompt_length {prompt_len} leaves no trajectory tokens of "
+                             f"max_trajectory_tokens={sample_len}")
+        response_len = sample_len - prompt_len
+    else:
+        prompt_len = train.max_prompt_length or DEFAULT_PLAN_PROMPT_LENGTH
+        if train.model is None and not train.max_prompt_length:  # the built-in model: what its context leaves
+            from fastrl.train.task import DefaultTask
 
-        prompt_len = DefaultTask().max_position_embeddings - train.max_new_tokens
+            prompt_len = DefaultTask().max_position_embeddings - train.max_new_tokens
+        response_len = train.max_new_tokens
     checkpointing = train.activation_checkpointing == "layer" or (
-        train.activation_checkpointing == "auto" and prompt_len + train.max_new_tokens >= AUTO_CHECKPOINTING_TOKENS)
+        train.activation_checkpointing == "auto" and prompt_len + response_len >= AUTO_CHECKPOINTING_TOKENS)
     algorithm = "ppo" if train.uses_critic else ("grpo" if train.uses_reference else "grpo_noref")
+    notes = []
+    if train.env is not None:
+        notes.append(f"--env {train.env}: each sample is a trajectory of max_trajectory_tokens={prompt_len + response_len} "
+                     f"(prompt P={prompt_len}, the rest policy and environment tokens, all in the forward)"
+                     + ("; give --max_prompt_length to credit the prompt the group shares" if not prompt_len else ""))
+    if train.prefix_tree:
+        notes.append("prefix_tree: planned as the prompt once per group; the trie's deeper sharing (earlier turns of "
+                     "step-wise samples, branches) makes the real step smaller")
     return dict(
-        model=train.model, prompt_len=prompt_len, response_len=train.max_new_tokens, algorithm=algorithm,
+        model=train.model, train=train, notes=notes, prompt_len=prompt_len, response_len=response_len, algorithm=algorithm,
         options=dict(
             group_size=train.group_size, prompts_per_micro_batch=args.prompts_per_micro_batch,
             reward_model=args.reward_model, precision=precision, optimizer=args.optimizer,
             optimizer_offload=args.optimizer_offload, checkpointing=checkpointing,
-            offload_layer_inputs=train.offload_activations and checkpointing, shared_prefix=train.shared_prefix,
+            offload_layer_inputs=train.offload_activations and checkpointing,
+            shared_prefix=train.shared_prefix or train.prefix_tree,
             shared_prefix_rollout=args.shared_prefix_rollout, fused_logprobs=args.fused_logprobs,
             attention=args.attention, kv_cache=args.kv_cache, device=device, foreach=args.foreach,
             persistent_grads=args.persistent_grads, overhead_gb=args.overhead_gb,
@@ -823,14 +853,21 @@ def _plan_settings(args: argparse.Namespace) -> dict[str, Any]:
     )
 
 
-def builtin_train_model_shape() -> ModelShape:
-    """The shape of ``fastrl train``'s built-in model (no ``--model``)."""
+def builtin_train_model_shape(train: Any = None) -> ModelShape:
+    """The shape of ``fastrl train``'s built-in model (no ``--model``) for the resolved
+    ``TrainConfig`` ``train`` (its ``model_hidden_size``, ``model_layers``; an env run's
+    context is its ``max_trajectory_tokens``, as ``build.load_policy`` makes it); None: the
+    built-in task's."""
     from fastrl.train.task import DefaultTask, char_tokenizer, tiny_model
 
     default = DefaultTask()
-    model = tiny_model(char_tokenizer(), hidden_size=default.hidden_size, layers=default.layers, heads=default.heads,
-                       arch=default.arch, max_position_embeddings=default.max_position_embeddings)
-    return shape_from_config(model.config, name="fastrl train's built-in model")
+    hidden = train.model_hidden_size if train is not None else default.hidden_size
+    layers = train.model_layers if train is not None else default.layers
+    positions = train.max_trajectory_tokens if train is not None and train.env is not None else default.max_position_embeddings
+    model = tiny_model(char_tokenizer(), hidden_size=hidden, layers=layers, heads=default.heads, arch=default.arch,
+                       max_position_embeddings=positions)
+    name = "fastrl train's built-in model" + (f" (--env {train.env})" if train is not None and train.env is not None else "")
+    return shape_from_config(model.config, name=name)
 
 
 def run_plan(args: argparse.Namespace) -> int:
@@ -840,12 +877,14 @@ def run_plan(args: argparse.Namespace) -> int:
 
     settings = _plan_settings(args)
     try:
-        shape = load_model_shape(settings["model"]) if settings["model"] is not None else builtin_train_model_shape()
+        shape = (load_model_shape(settings["model"]) if settings["model"] is not None
+                 else builtin_train_model_shape(settings["train"]))
         algorithms = ("ppo", "grpo", "grpo_noref") if args.compare else (settings["algorithm"],)
         out = []
         for algo in algorithms:
             opts = dict(settings["options"], algorithm=algo)
             plan = plan_memory(shape, prompt_len=settings["prompt_len"], response_len=settings["response_len"], **opts)
+            plan.notes.extend(settings["notes"])
             entry: dict[str, Any] = {"plan": plan}
             if args.memory_gb is not None:
                 entry["longest"] = longest_trajectory(shape, memory_gb=args.memory_gb, prompt_len=settings["prompt_len"], **opts)

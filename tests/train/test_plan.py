@@ -217,3 +217,32 @@ def test_cli_prints_a_table_and_json(capsys):
     assert [p["options"]["algorithm"] for p in payload] == ["ppo", "grpo", "grpo_noref"]
     assert all(p["total"] == max(p["phases"].values()) and p["longest_response_len"] > 0 for p in payload)
     assert main(["plan", "--model", "not a config or model!"]) == 2  # invalid hub id: fails without network
+
+
+def test_env_runs_plan_whole_trajectories_of_the_environments_limits(capsys):
+    """fastrl plan --env: a sample is a trajectory of max_trajectory_tokens (the environment's
+    default or the option), P is --max_prompt_length (0 by default), the built-in model is
+    the env run's (its context is the trajectory limit), and prefix_tree plans like the
+    shared-prefix packing; a prompt as long as the trajectory is a one-line error."""
+    from fastrl.cli import main
+    from fastrl.train.agent_task import ENV_TASKS
+
+    def plan(*argv):
+        assert main(["plan", "--json", *argv]) == 0
+        return json.loads(capsys.readouterr().out)
+
+    limit = ENV_TASKS["sql"].agent["max_trajectory_tokens"]
+    whole = plan("--env", "sql")
+    assert (whole["options"]["prompt_len"], whole["options"]["response_len"]) == (0, limit)
+    assert "--env sql" in whole["model"] and any("max_trajectory_tokens" in n for n in whole["notes"])
+    split = plan("--env", "sql", "--max_prompt_length", "100")
+    assert (split["options"]["prompt_len"], split["options"]["response_len"]) == (100, limit - 100)
+    assert split["tokens"]["forward"] < whole["tokens"]["forward"]  # the group's prompt counted once
+    longer = plan("--env", "sql", "--max_trajectory_tokens", str(2 * limit))
+    assert longer["options"]["response_len"] == 2 * limit and longer["total"] > whole["total"]
+    padded = plan("--env", "sql", "--max_prompt_length", "100", "--shared_prefix", "false")
+    tree = plan("--env", "sql", "--max_prompt_length", "100", "--shared_prefix", "false", "--prefix_tree", "true")
+    assert tree["tokens"] == split["tokens"] and padded["tokens"]["forward"] > tree["tokens"]["forward"]
+    assert any("prefix_tree" in n for n in tree["notes"])
+    assert main(["plan", "--env", "sql", "--max_prompt_length", str(limit)]) == 2
+    assert "leaves no trajectory tokens" in capsys.readouterr().err
