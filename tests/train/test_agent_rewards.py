@@ -13,7 +13,7 @@ from fastrl.errors import InputError
 from fastrl.train import TrainConfig
 from fastrl.train.agent_score import TrajectoryScorer, trajectory_completion, trajectory_prompt
 from fastrl.train.cli import parse_train_args
-from fastrl.train.rewards import RewardPool, completion_text, exact_match_reward
+from fastrl.train.rewards import RewardPool, completion_text, exact_match_reward, format_reward, math_reward
 from fastrl.train.trainer import Trainer
 
 FEW_SHOT = [{"role": "user", "content": "Compute 1+1."}, {"role": "assistant", "content": "2"},
@@ -64,6 +64,11 @@ def test_the_functions_get_the_trajectory_and_a_clashing_row_field_is_an_input_e
                             columns=scorer.columns([t.row], {"env_reward": [1.0], "turn_rewards": [[1.0]], "stop_reason": ["answer"]}))
         assert json.loads(result.extra_columns["seen"][0]) == [[FEW_SHOT[0]], [{"role": "assistant", "content": "7"}],
                                                                [10, 20], 1.0, "answer", "7"]
+        # the built-ins read a conversational completion's last assistant message
+        boxed = [{"role": "assistant", "content": "calc(1+1)"}, {"role": "tool", "content": "2"},
+                 {"role": "assistant", "content": "\\boxed{2}"}]
+        assert format_reward([None], [boxed]) == [1.0] and math_reward([None], [boxed], answer=["2"]) == [1.0]
+        assert format_reward([None], [boxed[:2]]) == [0.0]
         with pytest.raises(InputError, match="field 'stop_reason'"):
             scorer.validate(prompt=[FEW_SHOT[0]], row={"answer": "7", "stop_reason": "x"})
 
