@@ -47,7 +47,7 @@ import torch
 from fastrl.agents.trajectory import Trajectory
 from fastrl.errors import InputError
 
-__all__ = ["ENV_REWARD", "TRAJECTORY_COLUMNS", "TrajectoryScores", "TrajectoryScorer", "reward_names",
+__all__ = ["ENV_REWARD", "TRAJECTORY_COLUMNS", "TrajectoryScores", "TrajectoryScorer", "policy_ids", "reward_names",
            "trajectory_prompt", "trajectory_completion"]
 
 ENV_REWARD = "env"
