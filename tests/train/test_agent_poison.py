@@ -5,9 +5,10 @@ per-turn reward tensors and a wrong token id in its padding -- in each training 
 rows, the packed groups, the prefix tree) and through the loss inputs that read those tensors
 (the sampler's log-probs as the old ones, importance weights, the reference KL, a critic).
 
-Two trainers of the same seed run the same step; one collects through ``Poisoned``, which
-poisons the ``Experience`` its collector builds. Their losses, gradient norms and updated
-weights must be equal."""
+Two trainers of the same seed run the same step through ``Poisoned``; one of them poisons the
+``Experience`` its collector builds. Their losses, gradient norms and updated weights must be
+equal. One case also leaves a trajectory out (``failed_trajectories=mask``'s ``excluded``) and
+gives it a NaN outcome reward: it must reach neither the loss nor its group's baseline."""
 
 import pytest
 import torch
@@ -26,18 +27,25 @@ def garbage_like(count: int) -> torch.Tensor:
 
 
 class Poisoned:
-    """The run's collector, whose ``experience`` comes back with its no-loss positions poisoned."""
+    """The run's collector, whose ``experience`` comes back with its no-loss positions poisoned
+    (``poison``); the rows ``exclude`` are marked excluded (as a failed environment's are with
+    ``failed_trajectories=mask``) and, when poisoned, their outcome reward is NaN."""
 
-    def __init__(self, collector):
-        self.collector = collector
+    def __init__(self, collector, *, poison: bool, exclude: tuple[int, ...] = ()):
+        self.collector, self.poison, self.exclude = collector, poison, list(exclude)
         self.poisoned = 0
 
     def __getattr__(self, name):
         return getattr(self.collector, name)
 
     def experience(self, rollout, *, device):
+        rollout.batch.excluded[self.exclude] = True
+        if self.poison:
+            rollout.batch.rewards[self.exclude] = float("nan")
         exp = self.collector.experience(rollout, device=device)
-        masked = exp.loss_mask == 0  # [B, T-1]: prompt, environment and padding positions
+        if not self.poison:
+            return exp
+        masked = exp.loss_mask == 0  # [B, T-1]: prompt, environment and padding positions (and excluded rows)
         for tensor in (exp.sampler_logp, exp.turn_rewards, exp.batch.sampler_logp[:, 1:]):
             tensor[masked] = garbage_like(int(masked.sum())).to(tensor)
         padding = exp.batch.attention_mask == 0
@@ -46,11 +54,10 @@ class Poisoned:
         return exp
 
 
-def one_step(tmp_path, name, *, poison, **changes):
+def one_step(tmp_path, name, *, poison, exclude=(), **changes):
     cfg = TrainConfig(**{**BASE, "output_dir": str(tmp_path / name), **changes})
     with Trainer(cfg) as trainer:
-        if poison:
-            trainer.collector = Poisoned(trainer.collector)
+        trainer.collector = Poisoned(trainer.collector, poison=poison, exclude=exclude)
         metrics = trainer.train_step()
         if poison:
             assert trainer.collector.poisoned > 0
@@ -60,9 +67,10 @@ def one_step(tmp_path, name, *, poison, **changes):
 
 @pytest.mark.parametrize("changes", [
     dict(shared_prefix=False, algorithm="ppo", rollout_correction="bypass"),  # padded rows; sampler log-probs as old; a critic
-    dict(shared_prefix=True, kl_coef=0.1, rollout_correction="is"),  # packed groups; reference KL; importance weights
+    # packed groups; reference KL; importance weights; an excluded trajectory with a NaN outcome in a group
+    dict(shared_prefix=True, kl_coef=0.1, rollout_correction="is", exclude=(1,)),
     dict(prefix_tree=True, algorithm="gigpo"),  # the prefix tree; per-turn rewards in the step-group advantages
-], ids=["padded-ppo-bypass", "packed-grpo-kl-is", "tree-gigpo"])
+], ids=["padded-ppo-bypass", "packed-grpo-kl-is-excluded", "tree-gigpo"])
 def test_garbage_at_positions_without_loss_changes_nothing(tmp_path, changes):
     clean, clean_weights = one_step(tmp_path, "clean", poison=False, **changes)
     dirty, dirty_weights = one_step(tmp_path, "dirty", poison=True, **changes)
