@@ -100,13 +100,18 @@ def launch_vllm_server():
 def builtin_served_model_dir(tmp_path_factory):
     """The built-in task's model as ``fastrl train --model_hidden_size 128 --model_layers 1``
     builds it (head_dim 32: vLLM's CPU attention does not support the default tiny width's
-    head_dim 16), saved for a vllm-server (random weights: every trainer pushes its own)."""
+    head_dim 16), saved for a vllm-server (random weights: every trainer pushes its own).
+    Its context is the calculator environment's trajectory limit (``fastrl train --env
+    calculator`` builds the same model with that many positions); the single-turn task's
+    shorter sequences fit in it."""
+    from fastrl.train.agent_task import ENV_TASKS
     from fastrl.train.task import DefaultTask, char_tokenizer, tiny_model
 
     default = DefaultTask()
+    positions = max(default.max_position_embeddings, ENV_TASKS["calculator"].agent["max_trajectory_tokens"])
     path = tmp_path_factory.mktemp("builtin_served")
     tiny_model(char_tokenizer(), hidden_size=128, layers=1, heads=default.heads, arch=default.arch,
-               max_position_embeddings=default.max_position_embeddings, seed=0).save_pretrained(path)
+               max_position_embeddings=positions, seed=0).save_pretrained(path)
     return path
 
 

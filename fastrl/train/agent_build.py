@@ -8,6 +8,8 @@ environment workers (``EnvRuntime``), builds the ``ChatRenderer`` (a tools run w
 template that does not render tools is an ``InputError``) and resets one environment on the
 first training row (a ``reset`` that fails, hangs or returns the wrong type is an
 ``InputError``): everything a user can get wrong fails before the first step.
+``agent_scorer`` builds the run's ``TrajectoryScorer`` (``agent_score``): the ``--rewards``
+functions in the reward pool's workers, probed on that row's first observation.
 
 ``agent_warm_up``: the supervised warm-up of a built-in environment on its oracle's
 transcripts (``synthetic_transcripts``), laid out exactly as RL's trajectories
@@ -35,7 +37,7 @@ from fastrl.train.agent_task import USER_ENV_ROWS
 from fastrl.train.config import TrainConfig
 from fastrl.workers import OK
 
-__all__ = ["AgentSetup", "build_agent", "agent_prompts", "agent_loop", "agent_warm_up", "env_rows"]
+__all__ = ["AgentSetup", "build_agent", "agent_prompts", "agent_loop", "agent_scorer", "agent_warm_up", "env_rows"]
 
 
 @dataclass
@@ -51,6 +53,8 @@ class AgentSetup:
     eval_rows: list[dict]
     probe_prompt: list[int]
     """The first training row's prompt ids (the weight-sync probe's prompt)."""
+    probe_messages: list[dict]
+    """The first training row's first observation (the reward functions' probe prompt)."""
 
     def close(self) -> None:
         self.runtime.close()
@@ -105,7 +109,7 @@ def build_agent(cfg: TrainConfig, tokenizer: Any, *, train_rows: Sequence[dict] 
         if reply.status != OK:
             first = reply.message.strip().splitlines()[0] if reply.message else ""
             raise InputError(f"--env {cfg.env}: reset() failed on the first training row ({reply.status}): {first}")
-        probe_prompt = renderer.prompt_ids(reply.value)
+        probe_prompt, probe_messages = renderer.prompt_ids(reply.value), [dict(m) for m in reply.value]
         if len(probe_prompt) >= agent.max_trajectory_tokens:
             raise InputError(f"--env {cfg.env}: the first row's prompt has {len(probe_prompt)} tokens, not less than "
                              f"max_trajectory_tokens={agent.max_trajectory_tokens}")
@@ -113,7 +117,7 @@ def build_agent(cfg: TrainConfig, tokenizer: Any, *, train_rows: Sequence[dict] 
         runtime.close()
         raise
     return AgentSetup(factory=factory, runtime=runtime, renderer=renderer, agent=agent, train_rows=train, eval_rows=evals,
-                      probe_prompt=probe_prompt)
+                      probe_prompt=probe_prompt, probe_messages=probe_messages)
 
 
 def agent_prompts(cfg: TrainConfig, setup: AgentSetup, *, max_length: int | None, sharded: bool):
@@ -131,13 +135,38 @@ def agent_prompts(cfg: TrainConfig, setup: AgentSetup, *, max_length: int | None
                    max_length=max_length, dropped=0, batcher=batcher)
 
 
-def agent_loop(cfg: TrainConfig, setup: AgentSetup, *, batcher: Any, ranks: Any, sampler: Any, pad_token_id: int):
-    """The loop's ``(collector, evaluator)`` of an env run: ``AgentCollector`` and ``AgentEvaluator``."""
+def agent_scorer(cfg: TrainConfig, setup: AgentSetup, specs: Sequence[Any]) -> Any:
+    """The run's ``TrajectoryScorer``: ``specs`` (the ``--rewards`` functions or ``Trainer``'s
+    ``reward_functions``; none: the environment's outcome alone) in a ``RewardPool`` of
+    ``reward_workers`` processes, checked on the first training row's first observation (a
+    function that cannot be called, raises or returns the wrong count is an ``InputError``
+    here). Close its ``rewards`` pool (when not None) with the run."""
+    from fastrl.train.agent_score import TrajectoryScorer, reward_names
+    from fastrl.train.rewards import RewardPool
+
+    pool = None
+    if specs:
+        pool = RewardPool(list(specs), weights=cfg.reward_weights, names=reward_names(specs), timeout_s=cfg.reward_timeout,
+                          num_workers=cfg.reward_workers)
+    scorer = TrajectoryScorer(rewards=pool, env_weight=cfg.env_reward_weight)
+    try:
+        scorer.validate(prompt=setup.probe_messages, row=setup.train_rows[0])
+    except BaseException:
+        if pool is not None:
+            pool.close()
+        raise
+    return scorer
+
+
+def agent_loop(cfg: TrainConfig, setup: AgentSetup, *, batcher: Any, ranks: Any, sampler: Any, pad_token_id: int,
+               scorer: Any):
+    """The loop's ``(collector, evaluator)`` of an env run: ``AgentCollector`` (rewards from
+    ``scorer``, ``agent_scorer``'s) and ``AgentEvaluator`` (held-out success is the environment's)."""
     from fastrl.train.agent_collect import AgentCollector
     from fastrl.train.agent_evaluate import AgentEvaluator
 
     collector = AgentCollector(cfg=cfg, batcher=batcher, ranks=ranks, runtime=setup.runtime, renderer=setup.renderer,
-                               pad_token_id=pad_token_id)
+                               pad_token_id=pad_token_id, scorer=scorer)
     evaluator = AgentEvaluator(sampler=sampler, ranks=ranks, rows=setup.eval_rows, runtime=setup.runtime, renderer=setup.renderer,
                                agent=setup.agent, seed=cfg.seed)
     return collector, evaluator

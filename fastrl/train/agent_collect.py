@@ -7,7 +7,10 @@ One step: the batcher's next rows (this rank's share), ``group_size`` trajectori
 together each turn, their environment steps concurrent in the ``EnvRuntime`` workers), the
 trajectories as the step's ``[R, T]`` tensors (``AgentBatch``), and from those the
 ``Experience`` (``Experience.from_agent_batch``: packed groups when the trajectories of
-every group share the prompt and none was split, padded rows otherwise).
+every group share the prompt and none was split, padded rows otherwise). Each trajectory's
+reward is the ``TrajectoryScorer``'s (``agent_score``: ``env_reward_weight`` times the
+environment's outcome plus the ``--rewards`` functions on the whole trajectory, scored in the
+reward pool's workers); every sample of a trajectory carries it.
 
 Samplers: the HF sampler continues each trajectory's own keys/values across turns
 (``HFTokenSampler``: turn k prefills only the new environment tokens); vLLM and the server
@@ -19,8 +22,9 @@ seeds derive from it (``run_episodes``), so a resumed run plays the same traject
 
 The collector's other methods give the trainer what it logs: ``step_metrics`` (reward,
 length and the ``agent/...`` metrics of issue 18 §5, the sampler-vs-trainer log-prob gap on
-policy tokens when old log-probs exist: ``needs_old_logp``) and ``samples`` (the best and
-worst whole trajectories with their roles, for ``samples.txt``).
+policy tokens when old log-probs exist: ``needs_old_logp``; ``reward/mean`` ... of the combined
+reward, ``reward/env/...`` and ``reward/<function>/...`` of its terms) and ``samples`` (the best
+and worst whole trajectories by that reward, with their roles, for ``samples.txt``).
 """
 
 from __future__ import annotations
@@ -36,6 +40,7 @@ from fastrl.agents.render import ChatRenderer
 from fastrl.agents.trajectory import Trajectory, format_trajectory
 from fastrl.rollout.base import SamplingConfig
 from fastrl.train import seeds
+from fastrl.train.agent_score import TrajectoryScorer, TrajectoryScores
 from fastrl.train.collect import rollout_sampling
 from fastrl.train.config import TrainConfig
 from fastrl.train.experience import Experience
@@ -80,6 +85,8 @@ class AgentRollout:
     batch: AgentBatch
     metrics: dict[str, float]
     """``run_episodes``' metrics (``agent/...``, ``tokenization/...``, ``time/env_seconds`` ...)."""
+    scores: TrajectoryScores
+    """Each trajectory's reward and its terms (``batch.rewards`` is ``scores.rewards`` per row)."""
 
 
 class AgentCollector:
@@ -95,8 +102,9 @@ class AgentCollector:
     def close(self) -> None:
         """Nothing to release here (the environment runtime is the trainer's ``agent``, closed with it)."""
 
-    def __init__(self, *, cfg: TrainConfig, batcher: Any, ranks: Any, runtime: Any, renderer: ChatRenderer, pad_token_id: int):
-        self.cfg, self.batcher, self.ranks = cfg, batcher, ranks
+    def __init__(self, *, cfg: TrainConfig, batcher: Any, ranks: Any, runtime: Any, renderer: ChatRenderer, pad_token_id: int,
+                 scorer: TrajectoryScorer):
+        self.cfg, self.batcher, self.ranks, self.scorer = cfg, batcher, ranks, scorer
         self.runtime, self.renderer, self.pad_token_id = runtime, renderer, int(pad_token_id)
         self.agent = cfg.agent_config()
 
@@ -110,17 +118,21 @@ class AgentCollector:
                 rows, group_size=self.cfg.group_size, sampler=sampler, sampling=sampling, runtime=self.runtime,
                 renderer=self.renderer, agent=self.agent, env_seeds=env_seeds,
             )
+        with timer("reward"):
+            scores = self.scorer.score(trajectories)
         batch = AgentBatch.from_trajectories(trajectories, group_size=self.cfg.group_size, pad_token_id=self.pad_token_id)
-        return AgentRollout(trajectories, batch, metrics), {}
+        batch.rewards = scores.rewards[batch.trajectory_ids]  # each sample carries its trajectory's reward
+        return AgentRollout(trajectories, batch, metrics, scores), {}
 
     def experience(self, rollout: AgentRollout, *, device: torch.device) -> Experience:
         return Experience.from_agent_batch(rollout.batch, device=device)
 
     def step_metrics(self, rollout: AgentRollout, exp: Experience) -> tuple[dict[str, float], dict[str, list[float]]]:
-        """The step's reward, length and agent metrics, and the outcome rewards' histogram."""
+        """The step's reward, length and agent metrics, and the rewards' histogram."""
         trajectories = rollout.trajectories
-        outcome = self.ranks.gather(torch.tensor([t.outcome_reward for t in trajectories], dtype=torch.float32))
+        outcome = self.ranks.gather(rollout.scores.rewards.float())
         metrics: dict[str, float] = dict(rollout.metrics)
+        metrics.update(self.ranks.pool_reward_metrics(rollout.scores.metrics))
         metrics["reward/mean"] = float(outcome.mean())
         metrics["reward/std"] = float(outcome.std()) if outcome.numel() > 1 else 0.0
         metrics["reward/min"], metrics["reward/max"] = float(outcome.min()), float(outcome.max())
@@ -145,12 +157,12 @@ class AgentCollector:
         return metrics, histogram(outcome)
 
     def samples(self, rollout: AgentRollout, tokenizer: Any) -> tuple[tuple[str, str, float], tuple[str, str, float]]:
-        """``("", whole trajectory with its roles, outcome)`` of the step's best and worst trajectory."""
-        trajectories = rollout.trajectories
-        best = max(trajectories, key=lambda t: t.outcome_reward)
-        worst = min(trajectories, key=lambda t: t.outcome_reward)
+        """``("", whole trajectory with its roles, reward)`` of the step's best and worst trajectory
+        (by the combined reward; the header shows the environment's outcome)."""
+        rewards = rollout.scores.rewards
 
-        def text(t: Trajectory) -> tuple[str, str, float]:
-            return "", format_trajectory(t, lambda ids: tokenizer.decode(ids, skip_special_tokens=False)), float(t.outcome_reward)
+        def text(k: int) -> tuple[str, str, float]:
+            t = rollout.trajectories[k]
+            return "", format_trajectory(t, lambda ids: tokenizer.decode(ids, skip_special_tokens=False)), float(rewards[k])
 
-        return text(best), text(worst)
+        return text(int(rewards.argmax())), text(int(rewards.argmin()))

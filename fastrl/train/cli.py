@@ -56,7 +56,7 @@ HELP_GROUPS: dict[str, tuple[str, ...]] = {
     "logging and evaluation": ("eval_every", "eval_prompts", "pass_k", "tensorboard", "progress"),
     "output and checkpoints": ("output_dir", "save_every", "keep_checkpoints", "overwrite", "resume"),
     "agents (--env)": ("env", "env_workers", "env_step_timeout", "env_trajectory_timeout", "env_call_format",
-                       "env_max_repeated_calls", *AGENT_FIELDS),
+                       "env_max_repeated_calls", "env_reward_weight", *AGENT_FIELDS),
 }
 
 

@@ -179,9 +179,12 @@ class TrainConfig:
     """Rows per warm-up step (None: DefaultTask's)."""
 
     # ------------------------------------------------------------------ rewards
-    rewards: list[str] = field(default_factory=lambda: ["exact_match"])
+    rewards: Optional[list[str]] = None
     """Reward functions: built-in names (exact_match, math, format) or ``module:function`` /
-    ``path/file.py:function`` with TRL's signature ``f(prompts, completions, **columns)``."""
+    ``path/file.py:function`` with TRL's signature ``f(prompts, completions, **columns)``.
+    None: exact_match; with ``--env``: none (the environment's outcome reward alone), and the
+    functions given score each whole trajectory, added to ``env_reward_weight`` times the
+    environment's outcome (``fastrl/train/agent_score.py``)."""
     reward_weights: Optional[list[float]] = None
     """One weight per reward function (default: all 1)."""
     reward_timeout: float = 10.0
@@ -371,6 +374,10 @@ class TrainConfig:
     env_max_repeated_calls: int = 3
     """A built-in environment ends a trajectory after the same tool call this many times in a
     row (``agent/stop/repeated_call``); 0: no limit."""
+    env_reward_weight: float = 1.0
+    """Weight of the environment's outcome reward in an agent run's reward: a trajectory's
+    reward is ``env_reward_weight * outcome + sum_i reward_weights[i] * rewards[i](trajectory)``
+    (0 with ``--rewards``: the functions alone)."""
     # one option per AgentConfig field (AGENT_FIELDS), same name and docs; None: the environment's default
     for _field in dataclasses.fields(AgentConfig):
         __annotations__[_field.name] = f"Optional[{_field.type}]"
@@ -437,6 +444,8 @@ class TrainConfig:
             from fastrl.train.agent_task import apply_env_defaults
 
             apply_env_defaults(c, builtin_model=builtin_model)
+        if c.rewards is None:
+            c.rewards = ["exact_match"] if c.env is None else []  # an agent's outcome is its environment's reward
         if c.max_new_tokens is None:
             c.max_new_tokens = default.max_new_tokens if builtin_task else 256
         if c.eval_prompts is None:
@@ -583,7 +592,7 @@ class TrainConfig:
                 )
             for weight in self.reward_weights:
                 number("reward_weights", value=weight)
-        if not self.rewards:
+        if not self.rewards and self.env is None:
             raise InputError("rewards must name at least one reward function")
         for name in ("output_dir", "prompt_column", "dataset_split"):
             if not getattr(self, name):
@@ -625,6 +634,8 @@ class TrainConfig:
         """The ``--env`` options: only with an environment, within range, and what an agent run cannot do."""
         if self.env is None:
             given = [name for name in (*AGENT_FIELDS, "env_call_format") if getattr(self, name) is not None]
+            if self.env_reward_weight != 1.0:
+                given.append("env_reward_weight")
             if given:
                 raise InputError(f"{given[0]} is an agent option: it needs --env (a built-in environment or module:Class)")
             return
@@ -636,6 +647,9 @@ class TrainConfig:
             raise InputError("env_max_repeated_calls must be 0 (no limit) or >= 2 (a first call is never a repeat), got 1")
         for name in ("env_step_timeout", "env_trajectory_timeout"):
             number(name, low=0.0, low_open=True)
+        number("env_reward_weight")
+        if self.env_reward_weight == 0 and not self.rewards:
+            raise InputError("env_reward_weight 0 leaves an agent run without a reward: give --rewards too")
         self.agent_config()  # AgentConfig's own checks name the field
         if self.dynamic_sampling:
             raise InputError("dynamic_sampling (DAPO's refill of all-equal groups) is not supported with --env yet; "

@@ -69,6 +69,8 @@ still caught and counted, but there is no time limit, and a function that hangs,
 **Built-ins** (names usable from the command line): ``exact_match``, ``math`` and
 ``format`` (see their docstrings); ``format=<regex>`` is a format check with your own
 pattern. Other functions come from ``module.sub:function`` or ``path/to/file.py:function``.
+The built-ins read a conversational completion (a list of messages: chat prompts, agent
+trajectories) as the content of its last ``assistant`` message (:func:`completion_text`).
 """
 
 from __future__ import annotations
@@ -99,6 +101,7 @@ from fastrl.errors import InputError
 __all__ = [
     "BUILTIN_REWARDS",
     "RegexFormatReward",
+    "completion_text",
     "RewardPool",
     "RewardResult",
     "exact_match_reward",
@@ -179,6 +182,22 @@ def extract_final_answer(text: str, *, fallback: Literal["text", "last_number", 
         numbers = _NUMBER.findall(text)
         return numbers[-1] if numbers else None
     return None
+
+
+def completion_text(completion: Any) -> str:
+    """The text a built-in reward reads from one completion: a string as it is; a
+    conversational completion (TRL's form: a list of ``{"role", "content"}`` messages, as chat
+    prompts and agent trajectories pass) the content of its last ``assistant`` message ("" when
+    it has none)."""
+    if isinstance(completion, str):
+        return completion
+    if isinstance(completion, (list, tuple)):
+        for message in reversed(completion):
+            if isinstance(message, dict) and message.get("role") == "assistant":
+                content = message.get("content")
+                return content if isinstance(content, str) else ""
+        return ""
+    return str(completion)
 
 
 _THOUSANDS = re.compile(r"^-?\d{1,3}(?:,\d{3})+(?:\.\d+)?$")
@@ -296,7 +315,7 @@ def exact_match_reward(
     """
     references = _reference_answers("exact_match", answer, len(completions))
     rewards: list[float | None] = []
-    for completion, reference in zip(completions, references):
+    for completion, reference in zip(map(completion_text, completions), references):
         if reference is None:
             rewards.append(None)
             continue
@@ -321,7 +340,7 @@ def math_reward(
     references = _reference_answers("math", answer, len(completions))
     module = _load_math_verify()
     rewards: list[float | None] = []
-    for completion, reference in zip(completions, references):
+    for completion, reference in zip(map(completion_text, completions), references):
         if reference is None:
             rewards.append(None)
             continue
@@ -356,7 +375,7 @@ class RegexFormatReward:
         self.__name__ = "format"
 
     def __call__(self, prompts: list[str], completions: list[str], **kwargs: Any) -> list[float]:
-        return [1.0 if self.regex.search(completion) else 0.0 for completion in completions]
+        return [1.0 if self.regex.search(completion_text(completion)) else 0.0 for completion in completions]
 
     def __repr__(self) -> str:
         return f"RegexFormatReward({self.regex.pattern!r})"
@@ -366,7 +385,7 @@ def format_reward(prompts: list[str], completions: list[str], **kwargs: Any) -> 
     """1.0 when the completion states a final answer in a form the other built-ins read -- a
     complete ``\\boxed{...}``, a ``####`` line or an ``<answer>...</answer>`` tag -- that is not
     empty, else 0.0 (:func:`extract_final_answer` with ``fallback="none"``)."""
-    return [1.0 if (extract_final_answer(c, fallback="none") or "") else 0.0 for c in completions]
+    return [1.0 if (extract_final_answer(completion_text(c), fallback="none") or "") else 0.0 for c in completions]
 
 
 BUILTIN_REWARDS: dict[str, RewardFunction] = {

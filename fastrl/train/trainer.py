@@ -175,11 +175,15 @@ class Trainer:
 
         # ---- rewards: checked on real rows before any training work
         specs = list(reward_functions) if reward_functions is not None else list(cfg.rewards)
-        workers = cfg.reward_workers if self.agent is None else 0  # an agent run scores with its environment
-        self.rewards = RewardPool(specs, weights=cfg.reward_weights, timeout_s=cfg.reward_timeout, num_workers=workers)
+        self.agent_scorer = None
+        if self.agent is None:
+            self.rewards = RewardPool(specs, weights=cfg.reward_weights, timeout_s=cfg.reward_timeout, num_workers=cfg.reward_workers)
+        else:  # the environment's outcome and the functions on whole trajectories (agent_score.py); None: no functions
+            self.agent_scorer = agent_build.agent_scorer(cfg, self.agent, specs)
+            self.rewards = self.agent_scorer.rewards
         self.scorer = GroupScorer(tokenizer=self.tokenizer, rewards=self.rewards, prompt_column=cfg.prompt_column)
         probe_rows = self.train_rows[: min(2, len(self.train_rows))]
-        if self.agent is None:  # an agent's outcome is its environment's reward
+        if self.agent is None:
             self.rewards.validate([r[cfg.prompt_column] for r in probe_rows], ["" for _ in probe_rows], self.scorer.columns(probe_rows))
 
         # ---- warm-up (not on resume: the checkpoint has the warmed-up policy)
@@ -247,7 +251,8 @@ class Trainer:
         self.probe_prompt = self.encoded[0]
         if self.agent is not None:
             self.collector, self.evaluator = agent_build.agent_loop(cfg, self.agent, batcher=self.batcher, ranks=ranks,
-                                                                    sampler=self.sampler, pad_token_id=self.tokenizer.pad_token_id)
+                                                                    sampler=self.sampler, pad_token_id=self.tokenizer.pad_token_id,
+                                                                    scorer=self.agent_scorer)
         else:
             self.collector = make_collector(cfg=cfg, batcher=self.batcher, ranks=ranks, scorer=self.scorer,
                                             weights=self.sampler_model if self.sampler_model is not None else self.policy,
@@ -612,7 +617,8 @@ class Trainer:
     def close(self) -> None:
         if self.run_lock is not None:
             self.run_lock.release()
-        self.rewards.close()
+        if self.rewards is not None:
+            self.rewards.close()
         self.collector.close()
         if self.agent is not None:
             self.agent.close()
