@@ -20,6 +20,7 @@ import torch
 from fastrl.rollout.base import GroupRollout
 from fastrl.rollout.branch import sample_tree
 from fastrl.train.collect import Collector
+from fastrl.train.compare import TREE_LEAF_TOKENS_METRIC
 from fastrl.train.experience import Experience
 
 __all__ = ["TreeCollector"]
@@ -52,6 +53,6 @@ class TreeCollector(Collector):
     def step_metrics(self, rollout: GroupRollout, exp: Experience) -> tuple[dict[str, float], dict[str, list[float]]]:
         metrics, hist = super().step_metrics(rollout, exp)
         tree = rollout.batch.tree
-        metrics["rollout/tree_leaf_tokens"] = float(self.ranks.sum(tree.leaf_tokens))
+        metrics[TREE_LEAF_TOKENS_METRIC] = float(self.ranks.sum(tree.leaf_tokens))
         metrics["rollout/tree_branch_points"] = float(self.ranks.sum(tree.branch_points))
         return metrics, hist

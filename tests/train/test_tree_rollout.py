@@ -7,6 +7,7 @@ the padded layout's."""
 from __future__ import annotations
 
 import json
+import math
 import sys
 from pathlib import Path
 
@@ -18,6 +19,7 @@ from fastrl.config import PolicyLossConfig
 from fastrl.ops.policy_loss import policy_loss
 from fastrl.rollout import HFGroupSampler, SamplingConfig
 from fastrl.rollout.branch import BranchSchedule, sample_tree
+from fastrl.train.compare import format_table, run_metrics, summarize
 from fastrl.train.experience import Experience
 from fastrl.train.layout import AutoTreeLayout, PaddedLayout, TreePackedLayout, make_layout, prefers_tree
 from fastrl.train.task import char_tokenizer, tiny_model
@@ -45,7 +47,15 @@ def test_fastrl_train_rollout_tree_runs_and_logs_its_budget(tmp_path):
         # the layout was picked from the experience: the leaves share their first segment
         assert r["layout/tree"] == 1.0 and r["layout/trie_saving"] >= 0.1
         assert r["advantage/tree_branch_points"] == r["rollout/tree_branch_points"]
-    assert (out / "final").exists() or any(out.iterdir())
+    # fastrl compare's report states the budget: generated tokens, and what independent sampling would have cost
+    evals = [r for r in rows if r.get("event") == "eval"]
+    record = {"algorithm": "grpo", "seed": 0, "success": True, "status": "ok", **run_metrics(steps, evals)}
+    assert record["cost"]["generated_tokens"] == sum(r["rollout/generated_tokens"] for r in steps)
+    assert record["cost"]["leaf_tokens"] == sum(r["rollout/tree_leaf_tokens"] for r in steps) > record["cost"]["generated_tokens"]
+    table = format_table(summarize([record]), [])
+    assert "generated tokens" in table and "tokens if sampled independently" in table
+    independent = run_metrics([{k: v for k, v in r.items() if k != "rollout/tree_leaf_tokens"} for r in steps], evals)
+    assert math.isnan(independent["cost"]["leaf_tokens"])  # a G-independent run has no such row
 
 
 @pytest.fixture(scope="module")
