@@ -214,9 +214,10 @@ def _children(nodes: list[_Node], parent: int, schedule: BranchSchedule, level: 
 
 
 def _grow_hf(sampler: Any, prompts: list[list[int]], nodes: list[_Node], schedule: BranchSchedule, sampling: SamplingConfig,
-             seeds: list[int] | None, budget: list[int]) -> int:
-    """Grow the trees with one multi-turn state, forking at each branch point. Returns the prompt tokens prefilled."""
-    N, G, k0 = len(prompts), schedule.leaves, schedule.branches[0]
+             seeds: list[int] | None, budget: list[int]) -> tuple[int, int]:
+    """Grow the trees with one multi-turn state, forking at each branch point. Returns the
+    prompt tokens prefilled and the peak KV bytes."""
+    N, G = len(prompts), schedule.leaves
     level_nodes = [c for i in range(N) for c in _children(nodes, i, schedule, 0)]
     state = sampler.start([prompts[nodes[n].group] for n in level_nodes], group_size=1, sampling=sampling)
     traj = {n: t for t, n in enumerate(level_nodes)}
@@ -243,17 +244,18 @@ def _grow_hf(sampler: Any, prompts: list[list[int]], nodes: list[_Node], schedul
             for (kid, _), t in zip(forks, fork_trajectories(state, [t for _, t in forks])):
                 traj[kid] = t
             level_nodes = nxt
-        return sum(state.prefill_tokens)
+        return sum(state.prefill_tokens), state.kv.peak_bytes
     finally:
         sampler.close(state)
 
 
 def _grow_generic(sampler: Any, prompts: list[list[int]], nodes: list[_Node], schedule: BranchSchedule, sampling: SamplingConfig,
-                  seeds: list[int] | None, budget: list[int]) -> tuple[int, float | None]:
-    """Grow the trees with one ``generate`` call per level (prompts = prompt + path so far)."""
+                  seeds: list[int] | None, budget: list[int]) -> tuple[int, int, float | None]:
+    """Grow the trees with one ``generate`` call per level (prompts = prompt + path so far).
+    Returns the prompt tokens computed, those reused (prefix caching) and the mean hit rate."""
     N, G = len(prompts), schedule.leaves
     parents = list(range(N))
-    prefill, hits = 0, []
+    prefill, reused, hits = 0, 0, []
     for level, k in enumerate(schedule.branches):
         if not parents:
             break
@@ -262,6 +264,7 @@ def _grow_generic(sampler: Any, prompts: list[list[int]], nodes: list[_Node], sc
         batch = sampler.generate(node_prompts, group_size=k, sampling=dataclasses.replace(sampling, max_new_tokens=budget[level]),
                                  **extra)
         prefill += batch.stats.prefill_tokens_computed
+        reused += batch.stats.prefix_tokens_reused
         if batch.stats.prefix_cache_hit_rate is not None:
             hits.append(batch.stats.prefix_cache_hit_rate)
         nxt = []
@@ -274,7 +277,7 @@ def _grow_generic(sampler: Any, prompts: list[list[int]], nodes: list[_Node], sc
                 if not nodes[n].stopped:
                     nxt.append(n)
         parents = nxt
-    return prefill, (sum(hits) / len(hits) if hits else None)
+    return prefill, reused, (sum(hits) / len(hits) if hits else None)
 
 
 def _path(nodes: list[_Node], n: int) -> list[int]:
@@ -316,9 +319,11 @@ def sample_tree(sampler: Any, prompts: Sequence[Sequence[int]], *, schedule: Bra
 
     hit_rate = None
     if isinstance(sampler, HFGroupSampler):
-        prefill = _grow_hf(sampler, prompts, nodes, schedule, sampling, seeds, budget)
+        prefill, peak = _grow_hf(sampler, prompts, nodes, schedule, sampling, seeds, budget)
+        reused = G * sum(len(p) for p in prompts) - prefill  # every row's prompt, stored once per distinct prompt
     else:
-        prefill, hit_rate = _grow_generic(sampler, prompts, nodes, schedule, sampling, seeds, budget)
+        prefill, reused, hit_rate = _grow_generic(sampler, prompts, nodes, schedule, sampling, seeds, budget)
+        peak = 0
     completions, logps, reasons, row_spans = [], [], [], []
     for i in range(N):
         for leaf in _leaves(nodes, i, schedule):
@@ -332,9 +337,9 @@ def sample_tree(sampler: Any, prompts: Sequence[Sequence[int]], *, schedule: Bra
             logps.append(torch.cat([x for m in path for x in nodes[m].logp]).float())
             reasons.append("stop" if nodes[leaf].stopped else "length")
     generated = sum(len(n.tokens) for n in nodes)
-    stats = RolloutStats(prompts=N, samples=N * G, prefill_tokens_computed=prefill,
-                         prefix_tokens_reused=max(0, G * sum(len(p) for p in prompts) - prefill),
-                         generated_tokens=generated, seconds=time.perf_counter() - t0, prefix_cache_hit_rate=hit_rate)
+    stats = RolloutStats(prompts=N, samples=N * G, prefill_tokens_computed=prefill, prefix_tokens_reused=reused,
+                         generated_tokens=generated, peak_kv_cache_bytes=peak, seconds=time.perf_counter() - t0,
+                         prefix_cache_hit_rate=hit_rate)
     batch = TreeRolloutBatch.from_samples(prompts, completions, logps, reasons, group_size=G, pad_token_id=sampler.pad_token_id,
                                           stats=stats)
     batch.tree = TreeSpans(parents=[n.parent for n in nodes], groups=[n.group for n in nodes], levels=[n.level for n in nodes],
