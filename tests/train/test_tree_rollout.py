@@ -132,3 +132,20 @@ def test_split_agent_samples_select_the_trie_and_train_like_padded_rows():
     assert auto.uses_tree(exp) and {type(mb.data).__name__ for mb in auto.micro_batches(exp)} == {"_Tree"}
     m = tiny_model(tokenizer, hidden_size=32, layers=2, heads=2, max_position_embeddings=256, seed=3).double()
     _assert_same(_grads(auto, m, exp), _grads(PaddedLayout(**common), m, exp))
+
+
+@pytest.mark.parametrize("changes, match", [
+    (dict(tree_branches=[2, 2]), "tree_branches shapes a tree rollout: it needs --rollout tree"),
+    (dict(rollout="tree", tree_branches=[2, 3]), r"give 6 leaves per prompt; their product must be group_size \(4\)"),
+    (dict(rollout="tree", tree_branches=[2, 2], tree_depths=[0, 6]), "must lie before max_new_tokens"),
+    (dict(rollout="tree", env="frozenlake"), "rollout=tree is not supported with --env"),
+    (dict(rollout="tree", dynamic_sampling=True), "rollout=tree is not supported with dynamic_sampling"),
+])
+def test_tree_options_are_checked_before_any_work(changes, match):
+    from fastrl.errors import InputError
+    from fastrl.train.config import TrainConfig
+
+    with pytest.raises(InputError, match=match):
+        TrainConfig(**{"group_size": 4, "max_new_tokens": 6, **changes}).resolved()
+    assert TrainConfig(rollout="tree", group_size=4, max_new_tokens=6).resolved().tree_schedule() == BranchSchedule(
+        branches=(2, 2), depths=(0, 3))
