@@ -36,6 +36,14 @@ The trainer adds this on top of the episode (group) advantage of the leaves:
 children are compared at the root, like every other branch point, so with one level
 (``tree_branches G``) the step term is the group's own normalised outcome once more.
 
+Relation to GiGPO's own step group: with each level as a turn, the branch point as the
+state key, gamma 1 and ``norm="none"``, GiGPO gives row b at level k the advantage
+R_b - mean_{leaves under p} R; summed over the rows through a segment c that is
+|L(c)| (V(c) - mean of its siblings' V) whenever the siblings have equally many leaves (no
+path stopped early): the same total weight on the segment's shared tokens, which here carry
+one value in every row (tested against ``turn_advantages(mode="gigpo")``). With ``"std"``
+the scales differ (GiGPO normalises over leaves, this over sibling values).
+
 Statistics: ``branch_points`` (step groups with two or more members) and
 ``frac_all_equal_branch_points`` (their share whose members' values are all equal: no step
 signal there).

@@ -77,3 +77,38 @@ def test_op_checks_its_inputs():
         tree_step_advantages(REWARDS.long(), node_of, PARENTS)
     with pytest.raises(ValueError, match="norm"):
         tree_step_advantages(REWARDS, node_of, PARENTS, norm="max")
+
+
+def test_on_a_full_tree_the_step_term_is_gigpos_step_group_summed_over_the_rows_of_a_segment():
+    """GiGPO (``turn_advantages(mode="gigpo")``) with each level as a turn and the branch point
+    as the state key: its step advantage of row b at level k is R_b - mean of the leaves under
+    the branch point (norm none, gamma 1, the reward at the last turn). Summed over the rows
+    through a segment, that is |L(c)| (V(c) - mean of its siblings' V) when the siblings have
+    as many leaves each: the tree's step term on the segment's shared tokens."""
+    from fastrl.ops.turn_advantages import turn_advantages
+
+    torch.manual_seed(0)
+    # a full tree of one group: root 0 -> 1, 2, 3; each -> two leaves (nodes 4..9)
+    parents = torch.tensor([-1, 0, 0, 0, 1, 1, 2, 2, 3, 3])
+    paths = [[1, 4], [1, 5], [2, 6], [2, 7], [3, 8], [3, 9]]
+    B, K = len(paths), 2
+    rewards = torch.randn(B, dtype=torch.float64)
+    ours, _ = tree_step_advantages(rewards, _node_grid(paths), parents, norm="none")
+    columns = torch.arange(K).expand(B, K)
+    mask = torch.ones(B, K)
+    turn_rewards = torch.zeros(B, K, dtype=torch.float64)
+    turn_rewards[:, -1] = rewards
+    keys = torch.tensor([[int(parents[p[0]]), p[0]] for p in paths])  # the state each level acted in: its branch point
+    common = dict(norm="none", gamma=1.0, backend="torch")
+    group = torch.zeros(B, dtype=torch.long)
+    n = torch.full((B,), K)
+    gigpo, _ = turn_advantages(columns, mask, turn_rewards, n, rewards, group, mode="gigpo", state_keys=keys, step_coef=1.0, **common)
+    episode, _ = turn_advantages(columns, mask, turn_rewards, n, rewards, group, mode="broadcast", **common)
+    step = gigpo - episode  # [B, K]: GiGPO's step advantage per row and level
+    assert float(ours.abs().sum()) > 0 and float(step.abs().sum()) > 0
+    for k in range(K):
+        for c in {p[k] for p in paths}:
+            rows = [b for b, p in enumerate(paths) if p[k] == c]
+            ours_c = ours[rows[0], 1 + 2 * k]  # the segment's tokens carry one value in every row
+            assert all(float(ours[b, 1 + 2 * k]) == float(ours_c) for b in rows)
+            torch.testing.assert_close(step[rows, k].sum().double(), len(rows) * ours_c, atol=1e-5, rtol=1e-5)
