@@ -306,9 +306,36 @@ def estimate(exp: Experience, *, cfg: TrainConfig, ranks, kl_coef: float,
     else:
         shaped = sequence_rewards(exp.rewards, token_kl=shaping_kl, kl_coef=kl_coef)
         exp.advantages, adv_stats = ranks.gather_groups(shaped, exp.group_ids, mode=cfg.advantage_mode)
+        if exp.tree_nodes is not None:  # a tree rollout: each branch point's children against their siblings
+            metrics.update(tree_step_credit(exp, cfg=cfg, ranks=ranks))
     adv = exp.advantages
     per_token = adv if adv.dim() == 2 else adv[:, None].expand_as(exp.loss_mask)
     metrics["advantage/mean"], metrics["advantage/std"] = ranks.masked_mean_std(per_token, mask)
     metrics["groups/frac_all_equal"] = float(adv_stats["frac_all_equal_groups"])
     metrics["groups/effective_ratio"] = float(adv_stats["effective_group_ratio"])
     return metrics
+
+
+def tree_step_credit(exp: Experience, *, cfg: TrainConfig, ranks) -> dict[str, float]:
+    """Tree rollouts (``rollout=tree``, ``exp.tree_nodes`` set), group modes: the leaves' group
+    advantage ``A^E_b`` (already in ``exp.advantages``, ``[B]``) plus ``step_coef`` times each
+    token's step advantage among the siblings of its segment (``tree_step_advantages`` over the
+    outcome rewards, F_norm ``turn_norm``; the formulas are in ``fastrl.reference.tree_advantages``):
+
+        A[b, t] = A^E_b + step_coef * A^S[b, t]      ([B, T-1], on the loss mask)
+
+    The step groups lie inside one prompt's tree, so each rank's are whole (groups are
+    sharded whole). KL-in-reward shaping enters the episode term only. Metrics:
+    ``advantage/tree_branch_points`` (step groups of two or more siblings, all ranks) and
+    ``advantage/frac_all_equal_branch_points`` (their share with one value: no step signal)."""
+    from fastrl.ops.tree_advantages import tree_step_advantages
+
+    nodes = torch.where(exp.loss_mask > 0, exp.tree_nodes.to(exp.device), -1)
+    step, stats = tree_step_advantages(exp.rewards.float(), nodes, exp.tree_parents.to(exp.device), norm=cfg.turn_norm)
+    base = exp.advantages if exp.advantages.dim() == 2 else exp.advantages[:, None].expand_as(exp.loss_mask)
+    exp.advantages = base + cfg.step_coef * step.to(base.dtype)
+    points = stats["branch_points"].double()
+    total = float(ranks.sum(points))
+    return {"advantage/tree_branch_points": total,
+            "advantage/frac_all_equal_branch_points": float(ranks.sum(stats["frac_all_equal_branch_points"].double() * points))
+            / max(total, 1.0)}

@@ -148,7 +148,9 @@ def make_collector(*, cfg: TrainConfig, batcher: Any, ranks: Any, scorer: Any, w
     """The step's collector: ``Collector``, or with ``async_steps`` an ``AsyncCollector``
     (its sampler process forked now, from ``weights``; a resumed run's rollouts in flight
     restored from ``resume_dir``)."""
-    inner = Collector(cfg=cfg, batcher=batcher, ranks=ranks, scorer=scorer)
+    from fastrl.train.tree_collect import TreeCollector
+
+    inner = (TreeCollector if cfg.rollout == "tree" else Collector)(cfg=cfg, batcher=batcher, ranks=ranks, scorer=scorer)
     if not cfg.async_steps:
         if resume_dir is not None and load_extra(resume_dir, IN_FLIGHT, rank=ranks.rank):
             logger.warning("resume without async_steps: the %s checkpoint's rollouts in flight are dropped (their prompts "

@@ -101,6 +101,10 @@ ECHO_TRAP_SOLVED = 0.95
 ENV_CALLS_METRIC = "agent/env_calls"
 """Per step: environment calls of the rollout (resets + steps; ``fastrl.agents.driver.agent_metrics``)."""
 TOOL_CALLS_METRIC = "agent/tool_calls_per_trajectory"
+TREE_LEAF_TOKENS_METRIC = "rollout/tree_leaf_tokens"
+"""Per step of a tree rollout (``--rollout tree``): the leaves' completion tokens, what independent
+samples of those lengths would have generated (``rollout/generated_tokens`` counts each shared
+segment once: the budget a tree run spends)."""
 SAMPLES_METRIC = "rollout/samples"
 """Per step: trajectories (samples) of the rollout."""
 STAGES = ("generate", "reward", "old_logp", "ref_logp", "values", "advantages", "update", "sync")
@@ -323,6 +327,8 @@ def run_metrics(steps: Sequence[dict[str, Any]], evals: Sequence[dict[str, Any]]
     trajectories = sum(_num(r.get(SAMPLES_METRIC, 0.0)) for r in steps) if agent else nan
     tool_calls = sum(_num(r.get(TOOL_CALLS_METRIC, 0.0)) * _num(r.get(SAMPLES_METRIC, 0.0)) for r in steps) if agent else nan
     prompts = trajectories / group_size if agent and group_size else nan
+    tree = any(TREE_LEAF_TOKENS_METRIC in r for r in steps)
+    leaf_tokens = sum(_num(r.get(TREE_LEAF_TOKENS_METRIC, 0.0)) for r in steps) if tree else nan
     best_reward = max((v for v in (_num(r.get("reward/max")) for r in steps) if math.isfinite(v)), default=float("nan"))
     collapse, collapse_at = reward_std_collapse([_num(r.get("reward/std")) for r in steps], rewards, best_reward)
     return {
@@ -363,6 +369,7 @@ def run_metrics(steps: Sequence[dict[str, Any]], evals: Sequence[dict[str, Any]]
             "trajectories": trajectories,
             "prompts": prompts,
             "env_calls_per_prompt": env_calls / prompts if prompts and math.isfinite(prompts) else nan,
+            "leaf_tokens": leaf_tokens,
         },
     }
 
@@ -425,7 +432,7 @@ def chain_phases(first: dict[str, Any], second: dict[str, Any]) -> dict[str, Any
         "peak_memory_gb": max(k1["peak_memory_gb"], k2["peak_memory_gb"]),
         "stage_seconds": stages,
     }
-    for key in ("env_calls", "tool_calls", "trajectories", "prompts"):
+    for key in ("env_calls", "tool_calls", "trajectories", "prompts", "leaf_tokens"):
         cost[key] = _num(k1.get(key)) + _num(k2.get(key))
     cost["env_calls_per_prompt"] = cost["env_calls"] / cost["prompts"] if cost["prompts"] > 0 else float("nan")
     return {"curve": curve, "evals": evals, "success": success, "stability": stability, "cost": cost}
@@ -472,6 +479,7 @@ METRICS: tuple[Metric, ...] = (
     Metric("cost", "train_seconds", "RL seconds (eval excluded)", False, ".1f"),
     Metric("cost", "wall_seconds", "process wall seconds", False, ".1f"),
     Metric("cost", "generated_tokens", "generated tokens", None, ".0f"),
+    Metric("cost", "leaf_tokens", "tokens if sampled independently", None, ".0f"),
     Metric("cost", "trained_tokens", "trained tokens", None, ".0f"),
     Metric("cost", "peak_memory_gb", "peak memory (GB)", False, ".2f"),
     Metric("cost", "env_calls", "environment calls (resets + steps)", False, ".0f"),

@@ -228,6 +228,21 @@ class TrainConfig:
     dynamic_sampling: Optional[bool] = None
     """Drop groups whose rewards are all equal and sample more prompts to refill the batch
     (DAPO). None: the preset's choice."""
+    rollout: Literal["independent", "tree"] = "independent"
+    """independent: the group_size samples of a prompt are drawn each on its own. tree: they are
+    the leaves of a tree (``fastrl.rollout.branch``; TreePO arXiv 2508.17445, TreeRL arXiv
+    2506.11902): the prompt branches into tree_branches[0] continuations, each of those into
+    tree_branches[1] at completion depth tree_depths[1], and so on; a shared segment is sampled
+    once (the hf sampler forks its KV, vLLM reuses it through prefix caching) and
+    ``rollout/generated_tokens`` counts it once. Group modes then add, on each segment's tokens,
+    step_coef x its value (mean leaf reward below it) normalised among its siblings (turn_norm;
+    docs/credit.md). Single-turn runs only (not with --env, async_steps or dynamic_sampling yet)."""
+    tree_branches: Optional[list[int]] = None
+    """rollout=tree: children per node at each level; their product is group_size (None: 2 then
+    group_size/2, or one level of group_size when it is odd)."""
+    tree_depths: Optional[list[int]] = None
+    """rollout=tree: the completion depth (tokens) of each level's branch point: 0, then strictly
+    increasing, below max_new_tokens (None: evenly spaced, i * max_new_tokens / levels)."""
     max_resample_rounds: int = 3
     """Dynamic sampling: extra rollout rounds per step before training on what is there."""
 
@@ -310,11 +325,14 @@ class TrainConfig:
     """Training forwards (policy, old, reference, critic) pack each group as one row
     [prompt | c1 | ... | cG] with a shared-prefix attention mask, so the prompt runs once per
     group; loss and gradients equal the padded batch's. False: right-padded [B, T] rows."""
-    prefix_tree: bool = False
+    prefix_tree: typing.Union[bool, Literal["auto"]] = "auto"
     """Training forwards pack a micro-batch's samples as the trie of their tokens (prefix-tree
     attention): every prefix samples share runs once, however deep -- the prompt, and the
     earlier turns of step-wise samples or branches of one trajectory. Loss and gradients equal
-    the padded batch's. Takes precedence over shared_prefix."""
+    the padded batch's. true: always (takes precedence over shared_prefix); false: never;
+    auto (with shared_prefix): each step's experience picks it when its samples share more than
+    the prompt (``fastrl.train.layout.prefers_tree``: the trie saves at least
+    ``TREE_MIN_SAVING`` of the tokens the group layout would run), logged as ``layout/tree``."""
     activation_checkpointing: Literal["auto", "off", "layer"] = "auto"
     """Recompute each decoder layer in the backward instead of keeping its activations (policy and
     critic). auto: on when a trajectory (longest prompt + max_new_tokens) reaches 2048 tokens."""
@@ -616,6 +634,7 @@ class TrainConfig:
             )
         if self.async_steps:
             self._check_async()
+        self._check_rollout()
         if self.sampler == "vllm-server" and not self.sampler_url:
             raise InputError("sampler=vllm-server needs the server's address: --sampler vllm-server http://HOST:PORT")
         if self.sampler_url is not None and self.sampler != "vllm-server":
@@ -663,6 +682,31 @@ class TrainConfig:
         if missing:
             raise InputError(f"{missing[0]} is not set: resolve the config first (TrainConfig.resolved())")
         return AgentConfig(**{name: getattr(self, name) for name in AGENT_FIELDS})
+
+    def tree_schedule(self) -> "BranchSchedule":
+        """``rollout=tree``'s ``BranchSchedule`` (``tree_branches`` / ``tree_depths`` or the default)."""
+        from fastrl.rollout.branch import BranchSchedule
+
+        L = self.max_new_tokens if self.max_new_tokens is not None else 2
+        branches = self.tree_branches if self.tree_branches is not None else BranchSchedule.default(
+            group_size=self.group_size, max_new_tokens=L).branches
+        depths = self.tree_depths if self.tree_depths is not None else [L * i // len(branches) for i in range(len(branches))]
+        return BranchSchedule(branches=tuple(branches), depths=tuple(depths))
+
+    def _check_rollout(self) -> None:
+        """``rollout=tree``: a schedule that fits the run, and what a tree rollout cannot do yet."""
+        if self.rollout != "tree":
+            given = [name for name in ("tree_branches", "tree_depths") if getattr(self, name) is not None]
+            if given:
+                raise InputError(f"{given[0]} shapes a tree rollout: it needs --rollout tree")
+            return
+        for what, bad in (("--env (agent trajectories)", self.env is not None), ("async_steps", bool(self.async_steps)),
+                          ("dynamic_sampling", bool(self.dynamic_sampling))):
+            if bad:
+                raise InputError(f"rollout=tree is not supported with {what} yet: use --rollout independent")
+        schedule = self.tree_schedule()
+        if self.max_new_tokens is not None:
+            schedule.check(group_size=self.group_size, max_new_tokens=self.max_new_tokens)
 
     def _check_async(self) -> None:
         """What ``async_steps >= 1`` needs (each refusal names the option and what works)."""

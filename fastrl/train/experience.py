@@ -35,6 +35,9 @@ as a positional list):
   left out of the loss and the baselines: their ``loss_mask`` rows are 0 and their
   ``group_ids`` their own). Single-turn experience leaves them None. ``from_agent_batch``
   builds it from a ``fastrl.agents.batch.AgentBatch``.
+- Tree rollouts (``rollout=tree``) add ``tree_nodes [B, T-1]`` (each scored token's tree node)
+  and ``tree_parents [M]`` (``fastrl.train.tree_collect``); the advantages' step groups are
+  the children of each branch point.
 
 Fields a stage has not computed are None (``old_logp`` when the update is exactly
 on-policy, ``ref_logp`` without a KL term, ``values``/``returns`` without a critic).
@@ -92,6 +95,11 @@ class Experience:
     """``[B, T-1]`` fp32: each turn's environment reward on its last policy token."""
     excluded: torch.Tensor | None = None
     """``[B]`` bool: trajectories left out of the loss and the group baselines."""
+    tree_nodes: torch.Tensor | None = None
+    """Tree rollouts (``rollout=tree``): ``[B, T-1]`` int64, the tree node (segment) of each
+    scored token, -1 off the completions (``fastrl.rollout.branch.TreeSpans.node_grid``)."""
+    tree_parents: torch.Tensor | None = None
+    """Tree rollouts: ``[M]`` int64, the parent of each node (-1: a group's root, its prompt)."""
 
     @classmethod
     def from_rollout(cls, batch: RolloutBatch, *, group_size: int, rewards: torch.Tensor | None = None,

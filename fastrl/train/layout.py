@@ -22,6 +22,11 @@ attention). The update never asks which layout it runs.
   would run k times. A scored token two rows share is computed once. The loss form is the
   group layout's (``[1, M]``, one sequence per sample).
 
+- ``AutoTreeLayout`` (``prefix_tree=auto``, the default, with ``shared_prefix=true``): per
+  experience, the trie when ``prefers_tree`` says its samples share enough beyond the prompt
+  (tree rollouts, split agent trajectories), else the group layout; ``describe(exp)`` logs
+  the choice (``layout/tree``) and its input (``layout/trie_saving``).
+
 A new layout is another subclass: its ``cost`` of a set of groups, its ``make`` of a
 micro-batch, and the four per-micro-batch methods. (The names avoid
 ``fastrl.ops.PackedLayout``, the ``cu_seqlens`` descriptor, and
@@ -40,7 +45,22 @@ from fastrl.ops import PackedLayout
 from fastrl.ops.hf import causal_lm_logprobs
 from fastrl.train.experience import Experience
 
-__all__ = ["GroupPackedLayout", "Layout", "MicroBatch", "PaddedLayout", "TreePackedLayout", "make_layout"]
+__all__ = ["AutoTreeLayout", "GroupPackedLayout", "Layout", "MicroBatch", "PaddedLayout", "TREE_MIN_SAVING", "TreePackedLayout",
+           "make_layout", "prefers_tree"]
+
+TREE_MIN_SAVING = 0.1
+"""``prefix_tree=auto`` runs the trie when it saves at least this share of the tokens the group
+layout would run (the prompt once per group, every row's tokens after it): below that, the
+samples share (almost) nothing beyond the prompt and the group layout's cheaper attention wins."""
+
+
+def prefers_tree(*, trie_tokens: int, prompt_once_tokens: int, min_saving: float = TREE_MIN_SAVING) -> bool:
+    """The ``prefix_tree=auto`` rule: the trie of the samples (``trie_tokens``, every shared prefix
+    once) saves at least ``min_saving`` of ``prompt_once_tokens`` (each group's prompt once plus
+    every row's tokens after it: what the group layout runs). The saving is the share of tokens
+    that samples share beyond the prompt: 0 for independent samples, about half for a two-level
+    tree split halfway, more for step-wise samples of long trajectories."""
+    return prompt_once_tokens > 0 and prompt_once_tokens - trie_tokens >= min_saving * prompt_once_tokens
 
 
 @dataclass
@@ -138,6 +158,10 @@ class Layout:
 
     def attention(self, mb: MicroBatch, models: Iterable[torch.nn.Module]) -> ContextManager:
         return contextlib.nullcontext()
+
+    def describe(self, exp: Experience) -> dict[str, float]:
+        """Which layout this experience runs on: ``layout/tree`` 1 for the trie, else 0."""
+        return {"layout/tree": 0.0}
 
     def _micro_batch(self, exp: Experience, groups: Sequence[int], data: Any) -> MicroBatch:
         rows = exp.rows(groups)
@@ -279,16 +303,28 @@ class TreePackedLayout(GroupPackedLayout):
 
     _sizes: tuple[Any, dict[int, int]] | None = None  # (the batch, each group's trie tokens)
 
+    def micro_batches(self, exp: Experience, groups: Sequence[int] | None = None) -> list[MicroBatch]:
+        """The trie packs any experience, also one the group layout cannot (split samples)."""
+        return Layout.micro_batches(self, exp, groups)
+
     @staticmethod
     def _sequences(exp: Experience, groups: Sequence[int]) -> tuple[list[list[int]], list[int]]:
+        """Each row's tokens as they are in the grid (a split agent sample's own, re-rendered
+        prompt included), scored from its group's ``prompt_ids`` on, as the padded layout scores
+        them (single-turn: ``prompt + completion``, scored after the prompt)."""
         batch = exp.batch
+        lengths = exp.sequence_lengths
         seqs, starts = [], []
         for g in groups:
-            prompt = list(batch.prompt_ids[g])
-            for c in batch.completion_ids[exp.group(g)]:
-                seqs.append(prompt + list(c))
-                starts.append(len(prompt))
+            start = len(batch.prompt_ids[g])
+            rows = exp.group(g)
+            for r in range(rows.start, rows.stop):
+                seqs.append(batch.input_ids[r, :lengths[r]].tolist())
+                starts.append(start)
         return seqs, starts
+
+    def describe(self, exp: Experience) -> dict[str, float]:
+        return {"layout/tree": 1.0}
 
     def cost(self, exp: Experience, groups: Sequence[int]) -> int:
         """The sum of the groups' tries (each group's trie is computed once per batch): the
@@ -333,9 +369,69 @@ class TreePackedLayout(GroupPackedLayout):
             return critic.head(hidden)[tree.unique_of][None]
 
 
-def make_layout(*, shared_prefix: bool, prefix_tree: bool = False, **kwargs: Any) -> Layout:
-    """The layout ``TrainConfig`` names: ``prefix_tree`` (the trie of the rows) over
-    ``shared_prefix`` (one group per document) over padded rows."""
-    if prefix_tree:
+class AutoTreeLayout(TreePackedLayout):
+    """``prefix_tree=auto``: each experience runs on the trie (``TreePackedLayout``) when
+    ``prefers_tree`` holds for it, else on the group layout (``GroupPackedLayout``, padded rows
+    for an experience it cannot pack). The choice is made once per experience (its batch),
+    from the trie's tokens and the group layout's prompt-once tokens over all its groups;
+    micro-batches carry their kind, so the per-micro-batch methods follow it."""
+
+    def __init__(self, *, min_saving: float = TREE_MIN_SAVING, **kwargs: Any):
+        super().__init__(**kwargs)
+        self.group_layout = GroupPackedLayout(**kwargs)
+        self.min_saving = min_saving
+        self._choice: tuple[Any, bool, float] | None = None  # (the batch, tree?, saving)
+
+    def _decide(self, exp: Experience) -> tuple[bool, float]:
+        if self._choice is None or self._choice[0] is not exp.batch:
+            groups = range(exp.num_groups)
+            trie = super().cost(exp, groups)
+            lengths = exp.sequence_lengths
+            once = sum(len(exp.batch.prompt_ids[g]) + sum(lengths[r] - len(exp.batch.prompt_ids[g])
+                                                           for r in range(exp.group(g).start, exp.group(g).stop)) for g in groups)
+            tree = prefers_tree(trie_tokens=trie, prompt_once_tokens=once, min_saving=self.min_saving)
+            self._choice = (exp.batch, tree, (once - trie) / once if once else 0.0)
+        return self._choice[1], self._choice[2]
+
+    def uses_tree(self, exp: Experience) -> bool:
+        """Whether ``exp`` runs on the trie."""
+        return self._decide(exp)[0]
+
+    def micro_batches(self, exp: Experience, groups: Sequence[int] | None = None) -> list[MicroBatch]:
+        if self.uses_tree(exp):
+            return super().micro_batches(exp, groups)
+        return self.group_layout.micro_batches(exp, groups)
+
+    def cost(self, exp: Experience, groups: Sequence[int]) -> int:
+        return super().cost(exp, groups) if self.uses_tree(exp) else self.group_layout.cost(exp, groups)
+
+    def make(self, exp: Experience, groups: Sequence[int]) -> MicroBatch:
+        return super().make(exp, groups) if self.uses_tree(exp) else self.group_layout.make(exp, groups)
+
+    def logprobs(self, model, mb, *, entropy, entropy_rows=None):
+        if isinstance(mb.data, _Tree):
+            return super().logprobs(model, mb, entropy=entropy, entropy_rows=entropy_rows)
+        return self.group_layout.logprobs(model, mb, entropy=entropy, entropy_rows=entropy_rows)
+
+    def values(self, critic, mb):
+        return super().values(critic, mb) if isinstance(mb.data, _Tree) else self.group_layout.values(critic, mb)
+
+    def describe(self, exp: Experience) -> dict[str, float]:
+        """``layout/tree`` (1: the trie ran) and ``layout/trie_saving`` (the rule's input: the
+        share of the group layout's tokens the trie saves)."""
+        tree, saving = self._decide(exp)
+        return {"layout/tree": float(tree), "layout/trie_saving": saving}
+
+
+def make_layout(*, shared_prefix: bool, prefix_tree: bool | str = False, **kwargs: Any) -> Layout:
+    """The layout ``TrainConfig`` names: ``prefix_tree=True`` (the trie of the rows) over
+    ``shared_prefix`` (one group per document) over padded rows; ``prefix_tree="auto"`` with
+    ``shared_prefix``: ``AutoTreeLayout`` (the trie when an experience's samples share more
+    than the prompt)."""
+    if prefix_tree is True:
         return TreePackedLayout(**kwargs)
-    return (GroupPackedLayout if shared_prefix else PaddedLayout)(**kwargs)
+    if prefix_tree not in (False, "auto"):
+        raise ValueError(f"prefix_tree must be true, false or 'auto', got {prefix_tree!r}")
+    if not shared_prefix:
+        return PaddedLayout(**kwargs)
+    return AutoTreeLayout(**kwargs) if prefix_tree == "auto" else GroupPackedLayout(**kwargs)

@@ -150,7 +150,7 @@ class Trainer:
         self.tokenizer, self.policy = build.load_policy(cfg, model=model, tokenizer=tokenizer, resume_dir=self.resume_dir,
                                                         device=self.device)
         check_tokenizer_matches_model(self.tokenizer, self.policy)
-        if cfg.shared_prefix or cfg.prefix_tree:
+        if cfg.shared_prefix or cfg.prefix_tree is True:
             build.check_shared_prefix_support(self.policy)
         self.agent = None  # an agent run's environment side (fastrl train --env), checked on a real row here
         if cfg.env is not None:
@@ -323,6 +323,7 @@ class Trainer:
         t_step = time.perf_counter()
         rollout, metrics = self.collector.collect(sampler=self.sampler, step=self.step, timer=self.timer)
         exp = self.collector.experience(rollout, device=self.device)
+        metrics.update(self.layout.describe(exp))  # which layout this step trains on (layout/tree)
 
         # ---- log-probs of the behaviour and reference policies
         correction = rollout_correction(cfg.rollout_correction)

@@ -330,3 +330,21 @@ def test_existing_engine(sampler, monkeypatch):
         VLLMGroupSampler(object())
     with pytest.raises(ValueError, match="local model folder"):
         VLLMGroupSampler("/nonexistent/model/folder")
+
+
+def test_tree_rollout_finds_the_shared_path_in_the_prefix_cache(sampler, models):
+    """``fastrl.rollout.branch.sample_tree`` over vLLM (one ``generate`` per level, prompts =
+    prompt + path so far): greedy leaves equal HF's, and the level below the root reuses the
+    prompt's cached blocks instead of recomputing them."""
+    from fastrl.rollout.branch import BranchSchedule, sample_tree
+
+    _, model, _ = models
+    prompts = _prompts((2 * BLOCK,), seed=123)  # fresh: never seen by the engine
+    schedule = BranchSchedule(branches=(2, 2), depths=(0, BLOCK))
+    batch = sample_tree(sampler, prompts, schedule=schedule, sampling=SamplingConfig(greedy=True, max_new_tokens=BLOCK + 4))
+    for c in batch.completion_ids:
+        assert c == _hf_greedy(model, prompts[0], len(c))
+    st = batch.stats
+    assert st.prefix_cache_hit_rate is not None and st.prefix_cache_hit_rate > 0
+    assert batch.tree.levels.count(1) == 4  # no path ended before the branch point: four level-1 samples
+    assert st.prefix_tokens_reused >= 4 * 2 * BLOCK  # each found the prompt's two full blocks

@@ -99,5 +99,7 @@ def test_tree_layout_equals_the_padded_layout_and_costs_less():
     assert trie == tree.cost(exp, [0]) + tree.cost(exp, [1])
     # the per-group sizes are cached per batch: another batch is measured afresh
     fresh = _experience()
-    fresh.batch.completion_ids[:4] = [c[:2] for c in fresh.batch.completion_ids[:4]]
+    short = [c[:2] for c in fresh.batch.completion_ids[:4]] + fresh.batch.completion_ids[4:]
+    fresh.batch = RolloutBatch.from_samples(PROMPTS, short, [torch.zeros(len(c)) for c in short], ["stop"] * 8, group_size=4,
+                                            pad_token_id=0, stats=RolloutStats())
     assert tree.cost(fresh, [0]) == len(PROMPTS[0]) + 2
