@@ -726,9 +726,10 @@ def add_plan_arguments(parser: argparse.ArgumentParser) -> argparse.ArgumentPars
       help="auto: CUDA when this machine has it, else CPU (as fastrl train)")
     t("--shared_prefix", type=_bool, default=argparse.SUPPRESS, metavar="{true,false}",
       help="the training forward packs each prompt once per group (fastrl train's default: true)")
-    t("--prefix_tree", type=_bool, default=argparse.SUPPRESS, metavar="{true,false}",
-      help="the training forward packs samples as the trie of their tokens; planned as the prompt once per group "
-           "(deeper sharing, step-wise samples' earlier turns, is not credited: an upper bound)")
+    t("--prefix_tree", type=lambda v: "auto" if str(v).strip().lower() == "auto" else _bool(v), default=argparse.SUPPRESS,
+      metavar="{auto,true,false}",
+      help="the training forward packs samples as the trie of their tokens (auto: when it saves tokens); planned as "
+           "the prompt once per group (deeper sharing, step-wise samples' earlier turns, is not credited: an upper bound)")
     t("--env", default=argparse.SUPPRESS, metavar="NAME",
       help="an agent run (fastrl train --env NAME): a sample is a whole trajectory of max_trajectory_tokens "
            "(prompt, policy and environment tokens); its limits are the environment's defaults unless given")
@@ -835,7 +836,7 @@ def _plan_settings(args: argparse.Namespace) -> dict[str, Any]:
         notes.append(f"--env {train.env}: each sample is a trajectory of max_trajectory_tokens={prompt_len + response_len} "
                      f"(prompt P={prompt_len}, the rest policy and environment tokens, all in the forward)"
                      + ("; give --max_prompt_length to credit the prompt the group shares" if not prompt_len else ""))
-    if train.prefix_tree:
+    if train.prefix_tree is True:
         notes.append("prefix_tree: planned as the prompt once per group; the trie's deeper sharing (earlier turns of "
                      "step-wise samples, branches) makes the real step smaller")
     return dict(
@@ -845,7 +846,7 @@ def _plan_settings(args: argparse.Namespace) -> dict[str, Any]:
             reward_model=args.reward_model, precision=precision, optimizer=args.optimizer,
             optimizer_offload=args.optimizer_offload, checkpointing=checkpointing,
             offload_layer_inputs=train.offload_activations and checkpointing,
-            shared_prefix=train.shared_prefix or train.prefix_tree,
+            shared_prefix=train.shared_prefix or train.prefix_tree is True,  # auto: the group layout at most
             shared_prefix_rollout=args.shared_prefix_rollout, fused_logprobs=args.fused_logprobs,
             attention=args.attention, kv_cache=args.kv_cache, device=device, foreach=args.foreach,
             persistent_grads=args.persistent_grads, overhead_gb=args.overhead_gb,
