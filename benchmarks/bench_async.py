@@ -14,6 +14,20 @@ The async step is compared with ``max(generation, rest)`` of the synchronous run
 same seed (the issue's target: at most 1.15x that, instead of their sum). On a shared
 machine other processes only add time: the summary takes the best (smallest) ratio over
 the seeds as the least disturbed estimate and lists every seed's.
+
+Held-out success is compared at equal steps (the last evaluation, step 150, of each run)
+and at equal wall time. Equal wall time, per seed: a run's clock is its RL seconds, the sum
+of ``time/step`` over its steps (the counter ``--max_seconds`` reads: rollout wait,
+scoring, log-probs, update, weight sync; held-out evaluation and the SFT warm-up not
+counted). ``W = min(T_sync, T_async)``, the clock of the run that reaches step 150 first,
+and each run's success at ``W`` is its last evaluation at a step whose clock is ``<= W``
+(measured, not interpolated). Both runs evaluate every ``EVAL_EVERY`` steps so the slower
+run is read close to ``W``; evaluation draws from generators of its own, so it does not
+change the training. Reading the slower run at ``W`` is what that run would report with
+``--max_seconds W`` (the schedule is over ``--steps`` either way).
+
+The 1-minute load average is recorded at the start and end of every run; the JSON is
+rewritten after every run (``"complete": false`` until the last).
 """
 
 from __future__ import annotations
@@ -35,6 +49,9 @@ COMMAND = "python benchmarks/bench_async.py --seeds 0 1 2 --out benchmarks/resul
 TRAINER_CORE, SAMPLER_CORE = 0, 1
 TARGET = 1.15
 """The issue's bound on the async step: TARGET x max(generation, rest of the step)."""
+EVAL_EVERY = 5
+"""Held-out evaluation every this many steps (both runs): the grid on which the equal-wall
+reading is taken (the default, 25, would read the slower run up to 25 steps early)."""
 
 
 def one_run(seed: int, async_steps: int, out: Path, extra: list[str]) -> dict:
@@ -44,18 +61,30 @@ def one_run(seed: int, async_steps: int, out: Path, extra: list[str]) -> dict:
     from fastrl.train.cli import parse_train_args
     from fastrl.train.trainer import Trainer
 
-    args = ["--seed", str(seed), "--threads", "1", "--output_dir", str(out), "--progress", "false", *extra]
+    args = ["--seed", str(seed), "--threads", "1", "--output_dir", str(out), "--progress", "false",
+            "--eval_every", str(EVAL_EVERY), *extra]
     if async_steps:
         args += ["--async_steps", str(async_steps), "--rollout_correction", "decoupled"]
+    load_start = os.getloadavg()[0]
     t0 = time.perf_counter()
     with Trainer(parse_train_args(args)) as trainer:
+        pinned = {"trainer": sorted(os.sched_getaffinity(0))}
         if isinstance(trainer.collector, AsyncCollector):
-            os.sched_setaffinity(trainer.collector.sampler.pid, {SAMPLER_CORE})
+            pid = trainer.collector.sampler.pid
+            if pid is None:
+                raise RuntimeError("the async sampler process is not running: it cannot be pinned")
+            os.sched_setaffinity(pid, {SAMPLER_CORE})
+            pinned["sampler_process"] = sorted(os.sched_getaffinity(pid))
         trainer.train()
     wall = time.perf_counter() - t0
     records = [json.loads(line) for line in (out / "metrics.jsonl").read_text().splitlines()]
-    steps = [r for r in records if "event" not in r][1:]  # the first step warms up
+    all_steps = [r for r in records if "event" not in r]
+    steps = all_steps[1:]  # the first step warms up
     evals = [r for r in records if r.get("event") == "eval" and "eval/accuracy" in r]
+    clock, rl_seconds = {0: 0.0}, 0.0  # step -> RL seconds after it (evaluation not counted)
+    for r in all_steps:
+        rl_seconds += r["time/step"]
+        clock[int(r["step"])] = rl_seconds
 
     def median(key: str) -> float:
         return round(statistics.median(r.get(key, 0.0) for r in steps), 4)
@@ -65,9 +94,14 @@ def one_run(seed: int, async_steps: int, out: Path, extra: list[str]) -> dict:
         "generate_seconds_median": median("time/generate"),
         "rest_seconds_median": round(statistics.median(r["time/step"] - r["time/generate"] for r in steps), 4),
         "update_seconds_median": median("time/update"),
-        "eval": [{"step": r["step"], "accuracy": r["eval/accuracy"], "pass@4": r["eval/pass@4"]} for r in evals],
+        "eval": [{"step": r["step"], "rl_seconds": round(clock[int(r["step"])], 2), "accuracy": r["eval/accuracy"],
+                  "pass@4": r["eval/pass@4"]} for r in evals],
         "grpo_seconds": round(sum(r["time/step"] for r in steps), 1),
+        "rl_seconds": round(rl_seconds, 2),
+        "eval_seconds": round(sum(r.get("time/eval", 0.0) for r in evals), 1),
         "wall_seconds": round(wall, 1),
+        "pinned_cores": pinned,
+        "load_1min": {"start": round(load_start, 2), "end": round(os.getloadavg()[0], 2)},
     }
     if async_steps:
         result["sampler_seconds_median"] = median("async/sampler_seconds")
@@ -104,35 +138,62 @@ def main() -> int:
                 name = "async" if a else "sync"
                 runs[str(seed)][name] = run_fresh(seed, a, Path(tmp) / f"seed{seed}-{name}", extra)
                 print(f"seed {seed} {name}: {json.dumps(runs[str(seed)][name])}", flush=True)
+                done = seed == args.seeds[-1] and a == order[-1]
+                write_payload(payload_of(runs, args, extra, load_before, complete=done), args.out, stem="async-default-cpu")
+    return 0
+
+
+def accuracy_at(run: dict, seconds: float) -> dict:
+    """The run's last evaluation at a step whose RL clock is at most ``seconds``."""
+    return [e for e in run["eval"] if e["rl_seconds"] <= seconds + 1e-9][-1]
+
+
+def payload_of(runs: dict[str, dict], args: argparse.Namespace, extra: list[str], load_before: float, *,
+               complete: bool) -> dict:
+    """The results JSON of the runs so far (the summary over the seeds with both runs)."""
     ratios = {}
     for seed, r in runs.items():
+        if set(r) != {"sync", "async"}:
+            continue
         sync, asy = r["sync"], r["async"]
         bound = max(sync["generate_seconds_median"], sync["rest_seconds_median"])
+        wall = min(sync["rl_seconds"], asy["rl_seconds"])
+        at_wall = {k: accuracy_at(r[k], wall) for k in ("sync", "async")}
         ratios[seed] = {
             "async_step_over_sync_step": round(asy["step_seconds_median"] / sync["step_seconds_median"], 3),
             "async_step_over_max_gen_rest": round(asy["step_seconds_median"] / bound, 3),
+            "async_rl_seconds_over_sync": round(asy["rl_seconds"] / sync["rl_seconds"], 3),
             "final_accuracy_sync": sync["eval"][-1]["accuracy"], "final_accuracy_async": asy["eval"][-1]["accuracy"],
+            "equal_wall_seconds": wall,
+            "equal_wall_accuracy_sync": at_wall["sync"]["accuracy"], "equal_wall_accuracy_async": at_wall["async"]["accuracy"],
+            "equal_wall_step_sync": at_wall["sync"]["step"], "equal_wall_step_async": at_wall["async"]["step"],
         }
-    best = min(ratios.values(), key=lambda x: x["async_step_over_max_gen_rest"])
-    acc = {k: [ratios[s][f"final_accuracy_{k}"] for s in ratios] for k in ("sync", "async")}
-    payload = {
+    summary: dict = {"target_async_step_over_max_gen_rest": TARGET}
+    if ratios:
+        best = min(ratios.values(), key=lambda x: x["async_step_over_max_gen_rest"])
+        summary["best_async_step_over_max_gen_rest"] = best["async_step_over_max_gen_rest"]
+        summary["best_async_step_over_sync_step"] = min(x["async_step_over_sync_step"] for x in ratios.values())
+        for reading in ("final_accuracy", "equal_wall_accuracy"):
+            acc = {k: [ratios[s][f"{reading}_{k}"] for s in ratios] for k in ("sync", "async")}
+            summary[reading] = {k: {"values": v, "mean": round(statistics.mean(v), 3), "spread": round(max(v) - min(v), 3)}
+                                for k, v in acc.items()}
+            sync_values = acc["sync"]
+            summary[reading]["async_mean_within_sync_range"] = min(sync_values) <= statistics.mean(acc["async"]) <= max(sync_values)
+    return {
         "what": "embedded default (SFT warm-up, GRPO 150 steps of 16 prompts x 8): --async_steps 1 "
                 "(rollout_correction decoupled, sampler process on its own core) vs the synchronous loop",
         "command": COMMAND + (" " + " ".join(extra) if extra else ""),
-        "machine": f"{args.machine} (1-minute load average {load_before:.1f} at the start, {os.getloadavg()[0]:.1f} at the end)", "date": time.strftime("%Y-%m-%d"),
+        "complete": complete,
+        "machine": f"{args.machine} (1-minute load average {load_before:.1f} at the start, {os.getloadavg()[0]:.1f} now; "
+                   f"every run's own in runs.*.load_1min)",
+        "date": time.strftime("%Y-%m-%d"),
         "pinning": f"sync: trainer + sampler on core {TRAINER_CORE}; async: trainer on core {TRAINER_CORE}, sampler "
-                   f"process on core {SAMPLER_CORE}; torch at 1 thread in each",
-        "runs": runs, "per_seed": ratios,
-        "summary": {
-            "best_async_step_over_max_gen_rest": best["async_step_over_max_gen_rest"],
-            "best_async_step_over_sync_step": min(x["async_step_over_sync_step"] for x in ratios.values()),
-            "target_async_step_over_max_gen_rest": TARGET,
-            "final_accuracy": {k: {"values": v, "mean": round(statistics.mean(v), 3),
-                                   "spread": round(max(v) - min(v), 3)} for k, v in acc.items()},
-        },
+                   f"process on core {SAMPLER_CORE}; torch at 1 thread in each (read back: runs.*.pinned_cores)",
+        "equal_wall_time": f"per seed W = min(RL seconds of the two runs at their last step), RL seconds = sum of time/step "
+                           f"(evaluation and SFT warm-up not counted); each run read at its last evaluation (every "
+                           f"{EVAL_EVERY} steps) whose RL seconds <= W",
+        "runs": runs, "per_seed": ratios, "summary": summary,
     }
-    write_payload(payload, args.out, stem="async-default-cpu")
-    return 0
 
 
 if __name__ == "__main__":
