@@ -27,7 +27,12 @@ change the training. Reading the slower run at ``W`` is what that run would repo
 ``--max_seconds W`` (the schedule is over ``--steps`` either way).
 
 The 1-minute load average is recorded at the start and end of every run; the JSON is
-rewritten after every run (``"complete": false`` until the last).
+rewritten after every run (``"complete": false`` until the last). ``--repeats N`` makes N
+passes over the seeds (the mode order flipped every pass); the training is the same in
+every pass (same seeds, checked), only the clock is disturbed by the machine's other load,
+so each (seed, mode) is represented by its least disturbed run (the smallest RL seconds)
+and every pass's own pair is kept (``per_seed_per_pass``). ``--resume`` keeps the runs
+already in ``--out`` and runs only the missing ones.
 """
 
 from __future__ import annotations
@@ -35,6 +40,7 @@ from __future__ import annotations
 import argparse
 import json
 import os
+import re
 import statistics
 import subprocess
 import sys
@@ -46,6 +52,7 @@ ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
 COMMAND = "python benchmarks/bench_async.py --seeds 0 1 2 --out benchmarks/results/async_default_cpu.json"
+"""The command of the committed results (``--repeats`` and any train options are added to it)."""
 TRAINER_CORE, SAMPLER_CORE = 0, 1
 TARGET = 1.15
 """The issue's bound on the async step: TARGET x max(generation, rest of the step)."""
@@ -116,9 +123,16 @@ def run_fresh(seed: int, async_steps: int, out: Path, extra: list[str]) -> dict:
     return json.loads(proc.stdout.strip().splitlines()[-1])
 
 
+MODES = ("sync", "async")
+"""The two runs of a seed: ``async_steps`` 0 and 1."""
+
+
 def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--seeds", type=int, nargs="+", default=[0, 1, 2])
+    parser.add_argument("--repeats", type=int, default=1,
+                        help="passes over the seeds (each pass interleaved, the mode order flipped every pass)")
+    parser.add_argument("--resume", action="store_true", help="keep the runs already in --out and run only the missing ones")
     parser.add_argument("--out", type=Path, default=None)
     parser.add_argument("--machine", default="the project's 2-core CPU, shared with other sessions; runs interleaved per seed")
     parser.add_argument("--one", nargs=3, metavar=("SEED", "ASYNC_STEPS", "OUT"), help=argparse.SUPPRESS)
@@ -128,19 +142,38 @@ def main() -> int:
         return 0
     from fastrl.bench.harness import write_payload
 
-    runs: dict[str, dict] = {}
+    repeats: dict[str, dict[str, list[dict]]] = {str(seed): {m: [] for m in MODES} for seed in args.seeds}
     load_before = os.getloadavg()[0]
+    if args.resume and args.out is not None and args.out.exists():
+        load_before, kept = previous_runs(json.loads(args.out.read_text()))
+        for seed, by_mode in kept.items():
+            if seed in repeats:
+                for m in MODES:
+                    repeats[seed][m] = by_mode.get(m, [])[: args.repeats]
+    plan = [(rep, seed, MODES[a]) for rep in range(args.repeats) for i, seed in enumerate(args.seeds)
+            for a in ((0, 1) if (i + rep) % 2 == 0 else (1, 0))]
     with tempfile.TemporaryDirectory() as tmp:
-        for i, seed in enumerate(args.seeds):
-            order = [0, 1] if i % 2 == 0 else [1, 0]
-            runs[str(seed)] = {}
-            for a in order:
-                name = "async" if a else "sync"
-                runs[str(seed)][name] = run_fresh(seed, a, Path(tmp) / f"seed{seed}-{name}", extra)
-                print(f"seed {seed} {name}: {json.dumps(runs[str(seed)][name])}", flush=True)
-                done = seed == args.seeds[-1] and a == order[-1]
-                write_payload(payload_of(runs, args, extra, load_before, complete=done), args.out, stem="async-default-cpu")
+        for n, (rep, seed, name) in enumerate(plan):
+            if len(repeats[str(seed)][name]) > rep:
+                continue  # done in the run being resumed
+            result = run_fresh(seed, MODES.index(name), Path(tmp) / f"rep{rep}-seed{seed}-{name}", extra)
+            repeats[str(seed)][name].append(result)
+            print(f"pass {rep} seed {seed} {name}: {json.dumps(result)}", flush=True)
+            write_payload(payload_of(repeats, args, extra, load_before, complete=n == len(plan) - 1), args.out,
+                          stem="async-default-cpu")
     return 0
+
+
+def previous_runs(payload: dict) -> tuple[float, dict[str, dict[str, list[dict]]]]:
+    """The load at the start and every (seed, mode)'s runs of an earlier payload (one run per
+    seed and mode in a payload written before ``--repeats``)."""
+    if "load_1min_at_start" in payload:
+        load = float(payload["load_1min_at_start"])
+    else:  # written before the field: the machine line says it
+        load = float(re.search(r"load average ([0-9.]+) at the start", payload["machine"]).group(1))
+    if "repeats" in payload:
+        return load, payload["repeats"]
+    return load, {seed: {m: [run] for m, run in by_mode.items()} for seed, by_mode in payload["runs"].items()}
 
 
 def accuracy_at(run: dict, seconds: float) -> dict:
@@ -148,51 +181,67 @@ def accuracy_at(run: dict, seconds: float) -> dict:
     return [e for e in run["eval"] if e["rl_seconds"] <= seconds + 1e-9][-1]
 
 
-def payload_of(runs: dict[str, dict], args: argparse.Namespace, extra: list[str], load_before: float, *,
-               complete: bool) -> dict:
-    """The results JSON of the runs so far (the summary over the seeds with both runs)."""
-    ratios = {}
-    for seed, r in runs.items():
-        if set(r) != {"sync", "async"}:
+def compared(sync: dict, asy: dict) -> dict:
+    """One seed's async-vs-sync figures from one run of each."""
+    bound = max(sync["generate_seconds_median"], sync["rest_seconds_median"])
+    wall = min(sync["rl_seconds"], asy["rl_seconds"])
+    at_wall = {"sync": accuracy_at(sync, wall), "async": accuracy_at(asy, wall)}
+    return {
+        "async_step_over_sync_step": round(asy["step_seconds_median"] / sync["step_seconds_median"], 3),
+        "async_step_over_max_gen_rest": round(asy["step_seconds_median"] / bound, 3),
+        "async_rl_seconds_over_sync": round(asy["rl_seconds"] / sync["rl_seconds"], 3),
+        "final_accuracy_sync": sync["eval"][-1]["accuracy"], "final_accuracy_async": asy["eval"][-1]["accuracy"],
+        "equal_wall_seconds": wall,
+        "equal_wall_accuracy_sync": at_wall["sync"]["accuracy"], "equal_wall_accuracy_async": at_wall["async"]["accuracy"],
+        "equal_wall_step_sync": at_wall["sync"]["step"], "equal_wall_step_async": at_wall["async"]["step"],
+    }
+
+
+def payload_of(repeats: dict[str, dict[str, list[dict]]], args: argparse.Namespace, extra: list[str], load_before: float,
+               *, complete: bool) -> dict:
+    """The results JSON of the runs so far. ``runs``: per seed and mode the least disturbed
+    repeat (the smallest RL seconds: other processes only add time; the training itself is
+    the same in every repeat, checked as ``same_curve_in_every_repeat``); ``per_seed`` and
+    ``summary`` are computed from those; ``per_seed_per_pass``: each pass's interleaved pair."""
+    runs, ratios, per_pass, same_curve = {}, {}, {}, {}
+    for seed, by_mode in repeats.items():
+        if not all(by_mode[m] for m in MODES):
             continue
-        sync, asy = r["sync"], r["async"]
-        bound = max(sync["generate_seconds_median"], sync["rest_seconds_median"])
-        wall = min(sync["rl_seconds"], asy["rl_seconds"])
-        at_wall = {k: accuracy_at(r[k], wall) for k in ("sync", "async")}
-        ratios[seed] = {
-            "async_step_over_sync_step": round(asy["step_seconds_median"] / sync["step_seconds_median"], 3),
-            "async_step_over_max_gen_rest": round(asy["step_seconds_median"] / bound, 3),
-            "async_rl_seconds_over_sync": round(asy["rl_seconds"] / sync["rl_seconds"], 3),
-            "final_accuracy_sync": sync["eval"][-1]["accuracy"], "final_accuracy_async": asy["eval"][-1]["accuracy"],
-            "equal_wall_seconds": wall,
-            "equal_wall_accuracy_sync": at_wall["sync"]["accuracy"], "equal_wall_accuracy_async": at_wall["async"]["accuracy"],
-            "equal_wall_step_sync": at_wall["sync"]["step"], "equal_wall_step_async": at_wall["async"]["step"],
-        }
+        runs[seed] = {m: min(by_mode[m], key=lambda r: r["rl_seconds"]) for m in MODES}
+        ratios[seed] = compared(runs[seed]["sync"], runs[seed]["async"])
+        pairs = min(len(by_mode[m]) for m in MODES)
+        per_pass[seed] = [compared(by_mode["sync"][k], by_mode["async"][k]) for k in range(pairs)]
+        same_curve[seed] = {m: len({json.dumps([(e["step"], e["accuracy"]) for e in r["eval"]]) for r in by_mode[m]}) == 1
+                            for m in MODES}
     summary: dict = {"target_async_step_over_max_gen_rest": TARGET}
     if ratios:
         best = min(ratios.values(), key=lambda x: x["async_step_over_max_gen_rest"])
         summary["best_async_step_over_max_gen_rest"] = best["async_step_over_max_gen_rest"]
         summary["best_async_step_over_sync_step"] = min(x["async_step_over_sync_step"] for x in ratios.values())
         for reading in ("final_accuracy", "equal_wall_accuracy"):
-            acc = {k: [ratios[s][f"{reading}_{k}"] for s in ratios] for k in ("sync", "async")}
+            acc = {k: [ratios[s][f"{reading}_{k}"] for s in ratios] for k in MODES}
             summary[reading] = {k: {"values": v, "mean": round(statistics.mean(v), 3), "spread": round(max(v) - min(v), 3)}
                                 for k, v in acc.items()}
-            sync_values = acc["sync"]
-            summary[reading]["async_mean_within_sync_range"] = min(sync_values) <= statistics.mean(acc["async"]) <= max(sync_values)
+            summary[reading]["async_mean_within_sync_range"] = min(acc["sync"]) <= statistics.mean(acc["async"]) <= max(acc["sync"])
+    loads = [r["load_1min"][k] for by_mode in repeats.values() for rs in by_mode.values() for r in rs for k in ("start", "end")]
     return {
         "what": "embedded default (SFT warm-up, GRPO 150 steps of 16 prompts x 8): --async_steps 1 "
                 "(rollout_correction decoupled, sampler process on its own core) vs the synchronous loop",
-        "command": COMMAND + (" " + " ".join(extra) if extra else ""),
+        "command": COMMAND + (f" --repeats {args.repeats}" if args.repeats != 1 else "") + (" " + " ".join(extra) if extra else ""),
         "complete": complete,
-        "machine": f"{args.machine} (1-minute load average {load_before:.1f} at the start, {os.getloadavg()[0]:.1f} now; "
-                   f"every run's own in runs.*.load_1min)",
+        "machine": f"{args.machine} (1-minute load average {load_before:.1f} at the start, {os.getloadavg()[0]:.1f} at the "
+                   f"last write; {min(loads, default=0):.1f}-{max(loads, default=0):.1f} over the runs, each run's own in "
+                   f"repeats.*.*.load_1min)",
+        "load_1min_at_start": round(load_before, 2),
         "date": time.strftime("%Y-%m-%d"),
         "pinning": f"sync: trainer + sampler on core {TRAINER_CORE}; async: trainer on core {TRAINER_CORE}, sampler "
                    f"process on core {SAMPLER_CORE}; torch at 1 thread in each (read back: runs.*.pinned_cores)",
-        "equal_wall_time": f"per seed W = min(RL seconds of the two runs at their last step), RL seconds = sum of time/step "
+        "equal_wall_time": f"per seed W = min(RL seconds of the two runs at step 150), RL seconds = sum of time/step "
                            f"(evaluation and SFT warm-up not counted); each run read at its last evaluation (every "
-                           f"{EVAL_EVERY} steps) whose RL seconds <= W",
-        "runs": runs, "per_seed": ratios, "summary": summary,
+                           f"{EVAL_EVERY} steps) whose RL seconds <= W; of {args.repeats} pass(es), each mode's least "
+                           f"disturbed run (smallest RL seconds)",
+        "runs": runs, "per_seed": ratios, "per_seed_per_pass": per_pass, "same_curve_in_every_repeat": same_curve,
+        "summary": summary, "repeats": repeats,
     }
 
 

@@ -216,7 +216,8 @@ class TrainConfig:
     weights pushed after every update) while this step's update runs, so each rollout comes
     from a policy at most ``async_steps`` updates old (logged as ``async/staleness``). Needs
     ``sampler=hf`` on the CPU and a ``rollout_correction`` that sees the staleness
-    (``decoupled``: decoupled PPO). 0: the synchronous loop."""
+    (``decoupled``: decoupled PPO). With ``dynamic_sampling`` the refill rounds are sampled
+    with the current weights. 0: the synchronous loop."""
     group_size: int = 8
     """Completions per prompt (G)."""
     prompts_per_step: int = 16
@@ -665,7 +666,7 @@ class TrainConfig:
         n = self.async_steps
         if self.env is not None:
             raise InputError(f"async_steps={n} is not supported with --env yet (agent rollouts are collected in the "
-                             "trainer's process): set --async_steps 0")
+                             "trainer's process, with its environment workers): set --async_steps 0")
         if not ROLLOUT_CORRECTIONS[self.rollout_correction].stale_ok:
             stale = sorted(k for k, v in ROLLOUT_CORRECTIONS.items() if v.stale_ok)
             raise InputError(
@@ -674,7 +675,8 @@ class TrainConfig:
             )
         if self.sampler != "hf":
             raise InputError(f"async_steps={n} runs the hf sampler in a process of its own: sampler must be hf, got "
-                             f"{self.sampler!r}")
+                             f"{self.sampler!r} (no asynchronous vLLM sampler yet: the in-process engine shares the "
+                             "trainer's process, and a vllm-server is not yet driven ahead of the trainer)")
         if self.device.startswith("cuda"):
             raise InputError(f"async_steps={n}: the sampler process runs on the CPU (forked from the trainer); "
                              f"device must be cpu or auto without a GPU, got {self.device!r}")
