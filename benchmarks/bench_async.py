@@ -1,19 +1,20 @@
 """One-step asynchronous training (``--async_steps 1``) against the synchronous loop on the
 embedded default task (`fastrl train`, no options: SFT warm-up, then GRPO 150 steps), per seed.
 
-    python benchmarks/bench_async.py --seeds 0 1 2 --out benchmarks/results/async_default_cpu.json
+    python benchmarks/bench_async.py --seeds 0 1 2 --repeats 3 --out benchmarks/results/async_default_cpu.json
 
 Each run is a fresh process (this script with ``--one``), the runs interleaved per seed
-(sync then async for even seeds, async then sync for odd ones). Pinning: the synchronous
+(sync then async for even seeds, async then sync for odd ones; flipped every pass). Pinning: the synchronous
 run (trainer and its in-process sampler) on core 0; the asynchronous run's trainer on core
 0 and its sampler process on core 1 (``os.sched_setaffinity``, torch at one thread in
 each). Recorded per run: the median GRPO step, its stages (generation, and the rest of the
 step: rewards, log-probs, advantages, update, sync), the sampler process's own generation
-time, held-out greedy accuracy and pass@4 at every evaluation (steps 0, 25, ..., 150).
+time, held-out greedy accuracy and pass@4 at every evaluation (steps 0, 5, ..., 150).
 The async step is compared with ``max(generation, rest)`` of the synchronous run of the
 same seed (the issue's target: at most 1.15x that, instead of their sum). On a shared
 machine other processes only add time: the summary takes the best (smallest) ratio over
-the seeds as the least disturbed estimate and lists every seed's.
+the seeds as the least disturbed estimate and lists every seed's. Pinning is read back
+(``pinned_cores``) and a sampler process that is not running is an error.
 
 Held-out success is compared at equal steps (the last evaluation, step 150, of each run)
 and at equal wall time. Equal wall time, per seed: a run's clock is its RL seconds, the sum
