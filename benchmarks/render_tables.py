@@ -309,10 +309,29 @@ def async_default() -> str:
                     f"{data['date']}.\n")
 
 
+def async_equal_wall() -> str:
+    """Held-out accuracy of the same runs at equal wall time (RL seconds, evaluation not counted)."""
+    data = _load("async_default_cpu.json")
+    rows = []
+    for seed, run in sorted(data["runs"].items(), key=lambda kv: int(kv[0])):
+        sync, asy, r = run["sync"], run["async"], data["per_seed"][seed]
+        rows.append([seed, f"{sync['rl_seconds']:.1f} s", f"{asy['rl_seconds']:.1f} s", f"{r['equal_wall_seconds']:.1f} s",
+                     f"{r['equal_wall_accuracy_sync']:.3f} (step {r['equal_wall_step_sync']:.0f})",
+                     f"{r['equal_wall_accuracy_async']:.3f} (step {r['equal_wall_step_async']:.0f})",
+                     f"{sync['load_1min']['start']:.1f}-{sync['load_1min']['end']:.1f}",
+                     f"{asy['load_1min']['start']:.1f}-{asy['load_1min']['end']:.1f}"])
+    table = _rows(["seed", "sync: RL seconds, 150 steps", "async: RL seconds, 150 steps", "equal wall time W",
+                   "held-out acc. sync at W", "async at W", "load sync run", "load async run"], rows)
+    acc = data["summary"]["equal_wall_accuracy"]
+    return table + (f"\n{data['equal_wall_time']}. Mean held-out accuracy at W: sync {acc['sync']['mean']:.3f} (spread "
+                    f"{acc['sync']['spread']:.3f}), async {acc['async']['mean']:.3f} (spread {acc['async']['spread']:.3f}). "
+                    f"Load: the 1-minute load average at the start and end of each run (2 cores).\n")
+
+
 TABLES: dict[str, Callable[[], str]] = {"default_train_seeds": default_train_seeds, "env_train_seeds": env_train_seeds,
                                         "agent_benchmarks": agent_benchmarks, "headline": headline,
                                         "compare_default": compare_default, "benchmarks_cpu": benchmarks_cpu,
-                                        "async_default": async_default}
+                                        "async_default": async_default, "async_equal_wall": async_equal_wall}
 
 
 def pages() -> list[Path]:

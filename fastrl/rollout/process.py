@@ -1,8 +1,8 @@
 """The HF group sampler in a process of its own, on its own copy of the policy.
 
-``ProcessSampler(model, pad_token_id=, timeout_s=)`` forks one worker
+``ProcessSampler(model, pad_token_id=, timeout_s=, decode=)`` forks one worker
 (``fastrl.workers.WorkerPool``: killable, dies with its parent, torch at one thread) that
-holds the model as it was at the fork and runs ``HFGroupSampler`` on it. Each
+holds the model as it was at the fork and runs ``HFGroupSampler(decode=)`` on it. Each
 ``generate`` call carries the weights to sample with (``weights_bytes(module)``, taken
 when the call is made), so the worker's copy is exactly the trainer's policy of that moment
 even while the trainer goes on updating its own; results come back serialised with
@@ -22,7 +22,9 @@ from typing import Any
 
 import torch
 
+from fastrl._checks import check_choice
 from fastrl.rollout.base import RolloutBatch, SamplingConfig
+from fastrl.rollout.hf import DECODE_MODES, HFGroupSampler
 from fastrl.workers import OK, WorkerPool
 
 __all__ = ["ProcessSampler", "SamplerProcessError", "weights_bytes"]
@@ -51,15 +53,13 @@ class _Task:
 class _Worker:
     """The worker's state: the inherited model and (once built) its sampler."""
 
-    def __init__(self, model: torch.nn.Module, pad_token_id: int):
-        self.model, self.pad_token_id = model, pad_token_id
+    def __init__(self, model: torch.nn.Module, pad_token_id: int, decode: str):
+        self.model, self.pad_token_id, self.decode = model, pad_token_id, decode
         self.sampler: Any = None
 
     def __call__(self, task: _Task) -> bytes:
         if self.sampler is None:
-            from fastrl.rollout.hf import HFGroupSampler
-
-            self.sampler = HFGroupSampler(self.model, pad_token_id=self.pad_token_id)
+            self.sampler = HFGroupSampler(self.model, pad_token_id=self.pad_token_id, decode=self.decode)
         state = torch.load(io.BytesIO(task.weights), map_location="cpu", weights_only=True)
         self.sampler.update_weights(state.items())
         extra = {"prompt_seeds": task.prompt_seeds} if task.prompt_seeds is not None else {}
@@ -78,11 +78,14 @@ class ProcessSampler:
 
     ``model``: the policy (a CPU module; the worker holds its copy from the fork).
     ``timeout_s``: longest one rollout may take (then the worker is killed and
-    ``SamplerProcessError`` raised)."""
+    ``SamplerProcessError`` raised). ``decode``: the worker's ``HFGroupSampler(decode=)``
+    (``DECODE_MODES``; the worker runs on the CPU, so ``eager`` or ``static``)."""
 
-    def __init__(self, model: torch.nn.Module, *, pad_token_id: int, timeout_s: float, name: str = "fastrl-sampler"):
-        self.pad_token_id = int(pad_token_id)
-        self.pool = WorkerPool(_serve, _Worker(model, self.pad_token_id), num_workers=1, timeout_s=timeout_s,
+    def __init__(self, model: torch.nn.Module, *, pad_token_id: int, timeout_s: float, decode: str = "eager",
+                 name: str = "fastrl-sampler"):
+        check_choice("decode", decode, DECODE_MODES)
+        self.pad_token_id, self.decode = int(pad_token_id), decode
+        self.pool = WorkerPool(_serve, _Worker(model, self.pad_token_id, decode), num_workers=1, timeout_s=timeout_s,
                                start_method="fork", name=name)
 
     @property

@@ -12,6 +12,14 @@ n`` is sampled while step ``s`` trains, and a rollout is never more than ``n`` u
 old: ``async/staleness`` (updates between the rollout's weights and the trainer's) is
 logged every step and checked.
 
+Dynamic sampling (DAPO, ``dynamic_sampling``): step ``s``'s rollout is refilled as the
+synchronous collector does (``Collector.refill``: its all-equal groups dropped, further
+rounds of the step's next prompts drawn), each round sampled by the sampler process with
+the trainer's weights of now (0 updates old) and waited for; the rollouts of the next steps
+are submitted after the refill (with ``async_steps`` 1 nothing is ahead of a round in the
+sampler's queue), so the prompts are drawn in the synchronous loop's order and the run's
+first step is the synchronous run's.
+
 Exact resume: the rollouts in flight are part of the checkpoint (``checkpoint_extra``,
 ``<checkpoint>/in_flight-rank<r>.pt``: each waited for, with its prompts, sampling
 settings and weights version). Regenerating them would need the older weights they were
@@ -88,7 +96,11 @@ class AsyncCollector:
     # ------------------------------------------------------------------ the interface
     def collect(self, *, sampler: Any, step: int, timer: Any) -> tuple[GroupRollout, dict[str, float]]:
         """Step ``step``'s rollout (``sampler``, the trainer's in-process one, is not used)."""
-        self._submit_up_to(step)
+        refills = self.inner.cfg.dynamic_sampling
+        if not refills:
+            self._submit_up_to(step)  # the next rollouts are sampled while this one is waited for and trained on
+        elif not self.pending:
+            self._submit_up_to(step, ahead=0)  # the run's first step: its own rollout (the next ones after its refill)
         item = self.pending.popleft()
         if item.step != step:
             raise RuntimeError(f"async collection out of step: the rollout in flight is step {item.step}'s, the trainer is at {step}")
@@ -101,6 +113,11 @@ class AsyncCollector:
             rollout = self.inner.score(item.request, batch)
         info = {"dynamic/rounds": 0.0, "dynamic/dropped_groups": 0.0, "async/staleness": float(staleness),
                 "async/sampler_seconds": float(batch.stats.seconds)}
+        if refills:
+            rollout, dynamic = self.inner.refill(rollout, more=lambda salt: self._refill_round(step=step, salt=salt, timer=timer),
+                                                 pad_token_id=self.sampler.pad_token_id)
+            info.update(dynamic)
+            self._submit_up_to(step)
         return rollout, info
 
     needs_old_logp = False
@@ -124,11 +141,12 @@ class AsyncCollector:
         self.sampler.close()
 
     # ------------------------------------------------------------------ internals
-    def _submit_up_to(self, step: int) -> None:
-        """Submit the rollouts of steps ``next_step .. min(step + n, steps - 1)``, sampled with the weights of now."""
+    def _submit_up_to(self, step: int, *, ahead: int | None = None) -> None:
+        """Submit the rollouts of steps ``next_step .. min(step + ahead, steps - 1)`` (``ahead``:
+        ``async_steps`` unless given), sampled with the weights of now."""
         if self.next_step is None:
             self.next_step = step
-        last = min(step + self.async_steps, self.steps - 1)
+        last = min(step + (self.async_steps if ahead is None else ahead), self.steps - 1)
         if self.next_step > last:
             return
         weights = weights_bytes(self.weights)  # w_step, before this step's update changes them
@@ -137,6 +155,15 @@ class AsyncCollector:
             future = self.executor.submit(self._generate, request, weights)
             self.pending.append(InFlight(step=self.next_step, version=step, request=request, future=future))
             self.next_step += 1
+
+    def _refill_round(self, *, step: int, salt: int, timer: Any) -> GroupRollout:
+        """A dynamic-sampling round of step ``step``: its next prompts, sampled by the sampler
+        process with the trainer's weights of now (0 updates old) and scored."""
+        request = self.inner.draw(step=step, salt=salt)
+        with timer("generate"):
+            batch = self.executor.submit(self._generate, request, weights_bytes(self.weights)).result()
+        with timer("reward"):
+            return self.inner.score(request, batch)
 
     def _generate(self, request: RolloutRequest, weights: bytes) -> RolloutBatch:
         return self.sampler.generate(request.prompt_batch.prompt_ids, group_size=self.group_size, sampling=request.sampling,
@@ -167,6 +194,6 @@ def make_collector(*, cfg: TrainConfig, batcher: Any, ranks: Any, scorer: Any, w
             raise InputError(f"resume: {resume_dir} holds the in-flight rollouts of {written} processes (async_steps); "
                              f"resume it with {written} processes, this run has {ranks.world_size}")
         in_flight = load_extra(resume_dir, IN_FLIGHT, rank=ranks.rank)
-    sampler = ProcessSampler(weights, pad_token_id=pad_token_id, timeout_s=cfg.sampler_timeout)
+    sampler = ProcessSampler(weights, pad_token_id=pad_token_id, timeout_s=cfg.sampler_timeout, decode=cfg.sampler_decode)
     return AsyncCollector(inner=inner, sampler=sampler, weights=weights, async_steps=cfg.async_steps, steps=cfg.steps,
                           in_flight=in_flight)

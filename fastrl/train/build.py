@@ -77,7 +77,8 @@ SERVER_CONNECT_TIMEOUT_S = 30.0
 def _hf(ctx: SamplerContext) -> GroupSampler:
     from fastrl.rollout import HFGroupSampler
 
-    return HFGroupSampler(ctx.full_copy if ctx.full_copy is not None else ctx.policy, pad_token_id=ctx.pad_token_id)
+    return HFGroupSampler(ctx.full_copy if ctx.full_copy is not None else ctx.policy, pad_token_id=ctx.pad_token_id,
+                          decode=ctx.cfg.sampler_decode)
 
 
 def _vllm(ctx: SamplerContext) -> GroupSampler:

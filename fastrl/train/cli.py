@@ -47,7 +47,7 @@ HELP_GROUPS: dict[str, tuple[str, ...]] = {
                   "lam", "whiten_advantages",
                   "turn_gamma", "step_coef", "turn_norm", "turn_coef", "outcome_coef"),
     "rewards": ("rewards", "reward_weights", "reward_timeout", "reward_workers"),
-    "rollout": ("sampler", "sampler_url", "sampler_timeout", "async_steps", "group_size", "prompts_per_step",
+    "rollout": ("sampler", "sampler_url", "sampler_timeout", "sampler_decode", "async_steps", "group_size", "prompts_per_step",
                 "prompt_token_budget", "max_new_tokens", "temperature", "top_p", "top_k", "dynamic_sampling",
                 "max_resample_rounds", "rollout", "tree_branches", "tree_depths", "sync_probe_every", "sync_probe_tolerance"),
     "optimisation": ("steps", "max_seconds", "max_generated_tokens", "ppo_epochs", "mini_batches", "shared_prefix",

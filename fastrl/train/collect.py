@@ -9,7 +9,7 @@ many informative groups as prompts (or ``max_resample_rounds`` is spent).
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, Callable
 
 from fastrl.rollout.base import GroupRollout, RolloutBatch, SamplingConfig, merge_rollouts
 from fastrl.train import seeds
@@ -51,12 +51,21 @@ class Collector:
         self.cfg, self.batcher, self.ranks, self.scorer = cfg, batcher, ranks, scorer
 
     def collect(self, *, sampler: Any, step: int, timer: Any) -> tuple[GroupRollout, dict[str, float]]:
+        first = self.rollout(sampler=sampler, step=step, salt=0, timer=timer)
+        if not self.cfg.dynamic_sampling:
+            return first, {"dynamic/rounds": 0.0, "dynamic/dropped_groups": 0.0}
+        return self.refill(first, more=lambda salt: self.rollout(sampler=sampler, step=step, salt=salt, timer=timer),
+                           pad_token_id=sampler.pad_token_id)
+
+    def refill(self, first: GroupRollout, *, more: Callable[[int], GroupRollout],
+               pad_token_id: int) -> tuple[GroupRollout, dict[str, float]]:
+        """Dynamic sampling: ``first`` without its all-equal groups, topped up from further
+        rounds ``more(salt)`` (salt 1, 2, ...: the step's next prompts, sampled and scored)
+        to as many groups as ``first`` has, or what ``max_resample_rounds`` found; with its
+        ``dynamic/...`` metrics."""
         cfg, ranks = self.cfg, self.ranks
         G = cfg.group_size
-        first = self.rollout(sampler=sampler, step=step, salt=0, timer=timer)
         info = {"dynamic/rounds": 0.0, "dynamic/dropped_groups": 0.0}
-        if not cfg.dynamic_sampling:
-            return first, info
         target = len(first.rows)
         kept: list[tuple[GroupRollout, list[int]]] = []
         n_kept = dropped = 0
@@ -71,12 +80,12 @@ class Collector:
             # under torchrun every rank takes the same decision (the batcher stays in step)
             if ranks.sum(n_kept) >= ranks.sum(target) or round_ == cfg.max_resample_rounds:
                 break
-            current = self.rollout(sampler=sampler, step=step, salt=round_ + 1, timer=timer)
+            current = more(round_ + 1)
         info["dynamic/dropped_groups"] = float(ranks.sum(dropped))
         if n_kept == 0:
             # nothing informative: train on the first batch (all advantages are 0; the step only logs)
             return first, info
-        return merge_rollouts(kept, group_size=G, limit=target, pad_token_id=sampler.pad_token_id), info
+        return merge_rollouts(kept, group_size=G, limit=target, pad_token_id=pad_token_id), info
 
     needs_old_logp = False
     """Whether the trainer must compute old log-probs for this collector's metrics (no)."""

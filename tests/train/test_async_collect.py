@@ -82,7 +82,6 @@ def test_async_run_is_one_step_stale_and_resumes_exactly(tmp_path):
 @pytest.mark.parametrize("changes,words", [
     (dict(rollout_correction="none"), "rollout_correction must see the sampler's log-probs"),
     (dict(sampler="vllm"), "sampler must be hf"),
-    (dict(dynamic_sampling=True), "dynamic_sampling"),
     (dict(device="cuda"), "device must be cpu"),
     (dict(async_steps=-1), "async_steps must be an int >= 0"),
 ])
@@ -101,3 +100,38 @@ def test_decoupled_is_truncated_is_with_the_roles_named_on_a_synchronous_run(tmp
     d, i = steps(tmp_path / "d"), steps(tmp_path / "i")
     assert [m["loss/total"] for m in d] == [m["loss/total"] for m in i]
     assert "time/old_logp" in d[0]  # not on-policy: the proximal log-probs are the trainer's pass
+
+
+def half_informative(prompts, completions, **kwargs):
+    """``digit_share`` on about half of the prompts, 0 on the rest: those groups are all equal."""
+    return [digit_share([p], [c])[0] if sum(map(ord, str(p))) % 2 else 0.0 for p, c in zip(prompts, completions)]
+
+
+def test_async_dynamic_sampling_refills_as_the_synchronous_loop_and_resumes_exactly(tmp_path):
+    def run(out, stop_after=None, **changes):
+        cfg = tiny(out, dynamic_sampling=True, max_resample_rounds=2, **changes)
+        with Trainer(cfg, reward_functions=[half_informative]) as trainer:
+            decode = trainer.collector.sampler.decode if isinstance(trainer.collector, AsyncCollector) else None
+            trainer.train(stop_after=stop_after)
+            params = {k: v.detach().clone() for k, v in trainer.policy.state_dict().items()}
+        return params, decode
+
+    run(tmp_path / "sync")
+    async_params, decode = run(tmp_path / "async", async_steps=1, sampler_decode="static")
+    assert decode == "static"  # the sampler process runs the static-shape decode step
+    s, a = steps(tmp_path / "sync"), steps(tmp_path / "async")
+    # all-equal groups were dropped and refilled, in the async run too
+    assert any(m["dynamic/dropped_groups"] > 0 and m["dynamic/rounds"] >= 1 for m in a), [m["dynamic/rounds"] for m in a]
+    assert [m["async/staleness"] for m in a] == [0.0, 1.0, 1.0]
+    # step 1: the same prompts (refill rounds included, drawn in the synchronous order), the same
+    # weights and seeds: the same rollout and loss as the synchronous run
+    for key in ("dynamic/rounds", "dynamic/dropped_groups", "groups/frac_all_equal", "reward/mean", "loss/total", "grad_norm"):
+        assert a[0][key] == pytest.approx(s[0][key], rel=1e-5, abs=1e-7), key
+    # paused after step 2 with step 3's rollout in flight, resumed: the uninterrupted run
+    run(tmp_path / "paused", stop_after=2, async_steps=1, sampler_decode="static")
+    resumed_params, _ = run(tmp_path / "paused", async_steps=1, sampler_decode="static", resume="latest")
+    for k in async_params:
+        assert torch.equal(async_params[k], resumed_params[k]), k
+    r = steps(tmp_path / "paused")
+    for key in ("dynamic/rounds", "reward/mean", "loss/total", "async/staleness"):
+        assert [m[key] for m in r] == [m[key] for m in a], key
