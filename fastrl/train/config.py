@@ -60,6 +60,9 @@ class AlgorithmPreset:
     """``turn_discounted``: weight of the per-turn-index advantage (MT-GRPO's lambda)."""
     outcome_coef: float = 0.0
     """``turn_discounted``: weight of the episode (outcome) advantage (MT-GRPO: 1)."""
+    final_turn_coef: Optional[float] = None
+    """``turn_discounted``: weight of the per-turn-index advantage on a trajectory's final turn
+    (MT-GRPO: 0, the final turn gets the outcome advantage alone); None: ``turn_coef``."""
 
     @property
     def kl_coef(self) -> float:
@@ -84,7 +87,7 @@ ALGORITHM_PRESETS: dict[str, AlgorithmPreset] = {
     "ppo": AlgorithmPreset("ppo", "gae", citation="Schulman et al. 2017; Ouyang et al. 2022"),
     # agent trajectories only (fastrl train --env): step-level credit without a critic
     "gigpo": AlgorithmPreset("grpo", "gigpo", turn_gamma=0.95, citation="Feng et al. 2025, arXiv:2505.10978"),
-    "mt_grpo": AlgorithmPreset("grpo", "turn_discounted", turn_gamma=0.0, turn_coef=1.0, outcome_coef=1.0,
+    "mt_grpo": AlgorithmPreset("grpo", "turn_discounted", turn_gamma=0.0, turn_coef=1.0, outcome_coef=1.0, final_turn_coef=0.0,
                                citation="Zeng et al. 2025, arXiv:2505.11821"),
 }
 ALGORITHMS: tuple[str, ...] = tuple(ALGORITHM_PRESETS)
@@ -264,6 +267,10 @@ class TrainConfig:
     outcome_coef: Optional[float] = None
     """``turn_discounted``: weight of the episode (outcome) advantage. None: preset (mt_grpo 1,
     else 0: the plain turn-discount form)."""
+    final_turn_coef: Optional[float] = None
+    """``turn_discounted``: weight of the per-turn-index advantage on each trajectory's final
+    turn, in place of ``turn_coef``. None: preset (mt_grpo 0: the final turn gets the outcome
+    advantage alone, as in MT-GRPO; else ``turn_coef``, every turn alike)."""
     kl_coef: Optional[float] = None
     """KL weight beta to the frozen reference policy (None: preset; 0 skips the reference model)."""
     kl_estimator: KLEstimator = "k3"
@@ -430,6 +437,8 @@ class TrainConfig:
         for name in ("turn_gamma", "turn_coef", "outcome_coef"):
             if getattr(c, name) is None:
                 setattr(c, name, getattr(preset, name))
+        if c.final_turn_coef is None:
+            c.final_turn_coef = preset.final_turn_coef if preset.final_turn_coef is not None else c.turn_coef
         builtin_model = c.model is None and not model_given
         builtin_task = c.dataset is None and builtin_model and c.env is None
         default = _default_task()
@@ -549,7 +558,7 @@ class TrainConfig:
             raise InputError(f"advantage_mode {self.advantage_mode} (algorithm {self.algorithm}) credits the turns of "
                              "agent trajectories: give an environment with --env (e.g. --env frozenlake)")
         number("turn_gamma", low=0.0, high=1.0)
-        for name in ("step_coef", "turn_coef", "outcome_coef"):
+        for name in ("step_coef", "turn_coef", "outcome_coef", "final_turn_coef"):
             number(name)
         if self.advantage_mode != "gae" and self.group_size < 2:
             raise InputError(f"group_size must be >= 2 for group advantages ({self.advantage_mode}), got {self.group_size}")
