@@ -95,6 +95,12 @@ class EnvCompareDefaults:
     """Held-out evaluations along the budget after the start's (``--eval_every`` is the budget
     over this, rounded up): each one plays every held-out row, so fewer than the single-turn
     default's six."""
+    threads: int = 1
+    """``--threads`` of the shared warm-up and of every run (unless given): the built-in
+    environments' tiny model gains little from a second intra-op thread, and on a shared CPU
+    a second thread waits at every parallel region for a descheduled partner (measured in
+    this project at load ~13 on 2 cores: the warm-up's second thread used as much CPU as the
+    first, and the warm-up ran several times longer than its single-thread time)."""
 
 
 ENV_COMPARE_DEFAULTS: dict[str, EnvCompareDefaults] = {
@@ -836,7 +842,8 @@ def build_compare_parser() -> argparse.ArgumentParser:
                         help=f"seeds per algorithm: 0..N-1 (default {DEFAULT_SEEDS}; {env_seeds})")
     parser.add_argument("--budget", default=None,
                         help=f"per run: N-steps, N-tokens or a wall time (default {DEFAULT_BUDGET}; {env_budgets}: "
-                             "sized so four algorithms x 3 seeds fit 15 min on a 2-core CPU)")
+                             "sized so four algorithms x 3 seeds fit 15 min on a 2-core CPU; a built-in --env also "
+                             "defaults --threads to 1)")
     parser.add_argument("--output_dir", default="runs/compare", help="where runs and the report go (default runs/compare)")
     parser.add_argument("--overwrite", action="store_true", help="replace an earlier comparison in --output_dir")
     parser.add_argument("--hybrid_split", type=float, default=0.5,
@@ -907,6 +914,8 @@ def plan_compare(argv: Sequence[str]) -> ComparePlan:
     seeds = args.seeds if args.seeds is not None else env_defaults.seeds if env_defaults is not None else DEFAULT_SEEDS
     if budget.kind == "steps" and "steps" in explicit:
         raise CompareError(f"--steps and --budget {budget.text!r} both set the number of steps; give one")
+    if env_defaults is not None and "threads" not in user_fields:
+        user_fields["threads"] = env_defaults.threads
 
     def resolve(algorithm: str, overrides: dict[str, Any] | None = None) -> TrainConfig:
         try:

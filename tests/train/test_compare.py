@@ -383,11 +383,14 @@ def test_a_builtin_environment_brings_its_own_default_budget_seeds_and_evaluatio
         assert plan.budget == parse_budget(d.budget) and plan.seeds == list(range(d.seeds))
         assert plan.eval_every == math.ceil(plan.budget.amount / d.evaluations)
         assert plan.budget.amount != parse_budget(DEFAULT_BUDGET).amount  # an agent step costs more
+        assert plan.user_fields["threads"] == d.threads == 1  # the warm-up and every run
     # the command line wins; a user's environment and no environment keep compare's defaults
     plan = plan_compare(["--env", "frozenlake", *algos, "--budget", "6-steps", "--seeds", "2"])
     assert plan.budget.amount == 6 and plan.seeds == [0, 1] and plan.eval_every == 3
+    assert plan_compare(["--env", "frozenlake", *algos, "--threads", "2"]).user_fields["threads"] == 2
     plan = plan_compare(["--algorithms", "grpo", "ppo"])
     assert plan.budget == parse_budget(DEFAULT_BUDGET) and len(plan.seeds) == DEFAULT_SEEDS
+    assert "threads" not in plan.user_fields
     with pytest.raises(CompareError, match="both set the number of steps"):
         plan_compare(["--env", "frozenlake", "--steps", "5"])
     help_text = " ".join(build_compare_parser().format_help().split())  # argparse wraps lines
