@@ -104,6 +104,8 @@ the same name and meaning (``None``: the environment's default), derived from th
 # a 79K-parameter Llama's first evaluation (greedy + 4 samples of up to 256 tokens) took 31 s
 # on the project's loaded 2-core CPU, 84 s at 200 prompts (20 s per training step of 16 x 8).
 DATASET_EVAL_PROMPTS = 64
+DEFAULT_RL_STEPS = 150
+"""RL steps of a run that sets none (``TrainConfig.steps=None``) and whose environment has no own."""
 
 
 @dataclass
@@ -295,8 +297,9 @@ class TrainConfig:
     """Importance weights per token or per sequence."""
 
     # ------------------------------------------------------------------ update
-    steps: int = 150
-    """RL steps (rollout + update). 150 on the built-in task: seed 0 was still rising at 60."""
+    steps: Optional[int] = None
+    """RL steps (rollout + update). None: ``DEFAULT_RL_STEPS`` (150; on the built-in task seed 0
+    was still rising at 60), or a built-in environment's own (``fastrl/train/agent_task.py``)."""
     max_seconds: Optional[float] = None
     """Budget: end the run once its RL steps (held-out evaluation excluded) have taken this many
     seconds, after the step that crosses it; the run then finishes as at its last step (final
@@ -446,6 +449,8 @@ class TrainConfig:
             from fastrl.train.agent_task import apply_env_defaults
 
             apply_env_defaults(c, builtin_model=builtin_model)
+        if c.steps is None:
+            c.steps = DEFAULT_RL_STEPS
         if c.max_new_tokens is None:
             c.max_new_tokens = default.max_new_tokens if builtin_task else 256
         if c.eval_prompts is None:
