@@ -16,6 +16,7 @@ from __future__ import annotations
 import argparse
 import json
 import os
+import resource
 import statistics
 import subprocess
 import sys
@@ -41,11 +42,14 @@ def run_seed(env_name: str, seed: int, out: Path, extra: list[str]) -> dict:
     env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONPATH": str(ROOT)}
     commit = code_version()
     load_before = os.getloadavg()
+    usage = resource.getrusage(resource.RUSAGE_CHILDREN)
     t0 = time.perf_counter()
     cmd = [sys.executable, "-m", "fastrl.cli", "train", "--env", env_name, "--seed", str(seed), "--threads", "1",
            "--output_dir", str(out), "--progress", "false", *extra]
     proc = subprocess.run(cmd, env=env, capture_output=True, text=True)
     wall = time.perf_counter() - t0
+    after = resource.getrusage(resource.RUSAGE_CHILDREN)
+    cpu = (after.ru_utime - usage.ru_utime) + (after.ru_stime - usage.ru_stime)
     if proc.returncode != 0:
         raise SystemExit(f"seed {seed}: exit {proc.returncode}\n{proc.stdout[-2000:]}\n{proc.stderr[-3000:]}")
     records = [json.loads(line) for line in (out / "metrics.jsonl").read_text().splitlines()]
@@ -65,6 +69,7 @@ def run_seed(env_name: str, seed: int, out: Path, extra: list[str]) -> dict:
         "stopped_by": summary.get("stopped_by"),
         "commit": commit,
         "wall_seconds": round(wall, 1),
+        "cpu_seconds": round(cpu, 1),
         "load_average_before_after": [round(load_before[0], 2), round(os.getloadavg()[0], 2)],
     }
 

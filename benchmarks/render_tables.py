@@ -70,9 +70,10 @@ def env_train_seeds() -> str:
             first, last = run["eval"][0], run["eval"][-1]
             sft = f"{run['sft_steps']:.0f} ({run['sft_seconds']:.0f} s)" if run.get("sft_steps") is not None else "none"
             loads = "/".join(f"{x:.1f}" for x in run["load_average_before_after"])
+            whole = f"{run['wall_seconds']:.0f} s" + (f" ({run['cpu_seconds']:.0f} s CPU)" if run.get("cpu_seconds") else "")
             rows.append([env, seed, sft, f"{first['accuracy']:.2f} -> **{last['accuracy']:.2f}**",
                          f"{first['tool_call_rate']:.2f} -> {last['tool_call_rate']:.2f}",
-                         f"{run['rl_steps']} ({run['rl_step_seconds_median']:.2f} s)", f"{run['wall_seconds']:.0f} s", loads])
+                         f"{run['rl_steps']} ({run['rl_step_seconds_median']:.2f} s)", whole, loads])
         commits = sorted({run["commit"] for run in data["runs"].values() if run.get("commit")})
         code = data.get("code") or (f"code {', '.join(commits)}" if commits else "")
         notes.append(f"`{data['command']}` ({data['date']}{'; ' + code if code else ''})")

@@ -282,7 +282,7 @@ def _given_keys(anchor_keys: Any, K: int) -> torch.Tensor:
 
 
 def _turn_estimator(mode: str, token_level_rewards, response_mask, index, epsilon, config, *, step_coef=1.0,
-                    turn_coef=1.0, outcome_coef=0.0, batch=None, non_tensor_batch=None):
+                    turn_coef=1.0, outcome_coef=0.0, final_turn_coef=None, batch=None, non_tensor_batch=None):
     with torch.no_grad():
         seg, on, num_turns, K, rewards = _turns(response_mask, token_level_rewards)
         gid, _ = _group_ids(index, token_level_rewards.device)
@@ -300,7 +300,7 @@ def _turn_estimator(mode: str, token_level_rewards, response_mask, index, epsilo
         adv, _ = _ops.turn_advantages(
             torch.where(on, seg, -1), response_mask, rewards, num_turns, token_level_rewards.sum(-1).to(torch.float64),
             gid, mode=mode, state_keys=keys, gamma=_as_float(_get(config, "gamma", 1.0)), step_coef=step_coef,
-            turn_coef=turn_coef, outcome_coef=outcome_coef, norm=norm, eps=epsilon,
+            turn_coef=turn_coef, outcome_coef=outcome_coef, final_turn_coef=final_turn_coef, norm=norm, eps=epsilon,
         )
         adv = adv.to(token_level_rewards.dtype)
     return adv, adv
@@ -335,14 +335,16 @@ def compute_turn_discounted_advantage(
     *,
     turn_coef: float = 1.0,
     outcome_coef: float = 0.0,
+    final_turn_coef: float | None = None,
     **kwargs: Any,
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """Turn-discounted advantages on verl's multi-turn rows: each turn's discounted return
-    normalised within its (uid, turn index) group, times ``turn_coef``, plus ``outcome_coef``
-    times the episode advantage (MT-GRPO: ``algorithm.gamma=0``, ``outcome_coef=1``,
-    ``turn_coef=lambda``). Returns (advantages, advantages), 0 off the response mask."""
+    normalised within its (uid, turn index) group, times ``turn_coef`` (``final_turn_coef`` on
+    a row's final turn; None: ``turn_coef``), plus ``outcome_coef`` times the episode advantage
+    (MT-GRPO: ``algorithm.gamma=0``, ``outcome_coef=1``, ``turn_coef=lambda``,
+    ``final_turn_coef=0``). Returns (advantages, advantages), 0 off the response mask."""
     return _turn_estimator("turn_discounted", token_level_rewards, response_mask, index, epsilon, config,
-                           turn_coef=turn_coef, outcome_coef=outcome_coef)
+                           turn_coef=turn_coef, outcome_coef=outcome_coef, final_turn_coef=final_turn_coef)
 
 
 # ----------------------------------------------------------------------------- losses

@@ -137,6 +137,11 @@ def _present(num_turns: torch.Tensor, K: int) -> torch.Tensor:
     return torch.arange(K, device=num_turns.device)[None, :] < num_turns.to(torch.int64)[:, None]
 
 
+def _final_turn(num_turns: torch.Tensor, K: int) -> torch.Tensor:
+    """[B, K] bool: column k is row b's final turn (k = num_turns[b] - 1)."""
+    return torch.arange(K, device=num_turns.device)[None, :] == (num_turns[:, None] - 1)
+
+
 def _dense_pairs(a: torch.Tensor, b: torch.Tensor) -> DenseGroups:
     """Dense ranks of the pairs (a[i], b[i]) (int64, [N]) without a host sync: a stable sort by
     b, then a stable sort by a, boundaries where either changes, a cumulative sum."""
@@ -280,6 +285,7 @@ def turn_advantages(
     norm: str = "std",
     eps: float = 1e-6,
     episode_over: str = "trajectories",
+    final_turn_coef: float | None = None,
     backend: Backend = "auto",
     cu_seqlens: Packed = None,
     cpu_host_path: bool = True,
@@ -297,12 +303,16 @@ def turn_advantages(
         mode: ``broadcast`` (GRPO: A^E on every policy token), ``gigpo`` (A^E + step_coef *
             step advantage over (group, state key) groups) or ``turn_discounted``
             (turn_coef * per-turn-index advantage of the discounted turn returns +
-            outcome_coef * A^E; MT-GRPO: gamma=0, turn_coef=lambda, outcome_coef=1).
+            outcome_coef * A^E; MT-GRPO: gamma=0, turn_coef=lambda, outcome_coef=1,
+            final_turn_coef=0).
         state_keys: [B, K] integer (int64 hashes of the environment state at each turn);
             required for ``gigpo``, rejected otherwise.
         gamma: discount of the turn returns, in [0, 1] (not used by ``broadcast``).
         step_coef: GiGPO's omega (finite).
         turn_coef, outcome_coef: the ``turn_discounted`` mix (finite).
+        final_turn_coef: ``turn_discounted``: the turn term's weight on each trajectory's
+            final turn (k = num_turns[b] - 1) instead of ``turn_coef`` (finite; None:
+            ``turn_coef``). MT-GRPO's 0: the final turn gets the outcome term alone.
         norm: ``std`` (F_norm = std + eps) or ``none`` (F_norm = 1), at both levels.
         eps: added to every std (> 0).
         episode_over: ``trajectories`` (the paper's Eq. 3: one value per trajectory) or
@@ -332,7 +342,7 @@ def turn_advantages(
         adv, stats = turn_advantages(ti, lm, turn_rewards, num_turns, outcome_rewards, group_ids, mode=mode,
                                      state_keys=state_keys, gamma=gamma, step_coef=step_coef, turn_coef=turn_coef,
                                      outcome_coef=outcome_coef, norm=norm, eps=eps, episode_over=episode_over,
-                                     backend=backend)
+                                     final_turn_coef=final_turn_coef, backend=backend)
         return layout.to_packed(adv, shape=loss_mask.shape), stats
     B, K, T = _validate_layout(turn_index, loss_mask, turn_rewards, num_turns)
     check_float("outcome_rewards", outcome_rewards, shape=(B,))
@@ -354,6 +364,12 @@ def turn_advantages(
     step_coef = check_scalar("step_coef", step_coef)
     turn_coef = check_scalar("turn_coef", turn_coef)
     outcome_coef = check_scalar("outcome_coef", outcome_coef)
+    if final_turn_coef is not None:
+        if mode != "turn_discounted":
+            raise ValueError(f"final_turn_coef is only read by mode='turn_discounted', got mode={mode!r}")
+        final_turn_coef = check_scalar("final_turn_coef", final_turn_coef)
+        if final_turn_coef == turn_coef:
+            final_turn_coef = None  # the same weight on every turn
     eps = check_scalar("eps", eps, low=0.0, low_inclusive=False)
     impl = resolve_backend(backend, device)
     _check_layout(turn_index, loss_mask, num_turns, K)
@@ -388,10 +404,16 @@ def turn_advantages(
                 mean, std, count, distinct, mean_lo = segment_stats(G.reshape(-1), g.perm, starts, counts, valid=pv)
                 A_turn = turn_combine(G, pv, g.rank(), mean, mean_lo, std, count, AE, c_ep=c_ep, c_rel=c_rel,
                                       use_std=norm == "std", eps=eps)
+                if final_turn_coef is not None:  # the final turns' values: the same kernel, their weight
+                    A_final = turn_combine(G, pv, g.rank(), mean, mean_lo, std, count, AE, c_ep=c_ep,
+                                           c_rel=final_turn_coef, use_std=norm == "std", eps=eps)
+                    A_turn = torch.where(_final_turn(n, K), A_final, A_turn)
                 real = count > 0
                 n_groups, n_single, n_equal = real.sum(), (count == 1.0).sum(), (real & (distinct == 0)).sum()
             else:
                 rel, n_groups, n_single, n_equal = _turn_stats_torch(G, present, g, norm, eps)
+                if final_turn_coef is not None:
+                    c_rel = torch.where(_final_turn(n, K), final_turn_coef, c_rel).to(torch.float64)
                 A_turn = torch.where(present, c_ep * AE.to(torch.float64)[:, None] + c_rel * rel, 0.0).float()
             ng = n_groups.to(torch.float32)
             stats["turn_groups"] = ng

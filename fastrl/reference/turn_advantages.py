@@ -54,18 +54,37 @@ Discounted turn return (includes the turn's own reward):
   trajectories that have a turn k,
 
       A^T[b, k] = norm(G[b, k]; {G[j, k] : group(j) = group(b), k < n_j})
-      A[b, k]   = turn_coef * A^T[b, k] + outcome_coef * A^E_b
+      A[b, k]   = c_k * A^T[b, k] + outcome_coef * A^E_b,
+      c_k       = final_turn_coef if k = n_b - 1 (b's final turn) else turn_coef
 
-  ``turn_coef=1, outcome_coef=0`` is the turn-discount form (each turn's reward plus the
-  discounted later ones, normalised per turn index). MT-GRPO (Zeng et al. 2025, arXiv
-  2505.11821) is ``gamma=0``, ``turn_coef=lambda``, ``outcome_coef=1`` with the final
-  turn's reward 0: non-final turns get A^O + lambda * A^T, the final turn A^O (the
-  authors' code, SiliangZeng/Multi-Turn-RL-Agent ``mt_grpo_env_trainer._assign_advantages``,
-  puts lambda (``turn_advantage_coef``) on the turn term and uses eps = 1e-4, std unbiased;
-  a form with lambda on the outcome term is ``turn_coef=1, outcome_coef=lambda``). Only the
-  paper's abstract and its authors' code could be read here, not its equation; the mapping
-  above follows the code (their trainer has two turns; with K turns every non-final turn k
-  gets A^O + lambda * A^T_k, A^T_k normalised per turn index).
+  (``final_turn_coef=None``: ``turn_coef`` on every turn.) ``turn_coef=1, outcome_coef=0``
+  is the turn-discount form (each turn's reward plus the discounted later ones, normalised
+  per turn index). The statistics of turn index k are over every trajectory of the group
+  that has a turn k, its final turn included: ``final_turn_coef`` only weighs the turn term
+  a final turn *receives*.
+
+  MT-GRPO (Zeng et al. 2025, arXiv:2505.11821v1, "Reinforcing Multi-Turn Reasoning in LLM
+  Agents via Turn-Level Credit Assignment") has two turns, a tool call and an answer, a
+  turn-level reward R^T (the tool call's: executed, found the answer) and an outcome reward
+  R^O (the answer's), each normalised over the group's G rollouts (A^T, A^O), and gives
+
+      A_{i,1} = A^O_i + lambda * A^T_i       (the first turn's tokens)
+      A_{i,2} = A^O_i                        (the final turn's tokens: the outcome only)
+
+  with lambda = ``turn_advantage_coef`` = 1 in its experiments. Read here: the paper's
+  abstract and Fig. 1 caption, and its authors' code, SiliangZeng/Multi-Turn-RL-Agent
+  ``mt_grpo_env_trainer._assign_advantages`` (its ``aae`` mode: tokens before the tool
+  result get ``outcome_adv + turn_advantage_coef * turn_adv``, tokens after it
+  ``outcome_adv``; eps = 1e-4, std unbiased), which these equations restate (a secondary
+  source's rendering of the paper's equations reads the same). In fastrl's terms: ``gamma=0``,
+  ``turn_coef=lambda``, ``outcome_coef=1``, ``final_turn_coef=0``; with K turns every
+  non-final turn k gets A^O + lambda * A^T_k (A^T_k normalised per turn index) and the final
+  turn A^O alone. The final turn's own reward is not credited twice: in fastrl's
+  environments it is the outcome (the last step's reward), which A^O already carries.
+  Differences from the authors' code: a trajectory of one turn (no tool result) gets A^O
+  here; the code gives such a trajectory the advantage of the combined reward R^T + R^O
+  normalised over the group. Their turn reward is a reward function of the whole completion;
+  here it is the environment's per-turn reward.
 
 Token expansion: A[b, t] = A[b, turn_index[b, t]] where loss_mask[b, t] != 0 and the
 index is a present turn, else 0.
@@ -201,6 +220,7 @@ def turn_advantages_reference(
     norm: str = "std",
     eps: float = 1e-6,
     episode_over: str = "trajectories",
+    final_turn_coef: float | None = None,
 ) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
     """Per-token advantages [B, T] of the module's modes (see the module docstring) and
     0-dim float32 statistics:
@@ -248,7 +268,11 @@ def turn_advantages_reference(
     if mode == "gigpo":
         A_turn = AE[:, None] + step_coef * A_rel
     else:
-        A_turn = turn_coef * A_rel + outcome_coef * AE[:, None]
+        A_turn = torch.zeros(B, K, dtype=dt)
+        for b, k in present:
+            final = k == int(num_turns[b]) - 1
+            c = final_turn_coef if final and final_turn_coef is not None else turn_coef
+            A_turn[b, k] = c * A_rel[b, k] + outcome_coef * AE[b]
     return _expand(A_turn, turn_index, loss_mask, num_turns), stats
 
 

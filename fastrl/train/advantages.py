@@ -234,7 +234,7 @@ def _turn_mode(exp: Experience, tr: _Trajectories, *, cfg: TrainConfig, ranks) -
             columns, columns < n_turns[:, None], _take(lay.turn_rewards, tr.keep), n_turns, tr.outcome, tr.group_ids,
             mode=mode, state_keys=_take(lay.anchor_keys, tr.keep) if mode == "gigpo" else None,
             gamma=cfg.turn_gamma, step_coef=cfg.step_coef, turn_coef=cfg.turn_coef, outcome_coef=cfg.outcome_coef,
-            norm=cfg.turn_norm,
+            final_turn_coef=cfg.final_turn_coef if mode == "turn_discounted" else None, norm=cfg.turn_norm,
         )  # [N_kept, K]: A[n, k]
         per_turn = _put(per_turn, tr.keep, N)[lay.trajectory]  # [B, K]
         on = (exp.loss_mask > 0) & (lay.turn_index >= 0)

@@ -45,7 +45,7 @@ HELP_GROUPS: dict[str, tuple[str, ...]] = {
                   "kl_coef", "kl_estimator", "kl_in_reward", "kl_target", "kl_horizon", "entropy_coef",
                   "rollout_correction", "is_cap", "is_level", "critic_init", "critic_lr", "value_clip", "gamma",
                   "lam", "whiten_advantages",
-                  "turn_gamma", "step_coef", "turn_norm", "turn_coef", "outcome_coef"),
+                  "turn_gamma", "step_coef", "turn_norm", "turn_coef", "outcome_coef", "final_turn_coef"),
     "rewards": ("rewards", "reward_weights", "reward_timeout", "reward_workers"),
     "rollout": ("sampler", "sampler_url", "sampler_timeout", "sampler_decode", "async_steps", "group_size", "prompts_per_step",
                 "prompt_token_budget", "max_new_tokens", "temperature", "top_p", "top_k", "dynamic_sampling",

@@ -77,6 +77,41 @@ step) PPO and GRPO see the same 5120 samples. Sized for 15 minutes on an idle 2-
 ``DefaultTask``'s per-step costs (SFT step ~50 ms, GRPO step ~0.35 s; the warm-up with seed 1
 stops near 350 steps): about 1 min of warm-up and six runs of ~1 min. Not yet timed end to
 end on an idle machine: on a shared one at load 10-18 the warm-up alone took 35 min."""
+
+
+@dataclass(frozen=True)
+class EnvCompareDefaults:
+    """What ``fastrl compare --env NAME`` uses for a built-in environment where the command
+    line leaves it out: sized so that ``--algorithms grpo gigpo ppo grpo_then_ppo`` (four
+    algorithms, five ``fastrl train`` processes a seed) fits 15 minutes on the project's
+    2-core CPU, warm-up included. An agent step costs several times a single-turn one, so
+    ``DEFAULT_BUDGET`` would not fit. The measured times are in ``docs/compare.md``."""
+
+    budget: str
+    """``--budget`` of every run."""
+    seeds: int
+    """``--seeds``."""
+    evaluations: int
+    """Held-out evaluations along the budget after the start's (``--eval_every`` is the budget
+    over this, rounded up): each one plays every held-out row, so fewer than the single-turn
+    default's six."""
+    threads: int = 1
+    """``--threads`` of the shared warm-up and of every run (unless given): the built-in
+    environments' tiny model gains little from a second intra-op thread, and on a shared CPU
+    a second thread waits at every parallel region for a descheduled partner (measured in
+    this project at load ~13 on 2 cores: the warm-up's second thread used as much CPU as the
+    first, and the warm-up ran several times longer than its single-thread time)."""
+
+
+ENV_COMPARE_DEFAULTS: dict[str, EnvCompareDefaults] = {
+    # per step on an idle core (GRPO, 16 prompts x 8 trajectories): frozenlake ~2 s, calculator ~1 s
+    "frozenlake": EnvCompareDefaults(budget="16-steps", seeds=3, evaluations=2),
+    "calculator": EnvCompareDefaults(budget="24-steps", seeds=3, evaluations=3),
+    "sql": EnvCompareDefaults(budget="12-steps", seeds=3, evaluations=2),
+}
+"""Per built-in environment (keys among ``fastrl.agents.envs.BUILTIN_ENVS``)."""
+DEFAULT_EVALUATIONS = 6
+"""Held-out evaluations along a steps budget after the start's (``--eval_every`` = budget / this)."""
 STEP_CAP = 1_000_000
 """``steps`` of a run whose budget is seconds or tokens (the budget stops it): the cosine
 schedule over this many steps keeps the learning rate at its peak for the whole run."""
@@ -809,9 +844,14 @@ def build_compare_parser() -> argparse.ArgumentParser:
     )
     parser.add_argument("--algorithms", nargs="+", default=list(DEFAULT_ALGORITHMS), metavar="NAME",
                         help=f"algorithms to compare (default: {' '.join(DEFAULT_ALGORITHMS)})")
-    parser.add_argument("--seeds", type=int, default=DEFAULT_SEEDS, metavar="N",
-                        help=f"seeds per algorithm: 0..N-1 (default {DEFAULT_SEEDS})")
-    parser.add_argument("--budget", default=DEFAULT_BUDGET, help=f"per run: N-steps, N-tokens or a wall time (default {DEFAULT_BUDGET})")
+    env_seeds = ", ".join(f"--env {n}: {d.seeds}" for n, d in ENV_COMPARE_DEFAULTS.items())
+    env_budgets = ", ".join(f"--env {n}: {d.budget}" for n, d in ENV_COMPARE_DEFAULTS.items())
+    parser.add_argument("--seeds", type=int, default=None, metavar="N",
+                        help=f"seeds per algorithm: 0..N-1 (default {DEFAULT_SEEDS}; {env_seeds})")
+    parser.add_argument("--budget", default=None,
+                        help=f"per run: N-steps, N-tokens or a wall time (default {DEFAULT_BUDGET}; {env_budgets}: "
+                             "sized so four algorithms x 3 seeds fit 15 min on a 2-core CPU; a built-in --env also "
+                             "defaults --threads to 1)")
     parser.add_argument("--output_dir", default="runs/compare", help="where runs and the report go (default runs/compare)")
     parser.add_argument("--overwrite", action="store_true", help="replace an earlier comparison in --output_dir")
     parser.add_argument("--hybrid_split", type=float, default=0.5,
@@ -850,11 +890,10 @@ def plan_compare(argv: Sequence[str]) -> ComparePlan:
                            f"choose from {', '.join(COMPARE_ALGORITHMS)}")
     if len(set(args.algorithms)) != len(args.algorithms):
         raise CompareError(f"--algorithms: {args.algorithms} names an algorithm twice")
-    if args.seeds < 1:
+    if args.seeds is not None and args.seeds < 1:
         raise CompareError(f"--seeds must be >= 1, got {args.seeds}")
     if not 0.0 < args.hybrid_split < 1.0:
         raise CompareError(f"--hybrid_split must be in (0, 1), got {args.hybrid_split}")
-    budget = parse_budget(args.budget)
     ppo_runs = "ppo" in args.algorithms or HYBRID in args.algorithms
     if args.ppo_group_size is not None and (args.ppo_group_size < 1 or not ppo_runs):
         raise CompareError(f"--ppo_group_size must be >= 1 and needs ppo or {HYBRID} in --algorithms, "
@@ -863,8 +902,6 @@ def plan_compare(argv: Sequence[str]) -> ComparePlan:
     for name, instead in FORBIDDEN_TRAIN_OPTIONS.items():
         if name in explicit:
             raise CompareError(f"--{name} is set by the comparison itself; use {instead}")
-    if budget.kind == "steps" and "steps" in explicit:
-        raise CompareError(f"--steps and --budget {budget.text!r} both set the number of steps; give one")
 
     train_parser = build_train_parser()
     try:
@@ -879,6 +916,14 @@ def plan_compare(argv: Sequence[str]) -> ComparePlan:
         if name in user_fields:
             raise CompareError(f"{name} (set in the --config file) is set by the comparison itself; "
                                f"use {FORBIDDEN_TRAIN_OPTIONS[name]}")
+    env_defaults = ENV_COMPARE_DEFAULTS.get(user_fields.get("env"))  # a built-in environment's sizes
+    budget = parse_budget(args.budget if args.budget is not None
+                          else env_defaults.budget if env_defaults is not None else DEFAULT_BUDGET)
+    seeds = args.seeds if args.seeds is not None else env_defaults.seeds if env_defaults is not None else DEFAULT_SEEDS
+    if budget.kind == "steps" and "steps" in explicit:
+        raise CompareError(f"--steps and --budget {budget.text!r} both set the number of steps; give one")
+    if env_defaults is not None and "threads" not in user_fields:
+        user_fields["threads"] = env_defaults.threads
 
     def resolve(algorithm: str, overrides: dict[str, Any] | None = None) -> TrainConfig:
         try:
@@ -899,12 +944,13 @@ def plan_compare(argv: Sequence[str]) -> ComparePlan:
     base = resolve(args.algorithms[0] if args.algorithms[0] != HYBRID else "grpo")
     eval_every = user_fields.get("eval_every", None)
     if eval_every is None:
-        # about six evaluations along a steps budget; every 10 steps otherwise
-        eval_every = max(1, math.ceil(budget.amount / 6)) if budget.kind == "steps" else 10
+        # about six evaluations along a steps budget (a built-in environment: its own count); every 10 steps otherwise
+        evaluations = env_defaults.evaluations if env_defaults is not None else DEFAULT_EVALUATIONS
+        eval_every = max(1, math.ceil(budget.amount / evaluations)) if budget.kind == "steps" else 10
     if eval_every == 0:
         raise CompareError("--eval_every 0 turns held-out evaluation off, and success is measured by it")
     return ComparePlan(
-        algorithms=list(args.algorithms), seeds=list(range(args.seeds)), budget=budget, output_dir=Path(args.output_dir),
+        algorithms=list(args.algorithms), seeds=list(range(seeds)), budget=budget, output_dir=Path(args.output_dir),
         user_fields=user_fields, base=base, warmup=base.sft_steps > 0, hybrid_split=args.hybrid_split,
         ppo_group_size=args.ppo_group_size, ppo_overrides=ppo_overrides, warmup_seed=args.warmup_seed,
         steps_cap=user_fields.get("steps"), eval_every=eval_every, overwrite=args.overwrite, argv=list(argv),
@@ -1108,6 +1154,7 @@ def run_compare(argv: Sequence[str]) -> int:
         print(f"fastrl compare: error: {e}", file=sys.stderr)
         return 2
     t_start = time.perf_counter()
+    load_start = os.getloadavg()
     n_runs = len(plan.algorithms) * len(plan.seeds)
     print(f"fastrl compare: {', '.join(plan.algorithms)} x {len(plan.seeds)} seed(s), budget {plan.budget.describe()}; "
           f"outputs in {plan.output_dir}")
@@ -1133,16 +1180,27 @@ def run_compare(argv: Sequence[str]) -> int:
             record = run_one(plan, start["fields"], algorithm, seed)
             runs.append(record)
             print(f"[{k}/{n_runs}] {algorithm} seed {seed}: {_describe_run(record)}", flush=True)
-    report = build_report(plan, runs, start=info, seconds=time.perf_counter() - t_start)
+    report = build_report(plan, runs, start=info, seconds=time.perf_counter() - t_start,
+                          cpu_seconds=cpu_seconds_used(), load_average=[list(load_start), list(os.getloadavg())])
     print()
     print(report["table"])
     print()
-    print(f"total {report['total_seconds']:.0f} s; report: {plan.output_dir / 'compare.json'}, "
+    print(f"total {report['total_seconds']:.0f} s wall, {report['cpu_seconds']:.0f} s CPU (this process and its runs; "
+          f"load average at start {load_start[0]:.1f}, at end {os.getloadavg()[0]:.1f}); report: {plan.output_dir / 'compare.json'}, "
           f"{report['plot'] or 'no plot (pip install matplotlib, or the compare extra)'}, {plan.output_dir / 'compare.txt'}")
     return 0 if all(r.get("success") and r["status"] != "failed" for r in runs) else 1
 
 
-def build_report(plan: ComparePlan, runs: list[dict[str, Any]], *, start: dict[str, Any], seconds: float) -> dict[str, Any]:
+def cpu_seconds_used() -> float:
+    """CPU seconds (user + system) of this process and of its finished child processes (the runs)."""
+    import resource
+
+    return sum(u.ru_utime + u.ru_stime for u in (resource.getrusage(resource.RUSAGE_SELF),
+                                                  resource.getrusage(resource.RUSAGE_CHILDREN)))
+
+
+def build_report(plan: ComparePlan, runs: list[dict[str, Any]], *, start: dict[str, Any], seconds: float,
+                 cpu_seconds: float = float("nan"), load_average: list[list[float]] | None = None) -> dict[str, Any]:
     """Summaries, verdicts, table, plot and ``compare.json`` of finished runs."""
     summary = summarize(runs)
     verdict_list = verdicts(summary, budget_kind=plan.budget.kind)
@@ -1180,6 +1238,8 @@ def build_report(plan: ComparePlan, runs: list[dict[str, Any]], *, start: dict[s
         "table": table,
         "plot": str(plot) if plot else None,
         "total_seconds": seconds,
+        "cpu_seconds": cpu_seconds,
+        "load_average": {"start": load_average[0], "end": load_average[1]} if load_average else None,
     }
     (plan.output_dir / "compare.json").write_text(json.dumps(_strict_json(report), indent=1, allow_nan=False))
     (plan.output_dir / "compare.txt").write_text(table + "\n")

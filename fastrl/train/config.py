@@ -61,6 +61,9 @@ class AlgorithmPreset:
     """``turn_discounted``: weight of the per-turn-index advantage (MT-GRPO's lambda)."""
     outcome_coef: float = 0.0
     """``turn_discounted``: weight of the episode (outcome) advantage (MT-GRPO: 1)."""
+    final_turn_coef: Optional[float] = None
+    """``turn_discounted``: weight of the per-turn-index advantage on a trajectory's final turn
+    (MT-GRPO: 0, the final turn gets the outcome advantage alone); None: ``turn_coef``."""
 
     @property
     def kl_coef(self) -> float:
@@ -85,7 +88,7 @@ ALGORITHM_PRESETS: dict[str, AlgorithmPreset] = {
     "ppo": AlgorithmPreset("ppo", "gae", citation="Schulman et al. 2017; Ouyang et al. 2022"),
     # agent trajectories only (fastrl train --env): step-level credit without a critic
     "gigpo": AlgorithmPreset("grpo", "gigpo", turn_gamma=0.95, citation="Feng et al. 2025, arXiv:2505.10978"),
-    "mt_grpo": AlgorithmPreset("grpo", "turn_discounted", turn_gamma=0.0, turn_coef=1.0, outcome_coef=1.0,
+    "mt_grpo": AlgorithmPreset("grpo", "turn_discounted", turn_gamma=0.0, turn_coef=1.0, outcome_coef=1.0, final_turn_coef=0.0,
                                citation="Zeng et al. 2025, arXiv:2505.11821"),
 }
 ALGORITHMS: tuple[str, ...] = tuple(ALGORITHM_PRESETS)
@@ -103,6 +106,8 @@ the same name and meaning (``None``: the environment's default), derived from th
 # a 79K-parameter Llama's first evaluation (greedy + 4 samples of up to 256 tokens) took 31 s
 # on the project's loaded 2-core CPU, 84 s at 200 prompts (20 s per training step of 16 x 8).
 DATASET_EVAL_PROMPTS = 64
+DEFAULT_RL_STEPS = 150
+"""RL steps of a run that sets none (``TrainConfig.steps=None``) and whose environment has no own."""
 
 
 @dataclass
@@ -292,6 +297,10 @@ class TrainConfig:
     outcome_coef: Optional[float] = None
     """``turn_discounted``: weight of the episode (outcome) advantage. None: preset (mt_grpo 1,
     else 0: the plain turn-discount form)."""
+    final_turn_coef: Optional[float] = None
+    """``turn_discounted``: weight of the per-turn-index advantage on each trajectory's final
+    turn, in place of ``turn_coef``. None: preset (mt_grpo 0: the final turn gets the outcome
+    advantage alone, as in MT-GRPO; else ``turn_coef``, every turn alike)."""
     kl_coef: Optional[float] = None
     """KL weight beta to the frozen reference policy (None: preset; 0 skips the reference model)."""
     kl_estimator: KLEstimator = "k3"
@@ -316,8 +325,9 @@ class TrainConfig:
     """Importance weights per token or per sequence."""
 
     # ------------------------------------------------------------------ update
-    steps: int = 150
-    """RL steps (rollout + update). 150 on the built-in task: seed 0 was still rising at 60."""
+    steps: Optional[int] = None
+    """RL steps (rollout + update). None: ``DEFAULT_RL_STEPS`` (150; on the built-in task seed 0
+    was still rising at 60), or a built-in environment's own (``fastrl/train/agent_task.py``)."""
     max_seconds: Optional[float] = None
     """Budget: end the run once its RL steps (held-out evaluation excluded) have taken this many
     seconds, after the step that crosses it; the run then finishes as at its last step (final
@@ -465,6 +475,8 @@ class TrainConfig:
         for name in ("turn_gamma", "turn_coef", "outcome_coef"):
             if getattr(c, name) is None:
                 setattr(c, name, getattr(preset, name))
+        if c.final_turn_coef is None:
+            c.final_turn_coef = preset.final_turn_coef if preset.final_turn_coef is not None else c.turn_coef
         builtin_model = c.model is None and not model_given
         builtin_task = c.dataset is None and builtin_model and c.env is None
         default = _default_task()
@@ -474,6 +486,8 @@ class TrainConfig:
             apply_env_defaults(c, builtin_model=builtin_model)
         if c.rewards is None:
             c.rewards = ["exact_match"] if c.env is None else []  # an agent's outcome is its environment's reward
+        if c.steps is None:
+            c.steps = DEFAULT_RL_STEPS
         if c.max_new_tokens is None:
             c.max_new_tokens = default.max_new_tokens if builtin_task else 256
         if c.eval_prompts is None:
@@ -586,7 +600,7 @@ class TrainConfig:
             raise InputError(f"advantage_mode {self.advantage_mode} (algorithm {self.algorithm}) credits the turns of "
                              "agent trajectories: give an environment with --env (e.g. --env frozenlake)")
         number("turn_gamma", low=0.0, high=1.0)
-        for name in ("step_coef", "turn_coef", "outcome_coef"):
+        for name in ("step_coef", "turn_coef", "outcome_coef", "final_turn_coef"):
             number(name)
         if self.advantage_mode != "gae" and self.group_size < 2:
             raise InputError(f"group_size must be >= 2 for group advantages ({self.advantage_mode}), got {self.group_size}")

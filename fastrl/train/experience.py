@@ -124,8 +124,10 @@ class Experience:
         the rows as a ``RolloutBatch`` (``as_rollout_batch`` when the groups can be packed,
         else padded rows with each row's own prompt), the loss mask 1 exactly on policy tokens
         of rows that are not ``excluded``, the policy spans with their turns and state keys,
-        and the per-turn rewards. A trajectory split into several samples contributes each of
-        them to its group's statistics (each with the trajectory's outcome reward)."""
+        and the per-turn rewards. A trajectory split into several samples has one row per
+        sample, each repeating the trajectory's outcome reward and group id; the estimator
+        (``advantages.turn_layout``) finds the rows that continue a trajectory (their first
+        policy turn is > 0) and counts each trajectory once in the group statistics."""
         try:
             batch = agent.as_rollout_batch()
         except ValueError:  # split samples, a failed reset, prompts that differ: padded rows

@@ -6,7 +6,7 @@ import pytest
 from fastrl.agents.envs import BUILTIN_ENVS, synthetic_transcripts
 from fastrl.agents.envs.calculator import CalculatorEnv, calculator_rows, safe_arithmetic
 from fastrl.agents.envs.frozenlake import FrozenLakeEnv, frozenlake_rows
-from fastrl.agents.envs.sql import SqlEnv, sql_rows
+from fastrl.agents.envs.sql import QUESTIONS, SqlEnv, build_database, sql_rows
 
 
 def test_safe_arithmetic_values():
@@ -39,6 +39,20 @@ def test_calculator_rows_and_reward():
     assert env.step(str(int(train[0]["answer"]) + 1)).reward == 0.0
 
 
+def test_sql_rows_are_answered_by_their_query_and_not_by_a_guess():
+    train, heldout = sql_rows(num_train=200, num_heldout=20, seed=1)
+    assert sql_rows(num_train=200, num_heldout=20, seed=1) == (train, heldout)
+    assert not {(r["db_seed"], r["prompt"]) for r in train} & {(r["db_seed"], r["prompt"]) for r in heldout}
+    for row in train[:12] + heldout[:4]:
+        conn = build_database(row["db_seed"])
+        assert str(conn.execute(row["sql"]).fetchone()[0]) == row["answer"]
+        conn.close()
+    prefixes = [sql.split("{")[0] for _, sql in QUESTIONS]
+    assert all(any(row["sql"].startswith(prefix) for row in train) for prefix in prefixes)  # every kind is drawn
+    answers = [row["answer"] for row in train]
+    assert max(answers.count(a) for a in set(answers)) < 0.1 * len(answers)  # no constant answer scores well
+
+
 @pytest.fixture
 def sql_env():
     train, _ = sql_rows(num_train=3, num_heldout=0, seed=0)
@@ -51,29 +65,29 @@ def sql_env():
 def test_sql_query_answers_and_truncates(sql_env):
     env, row = sql_env
     assert env.query(row["sql"]).splitlines()[-1] == row["answer"]
-    many = env.query("SELECT * FROM orders")
-    assert many.splitlines()[0] == "id|customer_id|product_id|qty"
+    many = env.query("SELECT * FROM o")
+    assert many.splitlines()[0] == "cid|pid|qty"
     assert len(many.splitlines()) == 1 + 3 + 1 and "more than 3 rows" in many
-    wide = env.query("SELECT o.*, c.*, p.* FROM orders o, customers c, products p")
+    wide = env.query("SELECT o.*, c.*, p.* FROM o, c, p")
     assert wide.endswith("... (truncated)") and len(wide) == 80 + len("... (truncated)")
     assert env.query("SELEC nonsense").startswith("error: ")
-    assert env.query("SELECT nope FROM customers").startswith("error: ")
+    assert env.query("SELECT nope FROM c").startswith("error: ")
 
 
 @pytest.mark.parametrize("statement", [
-    "INSERT INTO customers VALUES (99, 'Zed', 'Oslo')",
-    "DELETE FROM orders",
-    "UPDATE products SET price = 0",
-    "DROP TABLE orders",
+    "INSERT INTO c VALUES (99, 'Zed', 'Oslo')",
+    "DELETE FROM o",
+    "UPDATE p SET price = 0",
+    "DROP TABLE o",
     "CREATE TABLE t(x)",
     "ATTACH DATABASE ':memory:' AS other",
     "PRAGMA query_only = OFF",
 ])
 def test_sql_is_read_only(sql_env, statement):
     env, row = sql_env
-    before = env.query("SELECT COUNT(*), SUM(qty) FROM orders")
+    before = env.query("SELECT COUNT(*), SUM(qty) FROM o")
     assert env.query(statement).startswith("error: ")
-    assert env.query("SELECT COUNT(*), SUM(qty) FROM orders") == before
+    assert env.query("SELECT COUNT(*), SUM(qty) FROM o") == before
     assert env.query(row["sql"]).splitlines()[-1] == row["answer"]
 
 

@@ -76,7 +76,7 @@ def _norm(values, eps=EPS):
 
 
 def _loop_turn_advantages(trajectories, mode, *, gamma, omega=1.0, turn_coef=1.0, outcome_coef=0.0, excluded=(),
-                          outcome=None):
+                          outcome=None, final_turn_coef=None):
     """A[i][k] of every trajectory i, turn k, in float64 Python: the formulas of
     fastrl.reference.turn_advantages, grouped by the trajectories' own keys (not hashes)."""
     kept = [i for i in range(len(trajectories)) if i not in excluded]
@@ -106,7 +106,11 @@ def _loop_turn_advantages(trajectories, mode, *, gamma, omega=1.0, turn_coef=1.0
             rel[m] = a
     if mode == "gigpo":
         return {(i, k): A_E[i] + omega * rel[i, k] for (i, k) in returns}, rel
-    return {(i, k): turn_coef * rel[i, k] + outcome_coef * A_E[i] for (i, k) in returns}, rel
+    def coef(i, k):  # MT-GRPO (final_turn_coef 0): a trajectory's final turn gets the outcome term alone
+        final = k == trajectories[i].turns - 1
+        return final_turn_coef if final and final_turn_coef is not None else turn_coef
+
+    return {(i, k): coef(i, k) * rel[i, k] + outcome_coef * A_E[i] for (i, k) in returns}, rel
 
 
 def _expected_tokens(exp, per_turn, row_trajectory=None):
@@ -122,7 +126,8 @@ def _expected_tokens(exp, per_turn, row_trajectory=None):
 @pytest.mark.parametrize("mode, kw, excluded", [
     ("gigpo", dict(turn_gamma=0.9, step_coef=0.7), ()),
     ("gigpo", dict(turn_gamma=0.9, step_coef=1.0), (1,)),
-    ("turn_discounted", dict(turn_gamma=0.0, turn_coef=0.5, outcome_coef=1.0), ()),  # MT-GRPO's form
+    ("turn_discounted", dict(turn_gamma=0.0, turn_coef=0.5, outcome_coef=1.0, final_turn_coef=0.0), ()),  # MT-GRPO
+    ("turn_discounted", dict(turn_gamma=0.0, turn_coef=0.5, outcome_coef=1.0), (2,)),  # the same weight on every turn
     ("turn_discounted", dict(turn_gamma=0.8, turn_coef=1.0, outcome_coef=0.0), (6,)),
 ])
 def test_turn_modes_equal_a_float64_loop_over_the_turns(episodes, mode, kw, excluded):
@@ -133,11 +138,15 @@ def test_turn_modes_equal_a_float64_loop_over_the_turns(episodes, mode, kw, excl
     metrics = estimate(exp, cfg=cfg, ranks=Ranks(None, torch.device("cpu")), kl_coef=0.0)
     per_turn, rel = _loop_turn_advantages(trajectories, mode, gamma=kw["turn_gamma"], omega=kw.get("step_coef", 1.0),
                                           turn_coef=kw.get("turn_coef", 1.0), outcome_coef=kw.get("outcome_coef", 0.0),
-                                          excluded=excluded)
+                                          excluded=excluded, final_turn_coef=kw.get("final_turn_coef"))
     want = _expected_tokens(exp, per_turn)
     assert exp.advantages.shape == exp.loss_mask.shape and exp.advantages.dtype == torch.float32
     torch.testing.assert_close(exp.advantages.double(), want, atol=2e-6, rtol=1e-5)
     assert (exp.advantages[exp.loss_mask == 0] == 0).all()
+    if kw.get("final_turn_coef") is not None:  # the case tells MT-GRPO's final turn from turn_coef on every turn
+        every, _ = _loop_turn_advantages(trajectories, mode, gamma=kw["turn_gamma"], turn_coef=kw["turn_coef"],
+                                         outcome_coef=kw["outcome_coef"], excluded=excluded)
+        assert (exp.advantages.double() - _expected_tokens(exp, every)).abs().max() > 0.1
     for i in excluded:
         assert (exp.advantages[i] == 0).all() and exp.loss_mask[i].sum() == 0 and exp.segments[:, 0].eq(i).any()
     assert metrics["advantage/excluded"] == len(excluded)

@@ -298,7 +298,7 @@ def _multi_turn_rows():
 
 
 def _turn_reference(mode, responses, mask, rewards, uid, layouts, *, gamma, step_coef=1.0, turn_coef=1.0,
-                    outcome_coef=0.0, keys=None, norm="std"):
+                    outcome_coef=0.0, keys=None, norm="std", final_turn_coef=None):
     """fastrl's reference op on the rows' turns, found by Python loops (the anchor of turn k:
     the observation tokens before it as a tuple, or ``keys``)."""
     from fastrl.reference.turn_advantages import turn_advantages_reference
@@ -322,7 +322,8 @@ def _turn_reference(mode, responses, mask, rewards, uid, layouts, *, gamma, step
     return turn_advantages_reference(ti, mask, r, torch.tensor([len(s) for s in layouts]),
                                      rewards.double().sum(-1), gid, mode=mode,
                                      state_keys=anchors if mode == "gigpo" else None, gamma=gamma,
-                                     step_coef=step_coef, turn_coef=turn_coef, outcome_coef=outcome_coef, norm=norm)[0]
+                                     step_coef=step_coef, turn_coef=turn_coef, outcome_coef=outcome_coef, norm=norm,
+                                     final_turn_coef=final_turn_coef)[0]
 
 
 @pytest.mark.parametrize("norm", [True, False])
@@ -355,6 +356,14 @@ def test_turn_estimators_through_verls_registry_match_the_reference(norm):
     want_t = _turn_reference("turn_discounted", responses, mask, rewards, uid, layouts, gamma=0.0, turn_coef=0.5,
                              outcome_coef=1.0, norm=f_norm)
     _assert_masked_close(got_t.double(), want_t, mask, rtol=1e-5, atol=1e-6)
+    # MT-GRPO exactly: the final turn gets the outcome advantage alone
+    got_m, _ = td(token_level_rewards=rewards, response_mask=mask, index=uid,
+                  config=AlgoConfig(gamma=0.0, norm_adv_by_std_in_grpo=norm), outcome_coef=1.0, turn_coef=0.5,
+                  final_turn_coef=0.0)
+    want_m = _turn_reference("turn_discounted", responses, mask, rewards, uid, layouts, gamma=0.0, turn_coef=0.5,
+                             outcome_coef=1.0, norm=f_norm, final_turn_coef=0.0)
+    _assert_masked_close(got_m.double(), want_m, mask, rtol=1e-5, atol=1e-6)
+    assert (got_m - got_t).abs().max() > 1e-3
 
 
 def test_the_wrapped_compute_advantage_hands_the_batch_to_the_turn_estimators():

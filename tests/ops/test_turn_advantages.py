@@ -96,6 +96,22 @@ def test_matches_reference(backend, mode, norm, dtype, device):
 
 
 @pytest.mark.parametrize("backend", BACKENDS)
+def test_final_turn_coef_matches_reference(backend, device, dtype=torch.float32):
+    """MT-GRPO's final turn (final_turn_coef 0: the outcome term alone) and a general weight."""
+    x = _batch(device, dtype=dtype, seed=6)
+    for final in (0.0, -1.3):
+        kw = dict(mode="turn_discounted", gamma=0.0, turn_coef=0.7, outcome_coef=1.0, final_turn_coef=final)
+        adv, _ = turn_advantages(*_op_args(x), backend=backend, **kw)
+        ref, _ = turn_advantages_reference(*_ref_args(x), **kw)
+        torch.testing.assert_close(adv.double().cpu(), ref, rtol=1e-5, atol=1e-5)
+    same, _ = turn_advantages(*_op_args(x), backend=backend, mode="turn_discounted", turn_coef=0.7, final_turn_coef=0.7)
+    plain, _ = turn_advantages(*_op_args(x), backend=backend, mode="turn_discounted", turn_coef=0.7)
+    torch.testing.assert_close(same, plain, rtol=0, atol=0)
+    with pytest.raises(ValueError, match="final_turn_coef"):
+        turn_advantages(*_op_args(x), backend=backend, mode="gigpo", state_keys=x["state_keys"], final_turn_coef=0.0)
+
+
+@pytest.mark.parametrize("backend", BACKENDS)
 def test_broadcast_equals_group_advantages_broadcast(backend, device):
     x = _batch(device, seed=2)
     for norm, gmode in (("std", "grpo"), ("none", "dr_grpo")):

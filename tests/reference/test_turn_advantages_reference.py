@@ -177,17 +177,46 @@ def _mt_grpo_authors(turn_r, outcome_r, lam, eps):
     return [(o + lam * t, o) for o, t in zip(ao, at)]
 
 
-def test_mt_grpo_is_turn_discounted_with_gamma_0():
+def test_mt_grpo_is_turn_discounted_with_gamma_0_and_final_turn_coef_0():
     ti, lm, n = _layout([[2, 2], [1, 1], [3, 1], [1, 2]])
     turn_r = [1.0, 0.0, 1.0, 1.0]  # the first turn's (tool execution) reward
     outcome_r = [1.0, 0.0, 0.0, 1.0]
-    rewards = torch.tensor([[r, 0.0] for r in turn_r], dtype=torch.float64)
-    adv, _ = turn_advantages_reference(ti, lm, rewards, n, torch.tensor(outcome_r, dtype=torch.float64),
-                                       torch.zeros(4, dtype=torch.int64), mode="turn_discounted", gamma=0.0,
-                                       turn_coef=0.5, outcome_coef=1.0, eps=1e-4)
+    # as fastrl's environments give them: the final turn's reward is the outcome
+    rewards = torch.tensor([[r, o] for r, o in zip(turn_r, outcome_r)], dtype=torch.float64)
+    args = (ti, lm, rewards, n, torch.tensor(outcome_r, dtype=torch.float64), torch.zeros(4, dtype=torch.int64))
+    adv, _ = turn_advantages_reference(*args, mode="turn_discounted", gamma=0.0, turn_coef=0.5, outcome_coef=1.0,
+                                       final_turn_coef=0.0, eps=1e-4)
     for b, (first, final) in enumerate(_mt_grpo_authors(turn_r, outcome_r, 0.5, 1e-4)):
         assert _per_turn(adv, ti, lm, b, 0) == pytest.approx(first, abs=1e-12)
         assert _per_turn(adv, ti, lm, b, 1) == pytest.approx(final, abs=1e-12)
+    # hand values: A^O = (o - 0.5) / (std 0.5774 + 1e-4) = +-0.86588; A^T of turn 0 over {1, 0, 1, 1}
+    # (mean 0.75, std 0.5) = 0.49990 / -1.49970; the final turn (index 1) gets A^O alone
+    ao = 0.5 / (math.sqrt(1 / 3) + 1e-4)
+    at1, at0 = 0.25 / (0.5 + 1e-4), -0.75 / (0.5 + 1e-4)
+    assert _per_turn(adv, ti, lm, 0, 0) == pytest.approx(ao + 0.5 * at1, abs=1e-12)
+    assert _per_turn(adv, ti, lm, 1, 0) == pytest.approx(-ao + 0.5 * at0, abs=1e-12)
+    assert _per_turn(adv, ti, lm, 0, 1) == pytest.approx(ao, abs=1e-12)
+    assert _per_turn(adv, ti, lm, 2, 1) == pytest.approx(-ao, abs=1e-12)
+    # without final_turn_coef the final turn also gets lambda x its own turn advantage: the outcome twice
+    both, _ = turn_advantages_reference(*args, mode="turn_discounted", gamma=0.0, turn_coef=0.5, outcome_coef=1.0,
+                                        eps=1e-4)
+    assert _per_turn(both, ti, lm, 0, 1) == pytest.approx(ao + 0.5 * ao, abs=1e-12)
+    assert _per_turn(both, ti, lm, 0, 0) == _per_turn(adv, ti, lm, 0, 0)
+
+
+def test_mt_grpo_final_turn_is_each_trajectorys_own_last_turn():
+    """Trajectories of different lengths: turn 1 is final for row 0 (outcome only) and not for row 1
+    (outcome + lambda x A^T of turn index 1, whose statistics include row 0's final turn)."""
+    ti, lm, n = _layout([[1, 2], [2, 1, 1]])
+    rewards = torch.tensor([[0.0, 1.0, 0.0], [0.0, 0.0, 0.0]], dtype=torch.float64)
+    outcome = torch.tensor([1.0, 0.0], dtype=torch.float64)
+    adv, _ = turn_advantages_reference(ti, lm, rewards, n, outcome, torch.tensor([3, 3]), mode="turn_discounted",
+                                       gamma=0.0, turn_coef=1.0, outcome_coef=1.0, final_turn_coef=0.0, eps=EPS)
+    h = math.sqrt(0.5)  # norm over two values {1, 0}: +-0.7071
+    assert _per_turn(adv, ti, lm, 0, 0) == pytest.approx(h)  # A^O + A^T (turn 0: {0, 0} -> 0)
+    assert _per_turn(adv, ti, lm, 0, 1) == pytest.approx(h)  # final: A^O only
+    assert _per_turn(adv, ti, lm, 1, 1) == pytest.approx(-h - h)  # A^O + A^T_1 ({1, 0} -> -0.7071)
+    assert _per_turn(adv, ti, lm, 1, 2) == pytest.approx(-h)  # final: A^O only (turn 2 is a singleton)
 
 
 def test_broadcast_is_grpo_on_every_policy_token():

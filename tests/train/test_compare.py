@@ -341,6 +341,9 @@ def test_a_tiny_comparison_end_to_end(tmp_path, capsys):
         assert s["final_accuracy"]["std"] is not None and s["nan_stops"] == 0
     assert [v["axis"] for v in report["verdicts"]] == ["success", "stability", "cost", "memory"]
     assert report["table"] in printed and (out / "compare.txt").read_text().strip() == report["table"].strip()
+    # what the machine gave it: CPU seconds of this process and its runs, the load before and after
+    assert math.isfinite(report["cpu_seconds"]) and report["cpu_seconds"] > 0 and "s CPU" in printed
+    assert len(report["load_average"]["start"]) == len(report["load_average"]["end"]) == 3
 
 
 def test_the_hybrid_runs_ppo_from_the_grpo_policy(tmp_path, capsys):
@@ -367,6 +370,32 @@ def test_ppo_group_size_gives_ppo_fewer_samples_per_prompt_and_more_prompts(tmp_
     grpo = run_fields_for(plan, {}, "grpo", 0, tmp_path, plan.budget)
     assert (ppo["group_size"], ppo["prompts_per_step"]) == (2, 16) and "group_size" not in grpo
     assert grpo["prompts_per_step"] == 4
+
+
+def test_a_builtin_environment_brings_its_own_default_budget_seeds_and_evaluations(capsys):
+    from fastrl.agents.envs import BUILTIN_ENVS
+    from fastrl.train.compare import DEFAULT_BUDGET, DEFAULT_SEEDS, ENV_COMPARE_DEFAULTS, build_compare_parser
+
+    assert set(ENV_COMPARE_DEFAULTS) == set(BUILTIN_ENVS)
+    algos = ["--algorithms", "grpo", "gigpo", "ppo", HYBRID]
+    for env, d in ENV_COMPARE_DEFAULTS.items():
+        plan = plan_compare(["--env", env, *algos])
+        assert plan.budget == parse_budget(d.budget) and plan.seeds == list(range(d.seeds))
+        assert plan.eval_every == math.ceil(plan.budget.amount / d.evaluations)
+        assert plan.budget.amount != parse_budget(DEFAULT_BUDGET).amount  # an agent step costs more
+        assert plan.user_fields["threads"] == d.threads == 1  # the warm-up and every run
+    # the command line wins; a user's environment and no environment keep compare's defaults
+    plan = plan_compare(["--env", "frozenlake", *algos, "--budget", "6-steps", "--seeds", "2"])
+    assert plan.budget.amount == 6 and plan.seeds == [0, 1] and plan.eval_every == 3
+    assert plan_compare(["--env", "frozenlake", *algos, "--threads", "2"]).user_fields["threads"] == 2
+    plan = plan_compare(["--algorithms", "grpo", "ppo"])
+    assert plan.budget == parse_budget(DEFAULT_BUDGET) and len(plan.seeds) == DEFAULT_SEEDS
+    assert "threads" not in plan.user_fields
+    with pytest.raises(CompareError, match="both set the number of steps"):
+        plan_compare(["--env", "frozenlake", "--steps", "5"])
+    help_text = " ".join(build_compare_parser().format_help().split())  # argparse wraps lines
+    for env, d in ENV_COMPARE_DEFAULTS.items():
+        assert f"--env {env}: {d.budget}" in help_text and f"--env {env}: {d.seeds}" in help_text
 
 
 def test_train_options_take_the_vllm_server_form():

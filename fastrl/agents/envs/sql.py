@@ -1,6 +1,6 @@
-"""``sql``: an in-memory ``sqlite3`` shop database generated from a seed (customers,
-products, orders), questions whose answer needs a query, one read-only ``query(sql)`` tool;
-reward 1.0 for the exact answer.
+"""``sql``: an in-memory ``sqlite3`` shop database generated from a seed (customers ``c``,
+products ``p``, orders ``o``), questions whose answer needs a query (a lookup, a sum over one
+or two joins), one read-only ``query(sql)`` tool; reward 1.0 for the exact answer.
 
 The tool's safety: the connection has an authorizer that allows only reading (``SELECT``,
 reads of columns, functions, recursive CTEs; every write, ``ATTACH``, ``PRAGMA`` and DDL is denied) and
@@ -20,13 +20,23 @@ import threading
 from fastrl.agents.env import Message
 from fastrl.agents.tool_env import ToolEnv
 
-__all__ = ["SqlEnv", "sql_rows", "build_database", "SCHEMA_TEXT"]
+__all__ = ["SqlEnv", "sql_rows", "build_database", "SCHEMA_TEXT", "QUESTIONS"]
 
 _NAMES = ["Ann", "Bob", "Cy", "Dee", "Eve", "Fay", "Gus", "Hal", "Ivy", "Jo", "Kim", "Lu"]
 _CITIES = ["Oslo", "Rome", "Lima", "Kyiv", "Pune"]
 _PRODUCTS = ["pen", "cup", "hat", "map", "box", "fan", "jar", "mug"]
-SCHEMA_TEXT = "customers(id,name,city) products(id,name,price) orders(id,customer_id,product_id,qty)"
-"""The schema as the prompt shows it."""
+_TABLES = (
+    "CREATE TABLE c(id INTEGER PRIMARY KEY, name TEXT, city TEXT);"
+    "CREATE TABLE p(id INTEGER PRIMARY KEY, name TEXT, price INTEGER);"
+    "CREATE TABLE o(cid INTEGER REFERENCES c(id), pid INTEGER REFERENCES p(id), qty INTEGER);"
+)
+"""Customers ``c``, products ``p``, orders ``o`` (``o.cid -> c.id``, ``o.pid -> p.id``). The
+names are short on purpose: the built-in tokenizer is one token per character, and every
+character of a query is one the tiny model has to produce."""
+SCHEMA_TEXT = "c(id,name,city) p(id,name,price) o(cid,pid,qty)"
+"""The schema as the prompt shows it (customers, products, orders)."""
+NUM_CUSTOMERS, NUM_PRODUCTS, NUM_ORDERS = 6, 5, 15
+"""Rows of each table of one database."""
 
 _READ_ACTIONS = {sqlite3.SQLITE_SELECT, sqlite3.SQLITE_READ, sqlite3.SQLITE_FUNCTION, getattr(sqlite3, "SQLITE_RECURSIVE", 33)}
 """What the authorizer allows: reading, functions, recursive CTEs (read-only too)."""
@@ -36,48 +46,50 @@ def build_database(db_seed: int) -> sqlite3.Connection:
     """A fresh in-memory database filled from ``db_seed`` (same seed, same rows)."""
     rng = random.Random(db_seed)
     conn = sqlite3.connect(":memory:", check_same_thread=False)
-    conn.executescript(
-        "CREATE TABLE customers(id INTEGER PRIMARY KEY, name TEXT, city TEXT);"
-        "CREATE TABLE products(id INTEGER PRIMARY KEY, name TEXT, price INTEGER);"
-        "CREATE TABLE orders(id INTEGER PRIMARY KEY, customer_id INTEGER, product_id INTEGER, qty INTEGER);"
-    )
-    names = rng.sample(_NAMES, 6)
-    conn.executemany("INSERT INTO customers VALUES (?,?,?)", [(i + 1, n, rng.choice(_CITIES)) for i, n in enumerate(names)])
-    products = rng.sample(_PRODUCTS, 5)
-    conn.executemany("INSERT INTO products VALUES (?,?,?)", [(i + 1, p, rng.randint(2, 40)) for i, p in enumerate(products)])
+    conn.executescript(_TABLES)
+    names = rng.sample(_NAMES, NUM_CUSTOMERS)
+    conn.executemany("INSERT INTO c VALUES (?,?,?)", [(i + 1, n, rng.choice(_CITIES)) for i, n in enumerate(names)])
+    products = rng.sample(_PRODUCTS, NUM_PRODUCTS)
+    conn.executemany("INSERT INTO p VALUES (?,?,?)", [(i + 1, n, rng.randint(2, 40)) for i, n in enumerate(products)])
     conn.executemany(
-        "INSERT INTO orders VALUES (?,?,?,?)",
-        [(i + 1, rng.randint(1, 6), rng.randint(1, 5), rng.randint(1, 9)) for i in range(15)],
+        "INSERT INTO o VALUES (?,?,?)",
+        [(rng.randint(1, NUM_CUSTOMERS), rng.randint(1, NUM_PRODUCTS), rng.randint(1, 9)) for _ in range(NUM_ORDERS)],
     )
     conn.commit()
     return conn
 
 
-_QUESTIONS = (
-    ("How many orders did {name} place?", "SELECT COUNT(*) FROM orders o JOIN customers c ON o.customer_id=c.id WHERE c.name='{name}'"),
-    ("How many {product}s were ordered in total?", "SELECT COALESCE(SUM(qty),0) FROM orders o JOIN products p ON o.product_id=p.id WHERE p.name='{product}'"),
-    ("How much did {name} spend?", "SELECT COALESCE(SUM(o.qty*p.price),0) FROM orders o JOIN products p ON o.product_id=p.id JOIN customers c ON o.customer_id=c.id WHERE c.name='{name}'"),
-    ("How many customers live in {city}?", "SELECT COUNT(*) FROM customers WHERE city='{city}'"),
+QUESTIONS = (
+    ("How many {product}s were ordered?", "SELECT SUM(qty) FROM o,p WHERE pid=p.id AND name='{product}'"),
+    ("What did {product}s earn?", "SELECT SUM(qty*price) FROM o,p WHERE pid=p.id AND name='{product}'"),
+    ("How many items did {name} buy?", "SELECT SUM(qty) FROM o,c WHERE cid=c.id AND name='{name}'"),
+    ("How much did {name} spend?", "SELECT SUM(qty*price) FROM o,p,c WHERE pid=p.id AND cid=c.id AND c.name='{name}'"),
 )
+"""``(question, reference query)`` templates: a sum over the orders joined to one or both other
+tables. Every answer is read from the database and none is a small count a model could
+guess (1-9 items per order over the orders of one of 6 customers or 5 products; revenue and
+spend in the tens to hundreds). The kinds are of a similar length, so a warm-up that reaches
+its target has learnt all of them a little (a one-table lookup would be learnt first and
+alone)."""
 
 
 def sql_rows(*, num_train: int, num_heldout: int, seed: int = 0) -> tuple[list[dict], list[dict]]:
-    """``(train, heldout)`` questions, each on its own seeded database; answers computed by the reference query."""
+    """``(train, heldout)`` questions, each on its own seeded database; answers computed by the
+    reference query (a question whose sum is over no orders is drawn again)."""
     rng = random.Random(seed)
     rows = []
     seen: set[tuple[int, str]] = set()
     while len(rows) < num_train + num_heldout:
         db_seed = rng.randrange(10**9)
         conn = build_database(db_seed)
-        names = [r[0] for r in conn.execute("SELECT name FROM customers")]
-        products = [r[0] for r in conn.execute("SELECT name FROM products")]
-        cities = [r[0] for r in conn.execute("SELECT DISTINCT city FROM customers")]
-        question, sql = rng.choice(_QUESTIONS)
-        fill = {"name": rng.choice(names), "product": rng.choice(products), "city": rng.choice(cities)}
+        names = [r[0] for r in conn.execute("SELECT name FROM c")]
+        products = [r[0] for r in conn.execute("SELECT name FROM p")]
+        question, sql = rng.choice(QUESTIONS)
+        fill = {"name": rng.choice(names), "product": rng.choice(products)}
         question, sql = question.format(**fill), sql.format(**fill)
         answer = conn.execute(sql).fetchone()[0]
         conn.close()
-        if (db_seed, question) in seen:
+        if answer is None or (db_seed, question) in seen:
             continue
         seen.add((db_seed, question))
         prompt = f"Tables: {SCHEMA_TEXT}\nQ: {question}"
