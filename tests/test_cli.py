@@ -206,8 +206,9 @@ def test_a_parse_error_is_the_usage_line_and_one_error_line_with_the_closest_opt
 @pytest.mark.parametrize("argv, line", [
     (["--lr", "inf"], "--lr: expected a finite number (or null), got 'inf'"),  # Optional[float]
     (["--entropy_coef", "nan"], "--entropy_coef: expected a finite number, got 'nan'"),  # float
-    (["--steps", "abc"], "--steps: expected an integer, got 'abc'"),  # int
-    (["--steps=1.5"], "--steps: expected an integer, got '1.5'"),
+    (["--group_size", "abc"], "--group_size: expected an integer, got 'abc'"),  # int
+    (["--group_size=1.5"], "--group_size: expected an integer, got '1.5'"),
+    (["--steps", "abc"], "--steps: expected an integer (or null), got 'abc'"),  # Optional[int]: null, the env's own
     (["--overwrite", "maybe"], "--overwrite: expected true or false, got 'maybe'"),  # bool
     (["--algorithm", "foo"], "--algorithm: expected one of grpo, dr_grpo, dapo, gspo, rloo, reinforce_pp, ppo, gigpo, "
                              "mt_grpo, got 'foo'"),  # Literal
@@ -224,9 +225,9 @@ def test_a_train_type_error_is_one_line_naming_the_option_value_and_what_is_acce
 
 def test_a_train_type_error_from_a_config_file_names_the_parser_value(capsys, tmp_path):
     config = tmp_path / "run.yaml"
-    config.write_text("steps: many\n")
+    config.write_text("group_size: many\n")
     code, err = _error_of(capsys, ["train", "--config", str(config)])
-    assert code == 2 and err.strip().splitlines()[1] == "fastrl train: error: --steps: expected an integer, got 'many'"
+    assert code == 2 and err.strip().splitlines()[1] == "fastrl train: error: --group_size: expected an integer, got 'many'"
 
 
 def test_an_unknown_command_suggests_the_closest(capsys):
