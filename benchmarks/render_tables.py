@@ -291,6 +291,32 @@ def compare_default() -> str:
     return table + f"\n`{data['command']}`: {len(data['seeds'])} seeds, budget {data['budget']['text']}.\n"
 
 
+COMPARE_ENVS = ("frozenlake", "calculator", "sql")
+"""The built-in environments whose ``fastrl compare --env`` results (``compare_env_<env>/``) the README shows."""
+
+
+def compare_env() -> str:
+    """``fastrl compare --env NAME`` on the environment's compare defaults: the command, its
+    wall and CPU time and load, then the report's table and verdicts as printed."""
+    parts = []
+    for env in COMPARE_ENVS:
+        path = RESULTS / f"compare_env_{env}" / "compare.json"
+        if not path.exists():
+            parts.append(f"**{env}**: not measured (no `benchmarks/results/compare_env_{env}/compare.json`).\n")
+            continue
+        data = json.loads(path.read_text())
+        start, load = data["start"], data["load_average"]
+        threads = data["train_options"].get("threads")
+        parts.append(
+            f"**{env}**: `{data['command']}` ({data['budget']['text']} per run, {len(data['seeds'])} seeds, evaluated every "
+            f"{data['eval_every']} steps on {start['eval_rows']} held-out rows"
+            + (f", `--threads {threads}`" if threads else "")
+            + f"): **{data['total_seconds'] / 60:.1f} min wall, {data['cpu_seconds'] / 60:.1f} min CPU**, load average "
+            f"{load['start'][0]:.1f} at the start and {load['end'][0]:.1f} at the end; the shared warm-up took "
+            f"{start['seconds']:.0f} s ({start['sft']['sft/steps']:.0f} steps).\n\n```text\n{data['table']}\n```\n")
+    return "\n".join(parts)
+
+
 def async_default() -> str:
     """``--async_steps 1`` vs the synchronous loop on the embedded default, per seed (benchmarks/bench_async.py)."""
     data = _load("async_default_cpu.json")
@@ -332,7 +358,8 @@ def async_equal_wall() -> str:
 TABLES: dict[str, Callable[[], str]] = {"default_train_seeds": default_train_seeds, "env_train_seeds": env_train_seeds,
                                         "agent_benchmarks": agent_benchmarks, "headline": headline,
                                         "compare_default": compare_default, "benchmarks_cpu": benchmarks_cpu,
-                                        "async_default": async_default, "async_equal_wall": async_equal_wall}
+                                        "async_default": async_default, "async_equal_wall": async_equal_wall,
+                                        "compare_env": compare_env}
 
 
 def pages() -> list[Path]:
