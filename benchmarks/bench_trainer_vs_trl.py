@@ -749,6 +749,7 @@ def main(argv: list[str] | None = None) -> dict[str, Any] | None:
             result = run_fastrl(s, opts.start_dir, opts.rows, algorithm=opts.algorithm, budget=opts.child_budget)
         else:
             result = run_trl(s, opts.start_dir, opts.rows, budget=opts.child_budget, hide_vllm=not opts.trl_with_vllm)
+        result["load_average_at_end"] = list(os.getloadavg())  # the shared CPU's load over this run (1, 5, 15 min)
         print(RESULT_PREFIX + json.dumps(result), flush=True)
         return None
 
@@ -835,6 +836,7 @@ def main(argv: list[str] | None = None) -> dict[str, Any] | None:
         "fixed_steps": {"best": best, "runs": fixed, "summary": fixed_summary},
         "equal_budget": {"budget_seconds": s.budget_seconds, "runs": budget_runs, "summary": budget_summary},
         "total_seconds": time.perf_counter() - t_all,
+        "load_average_at_end": list(os.getloadavg()),
     }
     shutil.rmtree(workdir, ignore_errors=True)
     os.makedirs(os.path.dirname(os.path.abspath(opts.out)), exist_ok=True)
