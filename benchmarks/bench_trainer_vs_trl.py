@@ -767,6 +767,7 @@ def main(argv: list[str] | None = None) -> dict[str, Any] | None:
             setattr(s, f.name, value)
 
     t_all = time.perf_counter()
+    load_at_start = list(os.getloadavg())
     workdir = tempfile.mkdtemp(prefix="fastrl_bench_trainer_vs_trl_")
     print(f"preparing the shared start model (SFT warm-up, {s.sft_steps} steps) in {workdir}")
     setup = prepare(s, workdir)
@@ -823,7 +824,7 @@ def main(argv: list[str] | None = None) -> dict[str, Any] | None:
     record = {
         "benchmark": "fastrl Trainer vs TRL GRPOTrainer: same tiny model, task, reward, group size, lengths, optimizer, steps",
         "command": "python " + " ".join([os.path.relpath(os.path.abspath(__file__), ROOT)] + (argv if argv is not None else sys.argv[1:])),
-        "environment": _environment(),
+        "environment": {**_environment(), "load_average_at_start": load_at_start},
         "in_process": opts.in_process,
         "trl_vllm_hidden": not opts.trl_with_vllm,
         "note": "shared, loaded 2-core CPU; every run is a fresh process on 1 thread (OMP_NUM_THREADS=1, "
