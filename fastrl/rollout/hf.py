@@ -36,9 +36,6 @@ The model is used unchanged: the sampler registers an attention function
 to the attention function through the forward's keyword arguments (the same route
 transformers uses for its paged cache). KV memory is ``U * P_max + B * max_new_tokens``
 token slots (the last suffix slot is a scratch slot) instead of ``B * (P + max_new_tokens)``.
-Short prompts (``FLAT_KV_MAX_PROMPT_TOKENS``, ``generate`` with eager decode on the PyTorch
-backend) instead copy each row's prompt into its own buffer once and attend with one SDPA per
-layer and step: ``B * (P_max + max_new_tokens)`` slots, fewer ops where the prompt is short.
 
 **Multi-turn** (``start`` / ``continue_`` / ``close``; :class:`HFTokenSampler` is the agents
 driver's ``TokenSampler`` over it): each trajectory keeps its own suffix across turns, so
