@@ -102,17 +102,6 @@ logits; at 32 and 64 rows it is slower (``benchmarks/bench_lm_head_layout.py``,
 ``benchmarks/results/lm-head-layout-cpu-20261201-235130.json``)."""
 TRANSPOSED_HEAD_MIN_STEPS = 16
 """... and when the rollout runs at least this many decode steps (the copy costs a few steps)."""
-FLAT_KV_MAX_PROMPT_TOKENS = 64
-"""``generate`` with prompts of at most this many tokens (eager decode, PyTorch backend, fp32)
-copies each row's prompt keys/values into the row's own buffer once and attends
-``[prompt ; suffix]`` with one ``scaled_dot_product_attention`` per layer and step instead of
-the cascade's two-part merge (~25 small ops): at short prompts the prompt's shared reads save
-nothing and the op count is the cost (the default task's decode attention: 212 vs 267 us per
-layer and step); at 256-token prompts the cascade is as fast or faster. The copy is
-``B * P`` slots instead of ``U * P`` (counted in ``peak_kv_cache_bytes``)."""
-KV_LAYOUTS = ("auto", "cascade")
-"""``HFGroupSampler(kv_layout=...)``: ``auto`` (the per-row prompt copy of
-``FLAT_KV_MAX_PROMPT_TOKENS`` where it applies, else the cascade) or ``cascade`` always."""
 DECODE_MODES = ("eager", "static", "cuda_graph")
 """``HFGroupSampler(decode=...)``: the per-token step as variable-shape eager ops, as one
 static-shape step (run eagerly; the CPU test of the captured path), or that step captured
@@ -132,11 +121,8 @@ class CascadeKV:
     slot is a scratch slot that padded query positions write to and nothing reads.
     """
 
-    def __init__(self, *, num_layers: int, prompt_lens: list[int], backend: str, device: torch.device, flat: bool = False):
+    def __init__(self, *, num_layers: int, prompt_lens: list[int], backend: str, device: torch.device):
         self.num_layers = num_layers
-        self.flat = flat
-        """Each row's buffer starts with a copy of its prompt's keys/values (``FLAT_KV_MAX_PROMPT_TOKENS``):
-        ``suffix_k[l]`` is ``[B, Hkv, P + capacity, D]``, the suffix at offset ``P``."""
         self.prompt_lens = prompt_lens
         self.cu_seqlens = [0]
         for n in prompt_lens:
@@ -199,9 +185,6 @@ class CascadeKV:
         if need <= self.capacity:
             return
         new_cap = max(need, 2 * self.capacity) if self.capacity else need
-        if self.flat:
-            self._reserve_flat(new_cap)
-            return
         for ts in (self.suffix_k, self.suffix_v):
             for layer in range(self.num_layers):
                 Hkv, _, _, D = self.prefix_k[layer].shape
@@ -211,25 +194,6 @@ class CascadeKV:
                 ts[layer] = t
         self.capacity = new_cap
         self.peak_bytes = max(self.peak_bytes, self.bytes())
-
-    def _reserve_flat(self, new_cap: int) -> None:
-        P, old = self.P, self.capacity
-        rows = torch.tensor(self.prefix_of, dtype=torch.long, device=self.device)
-        for ts, prefix in ((self.suffix_k, self.prefix_k), (self.suffix_v, self.prefix_v)):
-            for layer in range(self.num_layers):
-                Hkv, _, _, D = prefix[layer].shape
-                t = prefix[layer].new_zeros(self.batch, Hkv, P + new_cap, D)
-                if ts[layer] is not None:
-                    t[:, :, : P + old - 1] = ts[layer][:, :, : P + old - 1]
-                else:
-                    t[:, :, :P] = prefix[layer].transpose(0, 1).index_select(0, rows)
-                ts[layer] = t
-        self.capacity = new_cap
-        self.peak_bytes = max(self.peak_bytes, self.bytes())
-        self.flat_bias = None  # [B, 1, 1, P + capacity]: -inf on a shorter prompt's padding slots
-        if any(n < P for n in self.prompt_lens):
-            pad = self.prefix_bias.index_select(0, rows)
-            self.flat_bias = torch.cat([pad, pad.new_zeros(self.batch, new_cap)], dim=1)[:, None, None, :]
 
     # ---- one forward of T query positions per row (left-padded)
     def set_forward(self, counts: list[int], T: int) -> torch.Tensor:
@@ -343,17 +307,6 @@ class CascadeKV:
             return padded_prefix_attention(
                 query, self.prefix_k[layer], self.prefix_v[layer], self.prefix_bias, self.rows, sk, sv, self.static_bias, scale=scaling,
             )
-        if self.flat:  # one query per row, every row at the same slot (generate's steps)
-            a, b = self.write
-            P = self.P
-            sk[:, :, P + a : P + b] = key
-            sv[:, :, P + a : P + b] = value
-            n = P + self.S
-            out = F.scaled_dot_product_attention(
-                query, sk[:, :, :n], sv[:, :, :n], attn_mask=None if self.flat_bias is None else self.flat_bias[..., :n],
-                scale=scaling, enable_gqa=query.shape[1] != key.shape[1],
-            )
-            return out.transpose(1, 2)
         if isinstance(self.write[0], int):
             a, b = self.write
             sk[:, :, a:b] = key
@@ -640,20 +593,15 @@ class HFGroupSampler:
             capacity, no host value inside; the same tokens and log-probs as ``eager``, slower
             on CPU) or ``cuda_graph`` (that step captured in a CUDA graph once per rollout and
             replayed; CUDA only).
-        kv_layout: ``auto`` (default: ``generate`` with prompts of at most
-            ``FLAT_KV_MAX_PROMPT_TOKENS`` tokens, eager decode, PyTorch backend, fp32 copies each
-            row's prompt keys/values into its own buffer and attends with one SDPA per layer and
-            step) or ``cascade`` (the shared prompt store and the two-part merge always).
     """
 
     def __init__(self, model: torch.nn.Module, *, pad_token_id: int | None = None, backend: str = "auto", max_length: int | None = None,
-                 decode: str = "eager", kv_layout: str = "auto"):
+                 decode: str = "eager"):
         config = getattr(model, "config", None)
         if config is None or not hasattr(model, "get_input_embeddings"):
             raise TypeError(f"model must be a Hugging Face PreTrainedModel, got {type(model).__name__}")
         check_choice("backend", backend, ("auto", "triton", "torch"))
         check_choice("decode", decode, DECODE_MODES)
-        check_choice("kv_layout", kv_layout, KV_LAYOUTS)
         if decode == "cuda_graph" and model.get_input_embeddings().weight.device.type != "cuda":
             raise InputError("decode='cuda_graph' needs the model on a CUDA device; use decode='eager' (or 'static') on CPU")
         if getattr(config, "is_encoder_decoder", False):
@@ -674,7 +622,6 @@ class HFGroupSampler:
             pad_token_id = self.eos_token_ids[0] if self.eos_token_ids else 0
         self.pad_token_id = int(pad_token_id)
         self.decode = decode
-        self.kv_layout = kv_layout
         self._split: bool | None = None if self._splittable() else False
         """Whether the sampler runs the base model and applies the output projection itself (to
         project only the rows still sampling, with a transposed weight on CPU): decided at the
@@ -744,11 +691,10 @@ class HFGroupSampler:
     def _project(h: torch.Tensor, head: "_LMHead | None", out: torch.Tensor | None = None) -> torch.Tensor:
         return h if head is None else head(h, out=None if out is None else out[: h.shape[0]])
 
-    def _prefill(self, distinct_prompts: list[list[int]], device: torch.device, backend: str,
-                 flat: bool = False) -> tuple[CascadeKV, torch.Tensor]:
+    def _prefill(self, distinct_prompts: list[list[int]], device: torch.device, backend: str) -> tuple[CascadeKV, torch.Tensor]:
         """Run the distinct prompts once (packed); returns the store and their last logits ``[U, V]``."""
         kv = CascadeKV(num_layers=self.model.config.num_hidden_layers, prompt_lens=[len(p) for p in distinct_prompts],
-                       backend=backend, device=device, flat=flat)
+                       backend=backend, device=device)
         cu = kv.cu_seqlens
         ids = torch.tensor([t for p in distinct_prompts for t in p], dtype=torch.long, device=device)[None]
         pos = torch.cat([torch.arange(len(p), device=device) for p in distinct_prompts])[None]
@@ -908,10 +854,7 @@ class HFGroupSampler:
             gen.manual_seed(sampling.seed)
         stop_ids = self._stop_ids(sampling, device)
         with self._shared_prefix_attention():
-            flat = (self.kv_layout == "auto" and backend == "torch" and self.decode == "eager"
-                    and max(len(p) for p in distinct) <= FLAT_KV_MAX_PROMPT_TOKENS
-                    and self.model.get_input_embeddings().weight.dtype == torch.float32)
-            kv, last_logits = self._prefill([list(p) for p in distinct], device, backend, flat=flat)
+            kv, last_logits = self._prefill([list(p) for p in distinct], device, backend)
             head = self._head(device, rows=B, steps=L - 1) if L > 1 else None
             kv.set_rows([which[b // G] for b in range(B)], group_size=G)
             kv.reserve(max(L - 1, 0))
