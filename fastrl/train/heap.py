@@ -10,7 +10,8 @@ at the update's peak. ``mmap_large_blocks()`` fixes the threshold at ``MMAP_THRE
 (``mallopt(M_MMAP_THRESHOLD)``, which also stops its adjustment): each block of at least
 1 MiB is its own mapping and goes back to the OS when freed; the cost is a page fault per
 page a new block touches (no measurable change in the step's CPU time there). It changes no
-value. Process-wide: the trainer sets it for CPU runs.
+value. Process-wide, and for blocks the heap cannot already serve from its free chunks (glibc
+maps only what would grow the heap): the trainer sets it when it starts, on CPU runs.
 """
 
 from __future__ import annotations
