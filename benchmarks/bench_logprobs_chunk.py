@@ -17,6 +17,11 @@ call (this script's own process; the op reads it at every call). One thread
 figure to quote on a shared machine (wall seconds are recorded too).
 
     python benchmarks/bench_logprobs_chunk.py            # writes results/logprobs-chunk-rule-cpu.json
+
+Since 078e6be the backward of ``linear_logprobs`` tiles tokens x vocabulary
+(``fastrl.ops.logprobs.backward_tile``) and no longer reads ``chunk_rows``: the two rules
+here then differ only in the forward's chunks (``fused_linear_policy_loss`` still uses them);
+the results JSON records the rules as they were measured.
 """
 
 from __future__ import annotations

@@ -749,6 +749,7 @@ def main(argv: list[str] | None = None) -> dict[str, Any] | None:
             result = run_fastrl(s, opts.start_dir, opts.rows, algorithm=opts.algorithm, budget=opts.child_budget)
         else:
             result = run_trl(s, opts.start_dir, opts.rows, budget=opts.child_budget, hide_vllm=not opts.trl_with_vllm)
+        result["load_average_at_end"] = list(os.getloadavg())  # the shared CPU's load over this run (1, 5, 15 min)
         print(RESULT_PREFIX + json.dumps(result), flush=True)
         return None
 
@@ -766,6 +767,7 @@ def main(argv: list[str] | None = None) -> dict[str, Any] | None:
             setattr(s, f.name, value)
 
     t_all = time.perf_counter()
+    load_at_start = list(os.getloadavg())
     workdir = tempfile.mkdtemp(prefix="fastrl_bench_trainer_vs_trl_")
     print(f"preparing the shared start model (SFT warm-up, {s.sft_steps} steps) in {workdir}")
     setup = prepare(s, workdir)
@@ -822,7 +824,7 @@ def main(argv: list[str] | None = None) -> dict[str, Any] | None:
     record = {
         "benchmark": "fastrl Trainer vs TRL GRPOTrainer: same tiny model, task, reward, group size, lengths, optimizer, steps",
         "command": "python " + " ".join([os.path.relpath(os.path.abspath(__file__), ROOT)] + (argv if argv is not None else sys.argv[1:])),
-        "environment": _environment(),
+        "environment": {**_environment(), "load_average_at_start": load_at_start},
         "in_process": opts.in_process,
         "trl_vllm_hidden": not opts.trl_with_vllm,
         "note": "shared, loaded 2-core CPU; every run is a fresh process on 1 thread (OMP_NUM_THREADS=1, "
@@ -835,6 +837,7 @@ def main(argv: list[str] | None = None) -> dict[str, Any] | None:
         "fixed_steps": {"best": best, "runs": fixed, "summary": fixed_summary},
         "equal_budget": {"budget_seconds": s.budget_seconds, "runs": budget_runs, "summary": budget_summary},
         "total_seconds": time.perf_counter() - t_all,
+        "load_average_at_end": list(os.getloadavg()),
     }
     shutil.rmtree(workdir, ignore_errors=True)
     os.makedirs(os.path.dirname(os.path.abspath(opts.out)), exist_ok=True)

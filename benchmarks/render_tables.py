@@ -25,8 +25,9 @@ PAGES = ("README.md", "docs")
 MARKER = re.compile(r"(<!-- table:(?P<name>[a-z_]+) -->\n)(?P<body>.*?)(<!-- /table -->)", re.S)
 
 
-SAMPLER_VS_GENERATE = "rollout-vs-generate-cpu-20261202-000356.json"
+SAMPLER_VS_GENERATE = "rollout-vs-generate-cpu-20261202-031523.json"
 SAMPLER_MULTITURN = "multiturn-rollout-cpu-20261202-001122.json"
+TRAINER_VS_TRL_REAL_SHAPE = "trainer_vs_trl_real_shape_cpu.json"
 
 
 def _load(name: str) -> dict:
@@ -183,6 +184,9 @@ def benchmarks_cpu() -> str:
     step, shapes = step_file["fixed_steps"]["best"], step_file["shapes"]
     f, t = step["fastrl-grpo"], step["trl-grpo"]
     rvg = _load(SAMPLER_VS_GENERATE)
+    real = _load(TRAINER_VS_TRL_REAL_SHAPE)
+    rshape, rsum = real["shapes"], real["fixed_steps"]["summary"]
+    rf, rt = real["fixed_steps"]["best"]["fastrl-grpo"], real["fixed_steps"]["best"]["trl-grpo"]
     previous_rev = re.search(r"--previous (\S+)", rvg["command"]).group(1)
     mt = _load(SAMPLER_MULTITURN)
     rows = [
@@ -270,6 +274,13 @@ def benchmarks_cpu() -> str:
          f"TRL GRPOTrainer: {t['step_s_median']:.2f} s/step, {t['peak_rss_mib']:.0f} MiB",
          f"{t['step_s_median'] / f['step_s_median']:.2f}x speed, {f['peak_rss_mib'] / t['peak_rss_mib']:.2f}x memory",
          "`python benchmarks/bench_trainer_vs_trl.py`"],
+        [f"whole GRPO step, issue 20 real shape (Qwen2 vocab {rshape['vocab_size']}, hidden {rshape['hidden_size']}, "
+         f"{rshape['layers']} layers; {rshape['prompts_per_step']}x{rshape['group_size']} samples, "
+         f"P={rshape['prompt_tokens_example']} L={rshape['max_new_tokens']})",
+         f"{rf['step_cpu_s_median']:.1f} CPU s/step, {rf['peak_rss_mib']:.0f} MiB",
+         f"TRL GRPOTrainer: {rt['step_cpu_s_median']:.1f} CPU s/step, {rt['peak_rss_mib']:.0f} MiB",
+         f"{rsum['step_cpu_time_fastrl_over_trl']:.2f}x CPU time, {rsum['peak_rss_fastrl_over_trl']:.2f}x memory",
+         f"`{real['command']}`"],
     ]
     return _rows(["what", "fastrl", "baseline", "ratio", "command"], rows)
 

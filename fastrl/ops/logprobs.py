@@ -4,9 +4,9 @@
 ``log_softmax((hidden @ weight.T + bias) / temperature).gather(-1, targets)`` (see
 ``fastrl.reference.logprobs`` for the formula), but never holds the logits: the forward
 keeps four fp32 numbers per token (running max, sum of exponentials, entropy term and
-target logit) and the backward recomputes the logits tile by tile (Triton) or chunk by
-chunk (PyTorch, ``chunk_rows(V)`` tokens at a time) to form the gradients of ``hidden``,
-``weight`` and ``bias``.
+target logit) and the backward recomputes the logits tile by tile (Triton; PyTorch:
+``backward_tile`` tokens x vocabulary entries at a time, the forward ``chunk_rows(V)`` tokens
+at a time) to form the gradients of ``hidden``, ``weight`` and ``bias``.
 
 The policy loss from hidden states, ``fused_linear_policy_loss``, lives in
 ``fastrl.ops.fused_policy_loss`` (import it from there or from ``fastrl.ops``: this module
@@ -15,6 +15,7 @@ does not import it, so the dependency runs one way).
 
 from __future__ import annotations
 
+import math
 import os
 from typing import Any
 
@@ -30,7 +31,7 @@ from fastrl._checks import (
     resolve_backend,
 )
 
-__all__ = ["chunk_rows", "linear_logprobs"]
+__all__ = ["backward_tile", "chunk_rows", "linear_logprobs"]
 
 # PyTorch path: the byte budget of one fp32 [chunk_tokens, V] logits buffer (at most two
 # are live at a time, with the entropy). A fixed number of bytes, so the token chunk
@@ -46,8 +47,8 @@ TORCH_CHUNK_BYTES = int(float(os.environ.get("FASTRL_LOGPROBS_CHUNK_MB", str(DEF
 
 
 def chunk_rows(vocab: int, *, weight_grad_hidden: int = 0) -> int:
-    """Tokens per chunk of the PyTorch path (``linear_logprobs`` and
-    ``fused_linear_policy_loss``), from the vocabulary ``V`` and, in a pass that forms the
+    """Tokens per chunk of the PyTorch path (``linear_logprobs``'s forward, whose backward
+    tiles by ``backward_tile``, and ``fused_linear_policy_loss``), from the vocabulary ``V`` and, in a pass that forms the
     LM head's weight gradient, the hidden size ``H`` (``weight_grad_hidden``; 0 otherwise):
 
         rows = max(TORCH_CHUNK_BYTES // (4 V), H, 1)
@@ -175,51 +176,88 @@ def _torch_stats(h, weight, bias, y, inv_temp, with_entropy, sampled=None):
     return m, s, w, t
 
 
+def backward_tile(tokens: int, vocab: int) -> tuple[int, int]:
+    """``(rows, cols)`` of the PyTorch backward's fp32 logits tile (``_torch_grads``): at most
+    ``TORCH_CHUNK_BYTES`` (``rows * cols * 4``), as square as the budget allows
+    (``side = isqrt(budget / 4)``, 3,547 at 48 MiB), all the tokens when they fit the side:
+
+        rows = min(tokens, side),  cols = min(V, budget // (4 rows))
+
+    The backward adds each tile's ``g.T @ h`` into the ``[V, H]`` weight gradient and
+    ``g @ W`` into the ``[tokens, H]`` hidden gradient; tiling both the tokens and the
+    vocabulary, the first is re-read ``ceil(tokens / rows)`` - 1 times and the second
+    ``ceil(V / cols)`` - 1 times, which square tiles balance. At V = 151,936, H = 256, 2,048
+    tokens: one 2,048 x 6,144 tile column (48 MiB), the weight gradient written once, the 2 MiB
+    hidden gradient re-read 24 times; the token chunks of ``chunk_rows`` before (256-row
+    [256, V] chunks, 155 MB each, the weight gradient re-accumulated 8 times) held a buffer the
+    size of the weight gradient at the update's memory peak."""
+    side = max(1, math.isqrt(TORCH_CHUNK_BYTES // 4))
+    rows = max(1, min(int(tokens), side))
+    cols = max(1, min(int(vocab), TORCH_CHUNK_BYTES // (4 * rows)))
+    return rows, cols
+
+
 def _torch_grads(h, weight, bias, y, lse, ent, gl, ge, inv_temp, need_h, need_w, need_b):
-    """Gradients wrt hidden/weight/bias, recomputing logits chunk by chunk."""
+    """Gradients wrt hidden/weight/bias, recomputing the logits tile by tile (``backward_tile``)."""
     n, hd = h.shape
     v = weight.shape[0]
-    gh = torch.empty(n, hd, dtype=h.dtype, device=h.device) if need_h else None
-    gw = torch.zeros(v, hd, dtype=torch.float32, device=h.device) if need_w else None
-    gb = torch.zeros(v, dtype=torch.float32, device=h.device) if need_b else None
-    step = chunk_rows(v, weight_grad_hidden=hd if need_w else 0)
+    f32 = dict(dtype=torch.float32, device=h.device)
+    gh = torch.zeros(n, hd, **f32) if need_h else None  # fp32, summed over the vocabulary tiles
+    new = torch.empty if n else torch.zeros  # the first token chunk writes gw/gb (no chunk: zero)
+    gw = new(v, hd, **f32) if need_w else None
+    gb = new(v, **f32) if need_b else None
+    rows, cols = backward_tile(n, v)
     w_logits = _logits_weight(weight)
-    for i in range(0, n, step):
-        sl = slice(i, min(i + step, n))
-        z = _torch_logits(h[sl], w_logits, bias, inv_temp)
-        z -= lse[sl, None]  # log p
-        glc = gl[sl]
-        if ge is not None:
-            p = torch.exp(z)
-            # g = gl * (onehot - p) - ge * p * (log p + entropy)
-            z += ent[sl, None]
-            z *= p
-            z *= -ge[sl, None]
-            p *= glc[:, None]
-            z -= p
-            g = z
-            del p
-        else:  # g = -gl * p, in place: one [chunk, V] buffer
-            g = z.exp_()
-            g *= -glc[:, None]
-            del z
-        yc = y[sl]
-        g.scatter_add_(1, yc.clamp(min=0)[:, None], torch.where(yc >= 0, glc, torch.zeros_like(glc))[:, None])
-        if inv_temp != 1.0:
-            g *= inv_temp
-        if gb is not None:
-            gb += g.sum(0)
-        gq = g if h.dtype == torch.float32 else g.to(h.dtype)
-        del g
-        if gh is not None:
-            torch.mm(gq, weight, out=gh[sl])
-        if gw is not None:
-            if gq.dtype == torch.float32:
-                gw.addmm_(gq.T, h[sl])
-            else:
-                gw += gq.T @ h[sl]
-        z = g = gq = None  # noqa: F841  (free this chunk's buffer before the next one)
-    return gh, gw, gb
+    for i in range(0, n, rows):
+        sl = slice(i, min(i + rows, n))
+        hs, glc, yc = h[sl], gl[sl], y[sl]
+        first = i == 0
+        for j in range(0, v, cols):
+            vs = slice(j, min(j + cols, v))
+            z = _torch_logits(hs, w_logits[vs], bias[vs] if bias is not None else None, inv_temp)
+            z -= lse[sl, None]  # log p
+            if ge is not None:
+                p = torch.exp(z)
+                # g = gl * (onehot - p) - ge * p * (log p + entropy)
+                z += ent[sl, None]
+                z *= p
+                z *= -ge[sl, None]
+                p *= glc[:, None]
+                z -= p
+                g = z
+                del p
+            else:  # g = -gl * p, in place: one tile buffer
+                g = z.exp_()
+                g *= -glc[:, None]
+                del z
+            here = (yc >= vs.start) & (yc < vs.stop)
+            g.scatter_add_(1, (yc - vs.start).clamp(0, g.shape[1] - 1)[:, None], torch.where(here, glc, torch.zeros_like(glc))[:, None])
+            if inv_temp != 1.0:
+                g *= inv_temp
+            if gb is not None:
+                if first:
+                    torch.sum(g, 0, out=gb[vs])
+                else:
+                    gb[vs] += g.sum(0)
+            gq = g if h.dtype == torch.float32 else g.to(h.dtype)
+            del g
+            if gh is not None:
+                if gq.dtype == torch.float32:
+                    gh[sl].addmm_(gq, weight[vs])
+                else:
+                    gh[sl] += gq @ weight[vs]
+            if gw is not None:
+                hq = hs if gq.dtype == hs.dtype else hs.to(gq.dtype)
+                if first and gq.dtype == torch.float32:
+                    torch.mm(gq.T, hq, out=gw[vs])
+                elif gq.dtype == torch.float32:
+                    gw[vs].addmm_(gq.T, hq)
+                elif first:
+                    gw[vs] = (gq.T @ hq).float()
+                else:
+                    gw[vs] += gq.T @ hq
+            z = g = gq = None  # noqa: F841  (free this tile's buffer before the next one)
+    return gh, gw, gb  # gh in fp32: the caller all-reduces it (vocab shards) and casts it to the hidden dtype
 
 
 # --------------------------------------------------------------------------- autograd

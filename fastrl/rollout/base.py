@@ -234,21 +234,19 @@ def pack_batch(
     Returns input_ids, attention_mask, response_mask, sampler_logp, group_ids.
     """
     B = len(completion_ids)
-    lengths = [len(prompt_ids[b // group_size]) + len(completion_ids[b]) for b in range(B)]
+    starts = [len(prompt_ids[b // group_size]) for b in range(B)]
+    lengths = [s + len(c) for s, c in zip(starts, completion_ids)]
     T = max(lengths)
-    input_ids = torch.full((B, T), pad_token_id, dtype=torch.long)
-    attention_mask = torch.zeros(B, T, dtype=torch.long)
-    response_mask = torch.zeros(B, T, dtype=torch.long)
+    # one tensor from the padded rows and masks from the lengths: no per-row tensor ops
+    input_ids = torch.tensor([prompt_ids[b // group_size] + list(completion_ids[b]) + [pad_token_id] * (T - lengths[b]) for b in range(B)],
+                             dtype=torch.long).reshape(B, T)
+    t = torch.arange(T)[None, :]
+    attention_mask = (t < torch.tensor(lengths)[:, None]).long()
+    response = (t >= torch.tensor(starts)[:, None]) & attention_mask.bool()
+    response_mask = response.long()
     sampler_logp = torch.zeros(B, T, dtype=torch.float32)
-    for b in range(B):
-        p = prompt_ids[b // group_size]
-        c = completion_ids[b]
-        n = len(p) + len(c)
-        input_ids[b, : len(p)] = torch.tensor(p, dtype=torch.long)
-        if c:
-            input_ids[b, len(p) : n] = torch.tensor(c, dtype=torch.long)
-            response_mask[b, len(p) : n] = 1
-            sampler_logp[b, len(p) : n] = completion_logp[b].float()
-        attention_mask[b, :n] = 1
+    pieces = [completion_logp[b].float().reshape(-1) for b in range(B) if completion_ids[b]]
+    if pieces:  # row-major order of the response positions = the rows' completions, concatenated
+        sampler_logp[response] = torch.cat(pieces)
     group_ids = torch.arange(len(prompt_ids)).repeat_interleave(group_size)
     return input_ids, attention_mask, response_mask, sampler_logp, group_ids

@@ -657,12 +657,14 @@ class HFGroupSampler:
         previous = config._attn_implementation
         was_training = self.model.training
         config._attn_implementation = ATTN_NAME
-        self.model.eval()
+        if was_training:  # (eval() and train() walk every submodule: skipped for a model already in eval mode)
+            self.model.eval()
         try:
             yield
         finally:
             config._attn_implementation = previous
-            self.model.train(was_training)
+            if was_training:
+                self.model.train(True)
 
     def _splittable(self) -> bool:
         head = self.model.get_output_embeddings()

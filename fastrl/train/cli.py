@@ -51,7 +51,7 @@ HELP_GROUPS: dict[str, tuple[str, ...]] = {
                 "prompt_token_budget", "max_new_tokens", "temperature", "top_p", "top_k", "dynamic_sampling",
                 "max_resample_rounds", "rollout", "tree_branches", "tree_depths", "sync_probe_every", "sync_probe_tolerance"),
     "optimisation": ("steps", "max_seconds", "max_generated_tokens", "ppo_epochs", "mini_batches", "shared_prefix",
-                     "prefix_tree", "activation_checkpointing", "offload_activations", "micro_batch_tokens", "lr", "weight_decay",
+                     "prefix_tree", "activation_checkpointing", "offload_activations", "reference_offload", "micro_batch_tokens", "lr", "weight_decay",
                      "adam_betas", "warmup_steps", "min_lr_ratio", "grad_clip", "seed"),
     "logging and evaluation": ("eval_every", "eval_prompts", "pass_k", "tensorboard", "progress"),
     "output and checkpoints": ("output_dir", "save_every", "keep_checkpoints", "overwrite", "resume"),

@@ -27,6 +27,7 @@ from fastrl.reference.advantages import GroupMode
 from fastrl.reference.turn_advantages import NORMS, TURN_ADVANTAGE_MODES
 from fastrl.rollout.hf import DECODE_MODES
 from fastrl.train.correction import ROLLOUT_CORRECTIONS, RolloutCorrectionMode
+from fastrl.train.reference_policy import REFERENCE_OFFLOADS
 
 _FLOAT32_MAX = 3.4028234663852886e38
 """Largest finite float32: a float option beyond it overflows the first tensor it enters."""
@@ -312,6 +313,11 @@ class TrainConfig:
     """Adaptive KL controller target (Ziegler et al. 2019); None keeps beta fixed."""
     kl_horizon: int = 10000
     """Adaptive KL controller horizon in samples."""
+    reference_offload: Literal[REFERENCE_OFFLOADS] = "auto"  # type: ignore[valid-type]
+    """Where the reference policy's weights are between its passes (``fastrl.train.reference_policy``):
+    disk (a file in output_dir/reference, mapped for the reference pass of each step; one process
+    only), off (in memory), auto (disk on a single-process CPU run: one copy of the weights fewer
+    at the update's memory peak, for one read of the file per step)."""
     entropy_coef: float = 0.0
     """Entropy bonus weight."""
     rollout_correction: RolloutCorrectionMode = "none"

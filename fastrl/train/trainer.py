@@ -50,12 +50,14 @@ from fastrl.train.critic import ValueModel
 from fastrl.train.evaluate import HeldOutEvaluator
 from fastrl.train.experience import Experience
 from fastrl.train.faults import TrainingDivergedError, divergence_message
+from fastrl.train.heap import mmap_large_blocks
 from fastrl.train.layout import MicroBatch, make_layout
 from fastrl.train.metrics import (
     LOSS_SHARES, MetricsLogger, SilentLogger, StageTimer, peak_memory_bytes, update_metric_name,
 )
 from fastrl.train.progress import describe_evaluation, rl_progress_label
 from fastrl.train.ranks import Ranks
+from fastrl.train.reference_policy import offload_reference
 from fastrl.train.rundir import lock_run_directory
 from fastrl.train.schedule import AdaptiveKLController
 from fastrl.train.score import GroupScorer
@@ -128,6 +130,8 @@ class Trainer:
         if ranks.sharded:
             build.check_distributed(cfg, ranks.ctx)
         self.device = ranks.device
+        if self.device.type == "cpu":
+            mmap_large_blocks()  # freed activations leave the process instead of staying resident (fastrl.train.heap)
         self.is_main = ranks.is_main
         self.spec = build.sampler_spec(cfg.sampler)
         self.out = Path(cfg.output_dir)
@@ -210,7 +214,9 @@ class Trainer:
         self.reference = None
         if cfg.uses_reference:
             self.reference = build.load_reference(self.policy, path=self.out / "reference", resume=self.resume_dir is not None,
-                                                  save=self.is_main, device=self.device)
+                                                  save=self.is_main, device=self.device,
+                                                  offload=offload_reference(cfg.reference_offload, device=self.device,
+                                                                            sharded=ranks.sharded))
         self.critic: ValueModel | None = None
         if cfg.uses_critic:
             self.critic = build.build_critic(cfg, self.policy, resume_dir=self.resume_dir, device=self.device)
@@ -333,8 +339,8 @@ class Trainer:
             with self.timer("old_logp"):
                 exp.old_logp = self._token_logprobs(self.policy, exp)
         if self.reference is not None:
-            with self.timer("ref_logp"):
-                exp.ref_logp = self._token_logprobs(self.reference, exp)
+            with self.timer("ref_logp"), self.reference.resident() as reference:
+                exp.ref_logp = self._token_logprobs(reference, exp)
 
         # ---- advantages
         with self.timer("advantages"):

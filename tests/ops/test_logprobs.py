@@ -9,6 +9,8 @@ fp32 logits -- the torch path never rounds the logits to bf16): logp/entropy abs
 grads rel 2e-2 (the grad of the logits is rounded to the input dtype before the grad GEMMs).
 """
 
+import math
+
 import pytest
 import torch
 from hypothesis import given, settings
@@ -388,15 +390,54 @@ def test_chunk_rule_gives_a_weight_gradient_pass_at_least_hidden_rows():
     assert lp_mod.chunk_rows(2**20, weight_grad_hidden=0) >= 1
 
 
+class _LargestTile(torch.utils._python_dispatch.TorchDispatchMode):
+    """Records the most elements of any 2-D op output other than the ``skip`` shapes (the gradients)."""
+
+    def __init__(self, skip):
+        super().__init__()
+        self.skip, self.most = set(skip), 0
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        out = func(*args, **(kwargs or {}))
+        for t in out if isinstance(out, (tuple, list)) else (out,):
+            if isinstance(t, torch.Tensor) and t.dim() == 2 and tuple(t.shape) not in self.skip and not func.is_view:
+                self.most = max(self.most, t.numel())
+        return out
+
+
+@pytest.mark.parametrize("tokens, vocab", [(1, 1), (2048, 151936), (200, 257), (10_000, 151936), (50, 2**20), (7, 3)])
+def test_backward_tile_fits_the_budget_and_takes_every_token_that_fits(tokens, vocab):
+    rows, cols = lp_mod.backward_tile(tokens, vocab)
+    budget = lp_mod.TORCH_CHUNK_BYTES
+    side = math.isqrt(budget // 4)
+    assert 1 <= rows <= tokens and 1 <= cols <= vocab
+    assert rows * cols * 4 <= budget
+    assert rows == min(tokens, side)  # all the tokens when they fit the square's side
+    assert cols == vocab or (rows * (cols + 1) * 4 > budget)  # no narrower tile than the budget allows
+    if (tokens, vocab) == (2048, 151936):  # the real shape: one column of tiles, the weight gradient written once
+        assert (rows, cols) == (2048, budget // (4 * 2048))
+
+
 @pytest.mark.parametrize("need_weight_grad", [True, False])
-def test_torch_backward_chunks_are_hidden_rows_when_it_forms_the_weight_gradient(monkeypatch, need_weight_grad):
+@pytest.mark.parametrize("entropy", [False, True])
+def test_torch_backward_tiles_stay_in_the_budget_and_match_the_reference(monkeypatch, need_weight_grad, entropy):
+    """The backward's work buffers are tiles of at most TORCH_CHUNK_BYTES (tokens x vocabulary
+    entries), several per dimension here (budget of 37 x 257 fp32 entries: 97 x 98 tiles for
+    200 tokens), and the gradients equal the reference's."""
     B, T, H, V = 4, 50, 64, 257
-    monkeypatch.setattr(lp_mod, "TORCH_CHUNK_BYTES", 4 * V * 37)  # 37-row budget chunks, H = 64 > 37
-    h, w, b, y = _inputs((B, T), H, V)
-    hh, ww = h.clone().requires_grad_(), w.clone().requires_grad_(need_weight_grad)
-    logp = linear_logprobs(hh, ww, y, backend="torch")
-    with _LargestVocabRows(V) as seen:
-        logp.sum().backward()
-    assert seen.most_rows == (H if need_weight_grad else 37)
-    ref = _run(None, h, w, b, y, entropy=False, gl=torch.ones(B, T))
+    monkeypatch.setattr(lp_mod, "TORCH_CHUNK_BYTES", 4 * V * 37)
+    rows, cols = lp_mod.backward_tile(B * T, V)
+    assert rows < B * T and cols < V
+    h, w, b, y = _inputs((B, T), H, V, bias=True, n_ignore=9)
+    hh, ww, bb = h.clone().requires_grad_(), w.clone().requires_grad_(need_weight_grad), b.clone().requires_grad_(need_weight_grad)
+    gl, ge = torch.randn(B, T), torch.randn(B, T)
+    logp, ent = linear_logprobs(hh, ww, y, bias=bb, temperature=1.3, return_entropy=True, backend="torch")
+    n_valid = int((y != -100).sum())
+    with _LargestTile({(V, H), (n_valid, H), (B * T, H)}) as seen:
+        ((logp * gl).sum() + ((ent * ge).sum() if entropy else 0)).backward()
+    assert 0 < seen.most <= lp_mod.TORCH_CHUNK_BYTES // 4, (seen.most, rows, cols)
+    ref = _run(None, h, w, b, y, temperature=1.3, gl=gl, ge=ge if entropy else None)
     torch.testing.assert_close(hh.grad.double(), ref[2], atol=1e-5, rtol=1e-4)
+    if need_weight_grad:
+        torch.testing.assert_close(ww.grad.double(), ref[3], atol=1e-5, rtol=1e-4)
+        torch.testing.assert_close(bb.grad.double(), ref[4], atol=1e-5, rtol=1e-4)

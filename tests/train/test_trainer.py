@@ -225,7 +225,8 @@ def test_kl_in_the_loss_vs_in_the_reward(tmp_path):
         batch = t.sampler.generate(t.encoded[:3], group_size=4, sampling=t._sampling(salt=9))
         mask = batch.response_mask[:, 1:].float()
         old = t._token_logprobs(t.policy, batch)
-        ref = t._token_logprobs(t.reference, batch)
+        with t.reference.resident() as reference:
+            ref = t._token_logprobs(reference, batch)
         outcome = torch.tensor([1.0, 0.0, 0.0, 1.0] * 3)
         adv, *_ = t.compute_advantages(batch, outcome, mask, old_logp=old, ref_logp=ref, sampler_logp=None)
         kl = torch.where(mask > 0, kl_penalty(old, ref, estimator="k3"), 0.0).sum(1)
@@ -241,7 +242,8 @@ def test_ppo_token_rewards_put_the_outcome_on_the_last_token_and_kl_on_every_tok
         batch = trainer.sampler.generate(trainer.encoded[:2], group_size=4, sampling=trainer._sampling(salt=5))
         mask = batch.response_mask[:, 1:].float()
         old = trainer._token_logprobs(trainer.policy, batch)
-        ref = trainer._token_logprobs(trainer.reference, batch)
+        with trainer.reference.resident() as reference:
+            ref = trainer._token_logprobs(reference, batch)
         outcome = torch.tensor([1.0, 0.0, 1.0, 0.0, 0.0, 1.0, 0.5, 0.0])
         adv, returns, values, token_kl, _ = trainer.compute_advantages(batch, outcome, mask, old_logp=old, ref_logp=ref, sampler_logp=None)
         rewards = -trainer.kl_ctl.value * token_kl
