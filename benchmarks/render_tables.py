@@ -328,6 +328,28 @@ def compare_env() -> str:
     return "\n".join(parts)
 
 
+def compare_env_summary() -> str:
+    """One row per built-in environment of ``compare_env``: held-out success at the start and
+    at the end per algorithm (mean +- std over seeds), the success verdict, wall and CPU time."""
+    rows, algorithms = [], None
+    for env in COMPARE_ENVS:
+        path = RESULTS / f"compare_env_{env}" / "compare.json"
+        if not path.exists():
+            continue
+        data = json.loads(path.read_text())
+        algorithms = algorithms or data["algorithms"]
+        summary = data["summary"]
+        start = summary[algorithms[0]]["initial_accuracy"]["mean"]
+        cells = [f"{summary[a]['final_accuracy']['mean']:.3f} ± {summary[a]['final_accuracy']['std']:.3f}" for a in algorithms]
+        success = next(v for v in data["verdicts"] if v["axis"] == "success")
+        verdict = f"{success['winner']} first; " + ("distinguishable" if success["distinguishable"] else "not distinguishable over the seeds")
+        rows.append([env, data["budget"]["text"], f"{start:.3f}", *cells, verdict,
+                     f"{data['total_seconds'] / 60:.1f} / {data['cpu_seconds'] / 60:.1f} min"])
+    if not rows:
+        return "Not measured yet.\n"
+    return _rows(["env", "budget", "success at start", *algorithms, "verdict", "wall / CPU"], rows)
+
+
 def async_default() -> str:
     """``--async_steps 1`` vs the synchronous loop on the embedded default, per seed (benchmarks/bench_async.py)."""
     data = _load("async_default_cpu.json")
@@ -370,7 +392,7 @@ TABLES: dict[str, Callable[[], str]] = {"default_train_seeds": default_train_see
                                         "agent_benchmarks": agent_benchmarks, "headline": headline,
                                         "compare_default": compare_default, "benchmarks_cpu": benchmarks_cpu,
                                         "async_default": async_default, "async_equal_wall": async_equal_wall,
-                                        "compare_env": compare_env}
+                                        "compare_env": compare_env, "compare_env_summary": compare_env_summary}
 
 
 def pages() -> list[Path]:
