@@ -8,7 +8,7 @@ make a random model able to call its tool, and the RL settings. ``apply_env_defa
 fills the fields a ``TrainConfig`` left at ``None`` from them; a user's environment
 (``module:Class``) gets ``AgentConfig``'s limits and no warm-up.
 
-How the calculator's values were chosen is in ``docs/agents.md`` (the figures of the runs
+How the calculator's and sql's values were chosen is in ``docs/agents.md`` (the figures of the runs
 behind them).
 """
 
