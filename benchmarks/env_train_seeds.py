@@ -52,6 +52,12 @@ def run_seed(env_name: str, seed: int, out: Path, extra: list[str]) -> dict:
     cpu = (after.ru_utime - usage.ru_utime) + (after.ru_stime - usage.ru_stime)
     if proc.returncode != 0:
         raise SystemExit(f"seed {seed}: exit {proc.returncode}\n{proc.stdout[-2000:]}\n{proc.stderr[-3000:]}")
+    return {**read_run(out), "commit": commit, "wall_seconds": round(wall, 1), "cpu_seconds": round(cpu, 1),
+            "load_average_before_after": [round(load_before[0], 2), round(os.getloadavg()[0], 2)]}
+
+
+def read_run(out: Path) -> dict:
+    """The warm-up, evaluations and RL steps of one run's ``metrics.jsonl`` (so far, for a run still going)."""
     records = [json.loads(line) for line in (out / "metrics.jsonl").read_text().splitlines()]
     sft = next((r for r in records if r.get("event") == "eval" and "sft/steps" in r), {})
     evals = [r for r in records if r.get("event") == "eval" and "eval/accuracy" in r]
@@ -67,10 +73,6 @@ def run_seed(env_name: str, seed: int, out: Path, extra: list[str]) -> dict:
         if steps else None,
         "env_calls": sum(r.get("agent/env_calls", 0.0) for r in steps),
         "stopped_by": summary.get("stopped_by"),
-        "commit": commit,
-        "wall_seconds": round(wall, 1),
-        "cpu_seconds": round(cpu, 1),
-        "load_average_before_after": [round(load_before[0], 2), round(os.getloadavg()[0], 2)],
     }
 
 

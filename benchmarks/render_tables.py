@@ -55,7 +55,7 @@ def default_train_seeds() -> str:
     return table + f"\n`{data['command']}`; {data['machine']}; {data['date']}.\n"
 
 
-ENV_SEED_FILES = ("env_train_calculator_3seeds_cpu.json", "env_train_frozenlake_3seeds_cpu.json")
+ENV_SEED_FILES = ("env_train_calculator_3seeds_cpu.json", "env_train_frozenlake_3seeds_cpu.json", "env_train_sql_3seeds_cpu.json")
 """The seed studies of built-in environments (benchmarks/env_train_seeds.py) the README shows, in order
 (``env_train_calculator_3seeds_cpu_agenttrain3c42318.json``: the same study on agenttrain's first
 defaults, whose warm-up overshot its target)."""
@@ -82,7 +82,8 @@ def env_train_seeds() -> str:
                    "RL steps (median step)", "whole run", "load before/after"], rows)
     return table + "\n" + "; ".join(notes) + "; step 0 is after the warm-up, before RL; the project's 2-core CPU, " \
         "shared with other sessions (load average = runnable processes); frozenlake has no tools (a move is the " \
-        "action), so its tool-call rate is 0.\n"
+        "action), so its tool-call rate is 0; sql's three seeds ran at the same time on the loaded CPU (each got " \
+        "0.13-0.5 of a core), so its CPU time is the run's figure.\n"
 
 
 MULTITURN_ROLLOUT = "multiturn-rollout-cpu-20261201-205008.json"

@@ -8,7 +8,7 @@ make a random model able to call its tool, and the RL settings. ``apply_env_defa
 fills the fields a ``TrainConfig`` left at ``None`` from them; a user's environment
 (``module:Class``) gets ``AgentConfig``'s limits and no warm-up.
 
-How the calculator's values were chosen is in ``docs/agents.md`` (the figures of the runs
+How the calculator's and sql's values were chosen is in ``docs/agents.md`` (the figures of the runs
 behind them).
 """
 
@@ -65,9 +65,9 @@ ENV_TASKS: dict[str, EnvTask] = {
     "calculator": EnvTask(agent=dict(max_turns=3, max_turn_tokens=24, max_trajectory_tokens=128, max_observation_tokens=16),
                           num_train=2000, num_heldout=100),
     # ~180 tokens for an oracle transcript (the schema line and question, one query of up to 84
-    # characters, its result, the answer); 100 RL steps (~3 CPU-s each, the query's ~60-85 decode
-    # steps per trajectory) keep the run near 10 min on one core; the warm-up stops at 0.4, as
-    # GRPO's groups of 8 sampled queries are then right often enough to learn from
+    # characters, its result, the answer); 100 RL steps (~3-4 CPU-s each, the query's ~60-85 decode
+    # steps per trajectory): 692-730 CPU-s a run over 3 seeds (docs/agents.md); the warm-up stops
+    # at 0.4, so that GRPO's groups of 8 sampled queries are right often enough to learn from
     "sql": EnvTask(agent=dict(max_turns=3, max_turn_tokens=96, max_trajectory_tokens=256, max_observation_tokens=48),
                    num_train=1000, num_heldout=100, sft_target_accuracy=0.4, steps=100),
     # a 4x4 grid per observation; up to 6 moves
