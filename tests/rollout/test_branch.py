@@ -7,38 +7,14 @@ from __future__ import annotations
 
 import pytest
 import torch
-from transformers import LlamaConfig, LlamaForCausalLM, Qwen2Config, Qwen2ForCausalLM
 
 from fastrl.errors import InputError
 from fastrl.rollout import HFGroupSampler, SamplingConfig
 from fastrl.rollout.branch import BranchSchedule, fork_trajectories, sample_tree
 
-EOS = 3
+from test_hf_multiturn import EOS, _one_thread, tiny  # noqa: F401  (the same tiny models; _one_thread: autouse)
+
 PROMPTS = [[5, 6, 7, 8, 9, 10, 11], [12, 13, 14]]
-
-
-def tiny(kind):
-    """A tiny Llama (GQA 2:1) or Qwen2 (biases, GQA 4:1), large init (peaked distributions)."""
-    torch.manual_seed(0)
-    common = dict(vocab_size=256, hidden_size=64, intermediate_size=128, num_hidden_layers=2, num_attention_heads=4,
-                  num_key_value_heads=2, max_position_embeddings=256, eos_token_id=EOS, bos_token_id=1, pad_token_id=0)
-    if kind == "llama":
-        model = LlamaForCausalLM(LlamaConfig(**common))
-    else:
-        model = Qwen2ForCausalLM(Qwen2Config(**{**common, "num_key_value_heads": 1}))
-    with torch.no_grad():
-        for p in model.parameters():
-            if p.dim() == 2:
-                p.normal_(0.0, 0.2)
-    return model.eval()
-
-
-@pytest.fixture(autouse=True, scope="module")
-def _one_thread():
-    before = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(before)
 
 
 def hf_greedy(model, ids, n):
