@@ -46,6 +46,7 @@ from pathlib import Path
 from typing import Any, Sequence
 
 from fastrl.train.config import AGENT_FIELDS, ALGORITHMS, TrainConfig
+from fastrl.train.metrics import TREE_LEAF_TOKENS_METRIC
 
 __all__ = [
     "HYBRID",
@@ -136,10 +137,6 @@ ECHO_TRAP_SOLVED = 0.95
 ENV_CALLS_METRIC = "agent/env_calls"
 """Per step: environment calls of the rollout (resets + steps; ``fastrl.agents.driver.agent_metrics``)."""
 TOOL_CALLS_METRIC = "agent/tool_calls_per_trajectory"
-TREE_LEAF_TOKENS_METRIC = "rollout/tree_leaf_tokens"
-"""Per step of a tree rollout (``--rollout tree``): the leaves' completion tokens, what independent
-samples of those lengths would have generated (``rollout/generated_tokens`` counts each shared
-segment once: the budget a tree run spends)."""
 SAMPLES_METRIC = "rollout/samples"
 """Per step: trajectories (samples) of the rollout."""
 STAGES = ("generate", "reward", "old_logp", "ref_logp", "values", "advantages", "update", "sync")

@@ -28,6 +28,11 @@ from typing import Any
 
 import torch
 
+TREE_LEAF_TOKENS_METRIC = "rollout/tree_leaf_tokens"
+"""Per step of a tree rollout (``--rollout tree``): the leaves' completion tokens, what independent
+samples of those lengths would have generated (``rollout/generated_tokens`` counts each shared
+segment once: the budget a tree run spends)."""
+
 
 def peak_memory_bytes(device: torch.device) -> int:
     """Peak memory of this run: CUDA's max allocated on a GPU, the process's peak RSS on CPU."""

@@ -20,8 +20,8 @@ import torch
 from fastrl.rollout.base import GroupRollout
 from fastrl.rollout.branch import sample_tree
 from fastrl.train.collect import Collector
-from fastrl.train.compare import TREE_LEAF_TOKENS_METRIC
 from fastrl.train.experience import Experience
+from fastrl.train.metrics import TREE_LEAF_TOKENS_METRIC
 
 __all__ = ["TreeCollector"]
 
