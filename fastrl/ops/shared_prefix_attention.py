@@ -420,7 +420,7 @@ _FLEX_COMPILED = None
 
 
 def _flex(q, k, v, layout: SharedPrefixLayout, scale: float) -> torch.Tensor:
-    from torch.nn.attention.flex_attention import create_block_mask, flex_attention
+    from torch.nn.attention.flex_attention import create_block_mask
 
     key = ("block_mask", q.device)
     block_mask = layout._cache.get(key)
@@ -433,6 +433,14 @@ def _flex(q, k, v, layout: SharedPrefixLayout, scale: float) -> torch.Tensor:
         N = layout.num_tokens
         block_mask = create_block_mask(mask_mod, None, None, N, N, device=q.device)
         layout._cache[key] = block_mask
+    return run_flex(q, k, v, block_mask, scale)
+
+
+def run_flex(q, k, v, block_mask, scale: float) -> torch.Tensor:
+    """FlexAttention of packed ``[N, heads, D]`` tensors under ``block_mask`` (any packed
+    layout's: the shared-prefix and the prefix-tree ops build their own)."""
+    from torch.nn.attention.flex_attention import flex_attention
+
     global _FLEX_COMPILED
     if q.device.type == "cuda":
         if _FLEX_COMPILED is None:  # one compiled function for all layouts (dynamic shapes: no recompile per N)

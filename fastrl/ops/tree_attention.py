@@ -39,7 +39,7 @@ import torch
 import torch.nn.functional as F
 
 from fastrl._checks import check_choice, resolve_backend
-from fastrl.ops.shared_prefix_attention import DENSE_MAX_TOKENS, SharedPrefixLayout, check_packed_attention_inputs
+from fastrl.ops.shared_prefix_attention import DENSE_MAX_TOKENS, SharedPrefixLayout, check_packed_attention_inputs, run_flex
 
 __all__ = ["TreeLayout", "PackedTree", "tree_attention", "trie_size"]
 
@@ -421,11 +421,8 @@ def _sdpa_segments(q, k, v, layout: TreeLayout, scale: float) -> torch.Tensor:
     return out.transpose(0, 1)
 
 
-_FLEX_COMPILED = None
-
-
 def _flex(q, k, v, layout: TreeLayout, scale: float) -> torch.Tensor:
-    from torch.nn.attention.flex_attention import create_block_mask, flex_attention
+    from torch.nn.attention.flex_attention import create_block_mask
 
     key = ("block_mask", q.device)
     block_mask = layout._cache.get(key)
@@ -438,16 +435,7 @@ def _flex(q, k, v, layout: TreeLayout, scale: float) -> torch.Tensor:
         N = layout.num_tokens
         block_mask = create_block_mask(mask_mod, None, None, N, N, device=q.device)
         layout._cache[key] = block_mask
-    global _FLEX_COMPILED
-    if q.device.type == "cuda":
-        if _FLEX_COMPILED is None:
-            _FLEX_COMPILED = torch.compile(flex_attention)
-        fn = _FLEX_COMPILED
-    else:
-        fn = flex_attention
-    gqa = q.shape[1] != k.shape[1]
-    out = fn(q.transpose(0, 1)[None], k.transpose(0, 1)[None], v.transpose(0, 1)[None], block_mask=block_mask, scale=scale, enable_gqa=gqa)
-    return out[0].transpose(0, 1)
+    return run_flex(q, k, v, block_mask, scale)
 
 
 # ---------------------------------------------------------------------------------------
