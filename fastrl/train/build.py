@@ -233,7 +233,12 @@ def load_reference(policy: torch.nn.Module, *, path: Path, resume: bool, save: b
         ref = copy.deepcopy(policy)
         if save:
             ref.save_pretrained(path, safe_serialization=True)
-    return ReferencePolicy(ref, offload_path=path / OFFLOAD_FILE if offload else None)
+    restore = None
+    if (path / "config.json").exists():  # the saved copy (every single-process run's main rank saves it)
+        def restore() -> dict[str, torch.Tensor]:
+            saved = transformers.AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32)
+            return {name: p.detach() for name, p in saved.named_parameters()}
+    return ReferencePolicy(ref, offload_path=path / OFFLOAD_FILE if offload else None, restore=restore)
 
 
 def build_critic(cfg: TrainConfig, policy: torch.nn.Module, *, resume_dir: Path | None, device: torch.device) -> ValueModel:

@@ -5,11 +5,12 @@ from __future__ import annotations
 
 import json
 
+import pytest
 import torch
 
 from fastrl.ops.hf import causal_lm_logprobs
 from fastrl.train import TrainConfig
-from fastrl.train.reference_policy import OFFLOAD_FILE, ReferencePolicy, offload_reference
+from fastrl.train.reference_policy import OFFLOAD_FILE, ReferenceOffloadError, ReferencePolicy, offload_reference
 from fastrl.train.task import char_tokenizer, tiny_model
 from fastrl.train.trainer import Trainer
 
@@ -67,3 +68,56 @@ def test_a_run_with_the_reference_on_disk_equals_the_run_with_it_in_memory(tmp_p
     assert any(k != 0 for k in metrics[0][1:])  # the policy moved away from the reference: the KL is not trivially 0
     for k in finals[0]:
         assert torch.equal(finals[0][k], finals[1][k]), k
+
+
+def _damage_by_truncation(path):
+    data = path.read_bytes()
+    path.write_bytes(data[: len(data) // 2])
+
+
+def _damage_by_deletion(path):
+    path.unlink()
+
+
+def _damage_by_other_weights(path):  # same names, other values, written later: a second run in the same directory
+    state = torch.load(path, weights_only=True)
+    torch.save({k: torch.randn_like(v) for k, v in state.items()}, path)
+
+
+def _damage_by_wrong_shapes(path):
+    state = torch.load(path, weights_only=True)
+    torch.save({k: v[:1].clone() for k, v in state.items()}, path)
+
+
+DAMAGES = (_damage_by_truncation, _damage_by_deletion, _damage_by_other_weights, _damage_by_wrong_shapes)
+
+
+@pytest.mark.parametrize("damage", DAMAGES, ids=lambda f: f.__name__.removeprefix("_damage_by_"))
+def test_a_damaged_offload_file_is_rewritten_from_the_saved_reference(tmp_path, damage):
+    from fastrl.train.build import load_reference
+
+    policy = tiny_model(char_tokenizer(), hidden_size=32, layers=1, seed=0).eval()
+    ids = torch.randint(3, 40, (2, 9))
+    expected = causal_lm_logprobs(policy, ids)
+    ref = load_reference(policy, path=tmp_path / "reference", resume=False, save=True, device=torch.device("cpu"),
+                         offload=True)
+    damage(tmp_path / "reference" / OFFLOAD_FILE)
+    with pytest.warns(RuntimeWarning, match=OFFLOAD_FILE):
+        with ref.resident() as module:
+            got = causal_lm_logprobs(module, ids)
+    assert torch.equal(got, expected) and ref.restored == 1
+    with ref.resident() as module:  # the rewritten file is trusted again: no second restore
+        assert torch.equal(causal_lm_logprobs(module, ids), expected)
+    assert ref.restored == 1
+    assert all(p.numel() == 0 for p in ref.module.parameters())
+
+
+@pytest.mark.parametrize("damage", DAMAGES, ids=lambda f: f.__name__.removeprefix("_damage_by_"))
+def test_a_damaged_offload_file_with_nothing_to_restore_from_is_a_named_error(tmp_path, damage):
+    model = tiny_model(char_tokenizer(), hidden_size=32, layers=1, seed=0)
+    ref = ReferencePolicy(model, offload_path=tmp_path / OFFLOAD_FILE)
+    damage(tmp_path / OFFLOAD_FILE)
+    with pytest.raises(ReferenceOffloadError, match=f"{OFFLOAD_FILE}.*--reference_offload off"):
+        with ref.resident():
+            pass
+    assert all(p.numel() == 0 for p in model.parameters())  # nothing half-loaded is left behind
