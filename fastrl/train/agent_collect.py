@@ -21,8 +21,8 @@ Seeds: row ``i`` of the whole (all-rank) batch of step ``s`` plays with environm
 seeds derive from it (``run_episodes``), so a resumed run plays the same trajectories.
 
 The collector's other methods give the trainer what it logs: ``step_metrics`` (reward,
-length and the ``agent/...`` metrics of issue 18 §5, the sampler-vs-trainer log-prob gap on
-policy tokens when old log-probs exist: ``needs_old_logp``; ``reward/mean`` ... of the combined
+length and the ``agent/...`` metrics of issue 18 §5 -- the sampler-vs-trainer log-prob gap on
+policy tokens is the trainer's ``rollout/logp_gap_*``, logged for every run; ``reward/mean`` ... of the combined
 reward, ``reward/env/...`` and ``reward/<function>/...`` of its terms) and ``samples`` (the best
 and worst whole trajectories by that reward, with their roles, for ``samples.txt``).
 """
@@ -92,9 +92,6 @@ class AgentRollout:
 class AgentCollector:
     """``collect(sampler=, step=, timer=)``: one step's ``AgentRollout`` (see the module docstring)."""
 
-    needs_old_logp = True
-    """The trainer computes old log-probs every step, for the sampler-vs-trainer gap on policy tokens."""
-
     def checkpoint_extra(self) -> dict[str, Any]:
         """Nothing beyond the batcher's position: an agent step's rollout is not kept in flight."""
         return {}
@@ -147,11 +144,6 @@ class AgentCollector:
                                                        for t in trajectories) / max(len(trajectories), 1))
         metrics["rollout/samples"] = float(len(trajectories))
         metrics["rollout/generated_tokens"] = float(self.ranks.sum(policy.sum()))
-        if exp.old_logp is not None:
-            mask = exp.loss_mask > 0
-            gap = (exp.old_logp - exp.sampler_logp).abs()[mask]
-            metrics["agent/logp_gap_mean"] = float(gap.mean()) if gap.numel() else 0.0
-            metrics["agent/logp_gap_max"] = float(gap.max()) if gap.numel() else 0.0
         env_s, gen_s = metrics.get("time/env_seconds", 0.0), metrics.get("time/generation_seconds", 0.0)
         metrics["agent/env_time_share"] = env_s / (env_s + gen_s) if env_s + gen_s > 0 else 0.0
         return metrics, histogram(outcome)

@@ -120,9 +120,6 @@ class AsyncCollector:
             self._submit_up_to(step)
         return rollout, info
 
-    needs_old_logp = False
-    """As the synchronous collector's (the rollout correction decides the old log-probs)."""
-
     def experience(self, rollout: GroupRollout, *, device: Any) -> Any:
         return self.inner.experience(rollout, device=device)
 

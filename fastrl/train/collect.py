@@ -87,9 +87,6 @@ class Collector:
             return first, info
         return merge_rollouts(kept, group_size=G, limit=target, pad_token_id=pad_token_id), info
 
-    needs_old_logp = False
-    """Whether the trainer must compute old log-probs for this collector's metrics (no)."""
-
     def experience(self, rollout: GroupRollout, *, device: Any) -> Experience:
         """The step's ``Experience`` of a collected rollout."""
         return Experience.from_rollout(rollout.batch, group_size=self.cfg.group_size, rewards=rollout.rewards, device=device)

@@ -34,6 +34,41 @@ samples of those lengths would have generated (``rollout/generated_tokens`` coun
 segment once: the budget a tree run spends)."""
 
 
+LOGP_GAP_MEAN, LOGP_GAP_MAX = "rollout/logp_gap_mean", "rollout/logp_gap_max"
+"""Per step: mean and largest ``|trainer - sampler|`` log-prob over trained tokens (``LogpGap``)."""
+
+
+class LogpGap:
+    """The sampler-vs-trainer log-prob gap on trained tokens (loss mask > 0 only: whatever a
+    padded or environment position holds is never read), accumulated over passes without a
+    host sync. The trainer feeds it its own pass of the rollout when it makes one, else the
+    update's forwards before its first optimizer step (on an on-policy update, all of them:
+    the current log-probs are the trainer's at rollout time), so it costs no extra forward."""
+
+    def __init__(self) -> None:
+        self._sum: torch.Tensor | None = None
+        self._count: torch.Tensor | None = None
+        self._max: torch.Tensor | None = None
+
+    def add(self, trainer: torch.Tensor, sampler: torch.Tensor, mask: torch.Tensor) -> None:
+        d = (trainer.detach().float() - sampler.float()).abs()[mask > 0]
+        total, count = d.sum(), torch.tensor(d.numel(), device=d.device)
+        largest = d.max() if d.numel() else torch.zeros((), device=d.device)
+        if self._sum is None:
+            self._sum, self._count, self._max = total, count, largest
+        else:
+            self._sum, self._count, self._max = self._sum + total, self._count + count, torch.maximum(self._max, largest)
+
+    def metrics(self, ranks: Any) -> dict[str, float]:
+        """``{LOGP_GAP_MEAN, LOGP_GAP_MAX}`` over every rank's tokens; empty when none was measured."""
+        count = ranks.sum(float(self._count)) if self._count is not None else ranks.sum(0.0)
+        if not count:
+            return {}
+        total = ranks.sum(float(self._sum)) if self._sum is not None else ranks.sum(0.0)
+        largest = ranks.max(float(self._max)) if self._max is not None else ranks.max(0.0)
+        return {LOGP_GAP_MEAN: total / count, LOGP_GAP_MAX: largest}
+
+
 def peak_memory_bytes(device: torch.device) -> int:
     """Peak memory of this run: CUDA's max allocated on a GPU, the process's peak RSS on CPU."""
     if device.type == "cuda":

@@ -53,7 +53,7 @@ from fastrl.train.faults import TrainingDivergedError, divergence_message
 from fastrl.train.heap import mmap_large_blocks
 from fastrl.train.layout import MicroBatch, make_layout
 from fastrl.train.metrics import (
-    LOSS_SHARES, MetricsLogger, SilentLogger, StageTimer, peak_memory_bytes, update_metric_name,
+    LOSS_SHARES, LogpGap, MetricsLogger, SilentLogger, StageTimer, peak_memory_bytes, update_metric_name,
 )
 from fastrl.train.progress import describe_evaluation, rl_progress_label
 from fastrl.train.ranks import Ranks
@@ -335,9 +335,13 @@ class Trainer:
         correction = rollout_correction(cfg.rollout_correction)
         if correction.sampler_is_old:
             exp.old_logp = exp.sampler_logp
-        elif not cfg.on_policy or cfg.kl_in_reward or correction.recompute or self.collector.needs_old_logp:
+        elif not cfg.on_policy or cfg.kl_in_reward or correction.recompute:
             with self.timer("old_logp"):
                 exp.old_logp = self._token_logprobs(self.policy, exp)
+        gap = LogpGap()  # sampler vs trainer on trained tokens: from the trainer's own pass, else from the update's
+        trainer_pass = exp.old_logp is not None and not correction.sampler_is_old
+        if trainer_pass:
+            gap.add(exp.old_logp, exp.sampler_logp, exp.loss_mask)
         if self.reference is not None:
             with self.timer("ref_logp"), self.reference.resident() as reference:
                 exp.ref_logp = self._token_logprobs(reference, exp)
@@ -348,7 +352,8 @@ class Trainer:
 
         # ---- update
         with self.timer("update"):
-            metrics.update(self._update(exp))
+            metrics.update(self._update(exp, gap=None if trainer_pass else gap))
+        metrics.update(gap.metrics(self.ranks))
         if exp.token_kl is not None:
             self.kl_ctl.update(metrics["kl/ref_seq"], int(self.ranks.sum(exp.num_samples)))
 
@@ -378,8 +383,9 @@ class Trainer:
         metrics["lr"] = self.scheduler.get_last_lr()[0]
         return metrics
 
-    def _update(self, exp: Experience) -> dict[str, float]:
-        """ppo_epochs x mini-batches (whole groups) x micro-batches; one optimizer step per mini-batch."""
+    def _update(self, exp: Experience, *, gap: LogpGap | None = None) -> dict[str, float]:
+        """ppo_epochs x mini-batches (whole groups) x micro-batches; one optimizer step per mini-batch.
+        ``gap``: fed the forwards before the first optimizer step (the policy is still the sampler's)."""
         cfg, ranks, layout = self.cfg, self.ranks, self.layout
         agg: dict[str, list[tuple[float, float]]] = {}
         grad_norms, critic_grad_norms = [], []
@@ -397,7 +403,7 @@ class Trainer:
                 losses: list[torch.Tensor] = []
                 for mb, live in passes:
                     with layout.attention(mb, self._trained_models()):
-                        loss, lm = self._micro_batch_loss(mb, exp, counts=counts, live=live)
+                        loss, lm = self._micro_batch_loss(mb, exp, counts=counts, live=live, gap=gap)
                     if live:
                         losses.append(loss)
                         weight = float(layout.gather(mb, exp.loss_mask).sum())
@@ -408,6 +414,7 @@ class Trainer:
                 if not (torch.isfinite(total) and torch.isfinite(grad_norm)):
                     self._diverged(exp.batch, "loss" if not torch.isfinite(total) else "gradient norm", float(total), float(grad_norm))
                 self._optimizer_step(self.optimizer, self.scheduler)
+                gap = None  # the policy has moved: later forwards are not the sampler's policy
                 grad_norms.append(float(grad_norm))
                 agg.setdefault("loss", []).append((float(total), 1.0))
                 if self.critic is not None:
@@ -482,9 +489,10 @@ class Trainer:
         return exp.advantages, exp.returns, exp.values, exp.token_kl, metrics
 
     def _micro_batch_loss(self, mb: MicroBatch, exp: Experience, *, counts: GlobalCounts,
-                          live: bool) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
+                          live: bool, gap: LogpGap | None = None) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
         """Forward + backward of one micro-batch; returns its (detached) share of the policy
-        loss and its metrics. ``live=False``: a zero-weight pass (zero loss and gradient)."""
+        loss and its metrics. ``live=False``: a zero-weight pass (zero loss and gradient).
+        ``gap``: given the current log-probs against the sampler's on this micro-batch's trained tokens."""
         cfg = self.cfg
 
         def take(x: torch.Tensor) -> torch.Tensor:
@@ -495,6 +503,8 @@ class Trainer:
         uses_entropy = self.loss_config.entropy_coef != 0  # else: the metric's subsample only
         logp, entropy = self.layout.logprobs(self.policy, mb, entropy=True,
                                              entropy_rows=None if uses_entropy else every_kth(mask, ENTROPY_METRIC_STRIDE))
+        if gap is not None and live:
+            gap.add(logp, take(exp.sampler_logp), mask)
         loss_config = self.loss_config if not self.loss_config.kl_coef else self.loss_config.replace(kl_coef=self.kl_ctl.value)
         logp_inputs = rollout_correction(cfg.rollout_correction).loss_inputs(  # old/rollout/proximal log-probs
             sampler=take(exp.sampler_logp), trainer=take(exp.old_logp) if exp.old_logp is not None else None,

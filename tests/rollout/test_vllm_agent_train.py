@@ -77,7 +77,7 @@ def check_token_native(steps, rollout, calls, policy):
     assert [s["step"] for s in steps] == [1, 2]
     for s in steps:
         # the engine serves the weights of every update; its log-probs are the trainer's on policy tokens
-        assert s["sync/probe_gap"] < LOGP_ATOL and s["agent/logp_gap_max"] < LOGP_ATOL, s
+        assert s["sync/probe_gap"] < LOGP_ATOL and s["rollout/logp_gap_max"] < LOGP_ATOL, s
         assert s["agent/turns_max"] == 2 and s["tokenization/mismatch_rate"] == 0 and torch.isfinite(torch.tensor(s["loss/total"]))
     sent = {(tuple(p), tuple(c)) for p, c in calls}
     batch = rollout.batch

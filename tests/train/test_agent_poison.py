@@ -75,7 +75,7 @@ def test_garbage_at_positions_without_loss_changes_nothing(tmp_path, changes):
     clean, clean_weights = one_step(tmp_path, "clean", poison=False, **changes)
     dirty, dirty_weights = one_step(tmp_path, "dirty", poison=True, **changes)
     assert clean["agent/env_token_share"] > 0  # environment tokens were among the poisoned positions
-    for key in ("loss/total", "loss/policy", "grad_norm", "kl/ref_seq", "critic/grad_norm", "agent/logp_gap_max"):
+    for key in ("loss/total", "loss/policy", "grad_norm", "kl/ref_seq", "critic/grad_norm", "rollout/logp_gap_max"):
         if key in clean:
             assert torch.isfinite(torch.tensor(dirty[key])) and dirty[key] == clean[key], (key, clean[key], dirty[key])
     for k in clean_weights:

@@ -41,7 +41,7 @@ def test_an_env_run_resumes_exactly_and_logs_trajectories(tmp_path):
         assert steps_a[-1][key] == steps_b[-1][key], key
     last = steps_a[-1]
     assert last["rollout/samples"] == 4 and 1 <= last["agent/turns_mean"] <= 2
-    assert last["agent/logp_gap_max"] < 1e-3  # the HF sampler's log-probs are the trainer's (policy tokens only)
+    assert last["rollout/logp_gap_max"] < 1e-3  # the HF sampler's log-probs are the trainer's (policy tokens only)
     assert last["time/env_seconds"] > 0 and 0 <= last["tokenization/mismatch_rate"] <= 1
     evals = [m for m in read_metrics(tmp_path / "a") if m.get("event") == "eval" and "eval/accuracy" in m]
     assert [m["step"] for m in evals] == [0, 2] and all(0 <= m["eval/tool_call_rate"] <= 1 for m in evals)

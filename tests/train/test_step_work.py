@@ -156,3 +156,35 @@ def _full_length_gap(sampler, policy, prompt, *, tokens):
     with torch.no_grad():
         lp = causal_lm_logprobs(policy, out.input_ids, out.attention_mask, logits_to_keep=len(out.completion_ids[0]))
     return float((lp[0] - out.completion_logp[0].float()).abs().max())
+
+
+class _ShiftedSampler:
+    """The trainer's sampler, reporting its log-probs ``shift`` nats too high (a stale or
+    mismatched engine as the trainer sees it); the sampled tokens are the sampler's own."""
+
+    def __init__(self, inner, shift: float):
+        self.inner, self.shift = inner, shift
+
+    def __getattr__(self, name):
+        return getattr(self.inner, name)
+
+    def generate(self, *args, **kw):
+        out = self.inner.generate(*args, **kw)
+        out.sampler_logp = out.sampler_logp + self.shift
+        return out
+
+
+@pytest.mark.parametrize("correction", ["none", "is", "bypass"])
+def test_the_sampler_gap_is_measured_on_trained_tokens_without_an_extra_pass(tmp_path, correction):
+    # "none" and "bypass" on an on-policy update make no trainer pass of the rollout: the gap is read
+    # from the update's forwards; "is" recomputes the trainer's log-probs, and the gap is read from that pass
+    for shift in (0.0, 0.5):
+        with Trainer(_config(tmp_path, f"{correction}-{shift}", rollout_correction=correction),
+                     reward_functions=[_digit_share]) as trainer:
+            layout = trainer.layout = _RecordingLayout(trainer.layout)
+            trainer.sampler = _ShiftedSampler(trainer.sampler, shift)
+            metrics = trainer.train_step()
+        assert ("time/old_logp" in metrics) == (correction == "is")
+        assert len(layout.calls) == 1  # the one training forward (the recorder sees forwards with grad)
+        assert metrics["rollout/logp_gap_mean"] == pytest.approx(shift, abs=1e-4)
+        assert metrics["rollout/logp_gap_max"] == pytest.approx(shift, abs=1e-4)
