@@ -236,3 +236,26 @@ def test_a_branch_after_the_first_turn_and_leaves_that_stopped_early_are_copies(
     for g in ended:
         assert all(t.samples[0].token_ids == trajectories[g * 3].samples[0].token_ids for t in trajectories[g * 3:g * 3 + 3])
     assert metrics["rollout/generated_tokens"] < metrics["rollout/tree_leaf_tokens"]
+
+
+def test_one_branch_point_at_turn_0_is_the_independent_rollout(tiny):
+    """``--tree_turns [0] --tree_branches [G]``: the same seeds, the same trajectories as ``G``
+    independent ones (one reset per row and G-1 forks instead of G resets)."""
+    from fastrl.rollout.hf import HFTokenSampler
+
+    tokenizer, model = tiny
+    rows, _ = frozenlake_rows(num_train=2, num_heldout=0, seed=1, size=4, hole_rate=0.1)
+    trees, metrics, _, _ = _tree_episodes(tiny, TurnSchedule(branches=(3,), turns=(0,)), rows=rows, seeds=[7, 8])
+    sampling = SamplingConfig(temperature=1.0, max_new_tokens=6, stop_token_ids=STOPS)
+    sampler = HFTokenSampler(HFGroupSampler(model, backend="torch"), sampling)
+    renderer = ChatRenderer(tokenizer, stop_token_ids=(tokenizer.eos_token_id, *STOPS))
+    config = AgentConfig(max_turns=4, max_turn_tokens=6, max_trajectory_tokens=400, split_on_mismatch=False)
+    with EnvRuntime(FrozenLakeEnv, num_workers=2) as runtime:
+        plain, plain_metrics = run_episodes(rows, group_size=3, runtime=runtime, renderer=renderer, sampler=sampler,
+                                            config=config, seeds=[7, 8])
+    sampler.close()
+    assert [t.samples[0].token_ids for t in trees] == [t.samples[0].token_ids for t in plain]
+    assert [t.messages for t in trees] == [t.messages for t in plain]
+    assert metrics["env/forks_native"] == 2 * 2 and metrics["rollout/tree_copies"] == 0
+    assert metrics["agent/env_calls"] == plain_metrics["agent/env_calls"] - 2 * 2  # two forks per row instead of resets
+    assert metrics["rollout/generated_tokens"] == metrics["rollout/tree_leaf_tokens"] == sum(t.count("policy") for t in plain)
