@@ -124,6 +124,8 @@ class GroupSamplerTokens:
         self.sampling = sampling
         self.max_length = getattr(sampler, "max_length", None) or getattr(sampler, "max_model_len", None)
         """Longest sequence the sampler accepts (prompt + new tokens), or None."""
+        self.prefix_hits: list[float] = []
+        """Each call's prefix-cache hit rate, where the sampler reports one (vLLM)."""
 
     def continue_sequences(self, sequences: Sequence[Sequence[int]], *, max_new_tokens: Sequence[int],
                            seeds: Sequence[int]) -> list[Continuation]:
@@ -136,6 +138,8 @@ class GroupSamplerTokens:
                 [list(sequences[i]) for i in indices], group_size=1,
                 sampling=replace(self.sampling, max_new_tokens=n), prompt_seeds=[seeds[i] for i in indices],
             )
+            if batch.stats.prefix_cache_hit_rate is not None:
+                self.prefix_hits.append(float(batch.stats.prefix_cache_hit_rate))
             for k, index in enumerate(indices):
                 out[index] = Continuation(
                     list(batch.completion_ids[k]), [float(x) for x in batch.completion_logp[k].tolist()],

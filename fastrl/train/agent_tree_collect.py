@@ -19,7 +19,9 @@ token once), ``rollout/tree_leaf_tokens`` (what ``group_size`` independent traje
 the leaves' lengths would sample), ``rollout/tree_branch_points``, ``rollout/tree_copies``
 (leaves that copy a trajectory which ended before a branch point), ``agent/env_calls`` (the
 calls made: resets, steps, replays), ``agent/tree_leaf_env_calls`` (the independent count),
-``env/forks_native`` / ``env/forks_replayed`` / ``env/fork_failures``.
+``env/forks_native`` / ``env/forks_replayed`` / ``env/fork_failures``; ``rollout/kv_forks`` (HF:
+trajectories forked in the multi-turn state) or ``rollout/prefix_cache_hit_rate`` (vLLM: the mean
+hit rate of the turns' calls).
 """
 
 from __future__ import annotations
@@ -63,6 +65,9 @@ class AgentTreeCollector(AgentCollector):
             if callable(close):
                 close()
         metrics["rollout/kv_forks"] = float(getattr(tokens, "forked", 0))
+        hits = getattr(tokens, "prefix_hits", None)
+        if hits:  # vLLM: the share of prompt blocks its prefix cache served (the siblings' shared history)
+            metrics["rollout/prefix_cache_hit_rate"] = sum(hits) / len(hits)
         return trajectories, metrics, tree
 
     def experience(self, rollout: AgentRollout, *, device: torch.device) -> Experience:

@@ -265,8 +265,10 @@ class TrainConfig:
     tree_turns: Optional[list[int]] = None
     """rollout=tree with --env: the policy turn (0 = the first) at whose start each level of
     tree_branches branches, strictly increasing, below max_turns; leaves per row = the product
-    of tree_branches = group_size (None: turns 0 and 1 with 2 then group_size/2, or turn 0 with
-    group_size when it is odd, below 4 or max_turns is 1)."""
+    of tree_branches = group_size (None: turns 0, 1, ..., one per level of tree_branches; both
+    None: turns 0 and 1 with 2 then group_size/2, or turn 0 with group_size when it is odd, below
+    4 or max_turns is 1). Siblings share the earlier turns and observations; each one's
+    environment is forked (its fork(), else a replay checked against the recorded answers)."""
     max_resample_rounds: int = 3
     """Dynamic sampling: extra rollout rounds per step before training on what is there."""
 

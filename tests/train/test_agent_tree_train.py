@@ -90,10 +90,10 @@ def test_frozenlake_tree_run_forks_replays_exactly_and_trains_on_the_trie(tmp_pa
     _assert_same(_grads(TreePackedLayout(**common), policy, exp), _grads(PaddedLayout(**common), policy, exp))
 
 
-def test_calculator_tree_run_through_the_cli_replays_its_forks(tmp_path):
+def test_calculator_ppo_tree_run_through_the_cli_replays_its_forks(tmp_path):
     out = tmp_path / "run"
     args = ["train", "--env", "calculator", "--output_dir", str(out), "--steps", "1", "--rollout", "tree",
-            "--tree_turns", "[0]", "--tree_branches", "[4]", "--sft_steps", "1"]
+            "--tree_turns", "[0]", "--tree_branches", "[4]", "--sft_steps", "1", "--algorithm", "ppo"]
     for name in ("prompts_per_step", "group_size", "task_train_size", "task_eval_size", "model_hidden_size", "model_layers",
                  "env_workers", "reward_workers", "max_turns", "max_turn_tokens", "progress", "tensorboard", "threads",
                  "eval_every", "sft_check_every"):
@@ -102,6 +102,7 @@ def test_calculator_tree_run_through_the_cli_replays_its_forks(tmp_path):
     (r,) = _steps(out)
     assert math.isfinite(r["loss/total"]) and r["rollout/samples"] == 8 and r["env/fork_failures"] == 0
     assert r["env/forks_replayed"] == 2 * 3 and r["env/forks_native"] == 0  # each row's 3 siblings: reset, checked
+    assert "advantage/tree_branch_points" not in r and math.isfinite(r["critic/loss"])  # ppo: its critic's GAE, no tree term
 
 
 @pytest.mark.parametrize("changes, message", [
