@@ -167,8 +167,9 @@ def agent_loop(cfg: TrainConfig, setup: AgentSetup, *, batcher: Any, ranks: Any,
     from fastrl.train.agent_evaluate import AgentEvaluator
     from fastrl.train.agent_tree_collect import AgentTreeCollector
 
-    collector = (AgentTreeCollector if cfg.rollout == "tree" else AgentCollector)(cfg=cfg, batcher=batcher, ranks=ranks, runtime=setup.runtime, renderer=setup.renderer,
-                               pad_token_id=pad_token_id, scorer=scorer)
+    collector_class = AgentTreeCollector if cfg.rollout == "tree" else AgentCollector
+    collector = collector_class(cfg=cfg, batcher=batcher, ranks=ranks, runtime=setup.runtime, renderer=setup.renderer,
+                                pad_token_id=pad_token_id, scorer=scorer)
     evaluator = AgentEvaluator(sampler=sampler, ranks=ranks, rows=setup.eval_rows, runtime=setup.runtime, renderer=setup.renderer,
                                agent=setup.agent, seed=cfg.seed)
     return collector, evaluator
