@@ -120,6 +120,10 @@ def validate_environment(env: Any, *, what: str | None = None) -> None:
         except TypeError:
             wanted = ", ".join(arities[method])
             raise InputError(f"{label}.{method}() cannot be called as {method}({wanted}): its signature is {signature}") from None
+    for method in OPTIONAL_METHODS:
+        if getattr(env, method, None) is not None and not callable(getattr(env, method)):
+            raise InputError(f"{label}.{method} is not a method; {method}() is optional (branching rollouts copy the "
+                             "environment with it, else replay its actions)")
     tools = getattr(env, "tools", None)
     if tools is not None:
         from fastrl.agents.tools import tool_schemas

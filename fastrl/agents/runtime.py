@@ -309,7 +309,8 @@ class EnvRuntime:
                 row, seed = self._episodes.rows[child]
                 tasks.append((child, ("replay", child, row, seed, list(self._episodes.history[child]),
                                       list(self._episodes.outcomes[child]))))
-            for index, reply in zip(todo, self._run(tasks)):
+            calls = [1 + len(self._episodes.history[requests[index][0]]) for index in todo]
+            for index, reply in zip(todo, self._run(tasks, calls=calls)):
                 reply.seconds += replies[index].seconds
                 replies[index] = reply
         return replies
@@ -330,7 +331,9 @@ class EnvRuntime:
         forked by the environment's ``fork()``."""
         return self._episodes.slots.get(tid, tid % self.num_workers)
 
-    def _run(self, tasks: list[tuple[int, tuple]]) -> list[EnvReply]:
+    def _run(self, tasks: list[tuple[int, tuple]], *, calls: Sequence[int] | None = None) -> list[EnvReply]:
+        """Run each ``(tid, request)`` in its trajectory's slot; ``calls[i]``: the environment calls
+        request ``i`` makes (a replay's), each allowed ``step_timeout_s`` (default 1)."""
         replies: list[EnvReply | None] = [None] * len(tasks)
         by_slot: dict[int, list[int]] = {}
         for index, (tid, _) in enumerate(tasks):
@@ -344,12 +347,13 @@ class EnvRuntime:
                 if left <= 0:
                     replies[index] = EnvReply(TIMEOUT, message=f"the trajectory used its {self.trajectory_timeout_s:g} s of environment time (trajectory_timeout_s)")
                     continue
+                limit = self.step_timeout_s * (1 if calls is None else calls[index])
                 started = time.perf_counter()
-                result = pool.run([request], timeout_s=min(self.step_timeout_s, left))[0]
+                result = pool.run([request], timeout_s=min(limit, left))[0]
                 seconds = time.perf_counter() - started
                 self._episodes.seconds[tid] = self._episodes.seconds.get(tid, 0.0) + seconds
                 message = result.message
-                if result.status == TIMEOUT and left < self.step_timeout_s:
+                if result.status == TIMEOUT and left < limit:
                     message = f"the trajectory used its {self.trajectory_timeout_s:g} s of environment time (trajectory_timeout_s); worker killed"
                 replies[index] = EnvReply(result.status, result.value, message, seconds)
 

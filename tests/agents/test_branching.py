@@ -132,15 +132,32 @@ def test_each_builtin_environment_forks_in_the_worker_pool(name):
         assert want.done and want.info["stop_reason"] == "repeated_call"  # the third identical call
 
 
-def test_a_forked_environment_is_independent_of_its_parent():
-    runtime = InProcessRuntime(FrozenLakeEnv)
+class ReplayedLake(FrozenLakeEnv):
+    """frozenlake without its fork(): the runtime replays it."""
+
+    fork = None
+
+
+@pytest.mark.parametrize("env, how", [(FrozenLakeEnv, FORK_NATIVE), (ReplayedLake, FORK_REPLAY)])
+def test_a_forked_environment_is_independent_of_its_parent_in_process(env, how):
+    runtime = InProcessRuntime(env)
     row = {"prompt": "p", "grid": ["....", "....", "....", "...G"], "start": [0, 0], "answer": "6"}
     runtime.reset([(0, row, 0)])
     runtime.step([(0, "right")])
-    assert runtime.fork([(1, 0)])[0].value.how == FORK_NATIVE
+    assert runtime.fork([(1, 0)])[0].value.how == how
     a, b = runtime.step([(0, "down"), (1, "right")])
     assert a.value.info["state_key"].endswith(":1,1") and b.value.info["state_key"].endswith(":0,2")
     runtime.close()
+
+
+def test_a_fork_attribute_that_is_not_a_method_is_an_input_error():
+    from fastrl.agents.env import validate_environment
+
+    class Odd(FrozenLakeEnv):
+        fork = 3
+
+    with pytest.raises(InputError, match=r"\.fork is not a method"):
+        validate_environment(Odd())
 
 
 def test_replay_of_a_non_deterministic_environment_is_an_error():
