@@ -751,7 +751,7 @@ class TrainConfig:
         whose credit does not clash with the tree's step groups."""
         if self.tree_depths is not None:
             raise InputError("tree_depths are token depths of single-turn tree rollouts; with --env the tree branches at "
-                             "policy turns: give --tree_turns (e.g. --tree_turns \"[0, 1]\" --tree_branches \"[2, 2]\")")
+                             "policy turns: give --tree_turns (e.g. --tree_turns \"[0, 1]\" --tree_branches \"[2, 4]\" for group_size 8)")
         if self.uses_turns:
             raise InputError(f"advantage_mode {self.advantage_mode} (algorithm {self.algorithm}) forms its own per-turn "
                              "step groups, which would credit the turns twice beside rollout=tree's branch points (siblings "
