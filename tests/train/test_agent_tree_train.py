@@ -20,6 +20,8 @@ import torch
 from fastrl.agents.envs.frozenlake import FrozenLakeEnv
 from fastrl.cli import main
 from fastrl.errors import InputError
+from fastrl.ops import group_advantages
+from fastrl.reference.tree_advantages import tree_step_advantages_reference
 from fastrl.train import TrainConfig
 from fastrl.train.advantages import estimate
 from fastrl.train.layout import PaddedLayout, TreePackedLayout
@@ -56,6 +58,11 @@ def test_frozenlake_tree_run_forks_replays_exactly_and_trains_on_the_trie(tmp_pa
         credit = estimate(exp, cfg=trainer.cfg, ranks=trainer.ranks, kl_coef=0.0)
         policy = trainer.policy
     assert credit["advantage/tree_branch_points"] >= 2 and exp.advantages.shape == exp.loss_mask.shape
+    # the advantages are GRPO's over each row's G leaves plus step_coef x the reference step advantage
+    on = exp.loss_mask > 0
+    episode = group_advantages(exp.rewards, exp.group_ids, mode="grpo")[0]
+    step = tree_step_advantages_reference(exp.rewards, torch.where(on, exp.tree_nodes, -1), exp.tree_parents)[0]
+    torch.testing.assert_close(exp.advantages[on], (episode[:, None] + trainer.cfg.step_coef * step)[on], atol=1e-5, rtol=1e-5)
     assert rollout.metrics["rollout/kv_forks"] >= 1  # the HF sampler's siblings continue forked keys/values
     batch, G = rollout.batch, 4
     assert batch.input_ids.shape[0] == len(rollout.trajectories) == 2 * G
