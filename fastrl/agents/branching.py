@@ -144,6 +144,7 @@ class TurnTree:
         self.fork_failures = 0
         self.fork_seconds = 0.0
         self.rows = 0
+        self._born: dict[int, int] = {}  # id() of each trajectory that ran -> the turn it was forked at
 
     def _node(self, parent: int) -> int:
         self.parents.append(parent)
@@ -272,7 +273,9 @@ class ForkingTokenSampler:
     ``HFTokenSampler`` (each sequence continues the live trajectory whose tokens it extends)
     that, when several sequences extend the same live trajectory (siblings right after a
     branch point), forks that trajectory (``fork_trajectories``) so each sibling continues its
-    own copy of the shared keys/values instead of prefilling the history again."""
+    own copy of the shared keys/values instead of prefilling the history again. It reads the
+    ``HFTokenSampler``'s table of live trajectories' tokens and adds the forks to it, so the
+    sampler's decode path is untouched."""
 
     def __init__(self, sampler: Any, sampling: Any) -> None:
         from fastrl.rollout.hf import HFTokenSampler

@@ -55,6 +55,8 @@ def test_frozenlake_tree_run_forks_replays_exactly_and_trains_on_the_trie(tmp_pa
         rollout, _ = trainer.collector.collect(sampler=trainer.sampler, step=trainer.step, timer=trainer.timer)
         exp = trainer.collector.experience(rollout, device=trainer.device)
         exp.old_logp = exp.sampler_logp.clone()
+        # outcomes that differ between siblings (the tiny policy rarely succeeds): the step credit has work to do
+        exp.rewards = torch.tensor([1.0, 0.0, 1.0, 1.0, 0.0, 1.0, 0.0, 0.0])
         credit = estimate(exp, cfg=trainer.cfg, ranks=trainer.ranks, kl_coef=0.0)
         policy = trainer.policy
     assert credit["advantage/tree_branch_points"] >= 2 and exp.advantages.shape == exp.loss_mask.shape
@@ -62,6 +64,7 @@ def test_frozenlake_tree_run_forks_replays_exactly_and_trains_on_the_trie(tmp_pa
     on = exp.loss_mask > 0
     episode = group_advantages(exp.rewards, exp.group_ids, mode="grpo")[0]
     step = tree_step_advantages_reference(exp.rewards, torch.where(on, exp.tree_nodes, -1), exp.tree_parents)[0]
+    assert step[on].abs().max() > 0.1  # turn 0's two nodes per row: leaf means 0.5 against 1.0 (row 0), 0.5 against 0 (row 1)
     torch.testing.assert_close(exp.advantages[on], (episode[:, None] + trainer.cfg.step_coef * step)[on], atol=1e-5, rtol=1e-5)
     assert rollout.metrics["rollout/kv_forks"] >= 1  # the HF sampler's siblings continue forked keys/values
     batch, G = rollout.batch, 4
