@@ -145,6 +145,7 @@ class TurnTree:
         self.fork_seconds = 0.0
         self.rows = 0
         self._born: dict[int, int] = {}  # id() of each trajectory that ran -> the turn it was forked at
+        self._resets = 0
 
     def _node(self, parent: int) -> int:
         self.parents.append(parent)
@@ -217,6 +218,7 @@ class TurnTree:
                     records.append(self._records[t_id])
                     self.copies += 1
         self._born = {id(t): self._records[t_id].born for t_id, t in enumerate(trajectories)}
+        self._resets = sum(bool(trajectories[i].messages) for i in range(self.rows))  # each row's root trajectory
         self.leaf_records = records
         return out
 
@@ -260,7 +262,7 @@ class TurnTree:
             "rollout/tree_leaf_tokens": float(leaf_tokens),
             "rollout/tree_branch_points": float(self.branch_points),
             "rollout/tree_copies": float(self.copies),
-            "agent/env_calls": float(self.rows + steps + self.fork_calls),
+            "agent/env_calls": float(self._resets + steps + self.fork_calls),
             "agent/tree_leaf_env_calls": float(leaf_steps),
             "env/forks_native": float(self.forks["fork"]),
             "env/forks_replayed": float(self.forks["replay"]),
