@@ -124,6 +124,8 @@ class GroupSamplerTokens:
         self.sampling = sampling
         self.max_length = getattr(sampler, "max_length", None) or getattr(sampler, "max_model_len", None)
         """Longest sequence the sampler accepts (prompt + new tokens), or None."""
+        self.prefix_hits: list[float] = []
+        """Each call's prefix-cache hit rate, where the sampler reports one (vLLM)."""
 
     def continue_sequences(self, sequences: Sequence[Sequence[int]], *, max_new_tokens: Sequence[int],
                            seeds: Sequence[int]) -> list[Continuation]:
@@ -136,6 +138,8 @@ class GroupSamplerTokens:
                 [list(sequences[i]) for i in indices], group_size=1,
                 sampling=replace(self.sampling, max_new_tokens=n), prompt_seeds=[seeds[i] for i in indices],
             )
+            if batch.stats.prefix_cache_hit_rate is not None:
+                self.prefix_hits.append(float(batch.stats.prefix_cache_hit_rate))
             for k, index in enumerate(indices):
                 out[index] = Continuation(
                     list(batch.completion_ids[k]), [float(x) for x in batch.completion_logp[k].tolist()],
@@ -169,13 +173,19 @@ def run_episodes(
     sampler: TokenSampler,
     config: AgentConfig,
     seeds: Sequence[int],
+    tree: Any = None,
 ) -> tuple[list[Trajectory], dict[str, float]]:
     """``G`` trajectories per row (row ``i``'s are ``[i*G, (i+1)*G)``), and the rollout's metrics
-    (:func:`agent_metrics`, plus ``time/env_seconds``, ``time/generation_seconds``)."""
+    (:func:`agent_metrics`, plus ``time/env_seconds``, ``time/generation_seconds``).
+    ``tree``: a ``fastrl.agents.branching.TurnTree`` grows the ``G`` as the leaves of a tree
+    (one trajectory per row, forked at its branch points; its equal-budget metrics added)."""
     if len(seeds) != len(rows):
         raise ValueError(f"seeds must have one entry per row ({len(rows)}), got {len(seeds)}")
     G = group_size
-    trajectories = [Trajectory(group=i, index=j, row=row, env_seed=int(seeds[i])) for i, row in enumerate(rows) for j in range(G)]
+    if tree is not None:
+        trajectories = tree.start(rows, seeds)
+    else:
+        trajectories = [Trajectory(group=i, index=j, row=row, env_seed=int(seeds[i])) for i, row in enumerate(rows) for j in range(G)]
     env_seconds = generation_seconds = 0.0
     replays = 0
     model_limit = getattr(sampler, "max_length", None)
@@ -193,6 +203,15 @@ def run_episodes(
             trajectory.messages = [dict(m) for m in reply.value]
             trajectory.current.append("prompt", -1, renderer.prompt_ids(reply.value))
         for turn in range(config.max_turns):
+            if tree is not None:  # a branch point: the running trajectories forked, environments too
+                started = time.perf_counter()
+                forks = tree.branch(turn, trajectories, runtime)
+                env_seconds += time.perf_counter() - started
+                for t_id, reply in forks:
+                    trajectories[t_id].env_seconds += reply.seconds
+                    if reply.status != OK:
+                        _finish(trajectories[t_id], STOP_ENV.get(reply.status, "env_error"), config,
+                                error=reply.message or reply.status)
             active = [t_id for t_id, t in enumerate(trajectories) if not t.done]
             if not active:
                 break
@@ -264,7 +283,11 @@ def run_episodes(
     for t in trajectories:
         if not t.done:
             _finish(t, STOP_MAX_TURNS, config)
+    if tree is not None:
+        trajectories = tree.leaves(trajectories)
     metrics = agent_metrics(trajectories)
+    if tree is not None:
+        metrics.update(tree.metrics(trajectories))
     metrics["time/env_seconds"] = env_seconds
     metrics["time/generation_seconds"] = generation_seconds
     metrics["env/replays"] = float(replays)

@@ -32,6 +32,14 @@ Both are kept per trajectory (``Trajectory.turn_rewards``, ``Trajectory.outcome_
 
 Environments must be deterministic given ``(row, seed)`` and the actions: the runtime
 relies on it to rebuild an environment whose worker was lost (see ``fastrl.agents.runtime``).
+
+Optional ``fork() -> environment``: an independent copy in the same state (a new object
+whose later steps do not touch this one's state). Branching rollouts (``--rollout tree``
+with ``--env``, ``fastrl.agents.branching``) continue several trajectories from one
+environment state; with ``fork()`` the copy is made in the worker, without it the runtime
+replays: a fresh environment, ``reset(row, seed)`` and the recorded actions, each answer
+(observation, reward, done) checked against the recorded one, so a non-deterministic
+environment is an error there, not a silently different branch.
 """
 
 from __future__ import annotations
@@ -48,6 +56,7 @@ __all__ = [
     "StepResult",
     "Environment",
     "REQUIRED_METHODS",
+    "OPTIONAL_METHODS",
     "validate_environment",
     "check_messages",
     "check_step_result",
@@ -59,6 +68,8 @@ Message = dict
 
 REQUIRED_METHODS = ("reset", "step", "close")
 """The methods an environment must have (one list; validation and docs derive from it)."""
+OPTIONAL_METHODS = ("fork",)
+"""Methods an environment may have: ``fork()`` copies it for branching rollouts (else replay)."""
 
 
 @dataclass
@@ -109,6 +120,10 @@ def validate_environment(env: Any, *, what: str | None = None) -> None:
         except TypeError:
             wanted = ", ".join(arities[method])
             raise InputError(f"{label}.{method}() cannot be called as {method}({wanted}): its signature is {signature}") from None
+    for method in OPTIONAL_METHODS:
+        if getattr(env, method, None) is not None and not callable(getattr(env, method)):
+            raise InputError(f"{label}.{method} is not a method; {method}() is optional (branching rollouts copy the "
+                             "environment with it, else replay its actions)")
     tools = getattr(env, "tools", None)
     if tools is not None:
         from fastrl.agents.tools import tool_schemas

@@ -16,6 +16,15 @@ waits on its pool), the requests of one slot one after another.
 - ``step(requests: [(tid, action)]) -> [EnvReply]``: one ``step(action)`` per trajectory;
   ``value`` = the ``StepResult``; an environment that is done is closed in its worker.
 - ``release(tids)``: close and forget those trajectories' environments (end of a batch).
+- ``fork(requests: [(child, parent)]) -> [EnvReply]`` (branching rollouts,
+  ``fastrl.agents.branching``): give trajectory ``child`` an environment in the state of
+  ``parent``'s, and ``parent``'s record (row, seed, actions, environment seconds so far).
+  An environment with a ``fork()`` method is copied by it in the parent's worker (the child
+  then lives in that worker); any other is rebuilt in the child's own worker by replay:
+  ``reset(row, seed)`` and the parent's actions, each observation, reward and ``done``
+  compared with the parent's recorded ones (a difference is ``raised``, with the first
+  differing call in ``message``: the environment is not deterministic given row, seed and
+  actions). ``value`` = ``ForkInfo`` (how, and the environment calls the replay made).
 - ``EnvReply.status``: ``fastrl.workers`` status: ``ok``, ``raised`` (the environment
   itself raised, or returned the wrong type: ``message`` says what), ``timeout`` (the call
   ran past ``min(step_timeout_s, what is left of trajectory_timeout_s)``; the worker was
@@ -45,7 +54,25 @@ from fastrl.agents.env import check_messages, check_step_result
 from fastrl.errors import InputError
 from fastrl.workers import CRASHED, OK, RAISED, TIMEOUT, WorkerPool
 
-__all__ = ["EnvReply", "EnvRuntime", "InProcessRuntime", "probe_environment"]
+__all__ = ["EnvReply", "EnvRuntime", "ForkInfo", "InProcessRuntime", "ReplayDivergence", "probe_environment"]
+
+FORK_NATIVE, FORK_REPLAY = "fork", "replay"
+"""How ``fork`` copied an environment (``ForkInfo.how``): its own ``fork()``, or replay."""
+_NO_FORK = "no_fork"
+
+
+class ReplayDivergence(RuntimeError):
+    """A replayed environment answered differently from the recorded trajectory."""
+
+
+@dataclass
+class ForkInfo:
+    """What ``fork`` did for one child."""
+
+    how: str
+    """``FORK_NATIVE`` or ``FORK_REPLAY``."""
+    calls: int
+    """Environment calls the copy made: 0 for ``fork()``, ``1 + actions`` for a replay."""
 
 
 @dataclass
@@ -77,6 +104,34 @@ def _rebuild(factory: Callable[[], Any], row: dict, seed: int, history: Sequence
     return env
 
 
+def _outcome(observation: Any, result: Any = None) -> tuple:
+    """What replay compares: the reset's messages, or a step's (observation, reward, done)."""
+    if result is None:
+        return ("reset", observation)
+    return ("step", result.observation, result.reward, result.done)
+
+
+def _replay(factory: Callable[[], Any], row: dict, seed: int, history: Sequence[str], recorded: Sequence[tuple]) -> Any:
+    """A fresh environment brought to the end of ``history`` by replay, each answer checked
+    against ``recorded`` (``[reset outcome, step outcomes...]``); ``ReplayDivergence`` on a difference."""
+    env = factory()
+    try:
+        got = [_outcome(check_messages(env.reset(row, seed), where=f"{type(env).__name__}.reset()"))]
+        for action in history:
+            result = check_step_result(env.step(action), where=f"{type(env).__name__}.step()")
+            got.append(_outcome(None, result))
+        for call, (g, want) in enumerate(zip(got, recorded)):
+            if g != want:
+                what = "reset" if call == 0 else f"step {call - 1} (action {history[call - 1]!r:.60})"
+                raise ReplayDivergence(f"replaying the trajectory gave a different answer at {what}: {g!r:.120} instead of "
+                                       f"{want!r:.120}; forking by replay needs an environment that is deterministic given "
+                                       "row, seed and actions (or give it a fork() method)")
+    except BaseException:
+        _close_quietly(env)
+        raise
+    return env
+
+
 def _handle(state: dict, request: tuple) -> Any:
     """Worker side. ``state = {"factory": ..., "envs": {tid: [env, steps]}}`` (one per worker)."""
     op, tid = request[0], request[1]
@@ -103,6 +158,22 @@ def _handle(state: dict, request: tuple) -> Any:
         if result.done:
             _close_quietly(envs.pop(tid)[0])
         return result, replayed
+    if op == "fork":  # in the parent's worker: the environment's own fork(), if it has one
+        _, child, parent = request
+        entry = envs.get(parent)
+        fork = getattr(entry[0], "fork", None) if entry is not None else None
+        if not callable(fork):
+            return _NO_FORK
+        if child in envs:
+            _close_quietly(envs.pop(child)[0])
+        envs[child] = [fork(), entry[1]]
+        return ForkInfo(FORK_NATIVE, 0)
+    if op == "replay":  # in the child's worker: reset and the parent's actions, checked
+        _, child, row, seed, history, recorded = request
+        if child in envs:
+            _close_quietly(envs.pop(child)[0])
+        envs[child] = [_replay(state["factory"], row, seed, history, recorded), len(history)]
+        return ForkInfo(FORK_REPLAY, 1 + len(history))
     if op == "release":
         for t in request[2]:
             if t in envs:
@@ -112,20 +183,36 @@ def _handle(state: dict, request: tuple) -> Any:
 
 
 class _Episodes:
-    """Parent-side record of each trajectory: its row, seed, actions and environment seconds."""
+    """Parent-side record of each trajectory: its row, seed, actions, environment seconds,
+    the environment's answers (``_outcome``: what a fork's replay is checked against) and,
+    for a child forked by ``fork()``, the worker slot it lives in."""
 
     def __init__(self) -> None:
         self.rows: dict[int, tuple[dict, int]] = {}
         self.history: dict[int, list[str]] = {}
         self.seconds: dict[int, float] = {}
+        self.outcomes: dict[int, list[tuple]] = {}
+        self.slots: dict[int, int] = {}
 
     def start(self, tid: int, row: dict, seed: int) -> None:
         self.rows[tid] = (row, seed)
         self.history[tid] = []
         self.seconds[tid] = 0.0
+        self.outcomes[tid] = []
+        self.slots.pop(tid, None)
+
+    def copy(self, child: int, parent: int) -> None:
+        self.rows[child] = self.rows[parent]
+        self.history[child] = list(self.history[parent])
+        self.seconds[child] = self.seconds.get(parent, 0.0)
+        self.outcomes[child] = list(self.outcomes[parent])
+        self.slots.pop(child, None)
+
+    def record(self, tid: int, outcome: tuple) -> None:
+        self.outcomes.setdefault(tid, []).append(outcome)
 
     def forget(self, tid: int) -> None:
-        for table in (self.rows, self.history, self.seconds):
+        for table in (self.rows, self.history, self.seconds, self.outcomes, self.slots):
             table.pop(tid, None)
 
 
@@ -185,6 +272,9 @@ class EnvRuntime:
         for tid, row, seed in requests:
             self._episodes.start(tid, row, seed)
         replies = self._run([(tid, ("reset", tid, row, seed)) for tid, row, seed in requests])
+        for (tid, _, _), reply in zip(requests, replies):
+            if reply.status == OK:
+                self._episodes.record(tid, _outcome(reply.value))
         return replies
 
     def step(self, requests: Sequence[tuple[int, str]]) -> list[EnvReply]:
@@ -197,12 +287,38 @@ class EnvRuntime:
             self._episodes.history[tid].append(action)
             if reply.status == OK:
                 reply.value, reply.replayed = reply.value
+                self._episodes.record(tid, _outcome(None, reply.value))
+        return replies
+
+    def fork(self, requests: Sequence[tuple[int, int]]) -> list[EnvReply]:
+        """Each ``child`` gets a copy of ``parent``'s environment (see the module docstring)."""
+        for child, parent in requests:
+            self._episodes.copy(child, parent)
+        # the environment's own fork(), in the parent's worker (the child then lives there)
+        replies = self._run([(parent, ("fork", child, parent)) for child, parent in requests])
+        todo = []
+        for index, ((child, parent), reply) in enumerate(zip(requests, replies)):
+            if reply.status == OK and reply.value != _NO_FORK:
+                self._episodes.slots[child] = self._slot(parent)
+            elif reply.status == OK:
+                todo.append(index)
+        if todo:  # no fork(): replay in the child's own worker
+            tasks = []
+            for index in todo:
+                child, _ = requests[index]
+                row, seed = self._episodes.rows[child]
+                tasks.append((child, ("replay", child, row, seed, list(self._episodes.history[child]),
+                                      list(self._episodes.outcomes[child]))))
+            calls = [1 + len(self._episodes.history[requests[index][0]]) for index in todo]
+            for index, reply in zip(todo, self._run(tasks, calls=calls)):
+                reply.seconds += replies[index].seconds
+                replies[index] = reply
         return replies
 
     def release(self, tids: Sequence[int]) -> None:
         by_slot: dict[int, list[int]] = {}
         for tid in tids:
-            by_slot.setdefault(tid % self.num_workers, []).append(tid)
+            by_slot.setdefault(self._slot(tid), []).append(tid)
             self._episodes.forget(tid)
         for slot, group in by_slot.items():
             pool = self._pools[slot]
@@ -210,11 +326,18 @@ class EnvRuntime:
                 pool.run([("release", -1, group)], timeout_s=self.step_timeout_s)
 
     # ------------------------------------------------------------------ internals
-    def _run(self, tasks: list[tuple[int, tuple]]) -> list[EnvReply]:
+    def _slot(self, tid: int) -> int:
+        """The worker slot of a trajectory: ``tid % num_workers``, or its parent's for a child
+        forked by the environment's ``fork()``."""
+        return self._episodes.slots.get(tid, tid % self.num_workers)
+
+    def _run(self, tasks: list[tuple[int, tuple]], *, calls: Sequence[int] | None = None) -> list[EnvReply]:
+        """Run each ``(tid, request)`` in its trajectory's slot; ``calls[i]``: the environment calls
+        request ``i`` makes (a replay's), each allowed ``step_timeout_s`` (default 1)."""
         replies: list[EnvReply | None] = [None] * len(tasks)
         by_slot: dict[int, list[int]] = {}
         for index, (tid, _) in enumerate(tasks):
-            by_slot.setdefault(tid % self.num_workers, []).append(index)
+            by_slot.setdefault(self._slot(tid), []).append(index)
 
         def run_slot(slot: int, indices: list[int]) -> None:
             pool = self._pools[slot]
@@ -224,12 +347,13 @@ class EnvRuntime:
                 if left <= 0:
                     replies[index] = EnvReply(TIMEOUT, message=f"the trajectory used its {self.trajectory_timeout_s:g} s of environment time (trajectory_timeout_s)")
                     continue
+                limit = self.step_timeout_s * (1 if calls is None else calls[index])
                 started = time.perf_counter()
-                result = pool.run([request], timeout_s=min(self.step_timeout_s, left))[0]
+                result = pool.run([request], timeout_s=min(limit, left))[0]
                 seconds = time.perf_counter() - started
                 self._episodes.seconds[tid] = self._episodes.seconds.get(tid, 0.0) + seconds
                 message = result.message
-                if result.status == TIMEOUT and left < self.step_timeout_s:
+                if result.status == TIMEOUT and left < limit:
                     message = f"the trajectory used its {self.trajectory_timeout_s:g} s of environment time (trajectory_timeout_s); worker killed"
                 replies[index] = EnvReply(result.status, result.value, message, seconds)
 
@@ -265,9 +389,14 @@ class InProcessRuntime:
         return EnvReply(OK, value, seconds=time.perf_counter() - started)
 
     def reset(self, requests: Sequence[tuple[int, dict, int]]) -> list[EnvReply]:
+        replies = []
         for tid, row, seed in requests:
             self._episodes.start(tid, row, seed)
-        return [self._call(("reset", tid, row, seed)) for tid, row, seed in requests]
+            reply = self._call(("reset", tid, row, seed))
+            if reply.status == OK:
+                self._episodes.record(tid, _outcome(reply.value))
+            replies.append(reply)
+        return replies
 
     def step(self, requests: Sequence[tuple[int, str]]) -> list[EnvReply]:
         replies = []
@@ -277,6 +406,20 @@ class InProcessRuntime:
             self._episodes.history[tid].append(action)
             if reply.status == OK:
                 reply.value, reply.replayed = reply.value
+                self._episodes.record(tid, _outcome(None, reply.value))
+            replies.append(reply)
+        return replies
+
+    def fork(self, requests: Sequence[tuple[int, int]]) -> list[EnvReply]:
+        """As ``EnvRuntime.fork``, in this process."""
+        replies = []
+        for child, parent in requests:
+            self._episodes.copy(child, parent)
+            reply = self._call(("fork", child, parent))
+            if reply.status == OK and reply.value == _NO_FORK:
+                row, seed = self._episodes.rows[child]
+                reply = self._call(("replay", child, row, seed, list(self._episodes.history[child]),
+                                    list(self._episodes.outcomes[child])))
             replies.append(reply)
         return replies
 

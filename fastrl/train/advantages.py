@@ -303,6 +303,8 @@ def estimate(exp: Experience, *, cfg: TrainConfig, ranks, kl_coef: float,
         else:  # a group mode: one advantage per trajectory, on each of its rows (the op's "broadcast")
             adv, adv_stats = _group_advantages(ranks, tr.outcome, tr.group_ids, cfg.advantage_mode)
             exp.advantages = _put(adv, tr.keep, tr.layout.first_row.numel())[tr.layout.trajectory]
+            if exp.tree_nodes is not None:  # branching trajectories: each branch point's children against their siblings
+                metrics.update(tree_step_credit(exp, cfg=cfg, ranks=ranks))
     else:
         shaped = sequence_rewards(exp.rewards, token_kl=shaping_kl, kl_coef=kl_coef)
         exp.advantages, adv_stats = ranks.gather_groups(shaped, exp.group_ids, mode=cfg.advantage_mode)
@@ -317,7 +319,8 @@ def estimate(exp: Experience, *, cfg: TrainConfig, ranks, kl_coef: float,
 
 
 def tree_step_credit(exp: Experience, *, cfg: TrainConfig, ranks) -> dict[str, float]:
-    """Tree rollouts (``rollout=tree``, ``exp.tree_nodes`` set), group modes: the leaves' group
+    """Tree rollouts (``rollout=tree``, ``exp.tree_nodes`` set; single-turn, or agent trajectories
+    branching at turns, ``agent_tree_collect``), group modes: the leaves' group
     advantage ``A^E_b`` (already in ``exp.advantages``, ``[B]``) plus ``step_coef`` times each
     token's step advantage among the siblings of its segment (``tree_step_advantages`` over the
     outcome rewards, F_norm ``turn_norm``; the formulas are in ``fastrl.reference.tree_advantages``):

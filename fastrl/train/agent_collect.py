@@ -87,6 +87,8 @@ class AgentRollout:
     """``run_episodes``' metrics (``agent/...``, ``tokenization/...``, ``time/env_seconds`` ...)."""
     scores: TrajectoryScores
     """Each trajectory's reward and its terms (``batch.rewards`` is ``scores.rewards`` per row)."""
+    tree: Any = None
+    """A branching rollout's ``fastrl.agents.branching.TurnTree`` (``agent_tree_collect``), else None."""
 
 
 class AgentCollector:
@@ -111,15 +113,19 @@ class AgentCollector:
         sampling = rollout_sampling(self.cfg, step=step, salt=0)
         env_seeds = seeds.prompt_seeds(sampling.seed, first, len(rows))
         with timer("generate"):  # generation and environment steps interleave: both are here (time/env_seconds splits them)
-            trajectories, metrics = play_episodes(
-                rows, group_size=self.cfg.group_size, sampler=sampler, sampling=sampling, runtime=self.runtime,
-                renderer=self.renderer, agent=self.agent, env_seeds=env_seeds,
-            )
+            trajectories, metrics, tree = self.play(rows, sampler=sampler, sampling=sampling, env_seeds=env_seeds)
         with timer("reward"):
             scores = self.scorer.score(trajectories)
         batch = AgentBatch.from_trajectories(trajectories, group_size=self.cfg.group_size, pad_token_id=self.pad_token_id)
         batch.rewards = scores.rewards[batch.trajectory_ids]  # each sample carries its trajectory's reward
-        return AgentRollout(trajectories, batch, metrics, scores), {}
+        return AgentRollout(trajectories, batch, metrics, scores, tree), {}
+
+    def play(self, rows: list[dict], *, sampler: Any, sampling: SamplingConfig,
+             env_seeds: Sequence[int]) -> tuple[list[Trajectory], dict[str, float], Any]:
+        """The step's trajectories and metrics (``play_episodes``), and no tree."""
+        trajectories, metrics = play_episodes(rows, group_size=self.cfg.group_size, sampler=sampler, sampling=sampling,
+                                              runtime=self.runtime, renderer=self.renderer, agent=self.agent, env_seeds=env_seeds)
+        return trajectories, metrics, None
 
     def experience(self, rollout: AgentRollout, *, device: torch.device) -> Experience:
         return Experience.from_agent_batch(rollout.batch, device=device)

@@ -49,7 +49,7 @@ HELP_GROUPS: dict[str, tuple[str, ...]] = {
     "rewards": ("rewards", "reward_weights", "reward_timeout", "reward_workers"),
     "rollout": ("sampler", "sampler_url", "sampler_timeout", "sampler_decode", "async_steps", "group_size", "prompts_per_step",
                 "prompt_token_budget", "max_new_tokens", "temperature", "top_p", "top_k", "dynamic_sampling",
-                "max_resample_rounds", "rollout", "tree_branches", "tree_depths", "sync_probe_every", "sync_probe_tolerance"),
+                "max_resample_rounds", "rollout", "tree_branches", "tree_depths", "tree_turns", "sync_probe_every", "sync_probe_tolerance"),
     "optimisation": ("steps", "max_seconds", "max_generated_tokens", "ppo_epochs", "mini_batches", "shared_prefix",
                      "prefix_tree", "activation_checkpointing", "offload_activations", "reference_offload", "micro_batch_tokens", "lr", "weight_decay",
                      "adam_betas", "warmup_steps", "min_lr_ratio", "grad_clip", "seed"),

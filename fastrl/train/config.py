@@ -252,13 +252,23 @@ class TrainConfig:
     once (the hf sampler forks its KV, vLLM reuses it through prefix caching) and
     ``rollout/generated_tokens`` counts it once. Group modes then add, on each segment's tokens,
     step_coef x its value (mean leaf reward below it) normalised among its siblings (turn_norm;
-    docs/credit.md). Single-turn runs only (not with --env, async_steps or dynamic_sampling yet)."""
+    docs/credit.md). With --env the tree branches at policy turns (tree_turns, not token depths):
+    the siblings share the prompt, the earlier turns and their observations, each sibling's
+    environment forked (its fork(), else a checked replay; fastrl.agents.branching); group modes
+    and gae only. Not with async_steps or dynamic_sampling yet."""
     tree_branches: Optional[list[int]] = None
     """rollout=tree: children per node at each level; their product is group_size (None: 2 then
     group_size/2, or one level of group_size when it is odd)."""
     tree_depths: Optional[list[int]] = None
     """rollout=tree: the completion depth (tokens) of each level's branch point: 0, then strictly
     increasing, below max_new_tokens (None: evenly spaced, i * max_new_tokens / levels)."""
+    tree_turns: Optional[list[int]] = None
+    """rollout=tree with --env: the policy turn (0 = the first) at whose start each level of
+    tree_branches branches, strictly increasing, below max_turns; leaves per row = the product
+    of tree_branches = group_size (None: turns 0, 1, ..., one per level of tree_branches; both
+    None: turns 0 and 1 with 2 then group_size/2, or turn 0 with group_size when it is odd, below
+    4 or max_turns is 1). Siblings share the earlier turns and observations; each one's
+    environment is forked (its fork(), else a replay checked against the recorded answers)."""
     max_resample_rounds: int = 3
     """Dynamic sampling: extra rollout rounds per step before training on what is there."""
 
@@ -724,17 +734,48 @@ class TrainConfig:
         depths = self.tree_depths if self.tree_depths is not None else [L * i // len(branches) for i in range(len(branches))]
         return BranchSchedule(branches=tuple(branches), depths=tuple(depths))
 
+    def turn_schedule(self) -> "TurnSchedule":
+        """``rollout=tree`` with ``--env``: the ``TurnSchedule`` (``tree_branches`` /
+        ``tree_turns`` or the default, ``fastrl.agents.branching``)."""
+        from fastrl.agents.branching import TurnSchedule
+
+        turns = self.max_turns if self.max_turns is not None else 1
+        if self.tree_branches is None and self.tree_turns is None:
+            return TurnSchedule.default(group_size=self.group_size, max_turns=turns)
+        branches = self.tree_branches if self.tree_branches is not None else [self.group_size]
+        at = self.tree_turns if self.tree_turns is not None else list(range(len(branches)))
+        return TurnSchedule(branches=tuple(branches), turns=tuple(at))
+
+    def _check_agent_tree(self) -> None:
+        """``rollout=tree`` with ``--env``: a turn schedule that fits, and the advantage modes
+        whose credit does not clash with the tree's step groups."""
+        if self.tree_depths is not None:
+            raise InputError("tree_depths are token depths of single-turn tree rollouts; with --env the tree branches at "
+                             "policy turns: give --tree_turns (e.g. --tree_turns \"[0, 1]\" --tree_branches \"[2, 4]\" for group_size 8)")
+        if self.uses_turns:
+            raise InputError(f"advantage_mode {self.advantage_mode} (algorithm {self.algorithm}) forms its own per-turn "
+                             "step groups, which would credit the turns twice beside rollout=tree's branch points (siblings "
+                             "compared below each, step_coef): use a group mode (grpo, dr_grpo, ...) or gae with --rollout "
+                             "tree, or --rollout independent with this mode")
+        schedule = self.turn_schedule()
+        if self.max_turns is not None:
+            schedule.check(group_size=self.group_size, max_turns=self.max_turns)
+
     def _check_rollout(self) -> None:
         """``rollout=tree``: a schedule that fits the run, and what a tree rollout cannot do yet."""
         if self.rollout != "tree":
-            given = [name for name in ("tree_branches", "tree_depths") if getattr(self, name) is not None]
+            given = [name for name in ("tree_branches", "tree_depths", "tree_turns") if getattr(self, name) is not None]
             if given:
                 raise InputError(f"{given[0]} shapes a tree rollout: it needs --rollout tree")
             return
-        for what, bad in (("--env (agent trajectories)", self.env is not None), ("async_steps", bool(self.async_steps)),
-                          ("dynamic_sampling", bool(self.dynamic_sampling))):
+        if self.env is None and self.tree_turns is not None:
+            raise InputError("tree_turns are the policy turns of agent trajectories: they need --env (single-turn trees "
+                             "branch at token depths, --tree_depths)")
+        for what, bad in (("async_steps", bool(self.async_steps)), ("dynamic_sampling", bool(self.dynamic_sampling))):
             if bad:
                 raise InputError(f"rollout=tree is not supported with {what} yet: use --rollout independent")
+        if self.env is not None:
+            return self._check_agent_tree()
         schedule = self.tree_schedule()
         if self.max_new_tokens is not None:
             schedule.check(group_size=self.group_size, max_new_tokens=self.max_new_tokens)

@@ -138,7 +138,7 @@ def test_split_agent_samples_select_the_trie_and_train_like_padded_rows():
     (dict(tree_branches=[2, 2]), "tree_branches shapes a tree rollout: it needs --rollout tree"),
     (dict(rollout="tree", tree_branches=[2, 3]), r"give 6 leaves per prompt; their product must be group_size \(4\)"),
     (dict(rollout="tree", tree_branches=[2, 2], tree_depths=[0, 6]), "must lie before max_new_tokens"),
-    (dict(rollout="tree", env="frozenlake"), "rollout=tree is not supported with --env"),
+    (dict(rollout="tree", env="frozenlake", tree_branches=[2, 2], tree_depths=[0, 3]), "with --env the tree branches at policy turns"),
     (dict(rollout="tree", dynamic_sampling=True), "rollout=tree is not supported with dynamic_sampling"),
 ])
 def test_tree_options_are_checked_before_any_work(changes, match):

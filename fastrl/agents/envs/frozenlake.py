@@ -6,6 +6,7 @@ Grid characters: ``A`` the agent, ``G`` the goal, ``H`` a hole, ``.`` ice; rows 
 newlines. A move into the border leaves the agent in place (the same state again: per-turn
 credit groups such repeated states by ``info["state_key"] = "<grid id>:<row>,<col>"``).
 An unreadable move is an observation saying so (counted as ``bad_format``), the agent stays.
+``fork()`` copies the state (branching rollouts, ``--rollout tree``, use it instead of replay).
 Rows: ``{"prompt": <instructions + grid>, "grid": [...], "answer": <shortest path length>}``
 from :func:`frozenlake_rows`; every grid has a path from start to goal.
 """
@@ -112,6 +113,12 @@ class FrozenLakeEnv:
         if cell == HOLE:
             return StepResult([], 0.0, True, {**info, "stop_reason": "hole"})
         return StepResult([{"role": "user", "content": _render(self.grid, self.position)}], 0.0, False, info)
+
+    def fork(self) -> "FrozenLakeEnv":
+        """A copy in the same state (branching rollouts fork it instead of replaying)."""
+        twin = FrozenLakeEnv()
+        twin.grid, twin.position, twin.grid_id = list(self.grid), self.position, self.grid_id
+        return twin
 
     def _key(self) -> str:
         return f"{self.grid_id}:{self.position[0]},{self.position[1]}"
