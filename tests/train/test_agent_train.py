@@ -28,6 +28,21 @@ def run(tmp_path, name, stop_after=None, **changes):
         return {k: v.detach().clone() for k, v in trainer.policy.state_dict().items()}
 
 
+def test_a_branching_env_run_resumes_exactly(tmp_path):
+    # --rollout tree: forks by replay (calculator has no fork()), the KV forked per sibling, trie training
+    tree = dict(rollout="tree", group_size=4, tree_turns=[0, 1], tree_branches=[2, 2], eval_every=0)
+    straight = run(tmp_path, "a", **tree)
+    run(tmp_path, "b", stop_after=1, **tree)
+    resumed = run(tmp_path, "b", resume="latest", **tree)
+    for k in straight:
+        assert torch.equal(straight[k], resumed[k]), k
+    steps_a = [m for m in read_metrics(tmp_path / "a") if "event" not in m]
+    steps_b = [m for m in read_metrics(tmp_path / "b") if "event" not in m]
+    assert [m["step"] for m in steps_b] == [1, 2] and steps_a[-1]["env/forks_replayed"] > 0
+    for key in ("loss/total", "reward/mean", "rollout/generated_tokens", "agent/env_calls", "env/forks_replayed"):
+        assert steps_a[-1][key] == steps_b[-1][key], key
+
+
 def test_an_env_run_resumes_exactly_and_logs_trajectories(tmp_path):
     straight = run(tmp_path, "a")
     run(tmp_path, "b", stop_after=1)
