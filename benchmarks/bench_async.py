@@ -33,7 +33,8 @@ passes over the seeds (the mode order flipped every pass); the training is the s
 every pass (same seeds, checked), only the clock is disturbed by the machine's other load,
 so each (seed, mode) is represented by its least disturbed run (the smallest RL seconds)
 and every pass's own pair is kept (``per_seed_per_pass``). ``--resume`` keeps the runs
-already in ``--out`` and runs only the missing ones.
+already in ``--out`` and runs only the missing ones (none missing: the JSON is rewritten
+from them, e.g. after a change to the summary).
 """
 
 from __future__ import annotations
@@ -253,6 +254,8 @@ def main() -> int:
                     repeats[seed][m] = by_mode.get(m, [])[: args.repeats]
     plan = [(rep, seed, MODES[a]) for rep in range(args.repeats) for i, seed in enumerate(args.seeds)
             for a in ((0, 1) if (i + rep) % 2 == 0 else (1, 0))]
+    if all(len(repeats[str(seed)][name]) > rep for rep, seed, name in plan):  # resumed with nothing left to run:
+        write_payload(payload_of(repeats, args, extra, load_before, complete=True), args.out, stem="async-default-cpu")
     with tempfile.TemporaryDirectory() as tmp:
         for n, (rep, seed, name) in enumerate(plan):
             if len(repeats[str(seed)][name]) > rep:
@@ -317,6 +320,12 @@ def payload_of(repeats: dict[str, dict[str, list[dict]]], args: argparse.Namespa
             continue
         runs[seed] = {m: min(by_mode[m], key=lambda r: r["rl_seconds"]) for m in MODES}
         ratios[seed] = compared(runs[seed]["sync"], runs[seed]["async"])
+        if all("step_cpu_seconds_median" in r for m in MODES for r in by_mode[m]):
+            # CPU seconds are disturbed too (cache and memory contention, a VM's stolen time):
+            # each mode's least disturbed pass in CPU terms, as for the clock
+            bound = min(max(r["generate_cpu_seconds_median"], r["rest_cpu_seconds_median"]) for r in by_mode["sync"])
+            step = min(r["step_cpu_seconds_median"] for r in by_mode["async"])
+            ratios[seed]["cpu_least_disturbed_async_step_over_max_gen_rest"] = round(step / bound, 3)
         pairs = min(len(by_mode[m]) for m in MODES)
         per_pass[seed] = [compared(by_mode["sync"][k], by_mode["async"][k]) for k in range(pairs)]
         same_curve[seed] = {m: len({json.dumps([(e["step"], e["accuracy"]) for e in r["eval"]]) for r in by_mode[m]}) == 1
@@ -328,9 +337,9 @@ def payload_of(repeats: dict[str, dict[str, list[dict]]], args: argparse.Namespa
         summary["best_async_step_over_sync_step"] = min(x["async_step_over_sync_step"] for x in ratios.values())
         summary["worst_async_step_over_max_gen_rest"] = max(x["async_step_over_max_gen_rest"] for x in ratios.values())
         summary["every_seed_within_target"] = summary["worst_async_step_over_max_gen_rest"] <= TARGET
-        if all("cpu_async_step_over_max_gen_rest" in x for x in ratios.values()):
-            cpu_ratios = [x["cpu_async_step_over_max_gen_rest"] for x in ratios.values()]
-            summary["cpu_async_step_over_max_gen_rest"] = {"values": cpu_ratios, "worst": max(cpu_ratios),
+        if all("cpu_least_disturbed_async_step_over_max_gen_rest" in x for x in ratios.values()):
+            cpu_ratios = [x["cpu_least_disturbed_async_step_over_max_gen_rest"] for x in ratios.values()]
+            summary["cpu_least_disturbed_async_step_over_max_gen_rest"] = {"values": cpu_ratios, "worst": max(cpu_ratios),
                                                            "every_seed_within_target": max(cpu_ratios) <= TARGET}
         for reading in ("final_accuracy", "equal_wall_accuracy"):
             acc = {k: [ratios[s][f"{reading}_{k}"] for s in ratios] for k in MODES}
