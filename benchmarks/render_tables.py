@@ -351,20 +351,27 @@ def compare_env_summary() -> str:
     return _rows(["env", "budget", "success at start", *algorithms, "verdict", "wall / CPU"], rows)
 
 
+ASYNC_RESULTS = "async_default_cpu_v2.json"
+"""benchmarks/bench_async.py's results (shared-memory weight slots; async_default_cpu.json: before them)."""
+
+
 def async_default() -> str:
     """``--async_steps 1`` vs the synchronous loop on the embedded default, per seed (benchmarks/bench_async.py)."""
-    data = _load("async_default_cpu.json")
+    data = _load(ASYNC_RESULTS)
     rows = []
     for seed, run in sorted(data["runs"].items(), key=lambda kv: int(kv[0])):
         sync, asy, r = run["sync"], run["async"], data["per_seed"][seed]
         rows.append([seed, f"{sync['step_seconds_median']:.3f} s", f"{sync['generate_seconds_median']:.3f} s",
                      f"{sync['rest_seconds_median']:.3f} s", f"{asy['step_seconds_median']:.3f} s",
                      f"{r['async_step_over_sync_step']:.2f}x", f"{r['async_step_over_max_gen_rest']:.2f}x",
+                     f"{r['cpu_least_disturbed_async_step_over_max_gen_rest']:.2f}x",
                      f"{sync['eval'][-1]['accuracy']:.3f}", f"{asy['eval'][-1]['accuracy']:.3f}"])
     table = _rows(["seed", "sync step", "sync: generation", "sync: rest of the step", "async step", "async / sync",
-                   "async / max(gen, rest)", "held-out acc. sync (step 150)", "async (step 150)"], rows)
+                   "async / max(gen, rest)", "same, CPU seconds", "held-out acc. sync (step 150)", "async (step 150)"], rows)
     acc = data["summary"]["final_accuracy"]
-    return table + (f"\nMedians over each run's GRPO steps (the first excluded). Held-out accuracy at step 150: sync "
+    return table + (f"\nMedians over each run's GRPO steps (the first excluded). CPU seconds: the trainer process's CPU "
+                    f"time per step (every thread; not the time other processes held the core) over max(the synchronous "
+                    f"run's generation CPU, the rest of its step's CPU), each mode's least disturbed pass in CPU terms. Held-out accuracy at step 150: sync "
                     f"{acc['sync']['mean']:.3f} (spread {acc['sync']['spread']:.3f}), async {acc['async']['mean']:.3f} "
                     f"(spread {acc['async']['spread']:.3f}). `{data['command']}`; {data['pinning']}; {data['machine']}; "
                     f"{data['date']}.\n")
@@ -372,7 +379,7 @@ def async_default() -> str:
 
 def async_equal_wall() -> str:
     """Held-out accuracy of the same runs at equal wall time (RL seconds, evaluation not counted)."""
-    data = _load("async_default_cpu.json")
+    data = _load(ASYNC_RESULTS)
     rows = []
     for seed, run in sorted(data["runs"].items(), key=lambda kv: int(kv[0])):
         sync, asy, r = run["sync"], run["async"], data["per_seed"][seed]
@@ -389,10 +396,41 @@ def async_equal_wall() -> str:
                     f"Load: the 1-minute load average at the start and end of each run (2 cores).\n")
 
 
+ASYNC_STAGES = (("generate", "generation (sync) / the wait for the rollout (async)"),
+                ("weights", "weights into the sampler's shared slot"), ("receive", "decoding the rollout"),
+                ("reward", "scoring"), ("ref_logp", "reference log-probs"), ("advantages", "advantages"),
+                ("update", "update"), ("sync", "weight sync + probe"), ("untimed", "the rest (experience, metrics, logs; async: the worker thread too)"))
+"""The rows of ``async_breakdown``: (stage, what it is)."""
+
+
+def async_breakdown() -> str:
+    """Where a step's CPU goes, sync vs async, per seed (the same runs as ``async_default``)."""
+    data = _load(ASYNC_RESULTS)
+    seeds = sorted(data["runs"], key=int)
+
+    def cells(mode: str, stage: str) -> str:
+        return " / ".join(f"{data['runs'][s][mode]['stages_cpu_median_ms'].get(stage, 0.0):.1f}" for s in seeds)
+
+    rows = [[what, cells("sync", stage), cells("async", stage)] for stage, what in ASYNC_STAGES]
+    rows.append(["**step**", " / ".join(f"{1e3 * data['runs'][s]['sync']['step_cpu_seconds_median']:.1f}" for s in seeds),
+                 " / ".join(f"{1e3 * data['runs'][s]['async']['step_cpu_seconds_median']:.1f}" for s in seeds)])
+    sampler = [data["runs"][s]["async"]["stages_median_ms"] for s in seeds]
+    per = lambda key: " / ".join(f"{m.get(key, 0.0):.1f}" for m in sampler)  # noqa: E731
+    gc = " / ".join(f"{data['runs'][s][m]['gc_seconds_in_steps']:.2f}" for m in ("sync", "async") for s in seeds)
+    table = _rows([f"trainer CPU ms per step, median (seeds {' / '.join(seeds)})", "sync", "async"], rows)
+    return table + (f"\nThe main thread's CPU per stage (`time.thread_time`; the step: the whole process). The sampler "
+                    f"process per rollout (wall ms, seeds {' / '.join(seeds)}): sampling {per('async/sampler_seconds')} "
+                    f"(CPU {per('async/sampler_cpu_seconds')}), its weight copy {per('async/sampler_load_seconds')}, "
+                    f"encoding {per('async/sampler_encode_seconds')}, idle waiting for the next request "
+                    f"{per('async/sampler_waited_seconds')}. GC pauses within the 150 steps, sync then async: {gc} s. "
+                    f"Same JSON and command as the table above.\n")
+
+
 TABLES: dict[str, Callable[[], str]] = {"default_train_seeds": default_train_seeds, "env_train_seeds": env_train_seeds,
                                         "agent_benchmarks": agent_benchmarks, "headline": headline,
                                         "compare_default": compare_default, "benchmarks_cpu": benchmarks_cpu,
                                         "async_default": async_default, "async_equal_wall": async_equal_wall,
+                                        "async_breakdown": async_breakdown,
                                         "compare_env": compare_env, "compare_env_summary": compare_env_summary}
 
 

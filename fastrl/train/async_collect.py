@@ -2,8 +2,11 @@
 ``n`` steps are sampled by a process of its own while the trainer updates.
 
 ``AsyncCollector`` has the ``Collector`` interface (``collect(sampler=, step=, timer=)``
-returns one step's ``GroupRollout`` and its metrics). At step ``s`` it snapshots the
-trainer's current weights ``w_s`` (the policy after ``s`` updates), submits the rollouts of
+returns one step's ``GroupRollout`` and its metrics). At step ``s`` it copies the
+trainer's current weights ``w_s`` (the policy after ``s`` updates) into a free weight slot
+of the sampler process (``async_steps + 1`` slots; a slot is held until every rollout
+sampled from it has been received, so it is never overwritten while a rollout that reads it
+is in flight), submits the rollouts of
 the steps up to ``s + n`` that are not yet in flight (prompts drawn from the batcher in step
 order, each sampled with ``w_s``), then waits for the rollout of step ``s`` (submitted at
 step ``s - n`` with ``w_{s-n}``, or at the run's first step with its weights) and scores
@@ -28,6 +31,17 @@ the rollouts the uninterrupted one trains on.
 
 Scoring runs in the trainer's process when a rollout is taken (the reward pool is started
 and used from the main thread), so the ``reward`` time is not hidden behind the update.
+
+What a step spends on the asynchrony itself (logged per step; ``docs/train.md`` has the
+breakdown of a run): ``time/weights``, copying the trainer's weights into a shared-memory
+slot of the sampler process (``ProcessSampler.put_weights``: no ``state_dict`` snapshot,
+no serialisation, nothing through the pipe); ``time/generate``, the wait for the rollout
+that the update did not hide; ``time/receive``, decoding it (``decode_batch``: raw tensor
+bytes); and from the sampler process ``async/sampler_seconds`` (sampling),
+``async/sampler_cpu_seconds``, ``async/sampler_load_seconds`` (its weight copy),
+``async/sampler_encode_seconds`` and ``async/sampler_waited_seconds`` (idle, waiting for the
+trainer's next request). The worker thread only moves the request and the reply's bytes
+(about 0.5 ms of CPU per rollout on the embedded default, measured with ``thread_time``).
 """
 
 from __future__ import annotations
@@ -43,7 +57,7 @@ import torch
 
 from fastrl.errors import InputError
 from fastrl.rollout.base import GroupRollout, RolloutBatch
-from fastrl.rollout.process import ProcessSampler, weights_bytes
+from fastrl.rollout.process import ProcessSampler, SamplerReply, SamplerTimes, decode_batch, encode_batch
 from fastrl.train.checkpoint import extra_file, load_extra
 from fastrl.train.collect import Collector, RolloutRequest
 from fastrl.train.config import TrainConfig
@@ -66,15 +80,20 @@ class InFlight:
     """The updates the weights it is sampled with had seen (the trainer's step at submission)."""
     request: RolloutRequest
     future: concurrent.futures.Future
+    """Its ``SamplerReply``."""
+    slot: int | None
+    """The sampler's weight slot it holds until received (None: restored from a checkpoint)."""
 
     def saved(self) -> dict[str, Any]:
-        return {"step": self.step, "version": self.version, "request": self.request, "batch": self.future.result()}
+        batch = decode_batch(self.future.result().data)
+        return {"step": self.step, "version": self.version, "request": self.request, "batch": batch}
 
     @classmethod
     def restored(cls, saved: dict[str, Any]) -> "InFlight":
         future: concurrent.futures.Future = concurrent.futures.Future()
-        future.set_result(saved["batch"])
-        return cls(step=int(saved["step"]), version=int(saved["version"]), request=saved["request"], future=future)
+        future.set_result(SamplerReply(encode_batch(saved["batch"]), SamplerTimes()))
+        return cls(step=int(saved["step"]), version=int(saved["version"]), request=saved["request"], future=future,
+                   slot=None)
 
 
 class AsyncCollector:
@@ -98,26 +117,25 @@ class AsyncCollector:
         """Step ``step``'s rollout (``sampler``, the trainer's in-process one, is not used)."""
         refills = self.inner.cfg.dynamic_sampling
         if not refills:
-            self._submit_up_to(step)  # the next rollouts are sampled while this one is waited for and trained on
+            self._submit_up_to(step, timer=timer)  # the next rollouts are sampled while this one is waited for and trained on
         elif not self.pending:
-            self._submit_up_to(step, ahead=0)  # the run's first step: its own rollout (the next ones after its refill)
+            self._submit_up_to(step, timer=timer, ahead=0)  # the run's first step: its own rollout (the next ones after its refill)
         item = self.pending.popleft()
         if item.step != step:
             raise RuntimeError(f"async collection out of step: the rollout in flight is step {item.step}'s, the trainer is at {step}")
         staleness = step - item.version
         if not 0 <= staleness <= self.async_steps:
             raise RuntimeError(f"step {step}: a rollout {staleness} updates old, async_steps={self.async_steps}")
-        with timer("generate"):  # only the wait that the update did not hide
-            batch = item.future.result()
+        batch, times = self._receive(item, timer=timer)
         with timer("reward"):
             rollout = self.inner.score(item.request, batch)
         info = {"dynamic/rounds": 0.0, "dynamic/dropped_groups": 0.0, "async/staleness": float(staleness),
-                "async/sampler_seconds": float(batch.stats.seconds)}
+                **sampler_metrics(times)}
         if refills:
             rollout, dynamic = self.inner.refill(rollout, more=lambda salt: self._refill_round(step=step, salt=salt, timer=timer),
                                                  pad_token_id=self.sampler.pad_token_id)
             info.update(dynamic)
-            self._submit_up_to(step)
+            self._submit_up_to(step, timer=timer)
         return rollout, info
 
     def experience(self, rollout: GroupRollout, *, device: Any) -> Any:
@@ -138,7 +156,7 @@ class AsyncCollector:
         self.sampler.close()
 
     # ------------------------------------------------------------------ internals
-    def _submit_up_to(self, step: int, *, ahead: int | None = None) -> None:
+    def _submit_up_to(self, step: int, *, timer: Any, ahead: int | None = None) -> None:
         """Submit the rollouts of steps ``next_step .. min(step + ahead, steps - 1)`` (``ahead``:
         ``async_steps`` unless given), sampled with the weights of now."""
         if self.next_step is None:
@@ -146,25 +164,46 @@ class AsyncCollector:
         last = min(step + (self.async_steps if ahead is None else ahead), self.steps - 1)
         if self.next_step > last:
             return
-        weights = weights_bytes(self.weights)  # w_step, before this step's update changes them
+        with timer("weights"):  # w_step, before this step's update changes them
+            slot = self.sampler.put_weights(self.weights, holders=last - self.next_step + 1)
         while self.next_step <= last:
             request = self.inner.draw(step=self.next_step, salt=0)
-            future = self.executor.submit(self._generate, request, weights)
-            self.pending.append(InFlight(step=self.next_step, version=step, request=request, future=future))
+            future = self.executor.submit(self._sample, request, slot)
+            self.pending.append(InFlight(step=self.next_step, version=step, request=request, future=future, slot=slot))
             self.next_step += 1
 
     def _refill_round(self, *, step: int, salt: int, timer: Any) -> GroupRollout:
         """A dynamic-sampling round of step ``step``: its next prompts, sampled by the sampler
         process with the trainer's weights of now (0 updates old) and scored."""
         request = self.inner.draw(step=step, salt=salt)
-        with timer("generate"):
-            batch = self.executor.submit(self._generate, request, weights_bytes(self.weights)).result()
+        with timer("weights"):
+            slot = self.sampler.put_weights(self.weights)
+        item = InFlight(step=step, version=step, request=request, future=self.executor.submit(self._sample, request, slot),
+                        slot=slot)
+        batch, _ = self._receive(item, timer=timer)
         with timer("reward"):
             return self.inner.score(request, batch)
 
-    def _generate(self, request: RolloutRequest, weights: bytes) -> RolloutBatch:
-        return self.sampler.generate(request.prompt_batch.prompt_ids, group_size=self.group_size, sampling=request.sampling,
-                                     prompt_seeds=request.prompt_seeds, weights=weights)
+    def _receive(self, item: InFlight, *, timer: Any) -> tuple[RolloutBatch, SamplerTimes]:
+        """``item``'s rollout, waited for and decoded; its weight slot released."""
+        with timer("generate"):  # only the wait that the update did not hide
+            reply = item.future.result()
+        if item.slot is not None:
+            self.sampler.release(item.slot)
+        with timer("receive"):
+            batch = decode_batch(reply.data)
+        return batch, reply.times
+
+    def _sample(self, request: RolloutRequest, slot: int) -> SamplerReply:
+        return self.sampler.sample(request.prompt_batch.prompt_ids, group_size=self.group_size, sampling=request.sampling,
+                                   prompt_seeds=request.prompt_seeds, slot=slot)
+
+
+def sampler_metrics(times: SamplerTimes) -> dict[str, float]:
+    """The sampler process's timings of a rollout as ``async/sampler_...`` metrics (seconds)."""
+    return {"async/sampler_seconds": times.generate, "async/sampler_cpu_seconds": times.generate_cpu,
+            "async/sampler_load_seconds": times.load, "async/sampler_encode_seconds": times.encode,
+            "async/sampler_waited_seconds": times.waited}
 
 
 def make_collector(*, cfg: TrainConfig, batcher: Any, ranks: Any, scorer: Any, weights: torch.nn.Module,
@@ -191,6 +230,8 @@ def make_collector(*, cfg: TrainConfig, batcher: Any, ranks: Any, scorer: Any, w
             raise InputError(f"resume: {resume_dir} holds the in-flight rollouts of {written} processes (async_steps); "
                              f"resume it with {written} processes, this run has {ranks.world_size}")
         in_flight = load_extra(resume_dir, IN_FLIGHT, rank=ranks.rank)
-    sampler = ProcessSampler(weights, pad_token_id=pad_token_id, timeout_s=cfg.sampler_timeout, decode=cfg.sampler_decode)
+    # a slot per weight version a rollout in flight can hold, and one for the version being put
+    sampler = ProcessSampler(weights, pad_token_id=pad_token_id, timeout_s=cfg.sampler_timeout, decode=cfg.sampler_decode,
+                             weight_slots=cfg.async_steps + 1)
     return AsyncCollector(inner=inner, sampler=sampler, weights=weights, async_steps=cfg.async_steps, steps=cfg.steps,
                           in_flight=in_flight)

@@ -11,7 +11,8 @@ import pytest
 import torch
 
 from fastrl.errors import InputError
-from fastrl.train.async_collect import AsyncCollector
+from fastrl.rollout.process import SamplerTimes
+from fastrl.train.async_collect import AsyncCollector, sampler_metrics
 from fastrl.train.config import TrainConfig
 from fastrl.train.trainer import Trainer
 
@@ -55,6 +56,12 @@ def test_async_run_is_one_step_stale_and_resumes_exactly(tmp_path):
     s, a = steps(tmp_path / "sync"), steps(tmp_path / "async")
     assert [m["async/staleness"] for m in a] == [0.0, 1.0, 1.0]
     assert "async/staleness" not in s[0]
+    # what the asynchrony costs is logged every step: the trainer's side (weights into the
+    # shared slot, the wait, decoding the reply) and the sampler process's; the last step
+    # has no next rollout to send weights for
+    assert ["time/weights" in m for m in a] == [True, True, False]
+    for key in ("time/generate", "time/receive", *sampler_metrics(SamplerTimes())):
+        assert all(key in m for m in a), key
     # step 1: both sample with the initial weights, same seeds: the same rollout and loss
     # (the worker's copy of the policy is the trainer's; decoupled with a fresh sampler is w = 1)
     for key in ("reward/mean", "response/length_mean", "loss/total", "grad_norm"):
