@@ -77,6 +77,7 @@ import torch.nn.functional as F
 from fastrl._checks import check_choice, resolve_backend
 from fastrl.errors import InputError
 from fastrl.ops.decode_attention import PrefixRows, padded_prefix_attention, shared_prefix_decode_attention
+from fastrl.rollout.lean_decode import lean_decoder
 from fastrl.rollout.base import RolloutBatch, RolloutStats, SamplingConfig, validate_prompt_seeds, validate_prompts
 
 ATTN_NAME = "fastrl_shared_prefix"
@@ -102,6 +103,10 @@ logits; at 32 and 64 rows it is slower (``benchmarks/bench_lm_head_layout.py``,
 ``benchmarks/results/lm-head-layout-cpu-20261201-235130.json``)."""
 TRANSPOSED_HEAD_MIN_STEPS = 16
 """... and when the rollout runs at least this many decode steps (the copy costs a few steps)."""
+LEAN_CHECK_RTOL = 1e-4
+LEAN_CHECK_ATOL = 1e-5
+"""The lean decode forward's first output must match the model's own within these (relative;
+absolute, times ``1 + max |h|``), else the sampler keeps the model's forward."""
 DECODE_MODES = ("eager", "static", "cuda_graph")
 """``HFGroupSampler(decode=...)``: the per-token step as variable-shape eager ops, as one
 static-shape step (run eagerly; the CPU test of the captured path), or that step captured
@@ -627,6 +632,9 @@ class HFGroupSampler:
         project only the rows still sampling, with a transposed weight on CPU): decided at the
         first prefill, where the model's own logits must equal ``lm_head`` of its base model's
         last hidden states (a model that scales or caps its logits keeps its own forward)."""
+        self._lean = lean_decoder(model)
+        """The lean decode forward (None: the model's own), trusted once ``_lean_checked``."""
+        self._lean_checked = False
         _register()
 
     # ------------------------------------------------------------------ weights
@@ -680,10 +688,28 @@ class HFGroupSampler:
 
     def _forward(self, kv: CascadeKV, ids: torch.Tensor, pos: torch.Tensor, head: "_LMHead | None") -> torch.Tensor:
         """The last position's output of every row: its hidden state when ``head`` is given
-        (the caller projects the rows it needs), else the model's fp32 logits."""
+        (the caller projects the rows it needs), else the model's fp32 logits.
+
+        Decode forwards with ``head`` run the lean forward of the layers
+        (:mod:`fastrl.rollout.lean_decode`) where the model's modules are the ones it
+        reimplements. Its first use is checked against the model's own forward on the same
+        step (the model's runs first; the lean one's keys/values, written second, are kept, so
+        every rollout's tokens come from the lean forward alone and seeds reproduce); a model
+        whose outputs differ keeps its own forward (run again, so its keys/values are kept)."""
         if head is not None:
+            lean = self._lean if kv.mode != "prefill" else None
+            if lean is not None and self._lean_checked:
+                return lean(ids, pos, kv.attend)[:, -1]
             out = self.model.base_model(input_ids=ids, position_ids=pos, use_cache=False, **{_KV_KWARG: kv})
-            return out.last_hidden_state[:, -1]
+            h = out.last_hidden_state[:, -1]
+            if lean is None:
+                return h
+            lean_out = lean(ids, pos, kv.attend)[:, -1]
+            if bool(torch.allclose(lean_out, h, rtol=LEAN_CHECK_RTOL, atol=LEAN_CHECK_ATOL * (1.0 + float(h.abs().max())))):
+                self._lean_checked = True
+                return lean_out
+            self._lean = None
+            return self._forward(kv, ids, pos, head)
         out = self.model(input_ids=ids, position_ids=pos, use_cache=False, logits_to_keep=1, **{_KV_KWARG: kv})
         return out.logits[:, -1].float()
 
