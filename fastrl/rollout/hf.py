@@ -10,9 +10,9 @@ prompt. The work it does:
    one copy per distinct prompt, never repeated G times (:class:`CascadeKV`).
 2. **Decode in one batch.** All ``B = num_prompts * G`` rows step together. Each new
    token's keys/values are written in place into a preallocated per-row suffix buffer
-   ``[B, Hkv, capacity, D]`` (no per-step concatenation). Attention is the cascade over the
-   row's stored prompt and its own suffix, merged with their log-sum-exps, in a fixed
-   number of batched ops per layer with no loop over groups
+   ``[B, Hkv, capacity, D]`` (no per-step concatenation). Attention is over the row's stored
+   prompt and its own suffix: their scores in two batched matmuls, one softmax over both, in
+   a fixed number of batched ops per layer with no loop over groups
    (``fastrl.ops.decode_attention.padded_prefix_attention`` on CPU; on CUDA the Triton
    kernels of ``shared_prefix_decode_attention`` read each group's prompt once). The only
    host sync per step is the stop check (none when no row can end early).
@@ -138,7 +138,7 @@ class CascadeKV:
         bias = torch.zeros(len(prompt_lens), self.P, device=device)
         for u, n in enumerate(prompt_lens):
             bias[u, n:] = float("-inf")
-        self.prefix_bias = bias
+        self.prefix_bias = bias if any(n < self.P for n in prompt_lens) else None  # None: no prompt is padded
         # the prefill attends all prompts at once, right-padded, unless padding would cost more
         # than PREFILL_PAD_WASTE times the attention of the prompts themselves
         U, P = len(prompt_lens), self.P
