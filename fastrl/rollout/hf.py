@@ -272,8 +272,6 @@ class CascadeKV:
             cu = self.cu_seqlens
             U = len(self.prompt_lens)
             Hkv, D = key.shape[1], key.shape[3]
-            pk = key.new_zeros(Hkv, U, self.P, D)
-            pv = value.new_zeros(Hkv, U, self.P, D)
             gqa = query.shape[1] != key.shape[1]
             if U > 1 and self._prefill_padded:
                 # all prompts at once, right-padded to P (pad slots repeat a prompt's last token:
@@ -292,6 +290,8 @@ class CascadeKV:
                 out = out.transpose(1, 2).reshape(U * P, Hq, D).index_select(0, self._prefill_real)
                 return out[None]  # [1, sum P, Hq, D]
             outs = []
+            pk = key.new_zeros(Hkv, U, self.P, D)
+            pv = value.new_zeros(Hkv, U, self.P, D)
             for u, (a, b) in enumerate(zip(cu[:-1], cu[1:])):  # once per rollout, not per token
                 pk[:, u, : b - a] = key[0, :, a:b]
                 pv[:, u, : b - a] = value[0, :, a:b]
