@@ -15,7 +15,10 @@ prompt. The work it does:
    a fixed number of batched ops per layer with no loop over groups
    (``fastrl.ops.decode_attention.padded_prefix_attention`` on CPU; on CUDA the Triton
    kernels of ``shared_prefix_decode_attention`` read each group's prompt once). The only
-   host sync per step is the stop check (none when no row can end early).
+   host sync per step is the stop check (none when no row can end early). For Llama/Qwen2
+   models in fp32 the prefills and decode steps run the layers through
+   :mod:`fastrl.rollout.lean_decode` (the same weights in fewer ops; checked once, at the
+   first prefill, against the model's own forward).
 3. **Project only what is sampled.** The decode steps run the model's base model and apply
    its output projection themselves, to the rows still sampling only (rows that hit a stop
    token or their budget drop out of the LM head and the sampling); on CPU, with at most
@@ -105,8 +108,8 @@ TRANSPOSED_HEAD_MIN_STEPS = 16
 """... and when the rollout runs at least this many decode steps (the copy costs a few steps)."""
 LEAN_CHECK_RTOL = 1e-4
 LEAN_CHECK_ATOL = 1e-5
-"""The lean decode forward's first output must match the model's own within these (relative;
-absolute, times ``1 + max |h|``), else the sampler keeps the model's forward."""
+"""The lean forward's hidden states at the first prefill must match the model's own within these
+(relative; absolute, times ``1 + max |h|``), else the sampler keeps the model's forward."""
 DECODE_MODES = ("eager", "static", "cuda_graph")
 """``HFGroupSampler(decode=...)``: the per-token step as variable-shape eager ops, as one
 static-shape step (run eagerly; the CPU test of the captured path), or that step captured
@@ -688,28 +691,14 @@ class HFGroupSampler:
 
     def _forward(self, kv: CascadeKV, ids: torch.Tensor, pos: torch.Tensor, head: "_LMHead | None") -> torch.Tensor:
         """The last position's output of every row: its hidden state when ``head`` is given
-        (the caller projects the rows it needs), else the model's fp32 logits.
-
-        Decode forwards with ``head`` run the lean forward of the layers
-        (:mod:`fastrl.rollout.lean_decode`) where the model's modules are the ones it
-        reimplements. Its first use is checked against the model's own forward on the same
-        step (the model's runs first; the lean one's keys/values, written second, are kept, so
-        every rollout's tokens come from the lean forward alone and seeds reproduce); a model
-        whose outputs differ keeps its own forward (run again, so its keys/values are kept)."""
+        (the caller projects the rows it needs), else the model's fp32 logits. With ``head``,
+        the lean forward of the layers (:mod:`fastrl.rollout.lean_decode`) once it passed its
+        check at the first prefill (:meth:`_prefill`)."""
         if head is not None:
-            lean = self._lean if kv.mode != "prefill" else None
-            if lean is not None and self._lean_checked:
-                return lean(ids, pos, kv.attend)[:, -1]
+            if self._lean is not None and self._lean_checked:
+                return self._lean(ids, pos, kv.attend)[:, -1]
             out = self.model.base_model(input_ids=ids, position_ids=pos, use_cache=False, **{_KV_KWARG: kv})
-            h = out.last_hidden_state[:, -1]
-            if lean is None:
-                return h
-            lean_out = lean(ids, pos, kv.attend)[:, -1]
-            if bool(torch.allclose(lean_out, h, rtol=LEAN_CHECK_RTOL, atol=LEAN_CHECK_ATOL * (1.0 + float(h.abs().max())))):
-                self._lean_checked = True
-                return lean_out
-            self._lean = None
-            return self._forward(kv, ids, pos, head)
+            return out.last_hidden_state[:, -1]
         out = self.model(input_ids=ids, position_ids=pos, use_cache=False, logits_to_keep=1, **{_KV_KWARG: kv})
         return out.logits[:, -1].float()
 
@@ -718,16 +707,29 @@ class HFGroupSampler:
         return h if head is None else head(h, out=None if out is None else out[: h.shape[0]])
 
     def _prefill(self, distinct_prompts: list[list[int]], device: torch.device, backend: str) -> tuple[CascadeKV, torch.Tensor]:
-        """Run the distinct prompts once (packed); returns the store and their last logits ``[U, V]``."""
+        """Run the distinct prompts once (packed); returns the store and their last logits ``[U, V]``.
+
+        The first prefill runs the model's own forward and decides two things from it: whether
+        ``lm_head(base_model(x))`` is the model's output (``_split``), and, where the lean
+        forward of the layers applies (:mod:`fastrl.rollout.lean_decode`), whether it gives the
+        same hidden states (run second: its keys/values are the ones kept, so every rollout's
+        tokens come from the lean forward alone and seeds reproduce). A model that fails keeps
+        its own forward (the prefill runs again with it). From then on prefills and decode
+        steps run the lean forward where it passed."""
         kv = CascadeKV(num_layers=self.model.config.num_hidden_layers, prompt_lens=[len(p) for p in distinct_prompts],
                        backend=backend, device=device)
         cu = kv.cu_seqlens
         ids = torch.tensor([t for p in distinct_prompts for t in p], dtype=torch.long, device=device)[None]
         pos = torch.cat([torch.arange(len(p), device=device) for p in distinct_prompts])[None]
         last = torch.tensor(cu[1:], device=device) - 1
+        head = self.model.get_output_embeddings()
+        if self._split and self._lean is not None and self._lean_checked:
+            h = self._lean(ids, pos, kv.attend)[0].index_select(0, last)
+            return kv, F.linear(h, head.weight, head.bias).float()
+        check_lean = self._split is not False and self._lean is not None and not self._lean_checked
         seen: list[torch.Tensor] = []
         hook = None
-        if self._split is None:
+        if self._split is None or check_lean:
             hook = self.model.base_model.register_forward_hook(lambda m, a, out: seen.append(getattr(out, "last_hidden_state", None)))
         try:
             out = self.model(input_ids=ids, position_ids=pos, use_cache=False, logits_to_keep=last, **{_KV_KWARG: kv})
@@ -735,13 +737,21 @@ class HFGroupSampler:
             if hook is not None:
                 hook.remove()
         logits = out.logits[0].float()
-        if hook is not None:
-            head = self.model.get_output_embeddings()
-            ok = len(seen) == 1 and isinstance(seen[0], torch.Tensor)
+        captured = len(seen) == 1 and isinstance(seen[0], torch.Tensor)
+        if self._split is None:
+            ok = captured
             if ok:
                 got = F.linear(seen[0][0, last], head.weight, head.bias).float()
                 ok = bool(torch.allclose(got, logits, rtol=1e-4, atol=1e-5 * (1.0 + float(logits.abs().max()))))
             self._split = ok
+        if check_lean and self._split:
+            want = seen[0][0] if captured else None
+            got = self._lean(ids, pos, kv.attend)[0]  # rewrites the prompts' keys/values
+            if want is not None and bool(torch.allclose(got, want, rtol=LEAN_CHECK_RTOL, atol=LEAN_CHECK_ATOL * (1.0 + float(want.abs().max())))):
+                self._lean_checked = True
+                return kv, F.linear(got.index_select(0, last), head.weight, head.bias).float()
+            self._lean = None
+            return self._prefill(distinct_prompts, device, backend)
         return kv, logits
 
     def _stop_ids(self, sampling: SamplingConfig, device: torch.device) -> torch.Tensor:

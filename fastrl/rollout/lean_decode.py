@@ -11,8 +11,9 @@ changed and no weight is copied.
 It is used only for models whose modules are exactly the ones it reimplements
 (:func:`lean_decoder` checks the classes and the config: SiLU MLP, RMSNorm, full attention, no
 extra norms, no forward hooks on its modules), in fp32 (other dtypes keep the model's own forward, whose casts it would have to
-copy). The sampler checks it once against the model's forward before relying on it
-(``HFGroupSampler``; a model that fails the check keeps its own forward).
+copy). The sampler checks it once, at its first prefill, against the model's forward before
+relying on it (``HFGroupSampler``; a model that fails the check keeps its own forward). Hooks or
+module swaps made on the layers after that first rollout are not seen: build a new sampler.
 """
 
 from __future__ import annotations

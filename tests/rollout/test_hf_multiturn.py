@@ -66,6 +66,8 @@ class Widths:
 def test_greedy_turns_equal_hf_generate_on_the_whole_history(kind):
     model = tiny(kind)
     sampler = HFGroupSampler(model)
+    # a sampler's first prefill also runs its one-time check of the lean forward (lean_decode)
+    sampler.generate(PROMPTS[:1], group_size=1, sampling=SamplingConfig(greedy=True, max_new_tokens=1))
     G = 2
     widths = Widths(model)
     state = sampler.start(PROMPTS, group_size=G, sampling=SamplingConfig(greedy=True))
