@@ -68,7 +68,7 @@ def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--shapes", default="real,default")
     ap.add_argument("--rounds", type=int, default=3)
-    ap.add_argument("--small-rounds-factor", type=int, default=10, help="the default shape (milliseconds a call) runs this many times more rounds")
+    ap.add_argument("--small-rounds-factor", type=int, default=30, help="the default shape (milliseconds a call) runs this many times more rounds")
     ap.add_argument("--previous", default=None, help="git revision of the previous sampler to compare (e.g. 8697f94)")
     ap.add_argument("--L", type=int, default=None, help="override the completion length")
     ap.add_argument("--top-p", type=float, default=1.0, help="nucleus sampling in every implementation (default off)")

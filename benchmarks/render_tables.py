@@ -25,8 +25,8 @@ PAGES = ("README.md", "docs")
 MARKER = re.compile(r"(<!-- table:(?P<name>[a-z_]+) -->\n)(?P<body>.*?)(<!-- /table -->)", re.S)
 
 
-SAMPLER_VS_GENERATE = "rollout-vs-generate-cpu-20261202-031523.json"
-SAMPLER_MULTITURN = "multiturn-rollout-cpu-20261202-001122.json"
+SAMPLER_VS_GENERATE = "rollout-vs-generate-cpu-20261202-060143.json"
+SAMPLER_MULTITURN = "multiturn-rollout-cpu-20261202-055637.json"
 TRAINER_VS_TRL_REAL_SHAPE = "trainer_vs_trl_real_shape_cpu.json"
 
 

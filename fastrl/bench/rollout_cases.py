@@ -138,8 +138,8 @@ def qwen2_bench_model(*, vocab: int = 151_936, hidden: int = 256, layers: int = 
 
 
 def load_sampler_from_git(revision: str, *, tag: str):
-    """``HFGroupSampler`` as it was at a git revision (``git show REV:fastrl/rollout/hf.py``),
-    imported as a module of its own; its attention-interface names get ``tag`` appended so it
+    """``HFGroupSampler`` as it was at a git revision (``git show REV:fastrl/rollout/hf.py``,
+    with ``fastrl/ops/decode_attention.py`` of that revision), imported as a module of its own; its attention-interface names get ``tag`` appended so it
     does not replace the current sampler's registration."""
     import importlib.util
     import subprocess
@@ -150,7 +150,18 @@ def load_sampler_from_git(revision: str, *, tag: str):
     root = Path(__file__).resolve().parents[2]
     src = subprocess.run(["git", "show", f"{revision}:fastrl/rollout/hf.py"], cwd=root, check=True, capture_output=True, text=True).stdout
     src = src.replace('"fastrl_shared_prefix"', f'"fastrl_shared_prefix_{tag}"').replace('"fastrl_shared_prefix_kv"', f'"fastrl_shared_prefix_kv_{tag}"')
-    path = Path(tempfile.mkdtemp()) / f"hf_sampler_{tag}.py"
+    tmp = Path(tempfile.mkdtemp())
+    # its decode attention as it was then too (the sampler's CPU attention lives in fastrl/ops)
+    ops = subprocess.run(["git", "show", f"{revision}:fastrl/ops/decode_attention.py"], cwd=root, capture_output=True, text=True)
+    if ops.returncode == 0 and "from fastrl.ops.decode_attention import" in src:
+        ops_name = f"decode_attention_{tag}"
+        (tmp / f"{ops_name}.py").write_text(ops.stdout)
+        ops_spec = importlib.util.spec_from_file_location(ops_name, tmp / f"{ops_name}.py")
+        ops_module = importlib.util.module_from_spec(ops_spec)
+        sys.modules[ops_name] = ops_module
+        ops_spec.loader.exec_module(ops_module)
+        src = src.replace("from fastrl.ops.decode_attention import", f"from {ops_name} import")
+    path = tmp / f"hf_sampler_{tag}.py"
     path.write_text(src)
     spec = importlib.util.spec_from_file_location(f"hf_sampler_{tag}", path)
     module = importlib.util.module_from_spec(spec)

@@ -193,7 +193,7 @@ def padded_prefix_attention(
     q: torch.Tensor,
     prefix_k: torch.Tensor,
     prefix_v: torch.Tensor,
-    prefix_bias: torch.Tensor,
+    prefix_bias: torch.Tensor | None,
     rows: PrefixRows,
     suffix_k: torch.Tensor,
     suffix_v: torch.Tensor,
@@ -207,7 +207,8 @@ def padded_prefix_attention(
     Args:
         q: ``[B, Hq, T, D]`` queries (the attention-interface layout).
         prefix_k, prefix_v: ``[Hkv, U, P, D]`` the ``U`` distinct prompts, right-padded to ``P``.
-        prefix_bias: ``[U, P]`` additive mask (0 on prompt tokens, ``-inf`` on padding).
+        prefix_bias: ``[U, P]`` additive mask (0 on prompt tokens, ``-inf`` on padding), or
+            None when no prompt is padded.
         rows: sample -> prompt layout (:class:`PrefixRows`).
         suffix_k, suffix_v: ``[B, Hkv, S, D]`` each sample's own keys/values (the new tokens'
             already written); slots masked by ``suffix_bias`` are never used (zero them if
@@ -217,38 +218,39 @@ def padded_prefix_attention(
         scale: softmax scale.
 
     Returns ``[B, T, Hq, D]`` in ``q.dtype``: full softmax attention over
-    ``[prompt ; suffix]``, computed as the log-sum-exp merge of the two parts in fp32. Every
-    query must see at least one prompt token (prompts are never empty).
+    ``[prompt ; suffix]`` in fp32. Every query must see at least one prompt token (prompts are
+    never empty).
+
+    Ten-odd ops whatever the shape: the prompt scores of each prompt's rows (one batched
+    matmul per layer, the prompt read once for its samples), each sample's suffix scores
+    (one batched matmul), one softmax over both concatenated in the prompts' row layout,
+    and the two value matmuls; no separate maxima, sums or log-sum-exp merge (the oracle's
+    cascade gives the same result).
     """
     B, Hq, T, D = q.shape
     Hkv, U, P, _ = prefix_k.shape
     R = Hq // Hkv
     M = rows.per_prefix
     RT = R * T
+    S = suffix_k.shape[2]
     qs = (_f32(q) * scale).reshape(B, Hkv, RT, D)  # rows of a kv head: (query head, token)
-    # prefix part: the rows of every sample of prompt u against prompt u, one matmul for all
+    # prompt scores: the rows of every sample of prompt u against prompt u, one matmul for all
     qp = qs if rows.identity else qs.index_select(0, rows.gather)
     qp = qp.view(U, M, Hkv, RT, D).permute(2, 0, 1, 3, 4).reshape(Hkv, U, M * RT, D)
-    sp = torch.matmul(qp, _f32(prefix_k).transpose(-1, -2)).add_(prefix_bias[None, :, None, :])  # [Hkv, U, M*RT, P]
-    m_p = sp.amax(-1, keepdim=True)
-    e_p = sp.sub_(m_p).exp_()
-    l_p = e_p.sum(-1, keepdim=True)
-    o_p = torch.matmul(e_p, _f32(prefix_v))  # [Hkv, U, M*RT, D], not normalised
-
-    def to_samples(x: torch.Tensor) -> torch.Tensor:  # [Hkv, U, M*RT, C] -> [B, Hkv, RT, C]
-        x = x.view(Hkv, U * M, RT, x.shape[-1]).transpose(0, 1)
-        return x if rows.identity else x.index_select(0, rows.position)
-
-    m_p, l_p, o_p = to_samples(m_p), to_samples(l_p), to_samples(o_p)
-    # suffix part: every sample against its own slots
+    sp = torch.matmul(qp, _f32(prefix_k).transpose(-1, -2))  # [Hkv, U, M*RT, P]
+    if prefix_bias is not None:
+        sp = sp.add_(prefix_bias[None, :, None, :])
+    # suffix scores: every sample against its own slots, then in the prompts' row layout
     ss = torch.matmul(qs, _f32(suffix_k).transpose(-1, -2))  # [B, Hkv, RT, S]
     if suffix_bias is not None:
-        S = ss.shape[-1]
         ss = ss.view(B, Hkv, R, T, S).add_(suffix_bias[:, None, None]).view(B, Hkv, RT, S)
-    m = torch.maximum(m_p, ss.amax(-1, keepdim=True))  # finite: the prompt part always has a key
-    e_s = ss.sub_(m).exp_()
-    a = (m_p - m).exp_()
-    num = torch.matmul(e_s, _f32(suffix_v)).add_(o_p * a)
-    den = e_s.sum(-1, keepdim=True).add_(l_p * a)
-    out = num.div_(den)  # [B, Hkv, RT, D]
+    if not rows.identity:
+        ss = ss.index_select(0, rows.gather)
+    ss = ss.view(U, M, Hkv, RT, S).permute(2, 0, 1, 3, 4).reshape(Hkv, U, M * RT, S)
+    probs = torch.softmax(torch.cat((sp, ss), dim=-1), dim=-1)  # [Hkv, U, M*RT, P + S]
+    o = torch.matmul(probs[..., :P], _f32(prefix_v)).view(Hkv, U * M, RT, D).transpose(0, 1)  # [U*M, Hkv, RT, D]
+    ps = probs[..., P:].reshape(Hkv, U * M, RT, S).transpose(0, 1)
+    if not rows.identity:
+        o, ps = o.index_select(0, rows.position), ps.index_select(0, rows.position)
+    out = torch.matmul(ps, _f32(suffix_v)).add_(o)  # [B, Hkv, RT, D]
     return out.view(B, Hq, T, D).transpose(1, 2).to(q.dtype)

@@ -10,12 +10,15 @@ prompt. The work it does:
    one copy per distinct prompt, never repeated G times (:class:`CascadeKV`).
 2. **Decode in one batch.** All ``B = num_prompts * G`` rows step together. Each new
    token's keys/values are written in place into a preallocated per-row suffix buffer
-   ``[B, Hkv, capacity, D]`` (no per-step concatenation). Attention is the cascade over the
-   row's stored prompt and its own suffix, merged with their log-sum-exps, in a fixed
-   number of batched ops per layer with no loop over groups
+   ``[B, Hkv, capacity, D]`` (no per-step concatenation). Attention is over the row's stored
+   prompt and its own suffix: their scores in two batched matmuls, one softmax over both, in
+   a fixed number of batched ops per layer with no loop over groups
    (``fastrl.ops.decode_attention.padded_prefix_attention`` on CPU; on CUDA the Triton
    kernels of ``shared_prefix_decode_attention`` read each group's prompt once). The only
-   host sync per step is the stop check (none when no row can end early).
+   host sync per step is the stop check (none when no row can end early). For Llama/Qwen2
+   models in fp32 the prefills and decode steps run the layers through
+   :mod:`fastrl.rollout.lean_decode` (the same weights in fewer ops; checked once, at the
+   first prefill, against the model's own forward).
 3. **Project only what is sampled.** The decode steps run the model's base model and apply
    its output projection themselves, to the rows still sampling only (rows that hit a stop
    token or their budget drop out of the LM head and the sampling); on CPU, with at most
@@ -77,6 +80,7 @@ import torch.nn.functional as F
 from fastrl._checks import check_choice, resolve_backend
 from fastrl.errors import InputError
 from fastrl.ops.decode_attention import PrefixRows, padded_prefix_attention, shared_prefix_decode_attention
+from fastrl.rollout.lean_decode import lean_decoder
 from fastrl.rollout.base import RolloutBatch, RolloutStats, SamplingConfig, validate_prompt_seeds, validate_prompts
 
 ATTN_NAME = "fastrl_shared_prefix"
@@ -102,6 +106,10 @@ logits; at 32 and 64 rows it is slower (``benchmarks/bench_lm_head_layout.py``,
 ``benchmarks/results/lm-head-layout-cpu-20261201-235130.json``)."""
 TRANSPOSED_HEAD_MIN_STEPS = 16
 """... and when the rollout runs at least this many decode steps (the copy costs a few steps)."""
+LEAN_CHECK_RTOL = 1e-4
+LEAN_CHECK_ATOL = 1e-5
+"""The lean forward's hidden states at the first prefill must match the model's own within these
+(relative; absolute, times ``1 + max |h|``), else the sampler keeps the model's forward."""
 DECODE_MODES = ("eager", "static", "cuda_graph")
 """``HFGroupSampler(decode=...)``: the per-token step as variable-shape eager ops, as one
 static-shape step (run eagerly; the CPU test of the captured path), or that step captured
@@ -133,7 +141,7 @@ class CascadeKV:
         bias = torch.zeros(len(prompt_lens), self.P, device=device)
         for u, n in enumerate(prompt_lens):
             bias[u, n:] = float("-inf")
-        self.prefix_bias = bias
+        self.prefix_bias = bias if any(n < self.P for n in prompt_lens) else None  # None: no prompt is padded
         # the prefill attends all prompts at once, right-padded, unless padding would cost more
         # than PREFILL_PAD_WASTE times the attention of the prompts themselves
         U, P = len(prompt_lens), self.P
@@ -267,8 +275,6 @@ class CascadeKV:
             cu = self.cu_seqlens
             U = len(self.prompt_lens)
             Hkv, D = key.shape[1], key.shape[3]
-            pk = key.new_zeros(Hkv, U, self.P, D)
-            pv = value.new_zeros(Hkv, U, self.P, D)
             gqa = query.shape[1] != key.shape[1]
             if U > 1 and self._prefill_padded:
                 # all prompts at once, right-padded to P (pad slots repeat a prompt's last token:
@@ -287,6 +293,8 @@ class CascadeKV:
                 out = out.transpose(1, 2).reshape(U * P, Hq, D).index_select(0, self._prefill_real)
                 return out[None]  # [1, sum P, Hq, D]
             outs = []
+            pk = key.new_zeros(Hkv, U, self.P, D)
+            pv = value.new_zeros(Hkv, U, self.P, D)
             for u, (a, b) in enumerate(zip(cu[:-1], cu[1:])):  # once per rollout, not per token
                 pk[:, u, : b - a] = key[0, :, a:b]
                 pv[:, u, : b - a] = value[0, :, a:b]
@@ -627,6 +635,9 @@ class HFGroupSampler:
         project only the rows still sampling, with a transposed weight on CPU): decided at the
         first prefill, where the model's own logits must equal ``lm_head`` of its base model's
         last hidden states (a model that scales or caps its logits keeps its own forward)."""
+        self._lean = lean_decoder(model)
+        """The lean decode forward (None: the model's own), trusted once ``_lean_checked``."""
+        self._lean_checked = False
         _register()
 
     # ------------------------------------------------------------------ weights
@@ -680,8 +691,12 @@ class HFGroupSampler:
 
     def _forward(self, kv: CascadeKV, ids: torch.Tensor, pos: torch.Tensor, head: "_LMHead | None") -> torch.Tensor:
         """The last position's output of every row: its hidden state when ``head`` is given
-        (the caller projects the rows it needs), else the model's fp32 logits."""
+        (the caller projects the rows it needs), else the model's fp32 logits. With ``head``,
+        the lean forward of the layers (:mod:`fastrl.rollout.lean_decode`) once it passed its
+        check at the first prefill (:meth:`_prefill`)."""
         if head is not None:
+            if self._lean is not None and self._lean_checked:
+                return self._lean(ids, pos, kv.attend)[:, -1]
             out = self.model.base_model(input_ids=ids, position_ids=pos, use_cache=False, **{_KV_KWARG: kv})
             return out.last_hidden_state[:, -1]
         out = self.model(input_ids=ids, position_ids=pos, use_cache=False, logits_to_keep=1, **{_KV_KWARG: kv})
@@ -692,16 +707,29 @@ class HFGroupSampler:
         return h if head is None else head(h, out=None if out is None else out[: h.shape[0]])
 
     def _prefill(self, distinct_prompts: list[list[int]], device: torch.device, backend: str) -> tuple[CascadeKV, torch.Tensor]:
-        """Run the distinct prompts once (packed); returns the store and their last logits ``[U, V]``."""
+        """Run the distinct prompts once (packed); returns the store and their last logits ``[U, V]``.
+
+        The first prefill runs the model's own forward and decides two things from it: whether
+        ``lm_head(base_model(x))`` is the model's output (``_split``), and, where the lean
+        forward of the layers applies (:mod:`fastrl.rollout.lean_decode`), whether it gives the
+        same hidden states (run second: its keys/values are the ones kept, so every rollout's
+        tokens come from the lean forward alone and seeds reproduce). A model that fails keeps
+        its own forward (the prefill runs again with it). From then on prefills and decode
+        steps run the lean forward where it passed."""
         kv = CascadeKV(num_layers=self.model.config.num_hidden_layers, prompt_lens=[len(p) for p in distinct_prompts],
                        backend=backend, device=device)
         cu = kv.cu_seqlens
         ids = torch.tensor([t for p in distinct_prompts for t in p], dtype=torch.long, device=device)[None]
         pos = torch.cat([torch.arange(len(p), device=device) for p in distinct_prompts])[None]
         last = torch.tensor(cu[1:], device=device) - 1
+        head = self.model.get_output_embeddings()
+        if self._split and self._lean is not None and self._lean_checked:
+            h = self._lean(ids, pos, kv.attend)[0].index_select(0, last)
+            return kv, F.linear(h, head.weight, head.bias).float()
+        check_lean = self._split is not False and self._lean is not None and not self._lean_checked
         seen: list[torch.Tensor] = []
         hook = None
-        if self._split is None:
+        if self._split is None or check_lean:
             hook = self.model.base_model.register_forward_hook(lambda m, a, out: seen.append(getattr(out, "last_hidden_state", None)))
         try:
             out = self.model(input_ids=ids, position_ids=pos, use_cache=False, logits_to_keep=last, **{_KV_KWARG: kv})
@@ -709,13 +737,21 @@ class HFGroupSampler:
             if hook is not None:
                 hook.remove()
         logits = out.logits[0].float()
-        if hook is not None:
-            head = self.model.get_output_embeddings()
-            ok = len(seen) == 1 and isinstance(seen[0], torch.Tensor)
+        captured = len(seen) == 1 and isinstance(seen[0], torch.Tensor)
+        if self._split is None:
+            ok = captured
             if ok:
                 got = F.linear(seen[0][0, last], head.weight, head.bias).float()
                 ok = bool(torch.allclose(got, logits, rtol=1e-4, atol=1e-5 * (1.0 + float(logits.abs().max()))))
             self._split = ok
+        if check_lean and self._split:
+            want = seen[0][0] if captured else None
+            got = self._lean(ids, pos, kv.attend)[0]  # rewrites the prompts' keys/values
+            if want is not None and bool(torch.allclose(got, want, rtol=LEAN_CHECK_RTOL, atol=LEAN_CHECK_ATOL * (1.0 + float(want.abs().max())))):
+                self._lean_checked = True
+                return kv, F.linear(got.index_select(0, last), head.weight, head.bias).float()
+            self._lean = None
+            return self._prefill(distinct_prompts, device, backend)
         return kv, logits
 
     def _stop_ids(self, sampling: SamplingConfig, device: torch.device) -> torch.Tensor:

@@ -65,4 +65,6 @@ def test_identity_layout_and_no_suffix_bias():
     assert rows.identity and rows.per_prefix == 3
     out = padded_prefix_attention(q, pk, pv, pbias, rows, sk, sv, None, scale=0.5)  # all S = 3 slots visible
     torch.testing.assert_close(out.double(), _literal(q, pk, pv, prefix_of, lens, sk, sv, starts, 0.5), rtol=1e-5, atol=1e-5)
+    # no prompt is padded: no prompt mask (the sampler passes None), the same result
+    torch.testing.assert_close(padded_prefix_attention(q, pk, pv, None, rows, sk, sv, None, scale=0.5), out, rtol=0, atol=0)
     assert not PrefixRows.build([0, 1, 0, 1], 2, q.device).identity

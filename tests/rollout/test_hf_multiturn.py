@@ -53,18 +53,21 @@ def hf_greedy(model, ids, n):
 
 
 class Widths:
-    """Forward pre-hook: the [rows, width] of every input the model runs (hooked on its base
-    model: the sampler's decode steps run the base model and apply the output projection)."""
+    """Forward pre-hook: the [rows, width] of every input the model runs (hooked on its input
+    embedding, which every forward calls: the model's own, and the sampler's lean decode
+    forward, which runs the layers itself)."""
 
     def __init__(self, model):
         self.shapes = []
-        self.handle = model.base_model.register_forward_pre_hook(lambda m, a, kw: self.shapes.append(tuple(kw["input_ids"].shape)), with_kwargs=True)
+        self.handle = model.get_input_embeddings().register_forward_pre_hook(lambda m, a: self.shapes.append(tuple(a[0].shape)))
 
 
 @pytest.mark.parametrize("kind", ["llama", "qwen2"])
 def test_greedy_turns_equal_hf_generate_on_the_whole_history(kind):
     model = tiny(kind)
     sampler = HFGroupSampler(model)
+    # a sampler's first prefill also runs its one-time check of the lean forward (lean_decode)
+    sampler.generate(PROMPTS[:1], group_size=1, sampling=SamplingConfig(greedy=True, max_new_tokens=1))
     G = 2
     widths = Widths(model)
     state = sampler.start(PROMPTS, group_size=G, sampling=SamplingConfig(greedy=True))
