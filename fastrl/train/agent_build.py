@@ -161,14 +161,15 @@ def agent_scorer(cfg: TrainConfig, setup: AgentSetup, specs: Sequence[Any]) -> A
 def agent_loop(cfg: TrainConfig, setup: AgentSetup, *, batcher: Any, ranks: Any, sampler: Any, pad_token_id: int,
                scorer: Any):
     """The loop's ``(collector, evaluator)`` of an env run: ``AgentCollector`` (rewards from
-    ``scorer``, ``agent_scorer``'s) and ``AgentEvaluator`` (held-out success is the environment's)."""
+    ``scorer``, ``agent_scorer``'s) and ``AgentEvaluator`` (held-out success is the environment's;
+    ``scorer``'s functions add their held-out means)."""
     from fastrl.train.agent_collect import AgentCollector
     from fastrl.train.agent_evaluate import AgentEvaluator
 
     collector = AgentCollector(cfg=cfg, batcher=batcher, ranks=ranks, runtime=setup.runtime, renderer=setup.renderer,
                                pad_token_id=pad_token_id, scorer=scorer)
     evaluator = AgentEvaluator(sampler=sampler, ranks=ranks, rows=setup.eval_rows, runtime=setup.runtime, renderer=setup.renderer,
-                               agent=setup.agent, seed=cfg.seed)
+                               agent=setup.agent, seed=cfg.seed, scorer=scorer)
     return collector, evaluator
 
 
