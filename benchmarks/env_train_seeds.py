@@ -6,7 +6,8 @@ median RL step, the whole run's wall time.
         --out benchmarks/results/env_train_calculator_3seeds_cpu.json
 
 Each seed is a fresh `OMP_NUM_THREADS=1 fastrl train --env NAME --seed S --threads 1` process,
-one after the other (under `nice` when this script is); `--threads default` runs it as a user
+one after the other (`--parallel`: all at once; under `nice` when this script is); a run's CPU
+time is its own (``os.wait4``: the process and the workers it reaped); `--threads default` runs it as a user
 does instead (`fastrl train --env NAME --seed S`: torch's default threads, no OMP_NUM_THREADS).
 The machine's 1-minute load average is recorded before and after each run and sampled every
 `LOAD_SAMPLE_SECONDS` during it (mean and max: the CPU is shared). benchmarks/render_tables.py
@@ -16,9 +17,9 @@ turns the JSON into the README's table.
 from __future__ import annotations
 
 import argparse
+import concurrent.futures
 import json
 import os
-import resource
 import statistics
 import subprocess
 import sys
@@ -53,7 +54,6 @@ def run_seed(env_name: str, seed: int, out: Path, extra: list[str], *, threads: 
         env.pop("OMP_NUM_THREADS", None)
     commit = code_version()
     load_before = os.getloadavg()
-    usage = resource.getrusage(resource.RUSAGE_CHILDREN)
     t0 = time.perf_counter()
     cmd = [sys.executable, "-m", "fastrl.cli", "train", "--env", env_name, "--seed", str(seed), *pinned,
            "--output_dir", str(out), "--progress", "false", *extra]
@@ -66,16 +66,20 @@ def run_seed(env_name: str, seed: int, out: Path, extra: list[str], *, threads: 
 
     sampler = threading.Thread(target=sample_load, daemon=True)
     sampler.start()
+    out.mkdir(parents=True, exist_ok=True)
+    log = out.parent / f"{out.name}.log"
     try:
-        proc = subprocess.run(cmd, env=env, capture_output=True, text=True)
+        with open(log, "w") as sink:
+            proc = subprocess.Popen(cmd, env=env, stdout=sink, stderr=subprocess.STDOUT)
+            _, status, usage = os.wait4(proc.pid, 0)  # this run's own CPU time (it and its reaped workers)
+            proc.returncode = os.waitstatus_to_exitcode(status)
     finally:
         done.set()
         sampler.join()
     wall = time.perf_counter() - t0
-    after = resource.getrusage(resource.RUSAGE_CHILDREN)
-    cpu = (after.ru_utime - usage.ru_utime) + (after.ru_stime - usage.ru_stime)
+    cpu = usage.ru_utime + usage.ru_stime
     if proc.returncode != 0:
-        raise SystemExit(f"seed {seed}: exit {proc.returncode}\n{proc.stdout[-2000:]}\n{proc.stderr[-3000:]}")
+        raise SystemExit(f"seed {seed}: exit {proc.returncode}\n{log.read_text()[-4000:]}")
     return {**read_run(out), "commit": commit, "wall_seconds": round(wall, 1), "cpu_seconds": round(cpu, 1),
             "load_average_before_after": [round(load_before[0], 2), round(os.getloadavg()[0], 2)],
             "load_average_during_mean_max": [round(statistics.fmean(loads), 2), round(max(loads), 2)] if loads else None,
@@ -110,6 +114,8 @@ def main() -> int:
     parser.add_argument("--threads", choices=sorted(COMMANDS), default="1",
                         help="1: OMP_NUM_THREADS=1 and --threads 1 (CPU time comparable); default: as a user runs it")
     parser.add_argument("--machine", default="the project's 2-core CPU, shared with other sessions; seeds one after the other")
+    parser.add_argument("--parallel", action="store_true",
+                        help="run the seeds at the same time (one process each) instead of one after the other")
     parser.add_argument("--runs_dir", type=Path, default=None,
                         help="keep each seed's run directory here (seed<S>); default: a temporary directory")
     parser.add_argument("extra", nargs="*", help="more `fastrl train` options after --, given to every seed")
@@ -122,10 +128,14 @@ def main() -> int:
     args.out.parent.mkdir(parents=True, exist_ok=True)
     with tempfile.TemporaryDirectory() as tmp:
         where = args.runs_dir or Path(tmp)
-        for seed in args.seeds:
-            runs[str(seed)] = run_seed(args.env, seed, where / f"seed{seed}", args.extra, threads=args.threads)
-            print(f"seed {seed}: {json.dumps(runs[str(seed)])}", flush=True)
-            args.out.write_text(json.dumps(payload, indent=1) + "\n")  # after each seed: a partial study survives
+        with concurrent.futures.ThreadPoolExecutor(max_workers=len(args.seeds) if args.parallel else 1) as pool:
+            futures = {pool.submit(run_seed, args.env, seed, where / f"seed{seed}", args.extra, threads=args.threads): seed
+                       for seed in args.seeds}
+            for future in concurrent.futures.as_completed(futures):
+                seed = futures[future]
+                runs[str(seed)] = future.result()
+                print(f"seed {seed}: {json.dumps(runs[str(seed)])}", flush=True)
+                args.out.write_text(json.dumps(payload, indent=1) + "\n")  # after each seed: a partial study survives
     print(f"written to {args.out}")
     return 0
 
