@@ -64,8 +64,8 @@ ENV_TASKS: dict[str, EnvTask] = {
     # 59 tokens for an oracle transcript (prompt, calc call, result, answer) in the character tokenizer
     "calculator": EnvTask(agent=dict(max_turns=3, max_turn_tokens=24, max_trajectory_tokens=128, max_observation_tokens=16),
                           num_train=2000, num_heldout=100),
-    # 161-188 tokens for an oracle transcript (the schema line and question, one query of up to 84
-    # characters, its result without a header line, the answer); 100 RL steps (~3-4 CPU-s each, the query's ~60-85 decode
+    # ~180 tokens for an oracle transcript (the schema line and question, one query of up to 84
+    # characters, its result, the answer); 100 RL steps (~3-4 CPU-s each, the query's ~60-85 decode
     # steps per trajectory): 692-730 CPU-s a run over 3 seeds (docs/agents.md); the warm-up stops
     # at 0.4, so that GRPO's groups of 8 sampled queries are right often enough to learn from
     "sql": EnvTask(agent=dict(max_turns=3, max_turn_tokens=96, max_trajectory_tokens=256, max_observation_tokens=48),

@@ -6,7 +6,7 @@ import pytest
 from fastrl.agents.envs import BUILTIN_ENVS, synthetic_transcripts
 from fastrl.agents.envs.calculator import CalculatorEnv, calculator_rows, safe_arithmetic
 from fastrl.agents.envs.frozenlake import FrozenLakeEnv, frozenlake_rows
-from fastrl.agents.envs.sql import NO_ROWS, QUESTIONS, SqlEnv, build_database, sql_rows
+from fastrl.agents.envs.sql import QUESTIONS, SqlEnv, build_database, sql_rows
 
 
 def test_safe_arithmetic_values():
@@ -64,15 +64,10 @@ def sql_env():
 
 def test_sql_query_answers_and_truncates(sql_env):
     env, row = sql_env
-    assert env.query(row["sql"]) == row["answer"]  # list mode, headers off: the value alone
+    assert env.query(row["sql"]).splitlines()[-1] == row["answer"]
     many = env.query("SELECT * FROM o")
-    first = env.conn.execute("SELECT * FROM o").fetchone()
-    assert many.splitlines()[0] == "|".join(map(str, first))
-    assert len(many.splitlines()) == 3 + 1 and "more than 3 rows" in many
-    assert env.query("SELECT * FROM c WHERE id < 0") == NO_ROWS
-    env.show_header = True
-    assert env.query("SELECT * FROM o").splitlines()[:2] == ["cid|pid|qty", many.splitlines()[0]]
-    env.show_header = False
+    assert many.splitlines()[0] == "cid|pid|qty"
+    assert len(many.splitlines()) == 1 + 3 + 1 and "more than 3 rows" in many
     wide = env.query("SELECT o.*, c.*, p.* FROM o, c, p")
     assert wide.endswith("... (truncated)") and len(wide) == 80 + len("... (truncated)")
     assert env.query("SELEC nonsense").startswith("error: ")

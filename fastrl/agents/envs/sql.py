@@ -7,9 +7,6 @@ reads of columns, functions, recursive CTEs; every write, ``ATTACH``, ``PRAGMA``
 ``PRAGMA query_only``; a watchdog thread calls ``conn.interrupt()`` after
 ``query_timeout_s`` (the observation then says the query timed out); results are cut to
 ``max_rows`` rows and ``max_chars`` characters; SQL errors are returned as observations.
-A result is shown as the ``sqlite3`` shell shows it by default (list mode, headers off): one
-line per row, values separated by ``|``, no column-name line (``show_header=True`` adds it);
-a result without rows is ``(no rows)``.
 Rows: ``{"prompt", "answer", "db_seed", "sql"}`` from :func:`sql_rows` (``sql``: a reference
 query that answers the question; the oracle uses it).
 """
@@ -23,7 +20,7 @@ import threading
 from fastrl.agents.env import Message
 from fastrl.agents.tool_env import ToolEnv
 
-__all__ = ["SqlEnv", "sql_rows", "build_database", "SCHEMA_TEXT", "QUESTIONS", "NO_ROWS"]
+__all__ = ["SqlEnv", "sql_rows", "build_database", "SCHEMA_TEXT", "QUESTIONS"]
 
 _NAMES = ["Ann", "Bob", "Cy", "Dee", "Eve", "Fay", "Gus", "Hal", "Ivy", "Jo", "Kim", "Lu"]
 _CITIES = ["Oslo", "Rome", "Lima", "Kyiv", "Pune"]
@@ -40,9 +37,6 @@ SCHEMA_TEXT = "c(id,name,city) p(id,name,price) o(cid,pid,qty)"
 """The schema as the prompt shows it (customers, products, orders)."""
 NUM_CUSTOMERS, NUM_PRODUCTS, NUM_ORDERS = 6, 5, 15
 """Rows of each table of one database."""
-
-NO_ROWS = "(no rows)"
-"""The observation of a result without rows."""
 
 _READ_ACTIONS = {sqlite3.SQLITE_SELECT, sqlite3.SQLITE_READ, sqlite3.SQLITE_FUNCTION, getattr(sqlite3, "SQLITE_RECURSIVE", 33)}
 """What the authorizer allows: reading, functions, recursive CTEs (read-only too)."""
@@ -114,20 +108,15 @@ class SqlEnv(ToolEnv):
         query_timeout_s: wall-clock limit of one query (a watchdog thread interrupts it).
         max_rows: rows shown of a result.
         max_chars: characters shown of a result.
-        show_header: a first line with the column names (off, as in the ``sqlite3`` shell: the
-            value a question asks for is then the first thing after the tool's turn marker,
-            which the tiny model copies into its answer far more reliably than a value after a
-            ``SUM(qty*price)`` line; docs/agents.md).
         call_format, max_repeated_calls: as for ``ToolEnv``.
     """
 
-    def __init__(self, *, query_timeout_s: float = 1.0, max_rows: int = 10, max_chars: int = 400, show_header: bool = False,
+    def __init__(self, *, query_timeout_s: float = 1.0, max_rows: int = 10, max_chars: int = 400,
                  call_format: str = "compact", max_repeated_calls: int | None = 3) -> None:
         super().__init__(call_format=call_format, max_repeated_calls=max_repeated_calls)
         self.query_timeout_s = query_timeout_s
         self.max_rows = max_rows
         self.max_chars = max_chars
-        self.show_header = show_header
         self.conn: sqlite3.Connection | None = None
         self.row: dict = {}
         self.tools = [self.query]
@@ -162,9 +151,7 @@ class SqlEnv(ToolEnv):
             return f"error: {error}"
         finally:
             timer.cancel()
-        lines = (["|".join(columns)] if self.show_header else []) + ["|".join(str(v) for v in r) for r in rows[: self.max_rows]]
-        if not rows:
-            lines.append(NO_ROWS)
+        lines = ["|".join(columns)] + ["|".join(str(v) for v in r) for r in rows[: self.max_rows]]
         if len(rows) > self.max_rows:
             lines.append(f"... (more than {self.max_rows} rows)")
         text = "\n".join(lines)
