@@ -6,26 +6,33 @@ median RL step, the whole run's wall time.
         --out benchmarks/results/env_train_calculator_3seeds_cpu.json
 
 Each seed is a fresh `OMP_NUM_THREADS=1 fastrl train --env NAME --seed S --threads 1` process,
-one after the other (under `nice` when this script is); the machine's load average is recorded
-before and after each run (the CPU is shared). benchmarks/render_tables.py turns the JSON into
-the README's table.
+one after the other (`--parallel`: all at once; under `nice` when this script is); a run's CPU
+time is its own (``os.wait4``: the process and the workers it reaped); `--threads default` runs it as a user
+does instead (`fastrl train --env NAME --seed S`: torch's default threads, no OMP_NUM_THREADS).
+The machine's 1-minute load average is recorded before and after each run and sampled every
+`LOAD_SAMPLE_SECONDS` during it (mean and max: the CPU is shared). benchmarks/render_tables.py
+turns the JSON into the README's table.
 """
 
 from __future__ import annotations
 
 import argparse
+import concurrent.futures
 import json
 import os
-import resource
 import statistics
 import subprocess
 import sys
 import tempfile
+import threading
 import time
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[1]
-COMMAND = "OMP_NUM_THREADS=1 fastrl train --env {env} --seed S --threads 1"
+COMMANDS = {"1": "OMP_NUM_THREADS=1 fastrl train --env {env} --seed S --threads 1", "default": "fastrl train --env {env} --seed S"}
+"""The command a seed runs, per ``--threads`` choice."""
+LOAD_SAMPLE_SECONDS = 15.0
+"""How often the load average is sampled during a run."""
 EVAL_KEYS = {"accuracy": "eval/accuracy", "tool_call_rate": "eval/tool_call_rate", "turns_mean": "eval/turns_mean"}
 """What each held-out evaluation record gives (``fastrl.train.agent_evaluate``)."""
 
@@ -38,22 +45,45 @@ def code_version() -> str:
     return head + ("+dirty" if dirty else "")
 
 
-def run_seed(env_name: str, seed: int, out: Path, extra: list[str]) -> dict:
-    env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONPATH": str(ROOT)}
+def run_seed(env_name: str, seed: int, out: Path, extra: list[str], *, threads: str = "1") -> dict:
+    env = {**os.environ, "PYTHONPATH": str(ROOT)}
+    pinned = ["--threads", "1"] if threads == "1" else []
+    if threads == "1":
+        env["OMP_NUM_THREADS"] = "1"
+    else:
+        env.pop("OMP_NUM_THREADS", None)
     commit = code_version()
     load_before = os.getloadavg()
-    usage = resource.getrusage(resource.RUSAGE_CHILDREN)
     t0 = time.perf_counter()
-    cmd = [sys.executable, "-m", "fastrl.cli", "train", "--env", env_name, "--seed", str(seed), "--threads", "1",
+    cmd = [sys.executable, "-m", "fastrl.cli", "train", "--env", env_name, "--seed", str(seed), *pinned,
            "--output_dir", str(out), "--progress", "false", *extra]
-    proc = subprocess.run(cmd, env=env, capture_output=True, text=True)
+    loads: list[float] = []
+    done = threading.Event()
+
+    def sample_load() -> None:
+        while not done.wait(LOAD_SAMPLE_SECONDS):
+            loads.append(os.getloadavg()[0])
+
+    sampler = threading.Thread(target=sample_load, daemon=True)
+    sampler.start()
+    out.mkdir(parents=True, exist_ok=True)
+    log = out.parent / f"{out.name}.log"
+    try:
+        with open(log, "w") as sink:
+            proc = subprocess.Popen(cmd, env=env, stdout=sink, stderr=subprocess.STDOUT)
+            _, status, usage = os.wait4(proc.pid, 0)  # this run's own CPU time (it and its reaped workers)
+            proc.returncode = os.waitstatus_to_exitcode(status)
+    finally:
+        done.set()
+        sampler.join()
     wall = time.perf_counter() - t0
-    after = resource.getrusage(resource.RUSAGE_CHILDREN)
-    cpu = (after.ru_utime - usage.ru_utime) + (after.ru_stime - usage.ru_stime)
+    cpu = usage.ru_utime + usage.ru_stime
     if proc.returncode != 0:
-        raise SystemExit(f"seed {seed}: exit {proc.returncode}\n{proc.stdout[-2000:]}\n{proc.stderr[-3000:]}")
+        raise SystemExit(f"seed {seed}: exit {proc.returncode}\n{log.read_text()[-4000:]}")
     return {**read_run(out), "commit": commit, "wall_seconds": round(wall, 1), "cpu_seconds": round(cpu, 1),
-            "load_average_before_after": [round(load_before[0], 2), round(os.getloadavg()[0], 2)]}
+            "load_average_before_after": [round(load_before[0], 2), round(os.getloadavg()[0], 2)],
+            "load_average_during_mean_max": [round(statistics.fmean(loads), 2), round(max(loads), 2)] if loads else None,
+            "threads": threads}
 
 
 def read_run(out: Path) -> dict:
@@ -81,20 +111,31 @@ def main() -> int:
     parser.add_argument("--env", required=True, help="a built-in environment: calculator, sql, frozenlake")
     parser.add_argument("--seeds", type=int, nargs="+", default=[0, 1, 2])
     parser.add_argument("--out", type=Path, required=True)
+    parser.add_argument("--threads", choices=sorted(COMMANDS), default="1",
+                        help="1: OMP_NUM_THREADS=1 and --threads 1 (CPU time comparable); default: as a user runs it")
     parser.add_argument("--machine", default="the project's 2-core CPU, shared with other sessions; seeds one after the other")
+    parser.add_argument("--parallel", action="store_true",
+                        help="run the seeds at the same time (one process each) instead of one after the other")
+    parser.add_argument("--runs_dir", type=Path, default=None,
+                        help="keep each seed's run directory here (seed<S>); default: a temporary directory")
     parser.add_argument("extra", nargs="*", help="more `fastrl train` options after --, given to every seed")
     args = parser.parse_args()
-    runs = {}
-    with tempfile.TemporaryDirectory() as tmp:
-        for seed in args.seeds:
-            runs[str(seed)] = run_seed(args.env, seed, Path(tmp) / f"seed{seed}", args.extra)
-            print(f"seed {seed}: {json.dumps(runs[str(seed)])}", flush=True)
-    command = COMMAND.format(env=args.env) + (" " + " ".join(args.extra) if args.extra else "")
+    command = COMMANDS[args.threads].format(env=args.env) + (" " + " ".join(args.extra) if args.extra else "")
+    runs: dict[str, dict] = {}
     payload = {"what": f"fastrl train --env {args.env} (built-in defaults: warm-up on synthetic transcripts, then RL) per seed",
                "env": args.env, "command": command, "machine": args.machine, "niceness": os.nice(0),
                "date": time.strftime("%Y-%m-%d"), "runs": runs}
     args.out.parent.mkdir(parents=True, exist_ok=True)
-    args.out.write_text(json.dumps(payload, indent=1) + "\n")
+    with tempfile.TemporaryDirectory() as tmp:
+        where = args.runs_dir or Path(tmp)
+        with concurrent.futures.ThreadPoolExecutor(max_workers=len(args.seeds) if args.parallel else 1) as pool:
+            futures = {pool.submit(run_seed, args.env, seed, where / f"seed{seed}", args.extra, threads=args.threads): seed
+                       for seed in args.seeds}
+            for future in concurrent.futures.as_completed(futures):
+                seed = futures[future]
+                runs[str(seed)] = future.result()
+                print(f"seed {seed}: {json.dumps(runs[str(seed)])}", flush=True)
+                args.out.write_text(json.dumps(payload, indent=1) + "\n")  # after each seed: a partial study survives
     print(f"written to {args.out}")
     return 0
 

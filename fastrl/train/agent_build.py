@@ -161,8 +161,9 @@ def agent_scorer(cfg: TrainConfig, setup: AgentSetup, specs: Sequence[Any]) -> A
 def agent_loop(cfg: TrainConfig, setup: AgentSetup, *, batcher: Any, ranks: Any, sampler: Any, pad_token_id: int,
                scorer: Any):
     """The loop's ``(collector, evaluator)`` of an env run: ``AgentCollector`` (``AgentTreeCollector``
-    with ``rollout=tree``: branching trajectories; rewards from
-    ``scorer``, ``agent_scorer``'s) and ``AgentEvaluator`` (held-out success is the environment's)."""
+    with ``rollout=tree``: branching trajectories; rewards from ``scorer``, ``agent_scorer``'s)
+    and ``AgentEvaluator`` (held-out success is the environment's; ``scorer``'s functions add
+    their held-out means)."""
     from fastrl.train.agent_collect import AgentCollector
     from fastrl.train.agent_evaluate import AgentEvaluator
     from fastrl.train.agent_tree_collect import AgentTreeCollector
@@ -171,7 +172,7 @@ def agent_loop(cfg: TrainConfig, setup: AgentSetup, *, batcher: Any, ranks: Any,
     collector = collector_class(cfg=cfg, batcher=batcher, ranks=ranks, runtime=setup.runtime, renderer=setup.renderer,
                                 pad_token_id=pad_token_id, scorer=scorer)
     evaluator = AgentEvaluator(sampler=sampler, ranks=ranks, rows=setup.eval_rows, runtime=setup.runtime, renderer=setup.renderer,
-                               agent=setup.agent, seed=cfg.seed)
+                               agent=setup.agent, seed=cfg.seed, scorer=scorer)
     return collector, evaluator
 
 

@@ -90,7 +90,7 @@ def read_steps(run_dir):
 
 def test_an_env_run_trains_on_its_outcome_plus_a_users_reward_functions_in_a_worker(tmp_path):
     cfg = TrainConfig(env="calculator", output_dir=str(tmp_path / "run"), steps=2, prompts_per_step=2, group_size=2,
-                      task_train_size=16, task_eval_size=2, eval_every=0, model_hidden_size=16, model_layers=1, sft_steps=2,
+                      task_train_size=16, task_eval_size=3, eval_every=2, model_hidden_size=16, model_layers=1, sft_steps=2,
                       sft_check_every=1000, env_workers=1, max_turns=2, max_turn_tokens=8, progress=False, tensorboard=False,
                       seed=0, threads=1, reward_workers=1, rewards=["agent_user_rewards:turns_tenth", "exact_match"],
                       reward_weights=[0.5, 2.0], env_reward_weight=0.25)
@@ -115,3 +115,11 @@ def test_an_env_run_trains_on_its_outcome_plus_a_users_reward_functions_in_a_wor
         combined = 0.25 * step["reward/env/mean"] + 0.5 * step["reward/turns_tenth/mean"] + 2.0 * step["reward/exact_match/mean"]
         assert step["reward/mean"] == pytest.approx(combined, abs=1e-6)
         assert step["time/reward"] >= 0
+    # the held-out evaluation (before step 1 and after step 2) reports each function's mean over
+    # its greedy trajectories; its success is still the environment's outcome
+    evals = [m for m in map(json.loads, (tmp_path / "run" / "metrics.jsonl").read_text().splitlines())
+             if m.get("event") == "eval" and "eval/accuracy" in m]
+    assert [e["step"] for e in evals] == [0, 2]
+    for e in evals:
+        assert e["eval/reward/turns_tenth"] == pytest.approx(0.1 * e["eval/turns_mean"]) and e["eval/turns_mean"] > 0
+        assert 0 <= e["eval/reward/exact_match"] <= 1 and e["eval/accuracy"] == e["eval/reward_mean"]
