@@ -89,8 +89,14 @@ class EnvCompareDefaults:
     """What ``fastrl compare --env NAME`` uses for a built-in environment where the command
     line leaves it out: sized so that ``--algorithms grpo gigpo ppo grpo_then_ppo`` (four
     algorithms, five ``fastrl train`` processes a seed) fits 15 minutes on the project's
-    2-core CPU, warm-up included. An agent step costs several times a single-turn one, so
-    ``DEFAULT_BUDGET`` would not fit. The measured times are in ``docs/compare.md``."""
+    2-core CPU, warm-up included, with the default ``--jobs`` (2 there: two single-threaded
+    runs at once). An agent step costs several times a single-turn one, so ``DEFAULT_BUDGET``
+    would not fit. Timed end to end at code db8c24e on that CPU while other sessions shared it
+    (load ~5, sql ~6-10): frozenlake 21.9 min wall, 17.0 min CPU; calculator 12.7 and 9.3;
+    sql 37.3 and 21.3 (its warm-up alone 18 min wall, 7.4 min CPU). Not timed idle: the
+    warm-up's CPU time plus half the runs' (two runs on two cores) gives 9.8 min (frozenlake),
+    5.1 (calculator) and 14.4 (sql), from CPU times that contention inflates (a fifth to a
+    third of them system time). The reports are in ``docs/compare.md``."""
 
     budget: str
     """``--budget`` of every run."""
@@ -109,7 +115,8 @@ class EnvCompareDefaults:
 
 
 ENV_COMPARE_DEFAULTS: dict[str, EnvCompareDefaults] = {
-    # per step on an idle core (GRPO, 16 prompts x 8 trajectories): frozenlake ~2 s, calculator ~1 s
+    # per step on an idle core (GRPO, 16 prompts x 8 trajectories): frozenlake ~2 s, calculator ~1 s;
+    # sql's warm-up (~280 SFT steps) is most of its time
     "frozenlake": EnvCompareDefaults(budget="16-steps", seeds=3, evaluations=2),
     "calculator": EnvCompareDefaults(budget="24-steps", seeds=3, evaluations=3),
     "sql": EnvCompareDefaults(budget="12-steps", seeds=3, evaluations=2),
@@ -1020,7 +1027,7 @@ def prepare_start(plan: ComparePlan) -> dict[str, Any]:
     first = plan.algorithms[0] if plan.algorithms[0] != HYBRID else "grpo"  # a configuration already checked
     fields = {**plan.user_fields, "algorithm": first, "seed": warmup_seed, "output_dir": str(start / "trainer"),
               "steps": 1, "progress": False, "tensorboard": False, "overwrite": True}
-    t0 = time.perf_counter()
+    t0, cpu0 = time.perf_counter(), _self_cpu_seconds()
     with Trainer(TrainConfig(**fields)) as trainer:
         model_dir = None
         if trainer.builtin or trainer.sft_metrics:
@@ -1031,7 +1038,8 @@ def prepare_start(plan: ComparePlan) -> dict[str, Any]:
             with open(start / name, "w", encoding="utf-8") as f:
                 for row in rows:
                     f.write(json.dumps(_jsonable_row(row)) + "\n")
-        info = {"seconds": time.perf_counter() - t0, "warmup_seed": warmup_seed, "sft": dict(trainer.sft_metrics),
+        info = {"seconds": time.perf_counter() - t0, "cpu_seconds": _self_cpu_seconds() - cpu0,
+                "warmup_seed": warmup_seed, "sft": dict(trainer.sft_metrics),
                 "model": str(model_dir) if model_dir else plan.base.model, "train_rows": len(trainer.train_rows),
                 "eval_rows": len(trainer.eval_rows)}
     if not info["eval_rows"]:
@@ -1299,7 +1307,7 @@ def run_compare(argv: Sequence[str]) -> int:
     sft = info["sft"]
     if sft:
         probe = f", probe accuracy {sft['sft/probe_accuracy']:.3f}" if "sft/probe_accuracy" in sft else ""
-        print(f"start: {sft.get('sft/steps', 0):.0f} warm-up steps{probe}, {info['seconds']:.0f} s; "
+        print(f"start: {sft.get('sft/steps', 0):.0f} warm-up steps{probe}, {info['seconds']:.0f} s ({info['cpu_seconds']:.0f} s CPU); "
               f"every run starts from {info['model']}")
     # seeds outer: a comparison cut short still has every algorithm on the first seeds
     order = [(algorithm, seed) for seed in plan.seeds for algorithm in plan.algorithms]
@@ -1346,6 +1354,14 @@ def stop_signals_exit() -> Any:
     finally:
         for sig, handler in previous.items():
             signal.signal(sig, handler)
+
+
+def _self_cpu_seconds() -> float:
+    """CPU seconds (user + system) of this process alone (the shared start runs in it)."""
+    import resource
+
+    u = resource.getrusage(resource.RUSAGE_SELF)
+    return u.ru_utime + u.ru_stime
 
 
 def cpu_seconds_used() -> float:

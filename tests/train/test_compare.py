@@ -352,7 +352,7 @@ def test_a_tiny_comparison_end_to_end(tmp_path, capsys):
         initial.add(run["success"]["initial_accuracy"])
     assert len(initial) == 1  # same model, same held-out prompts, greedy: the same starting accuracy
     assert report["runs"][1]["algorithm"] == "ppo" and "values" in report["runs"][1]["cost"]["stage_seconds"]
-    assert report["start"]["sft"]["sft/steps"] == 2.0
+    assert report["start"]["sft"]["sft/steps"] == 2.0 and 0 < report["start"]["cpu_seconds"] < report["cpu_seconds"]
     for algo in ("grpo", "ppo"):
         s = report["summary"][algo]
         assert len(s["final_accuracy"]["values"]) == 2 and s["runs_measured"] == 2
