@@ -95,8 +95,8 @@ class EnvCompareDefaults:
     (load ~5, sql ~6-10): frozenlake 21.9 min wall, 17.0 min CPU; calculator 12.7 and 9.3;
     sql 37.3 and 21.3 (its warm-up alone 18 min wall, 7.4 min CPU). Not timed idle: the
     warm-up's CPU time plus half the runs' (two runs on two cores) gives 9.8 min (frozenlake),
-    5.1 (calculator) and 14.4 (sql), from CPU times that contention inflates (a fifth to a
-    third of them system time). The reports are in ``docs/compare.md``."""
+    5.1 (calculator) and 14.4 (sql), from CPU times that contention inflates (system time
+    is a third of frozenlake's, a fifth of sql's). The reports are in ``docs/compare.md``."""
 
     budget: str
     """``--budget`` of every run."""
