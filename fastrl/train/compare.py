@@ -128,6 +128,8 @@ DEFAULT_JOBS = 1
 """``--jobs`` without a built-in ``--env``: runs one after another. A single-turn run's
 ``--threads`` defaults to torch's (every core), so two at once would share the cores and
 each wait at its parallel regions for the other's threads; not measured to pay off."""
+INTERRUPTED_STATUS = 128 + signal.SIGINT
+"""Exit status of a comparison stopped by Ctrl-C (the shell's convention for SIGINT)."""
 STOP_SIGNALS = (signal.SIGTERM, signal.SIGHUP)
 """Signals that stop a comparison like Ctrl-C (SIGINT): every live run's process group is killed."""
 STEP_CAP = 1_000_000
@@ -1320,11 +1322,16 @@ def run_compare(argv: Sequence[str]) -> int:
 
     if plan.jobs > 1:
         say(f"runs: up to {plan.jobs} at once (--jobs), each a process of its own; results do not depend on it")
-    with stop_signals_exit():
-        runs = run_all([lambda a=a, s=s: run_one(plan, start["fields"], a, s, processes) for a, s in order],
-                       jobs=plan.jobs, processes=processes,
-                       on_start=lambda i: say(f"[{i + 1}/{n_runs}] {order[i][0]} seed {order[i][1]} ..."),
-                       on_done=lambda i, r: say(f"[{i + 1}/{n_runs}] {order[i][0]} seed {order[i][1]}: {_describe_run(r)}"))
+    try:
+        with stop_signals_exit():
+            runs = run_all([lambda a=a, s=s: run_one(plan, start["fields"], a, s, processes) for a, s in order],
+                           jobs=plan.jobs, processes=processes,
+                           on_start=lambda i: say(f"[{i + 1}/{n_runs}] {order[i][0]} seed {order[i][1]} ..."),
+                           on_done=lambda i, r: say(f"[{i + 1}/{n_runs}] {order[i][0]} seed {order[i][1]}: {_describe_run(r)}"))
+    except KeyboardInterrupt:
+        print("fastrl compare: interrupted: every live run was killed; no report (each run's directory is under "
+              f"{plan.output_dir / 'runs'})", file=sys.stderr)
+        return INTERRUPTED_STATUS
     report = build_report(plan, runs, start=info, seconds=time.perf_counter() - t_start,
                           cpu_seconds=cpu_seconds_used(), load_average=[list(load_start), list(os.getloadavg())])
     print()
