@@ -78,10 +78,11 @@ DEFAULT_ALGORITHMS = ("ppo", "grpo")
 DEFAULT_SEEDS = 3
 DEFAULT_BUDGET = "40-steps"
 """The default budget: 40 RL steps per run. With the built-in task (16 prompts x 8 samples a
-step) PPO and GRPO see the same 5120 samples. Sized for 15 minutes on an idle 2-core CPU from
-``DefaultTask``'s per-step costs (SFT step ~50 ms, GRPO step ~0.35 s; the warm-up with seed 1
-stops near 350 steps): about 1 min of warm-up and six runs of ~1 min. Not yet timed end to
-end on an idle machine: on a shared one at load 10-18 the warm-up alone took 35 min."""
+step) PPO and GRPO see the same 5120 samples. Timed end to end at code c54dab1 on the
+project's 2-core CPU shared with other sessions (load 2.0 at the start and the end,
+``--jobs 1``, torch's default threads): 12.3 min wall, 10.6 min CPU, of which the shared
+warm-up took 11.3 min wall and 9.2 min CPU (it ran to 500 SFT steps, probe accuracy 0.48) and
+each of the six runs about 10 s wall (2-3 s of RL steps). Not timed on an idle machine."""
 
 
 @dataclass(frozen=True)
@@ -1136,8 +1137,9 @@ T = TypeVar("T")
 def run_all(tasks: Sequence[Callable[[], T]], *, jobs: int, processes: RunProcesses,
             on_start: Callable[[int], None] | None = None, on_done: Callable[[int, T], None] | None = None) -> list[T]:
     """Every task, up to ``jobs`` at once in threads, started in order; their results in the
-    order of ``tasks`` (not of completion). ``on_start(i)`` runs in the task's thread as it
-    starts, ``on_done(i, result)`` in this one as it finishes. Anything that stops this call
+    order of ``tasks`` (not of completion). ``on_start(i)`` and ``on_done(i, result)`` run in
+    the task's thread as it starts and ends (so with one job the lines of one run come before
+    the next run's). Anything that stops this call
     (Ctrl-C, a stop signal, a task's exception) kills every live run of ``processes`` first,
     waits for the tasks' threads, and propagates."""
     results: list[Any] = [None] * len(tasks)
@@ -1145,7 +1147,10 @@ def run_all(tasks: Sequence[Callable[[], T]], *, jobs: int, processes: RunProces
     def started(i: int) -> T:
         if on_start is not None:
             on_start(i)
-        return tasks[i]()
+        result = tasks[i]()
+        if on_done is not None:
+            on_done(i, result)
+        return result
 
     pool = ThreadPoolExecutor(max_workers=max(1, jobs), thread_name_prefix="fastrl-compare-run")
     futures: dict[Any, int] = {}
@@ -1155,10 +1160,7 @@ def run_all(tasks: Sequence[Callable[[], T]], *, jobs: int, processes: RunProces
         while pending:
             done, pending = wait(pending, return_when=FIRST_COMPLETED)
             for future in sorted(done, key=futures.__getitem__):
-                i = futures[future]
-                results[i] = future.result()
-                if on_done is not None:
-                    on_done(i, results[i])
+                results[futures[future]] = future.result()
     except BaseException:
         processes.kill_all()
         for future in futures:
