@@ -319,13 +319,17 @@ def compare_env() -> str:
         data = json.loads(path.read_text())
         start, load = data["start"], data["load_average"]
         threads = data["train_options"].get("threads")
+        jobs = data.get("jobs", 1)  # reports before --jobs ran one run at a time
         parts.append(
             f"**{env}**: `{data['command']}` ({data['budget']['text']} per run, {len(data['seeds'])} seeds, evaluated every "
             f"{data['eval_every']} steps on {start['eval_rows']} held-out rows"
             + (f", `--threads {threads}`" if threads else "")
+            + (f", {jobs} runs at once (`--jobs {jobs}`)" if jobs > 1 else "")
             + f"): **{data['total_seconds'] / 60:.1f} min wall, {data['cpu_seconds'] / 60:.1f} min CPU**, load average "
             f"{load['start'][0]:.1f} at the start and {load['end'][0]:.1f} at the end; the shared warm-up took "
-            f"{start['seconds']:.0f} s ({start['sft']['sft/steps']:.0f} steps).\n\n```text\n{data['table']}\n```\n")
+            f"{start['seconds']:.0f} s ({start['sft']['sft/steps']:.0f} steps"
+            + (f", {start['cpu_seconds']:.0f} s CPU" if "cpu_seconds" in start else "")
+            + f").\n\n```text\n{data['table']}\n```\n")
     return "\n".join(parts)
 
 

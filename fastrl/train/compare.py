@@ -32,18 +32,22 @@ in, dicts out), so they are tested on synthetic numbers.
 from __future__ import annotations
 
 import argparse
+import contextlib
 import dataclasses
 import json
 import math
 import os
 import re
 import shutil
+import signal
 import subprocess
 import sys
+import threading
 import time
+from concurrent.futures import FIRST_COMPLETED, ThreadPoolExecutor, wait
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any, Sequence
+from typing import Any, Callable, Sequence, TypeVar
 
 from fastrl.train.config import AGENT_FIELDS, ALGORITHMS, TrainConfig
 from fastrl.train.metrics import TREE_LEAF_TOKENS_METRIC
@@ -74,10 +78,11 @@ DEFAULT_ALGORITHMS = ("ppo", "grpo")
 DEFAULT_SEEDS = 3
 DEFAULT_BUDGET = "40-steps"
 """The default budget: 40 RL steps per run. With the built-in task (16 prompts x 8 samples a
-step) PPO and GRPO see the same 5120 samples. Sized for 15 minutes on an idle 2-core CPU from
-``DefaultTask``'s per-step costs (SFT step ~50 ms, GRPO step ~0.35 s; the warm-up with seed 1
-stops near 350 steps): about 1 min of warm-up and six runs of ~1 min. Not yet timed end to
-end on an idle machine: on a shared one at load 10-18 the warm-up alone took 35 min."""
+step) PPO and GRPO see the same 5120 samples. Timed end to end at code c54dab1 on the
+project's 2-core CPU shared with other sessions (load 2.0 at the start and the end,
+``--jobs 1``, torch's default threads): 12.3 min wall, 10.6 min CPU, of which the shared
+warm-up took 11.3 min wall and 9.2 min CPU (it ran to 500 SFT steps, probe accuracy 0.48) and
+each of the six runs about 10 s wall (2-3 s of RL steps). Not timed on an idle machine."""
 
 
 @dataclass(frozen=True)
@@ -85,8 +90,14 @@ class EnvCompareDefaults:
     """What ``fastrl compare --env NAME`` uses for a built-in environment where the command
     line leaves it out: sized so that ``--algorithms grpo gigpo ppo grpo_then_ppo`` (four
     algorithms, five ``fastrl train`` processes a seed) fits 15 minutes on the project's
-    2-core CPU, warm-up included. An agent step costs several times a single-turn one, so
-    ``DEFAULT_BUDGET`` would not fit. The measured times are in ``docs/compare.md``."""
+    2-core CPU, warm-up included, with the default ``--jobs`` (2 there: two single-threaded
+    runs at once). An agent step costs several times a single-turn one, so ``DEFAULT_BUDGET``
+    would not fit. Timed end to end at code db8c24e on that CPU while other sessions shared it
+    (load ~5, sql ~6-10): frozenlake 21.9 min wall, 17.0 min CPU; calculator 12.7 and 9.3;
+    sql 37.3 and 21.3 (its warm-up alone 18 min wall, 7.4 min CPU). Not timed idle: the
+    warm-up's CPU time plus half the runs' (two runs on two cores) gives 9.8 min (frozenlake),
+    5.1 (calculator) and 14.4 (sql), from CPU times that contention inflates (system time
+    is a third of frozenlake's, a fifth of sql's). The reports are in ``docs/compare.md``."""
 
     budget: str
     """``--budget`` of every run."""
@@ -105,7 +116,8 @@ class EnvCompareDefaults:
 
 
 ENV_COMPARE_DEFAULTS: dict[str, EnvCompareDefaults] = {
-    # per step on an idle core (GRPO, 16 prompts x 8 trajectories): frozenlake ~2 s, calculator ~1 s
+    # per step on an idle core (GRPO, 16 prompts x 8 trajectories): frozenlake ~2 s, calculator ~1 s;
+    # sql's warm-up (~280 SFT steps) is most of its time
     "frozenlake": EnvCompareDefaults(budget="16-steps", seeds=3, evaluations=2),
     "calculator": EnvCompareDefaults(budget="24-steps", seeds=3, evaluations=3),
     "sql": EnvCompareDefaults(budget="12-steps", seeds=3, evaluations=2),
@@ -113,6 +125,14 @@ ENV_COMPARE_DEFAULTS: dict[str, EnvCompareDefaults] = {
 """Per built-in environment (keys among ``fastrl.agents.envs.BUILTIN_ENVS``)."""
 DEFAULT_EVALUATIONS = 6
 """Held-out evaluations along a steps budget after the start's (``--eval_every`` = budget / this)."""
+DEFAULT_JOBS = 1
+"""``--jobs`` without a built-in ``--env``: runs one after another. A single-turn run's
+``--threads`` defaults to torch's (every core), so two at once would share the cores and
+each wait at its parallel regions for the other's threads; not measured to pay off."""
+INTERRUPTED_STATUS = 128 + signal.SIGINT
+"""Exit status of a comparison stopped by Ctrl-C (the shell's convention for SIGINT)."""
+STOP_SIGNALS = (signal.SIGTERM, signal.SIGHUP)
+"""Signals that stop a comparison like Ctrl-C (SIGINT): every live run's process group is killed."""
 STEP_CAP = 1_000_000
 """``steps`` of a run whose budget is seconds or tokens (the budget stops it): the cosine
 schedule over this many steps keeps the learning rate at its peak for the whole run."""
@@ -819,6 +839,25 @@ class ComparePlan:
     eval_every: int
     overwrite: bool
     argv: list[str]
+    jobs: int = DEFAULT_JOBS
+    """Runs at once (``--jobs``); results do not depend on it."""
+
+
+def available_cores() -> int:
+    """CPU cores this process may run on (its affinity mask where the platform has one)."""
+    try:
+        return len(os.sched_getaffinity(0))
+    except AttributeError:  # not Linux
+        return os.cpu_count() or 1
+
+
+def default_jobs(*, threads: int | None, cores: int) -> int:
+    """``--jobs`` when not given: ``cores // threads`` for runs of a fixed thread count (a
+    built-in ``--env``: ``--threads`` 1 unless given), at least 1; ``DEFAULT_JOBS`` for runs
+    whose threads are torch's default (``threads`` None)."""
+    if threads is None or threads < 1:
+        return DEFAULT_JOBS
+    return max(1, cores // threads)
 
 
 def build_compare_parser() -> argparse.ArgumentParser:
@@ -858,6 +897,12 @@ def build_compare_parser() -> argparse.ArgumentParser:
                              "prompts_per_step scaled by group_size / K so each step samples as many as the others "
                              "(1: one trajectory per prompt; with --env, GRPO then pays group_size trajectories' "
                              "environment calls per prompt and PPO one). Default: the runs' group_size")
+    parser.add_argument("--jobs", type=int, default=None, metavar="N",
+                        help="runs at once after the shared warm-up, each a `fastrl train` process of its own (a "
+                             f"{HYBRID} run's PPO phase still waits for its GRPO phase). Runs are seeded, so results "
+                             "do not depend on N. Default: with a built-in --env, the cores this process may use divided "
+                             "by --threads (its runs are single-threaded); otherwise 1, since a single-turn run's "
+                             "--threads defaults to every core and runs at once would contend for them")
     parser.add_argument("--warmup_seed", type=int, default=1,
                         help="seed of the shared warm-up (model init and SFT data order; default 1, which reaches the built-in "
                              "task's probe target in fewer SFT steps than seed 0)")
@@ -921,6 +966,10 @@ def plan_compare(argv: Sequence[str]) -> ComparePlan:
         raise CompareError(f"--steps and --budget {budget.text!r} both set the number of steps; give one")
     if env_defaults is not None and "threads" not in user_fields:
         user_fields["threads"] = env_defaults.threads
+    if args.jobs is not None and args.jobs < 1:
+        raise CompareError(f"--jobs must be >= 1, got {args.jobs}")
+    jobs = args.jobs if args.jobs is not None else default_jobs(
+        threads=user_fields["threads"] if env_defaults is not None else None, cores=available_cores())
 
     def resolve(algorithm: str, overrides: dict[str, Any] | None = None) -> TrainConfig:
         try:
@@ -950,7 +999,7 @@ def plan_compare(argv: Sequence[str]) -> ComparePlan:
         algorithms=list(args.algorithms), seeds=list(range(seeds)), budget=budget, output_dir=Path(args.output_dir),
         user_fields=user_fields, base=base, warmup=base.sft_steps > 0, hybrid_split=args.hybrid_split,
         ppo_group_size=args.ppo_group_size, ppo_overrides=ppo_overrides, warmup_seed=args.warmup_seed,
-        steps_cap=user_fields.get("steps"), eval_every=eval_every, overwrite=args.overwrite, argv=list(argv),
+        steps_cap=user_fields.get("steps"), eval_every=eval_every, overwrite=args.overwrite, argv=list(argv), jobs=jobs,
     )
 
 
@@ -981,7 +1030,7 @@ def prepare_start(plan: ComparePlan) -> dict[str, Any]:
     first = plan.algorithms[0] if plan.algorithms[0] != HYBRID else "grpo"  # a configuration already checked
     fields = {**plan.user_fields, "algorithm": first, "seed": warmup_seed, "output_dir": str(start / "trainer"),
               "steps": 1, "progress": False, "tensorboard": False, "overwrite": True}
-    t0 = time.perf_counter()
+    t0, cpu0 = time.perf_counter(), _self_cpu_seconds()
     with Trainer(TrainConfig(**fields)) as trainer:
         model_dir = None
         if trainer.builtin or trainer.sft_metrics:
@@ -992,7 +1041,8 @@ def prepare_start(plan: ComparePlan) -> dict[str, Any]:
             with open(start / name, "w", encoding="utf-8") as f:
                 for row in rows:
                     f.write(json.dumps(_jsonable_row(row)) + "\n")
-        info = {"seconds": time.perf_counter() - t0, "warmup_seed": warmup_seed, "sft": dict(trainer.sft_metrics),
+        info = {"seconds": time.perf_counter() - t0, "cpu_seconds": _self_cpu_seconds() - cpu0,
+                "warmup_seed": warmup_seed, "sft": dict(trainer.sft_metrics),
                 "model": str(model_dir) if model_dir else plan.base.model, "train_rows": len(trainer.train_rows),
                 "eval_rows": len(trainer.eval_rows)}
     if not info["eval_rows"]:
@@ -1037,38 +1087,130 @@ def _read_jsonl_metrics(path: Path) -> tuple[list[dict], list[dict]]:
     return steps, evals
 
 
-def _run_phase(directory: Path, fields: dict[str, Any]) -> dict[str, Any]:
+class RunsStopped(RuntimeError):
+    """A run was not started because the comparison is stopping (Ctrl-C, a signal, a failure)."""
+
+
+class RunProcesses:
+    """The live ``fastrl train`` processes of a comparison, started from any thread.
+
+    Each run leads a new session and process group (so a terminal's Ctrl-C reaches only the
+    comparison, which then stops every run itself) and is told by the kernel to end with its
+    parent (``RUN_MODULE``'s parent-death signal, Linux): a comparison killed with SIGKILL
+    leaves no run behind either. :meth:`kill_all` SIGKILLs every live run's group and refuses
+    new runs from then on."""
+
+    def __init__(self) -> None:
+        self._lock = threading.Lock()
+        self._live: set[subprocess.Popen] = set()
+        self.stopped = False
+
+    def run(self, cmd: Sequence[str], *, log: Any, env: dict[str, str] | None = None) -> int:
+        """Run ``cmd`` to its end (output to the open file ``log``); its return code
+        (negative: the signal that killed it). RunsStopped once :meth:`kill_all` ran."""
+        with self._lock:
+            if self.stopped:
+                raise RunsStopped("the comparison is stopping: run not started")
+            proc = subprocess.Popen(list(cmd), stdout=log, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL, env=env,
+                                    start_new_session=True)
+            self._live.add(proc)
+        try:
+            return proc.wait()
+        finally:
+            with self._lock:
+                self._live.discard(proc)
+
+    def kill_all(self) -> None:
+        """SIGKILL the process group of every live run; start no new one."""
+        with self._lock:
+            self.stopped = True
+            for proc in self._live:
+                try:
+                    os.killpg(proc.pid, signal.SIGKILL)
+                except (ProcessLookupError, PermissionError):
+                    pass  # already gone
+
+
+T = TypeVar("T")
+
+
+def run_all(tasks: Sequence[Callable[[], T]], *, jobs: int, processes: RunProcesses,
+            on_start: Callable[[int], None] | None = None, on_done: Callable[[int, T], None] | None = None) -> list[T]:
+    """Every task, up to ``jobs`` at once in threads, started in order; their results in the
+    order of ``tasks`` (not of completion). ``on_start(i)`` and ``on_done(i, result)`` run in
+    the task's thread as it starts and ends (so with one job the lines of one run come before
+    the next run's). Anything that stops this call
+    (Ctrl-C, a stop signal, a task's exception) kills every live run of ``processes`` first,
+    waits for the tasks' threads, and propagates."""
+    results: list[Any] = [None] * len(tasks)
+
+    def started(i: int) -> T:
+        if on_start is not None:
+            on_start(i)
+        result = tasks[i]()
+        if on_done is not None:
+            on_done(i, result)
+        return result
+
+    pool = ThreadPoolExecutor(max_workers=max(1, jobs), thread_name_prefix="fastrl-compare-run")
+    futures: dict[Any, int] = {}
+    try:
+        futures = {pool.submit(started, i): i for i in range(len(tasks))}
+        pending = set(futures)
+        while pending:
+            done, pending = wait(pending, return_when=FIRST_COMPLETED)
+            for future in sorted(done, key=futures.__getitem__):
+                results[futures[future]] = future.result()
+    except BaseException:
+        processes.kill_all()
+        for future in futures:
+            future.cancel()
+        raise
+    finally:
+        pool.shutdown(wait=True)
+    return results
+
+
+RUN_MODULE = "fastrl.train.compare"
+"""What each run executes (``python -m RUN_MODULE train ...``): ``fastrl.cli`` after asking the
+kernel for SIGTERM when the comparison's thread that started it ends."""
+PARENT_PID_ENV = "FASTRL_COMPARE_PID"
+"""Environment variable giving a run its comparison's process id: a run whose parent is already
+another process (the comparison ended while it started) exits at once."""
+
+
+def _run_phase(directory: Path, fields: dict[str, Any], processes: RunProcesses) -> dict[str, Any]:
     """One ``fastrl train`` process; its return code, wall seconds, and measured metrics."""
     import yaml
 
     directory.mkdir(parents=True, exist_ok=True)
     args_file = directory / "train_args.yaml"
     args_file.write_text(yaml.safe_dump(fields, sort_keys=False))
-    cmd = [sys.executable, "-m", "fastrl.cli", "train", "--config", str(args_file)]
+    cmd = [sys.executable, "-m", RUN_MODULE, "train", "--config", str(args_file)]
     t0 = time.perf_counter()
     with open(directory / "train.log", "w") as log:
         log.write("$ " + " ".join(cmd) + "\n")
         log.flush()
-        proc = subprocess.run(cmd, stdout=log, stderr=subprocess.STDOUT, env=_train_env(), stdin=subprocess.DEVNULL)
+        returncode = processes.run(cmd, log=log, env={**_train_env(), PARENT_PID_ENV: str(os.getpid())})
     wall = time.perf_counter() - t0
     log_text = (directory / "train.log").read_text(errors="replace")
     steps, evals = _read_jsonl_metrics(directory / "metrics.jsonl")
     summary_file = directory / "summary.json"
     summary = json.loads(summary_file.read_text()) if summary_file.exists() else {}
-    if proc.returncode == 0:
+    if returncode == 0:
         status, error = "ok", None
     else:
-        diverged = proc.returncode == 3 and "non-finite" in log_text
+        diverged = returncode == 3 and "non-finite" in log_text
         status = "diverged" if diverged else "failed"
         tail = [line for line in log_text.splitlines() if line.strip()][-3:]
-        error = f"exit status {proc.returncode}: " + " | ".join(tail)
+        error = f"exit status {returncode}: " + " | ".join(tail)
     pass_k = int(fields.get("pass_k", TrainConfig.pass_k))
     config_file = directory / "config.yaml"  # the run's resolved options (an environment's defaults included)
     resolved = yaml.safe_load(config_file.read_text()) if config_file.exists() else {}
     group_size = int(resolved.get("group_size") or fields.get("group_size", TrainConfig.group_size))
     metrics = (run_metrics(steps, evals, pass_k=pass_k if pass_k > 1 else None, group_size=group_size)
                if (steps or evals) else None)
-    return {"returncode": proc.returncode, "status": status, "error": error, "wall_seconds": wall,
+    return {"returncode": returncode, "status": status, "error": error, "wall_seconds": wall,
             "stopped_by": summary.get("stopped_by"), "metrics": metrics, "final_model": summary.get("final_model"),
             "dir": str(directory)}
 
@@ -1083,16 +1225,19 @@ def run_fields_for(plan: ComparePlan, start_fields: dict[str, Any], algorithm: s
     }
 
 
-def run_one(plan: ComparePlan, start_fields: dict[str, Any], algorithm: str, seed: int) -> dict[str, Any]:
+def run_one(plan: ComparePlan, start_fields: dict[str, Any], algorithm: str, seed: int,
+            processes: RunProcesses) -> dict[str, Any]:
     """One algorithm x seed (two processes for ``grpo_then_ppo``); the run's record for the report."""
     directory = plan.output_dir / "runs" / f"{algorithm}-seed{seed}"
     record: dict[str, Any] = {"algorithm": algorithm, "seed": seed, "dir": str(directory)}
     if algorithm != HYBRID:
-        phases = [_run_phase(directory, run_fields_for(plan, start_fields, algorithm, seed, directory, plan.budget))]
+        phases = [_run_phase(directory, run_fields_for(plan, start_fields, algorithm, seed, directory, plan.budget),
+                             processes)]
         metrics = phases[0]["metrics"]
     else:
         first_budget, second_budget = plan.budget.split(plan.hybrid_split)
-        grpo = _run_phase(directory / "grpo", run_fields_for(plan, start_fields, "grpo", seed, directory / "grpo", first_budget))
+        grpo = _run_phase(directory / "grpo", run_fields_for(plan, start_fields, "grpo", seed, directory / "grpo", first_budget),
+                          processes)
         phases = [grpo]
         metrics = grpo["metrics"]
         if grpo["status"] == "ok" and grpo["final_model"]:
@@ -1100,7 +1245,7 @@ def run_one(plan: ComparePlan, start_fields: dict[str, Any], algorithm: str, see
             fields = {**start_fields, "model": grpo["final_model"], "tokenizer": grpo["final_model"]}
             ppo_fields = run_fields_for(plan, fields, "ppo", seed + 1000, directory / "ppo", second_budget)
             ppo_fields["critic_init"] = grpo["final_model"]
-            ppo = _run_phase(directory / "ppo", ppo_fields)
+            ppo = _run_phase(directory / "ppo", ppo_fields, processes)
             phases.append(ppo)
             if ppo["metrics"] is not None and metrics is not None:
                 metrics = chain_phases(metrics, ppo["metrics"])
@@ -1166,17 +1311,29 @@ def run_compare(argv: Sequence[str]) -> int:
     sft = info["sft"]
     if sft:
         probe = f", probe accuracy {sft['sft/probe_accuracy']:.3f}" if "sft/probe_accuracy" in sft else ""
-        print(f"start: {sft.get('sft/steps', 0):.0f} warm-up steps{probe}, {info['seconds']:.0f} s; "
+        print(f"start: {sft.get('sft/steps', 0):.0f} warm-up steps{probe}, {info['seconds']:.0f} s ({info['cpu_seconds']:.0f} s CPU); "
               f"every run starts from {info['model']}")
-    runs = []
-    k = 0
-    for seed in plan.seeds:  # seeds outer: a comparison cut short still has every algorithm on the first seeds
-        for algorithm in plan.algorithms:
-            k += 1
-            print(f"[{k}/{n_runs}] {algorithm} seed {seed} ...", flush=True)
-            record = run_one(plan, start["fields"], algorithm, seed)
-            runs.append(record)
-            print(f"[{k}/{n_runs}] {algorithm} seed {seed}: {_describe_run(record)}", flush=True)
+    # seeds outer: a comparison cut short still has every algorithm on the first seeds
+    order = [(algorithm, seed) for seed in plan.seeds for algorithm in plan.algorithms]
+    processes = RunProcesses()
+    print_lock = threading.Lock()
+
+    def say(text: str) -> None:
+        with print_lock:
+            print(text, flush=True)
+
+    if plan.jobs > 1:
+        say(f"runs: up to {plan.jobs} at once (--jobs), each a process of its own; results do not depend on it")
+    try:
+        with stop_signals_exit():
+            runs = run_all([lambda a=a, s=s: run_one(plan, start["fields"], a, s, processes) for a, s in order],
+                           jobs=plan.jobs, processes=processes,
+                           on_start=lambda i: say(f"[{i + 1}/{n_runs}] {order[i][0]} seed {order[i][1]} ..."),
+                           on_done=lambda i, r: say(f"[{i + 1}/{n_runs}] {order[i][0]} seed {order[i][1]}: {_describe_run(r)}"))
+    except KeyboardInterrupt:
+        print("fastrl compare: interrupted: every live run was killed; no report (each run's directory is under "
+              f"{plan.output_dir / 'runs'})", file=sys.stderr)
+        return INTERRUPTED_STATUS
     report = build_report(plan, runs, start=info, seconds=time.perf_counter() - t_start,
                           cpu_seconds=cpu_seconds_used(), load_average=[list(load_start), list(os.getloadavg())])
     print()
@@ -1186,6 +1343,34 @@ def run_compare(argv: Sequence[str]) -> int:
           f"load average at start {load_start[0]:.1f}, at end {os.getloadavg()[0]:.1f}); report: {plan.output_dir / 'compare.json'}, "
           f"{report['plot'] or 'no plot (pip install matplotlib, or the compare extra)'}, {plan.output_dir / 'compare.txt'}")
     return 0 if all(r.get("success") and r["status"] != "failed" for r in runs) else 1
+
+
+@contextlib.contextmanager
+def stop_signals_exit() -> Any:
+    """While in this block, ``STOP_SIGNALS`` raise ``SystemExit(128 + signal)`` in the main
+    thread instead of ending the process at once, so ``run_all`` can kill the runs first
+    (a no-op outside the main thread, where handlers cannot be set)."""
+    if threading.current_thread() is not threading.main_thread():
+        yield
+        return
+
+    def stop(signum: int, frame: Any) -> None:
+        raise SystemExit(128 + signum)
+
+    previous = {sig: signal.signal(sig, stop) for sig in STOP_SIGNALS}
+    try:
+        yield
+    finally:
+        for sig, handler in previous.items():
+            signal.signal(sig, handler)
+
+
+def _self_cpu_seconds() -> float:
+    """CPU seconds (user + system) of this process alone (the shared start runs in it)."""
+    import resource
+
+    u = resource.getrusage(resource.RUSAGE_SELF)
+    return u.ru_utime + u.ru_stime
 
 
 def cpu_seconds_used() -> float:
@@ -1214,6 +1399,7 @@ def build_report(plan: ComparePlan, runs: list[dict[str, Any]], *, start: dict[s
         "hybrid_split": plan.hybrid_split if HYBRID in plan.algorithms else None,
         "ppo_group_size": plan.ppo_group_size,
         "eval_every": plan.eval_every,
+        "jobs": plan.jobs,
         "train_options": plan.user_fields,
         "start": start,
         "definitions": {
@@ -1260,3 +1446,13 @@ def _strict_json(value: Any) -> Any:
     if hasattr(value, "tolist"):
         return _strict_json(value.tolist())
     return str(value)
+
+
+if __name__ == "__main__":  # a run of a comparison (RUN_MODULE): fastrl's CLI, ended with its parent
+    from fastrl.cli import main
+    from fastrl.workers import set_parent_death_signal
+
+    set_parent_death_signal(signal.SIGTERM)
+    if os.environ.get(PARENT_PID_ENV) not in (None, str(os.getppid())):
+        sys.exit(128 + signal.SIGTERM)  # the comparison ended before the signal was asked for
+    sys.exit(main(sys.argv[1:]))

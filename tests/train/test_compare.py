@@ -299,13 +299,31 @@ def test_an_earlier_comparison_is_not_overwritten_silently(tmp_path, capsys):
 
 
 # ----------------------------------------------------------------------------- a real comparison
+# what a run's record holds that the machine decides (times, memory, float products of times)
+MACHINE_DEPENDENT = {"seconds", "train_seconds", "eval_seconds", "stage_seconds", "peak_memory_gb", "trained_tokens",
+                     "wall_seconds", "phases"}
+
+
+def _measured(record):
+    """A run record without what depends on the machine: what must not change with --jobs."""
+    if isinstance(record, dict):
+        return {k: _measured(v) for k, v in record.items() if k not in MACHINE_DEPENDENT}
+    if isinstance(record, list):
+        return [_measured(v) for v in record]
+    return record
+
+
 def test_a_tiny_comparison_end_to_end(tmp_path, capsys):
     """grpo vs ppo, 2 seeds, a budget of 96 generated tokens (2+ steps), fresh `fastrl train`
-    processes from one shared warm-up: table, compare.json with every field, compare.png."""
+    processes from one shared warm-up, two at once (--jobs 2): table, compare.json with every
+    field, compare.png; the seed-0 runs equal those of a comparison that runs one at a time."""
     out = tmp_path / "cmp"
-    assert main(["compare", "--algorithms", "grpo", "ppo", "--seeds", "2", "--budget", "96-tokens",
-                 "--output_dir", str(out), *TINY]) == 0
+    assert main(["compare", "--algorithms", "grpo", "ppo", "--seeds", "2", "--budget", "96-tokens", "--jobs", "2",
+                 "--output_dir", str(out), *TINY, "--threads", "1"]) == 0
     printed = capsys.readouterr().out
+    assert "up to 2 at once" in printed
+    for k, (algo, seed) in enumerate([("grpo", 0), ("ppo", 0), ("grpo", 1), ("ppo", 1)], start=1):
+        assert f"[{k}/4] {algo} seed {seed} ...\n" in printed and f"[{k}/4] {algo} seed {seed}: accuracy" in printed
     for needle in ("held-out accuracy, end", "worst reward drop", "RL seconds", "peak memory", "seconds per stage",
                    "success (held-out accuracy at the end", "stability (worst drop", "cost (RL seconds", "memory (peak"):
         assert needle in printed, needle
@@ -334,7 +352,7 @@ def test_a_tiny_comparison_end_to_end(tmp_path, capsys):
         initial.add(run["success"]["initial_accuracy"])
     assert len(initial) == 1  # same model, same held-out prompts, greedy: the same starting accuracy
     assert report["runs"][1]["algorithm"] == "ppo" and "values" in report["runs"][1]["cost"]["stage_seconds"]
-    assert report["start"]["sft"]["sft/steps"] == 2.0
+    assert report["start"]["sft"]["sft/steps"] == 2.0 and 0 < report["start"]["cpu_seconds"] < report["cpu_seconds"]
     for algo in ("grpo", "ppo"):
         s = report["summary"][algo]
         assert len(s["final_accuracy"]["values"]) == 2 and s["runs_measured"] == 2
@@ -344,6 +362,16 @@ def test_a_tiny_comparison_end_to_end(tmp_path, capsys):
     # what the machine gave it: CPU seconds of this process and its runs, the load before and after
     assert math.isfinite(report["cpu_seconds"]) and report["cpu_seconds"] > 0 and "s CPU" in printed
     assert len(report["load_average"]["start"]) == len(report["load_average"]["end"]) == 3
+    assert report["jobs"] == 2
+    # results do not depend on --jobs: the same seed-0 runs, one at a time
+    one = tmp_path / "one"
+    assert main(["compare", "--algorithms", "grpo", "ppo", "--seeds", "1", "--budget", "96-tokens", "--jobs", "1",
+                 "--output_dir", str(one), *TINY, "--threads", "1"]) == 0
+    alone = json.loads((one / "compare.json").read_text())
+    assert alone["jobs"] == 1 and [r["dir"] for r in alone["runs"]] == [str(one / "runs" / f"{a}-seed0") for a in ("grpo", "ppo")]
+    for together, single in zip(report["runs"][:2], alone["runs"]):
+        assert _measured({**together, "dir": None}) == _measured({**single, "dir": None})
+        assert together["cost"]["trained_tokens"] == pytest.approx(single["cost"]["trained_tokens"], rel=1e-6)
 
 
 def test_the_hybrid_runs_ppo_from_the_grpo_policy(tmp_path, capsys):
