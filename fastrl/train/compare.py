@@ -155,6 +155,9 @@ best reward seen (a batch that is all solved has no spread either, and that is n
 ECHO_TRAP_SOLVED = 0.95
 """Share of the best logged reward (``reward/max``) above which a collapsed std counts as solved."""
 ENV_CALLS_METRIC = "agent/env_calls"
+TREE_LEAF_ENV_CALLS_METRIC = "agent/tree_leaf_env_calls"
+"""Per step of a branching agent rollout (``--env --rollout tree``): the environment calls its
+leaves would have made played independently (``fastrl.agents.branching``)."""
 """Per step: environment calls of the rollout (resets + steps; ``fastrl.agents.driver.agent_metrics``)."""
 TOOL_CALLS_METRIC = "agent/tool_calls_per_trajectory"
 SAMPLES_METRIC = "rollout/samples"
@@ -381,6 +384,8 @@ def run_metrics(steps: Sequence[dict[str, Any]], evals: Sequence[dict[str, Any]]
     prompts = trajectories / group_size if agent and group_size else nan
     tree = any(TREE_LEAF_TOKENS_METRIC in r for r in steps)
     leaf_tokens = sum(_num(r.get(TREE_LEAF_TOKENS_METRIC, 0.0)) for r in steps) if tree else nan
+    leaf_env_calls = (sum(_num(r.get(TREE_LEAF_ENV_CALLS_METRIC, 0.0)) for r in steps)
+                      if agent and any(TREE_LEAF_ENV_CALLS_METRIC in r for r in steps) else nan)
     best_reward = max((v for v in (_num(r.get("reward/max")) for r in steps) if math.isfinite(v)), default=float("nan"))
     collapse, collapse_at = reward_std_collapse([_num(r.get("reward/std")) for r in steps], rewards, best_reward)
     return {
@@ -422,6 +427,7 @@ def run_metrics(steps: Sequence[dict[str, Any]], evals: Sequence[dict[str, Any]]
             "prompts": prompts,
             "env_calls_per_prompt": env_calls / prompts if prompts and math.isfinite(prompts) else nan,
             "leaf_tokens": leaf_tokens,
+            "leaf_env_calls": leaf_env_calls,
         },
     }
 
@@ -484,7 +490,7 @@ def chain_phases(first: dict[str, Any], second: dict[str, Any]) -> dict[str, Any
         "peak_memory_gb": max(k1["peak_memory_gb"], k2["peak_memory_gb"]),
         "stage_seconds": stages,
     }
-    for key in ("env_calls", "tool_calls", "trajectories", "prompts", "leaf_tokens"):
+    for key in ("env_calls", "tool_calls", "trajectories", "prompts", "leaf_tokens", "leaf_env_calls"):
         cost[key] = _num(k1.get(key)) + _num(k2.get(key))
     cost["env_calls_per_prompt"] = cost["env_calls"] / cost["prompts"] if cost["prompts"] > 0 else float("nan")
     return {"curve": curve, "evals": evals, "success": success, "stability": stability, "cost": cost}
@@ -536,6 +542,7 @@ METRICS: tuple[Metric, ...] = (
     Metric("cost", "peak_memory_gb", "peak memory (GB)", False, ".2f"),
     Metric("cost", "env_calls", "environment calls (resets + steps)", False, ".0f"),
     Metric("cost", "env_calls_per_prompt", "environment calls per prompt", False, ".1f"),
+    Metric("cost", "leaf_env_calls", "environment calls if played independently", None, ".0f"),
     Metric("cost", "tool_calls", "tool calls", None, ".0f"),
 )
 

@@ -166,6 +166,15 @@ def test_agent_runs_cost_environment_calls_per_prompt():
     ppo = run_metrics(agent_steps(16, 3), [], group_size=1)["cost"]  # 16 prompts x 1 trajectory
     assert ppo["env_calls_per_prompt"] == 3.0
     assert math.isnan(run_metrics(_steps([0.1]), [], group_size=8)["cost"]["env_calls"])  # single-turn: not measured
+    assert math.isnan(grpo["leaf_env_calls"])  # independent trajectories: nothing to compare with
+    branching = agent_steps(16, 3)
+    for rec in branching:  # --rollout tree: fewer calls than its leaves played independently
+        rec.update({"agent/env_calls": 60, "agent/tree_leaf_env_calls": 96, "rollout/tree_leaf_tokens": 500})
+    tree = run_metrics(branching, [], group_size=8)["cost"]
+    assert (tree["env_calls"], tree["leaf_env_calls"], tree["leaf_tokens"]) == (120, 192, 1000)
+    tree_runs = [{"algorithm": "grpo", "seed": s, "status": "ok", "wall_seconds": 1.0,
+                  **run_metrics(branching, [{"step": 0, "eval/accuracy": 0.1}], group_size=8)} for s in (0, 1)]
+    assert "environment calls if played independently" in format_table(summarize(tree_runs), [])
     chained = chain_phases(run_metrics(agent_steps(16, 3), [], group_size=8), run_metrics(agent_steps(16, 3), [], group_size=1))
     assert chained["cost"]["env_calls"] == 192 and chained["cost"]["prompts"] == 4 + 32
     assert chained["cost"]["env_calls_per_prompt"] == pytest.approx(192 / 36)
