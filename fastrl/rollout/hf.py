@@ -106,10 +106,11 @@ logits; at 32 and 64 rows it is slower (``benchmarks/bench_lm_head_layout.py``,
 ``benchmarks/results/lm-head-layout-cpu-20261201-235130.json``)."""
 TRANSPOSED_HEAD_MIN_STEPS = 16
 """... and when the rollout runs at least this many decode steps (the copy costs a few steps)."""
-LEAN_CHECK_RTOL = 1e-4
-LEAN_CHECK_ATOL = 1e-5
-"""The lean forward's hidden states at the first prefill must match the model's own within these
-(relative; absolute, times ``1 + max |h|``), else the sampler keeps the model's forward."""
+FORWARD_CHECK_RTOL = 1e-4
+FORWARD_CHECK_ATOL = 1e-5
+"""The sampler's one-time checks of its own paths at the first prefill (the LM head applied to
+the base model's hidden states; the lean forward's hidden states) must match the model's own
+forward within these (relative; absolute, times ``1 + max |x|``), else it keeps the model's."""
 DECODE_MODES = ("eager", "static", "cuda_graph")
 """``HFGroupSampler(decode=...)``: the per-token step as variable-shape eager ops, as one
 static-shape step (run eagerly; the CPU test of the captured path), or that step captured
@@ -742,12 +743,12 @@ class HFGroupSampler:
             ok = captured
             if ok:
                 got = F.linear(seen[0][0, last], head.weight, head.bias).float()
-                ok = bool(torch.allclose(got, logits, rtol=1e-4, atol=1e-5 * (1.0 + float(logits.abs().max()))))
+                ok = bool(torch.allclose(got, logits, rtol=FORWARD_CHECK_RTOL, atol=FORWARD_CHECK_ATOL * (1.0 + float(logits.abs().max()))))
             self._split = ok
         if check_lean and self._split:
             want = seen[0][0] if captured else None
             got = self._lean(ids, pos, kv.attend)[0]  # rewrites the prompts' keys/values
-            if want is not None and bool(torch.allclose(got, want, rtol=LEAN_CHECK_RTOL, atol=LEAN_CHECK_ATOL * (1.0 + float(want.abs().max())))):
+            if want is not None and bool(torch.allclose(got, want, rtol=FORWARD_CHECK_RTOL, atol=FORWARD_CHECK_ATOL * (1.0 + float(want.abs().max())))):
                 self._lean_checked = True
                 return kv, F.linear(got.index_select(0, last), head.weight, head.bias).float()
             self._lean = None
