@@ -92,12 +92,9 @@ class EnvCompareDefaults:
     algorithms, five ``fastrl train`` processes a seed) fits 15 minutes on the project's
     2-core CPU, warm-up included, with the default ``--jobs`` (2 there: two single-threaded
     runs at once). An agent step costs several times a single-turn one, so ``DEFAULT_BUDGET``
-    would not fit. Timed end to end at code db8c24e on that CPU while other sessions shared it
-    (load ~5, sql ~6-10): frozenlake 21.9 min wall, 17.0 min CPU; calculator 12.7 and 9.3;
-    sql 37.3 and 21.3 (its warm-up alone 18 min wall, 7.4 min CPU). Not timed idle: the
-    warm-up's CPU time plus half the runs' (two runs on two cores) gives 9.8 min (frozenlake),
-    5.1 (calculator) and 14.4 (sql), from CPU times that contention inflates (system time
-    is a third of frozenlake's, a fifth of sql's). The reports are in ``docs/compare.md``."""
+    would not fit. Timed end to end at code 17b71b6 on that CPU, otherwise idle:
+    sql 13.6 min wall (its warm-up 7.1), frozenlake 11.5, calculator 4.4; at load ~5-10 from
+    other sessions (code db8c24e) 37.3, 21.9 and 12.7. The reports are in ``docs/compare.md``."""
 
     budget: str
     """``--budget`` of every run."""
