@@ -8,7 +8,7 @@
             warm-up (the built-in model has one), the warmed-up model. Every run then starts
             from that model with no warm-up of its own: the comparison measures the RL
             algorithms alone, and the warm-up is paid once, not once per run.
-2. runs     Every algorithm x seed is ``python -m fastrl.cli train`` in a fresh process with
+2. runs     Every algorithm x seed is ``fastrl train`` (``python -m RUN_MODULE train``) in a fresh process with
             the same options and budget: ``N-steps``, wall time of the RL steps (``10m``,
             ``90s``; held-out evaluation is not counted) or generated completion tokens
             (``50k-tokens``). ``grpo_then_ppo`` is two processes: GRPO for ``--hybrid_split``
@@ -1176,7 +1176,7 @@ def run_all(tasks: Sequence[Callable[[], T]], *, jobs: int, processes: RunProces
 
 
 RUN_MODULE = "fastrl.train.compare"
-"""What each run executes (``python -m RUN_MODULE train ...``): ``fastrl.cli`` after asking the
+"""What each run executes (``python -m RUN_MODULE train ...``): ``fastrl train`` after asking the
 kernel for SIGTERM when the comparison's thread that started it ends."""
 PARENT_PID_ENV = "FASTRL_COMPARE_PID"
 """Environment variable giving a run its comparison's process id: a run whose parent is already
@@ -1452,11 +1452,15 @@ def _strict_json(value: Any) -> Any:
     return str(value)
 
 
-if __name__ == "__main__":  # a run of a comparison (RUN_MODULE): fastrl's CLI, ended with its parent
-    from fastrl.cli import main
+if __name__ == "__main__":  # a run of a comparison (RUN_MODULE): ``fastrl train``, ended with its parent
+    from fastrl import cli_style
+    from fastrl.train.cli import run_train
     from fastrl.workers import set_parent_death_signal
 
     set_parent_death_signal(signal.SIGTERM)
     if os.environ.get(PARENT_PID_ENV) not in (None, str(os.getppid())):
         sys.exit(128 + signal.SIGTERM)  # the comparison ended before the signal was asked for
-    sys.exit(main(sys.argv[1:]))
+    run_argv, run_debug = cli_style.pop_debug(sys.argv[1:])
+    if run_argv[:1] != ["train"]:
+        sys.exit(f"usage: python -m {RUN_MODULE} train [train options]")
+    sys.exit(cli_style.run_reporting_input_errors("train", lambda: run_train(run_argv[1:]), debug=run_debug))
