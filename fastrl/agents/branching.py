@@ -45,7 +45,6 @@ environments were forked.
 from __future__ import annotations
 
 import copy
-import math
 from dataclasses import dataclass, field
 from typing import Any, Sequence
 
@@ -53,13 +52,14 @@ import torch
 
 from fastrl.agents.trajectory import Trajectory
 from fastrl.errors import InputError
+from fastrl.rollout.branch import BranchCounts
 from fastrl.workers import OK
 
 __all__ = ["TurnSchedule", "TurnTree", "ForkingTokenSampler", "tree_token_sampler"]
 
 
 @dataclass(frozen=True)
-class TurnSchedule:
+class TurnSchedule(BranchCounts):
     """Where an agent tree rollout branches and how wide: ``branches[l]`` continuations at the
     start of policy turn ``turns[l]``."""
 
@@ -79,15 +79,6 @@ class TurnSchedule:
             raise InputError(f"tree_turns must give one turn per entry of tree_branches ({len(branches)}), got {list(turns)}")
         if turns[0] < 0 or any(b <= a for a, b in zip(turns, turns[1:])):
             raise InputError(f"tree_turns must be policy turns >= 0 (0: the first), strictly increasing, got {list(turns)}")
-
-    @property
-    def leaves(self) -> int:
-        """Leaves per row: the product of ``branches``."""
-        return math.prod(self.branches)
-
-    def span(self, level: int) -> int:
-        """Leaves under one sibling of branch point ``level``."""
-        return math.prod(self.branches[level + 1:])
 
     def level(self, turn: int) -> int | None:
         """The branch point at the start of ``turn`` (None: not a branch point)."""

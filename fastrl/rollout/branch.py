@@ -58,8 +58,24 @@ SEED_OF_SAMPLING_SEED = 1_000_003
 """Without per-prompt seeds, prompt ``i``'s seed is ``sampling.seed * SEED_OF_SAMPLING_SEED + i``."""
 
 
+class BranchCounts:
+    """Leaf arithmetic of a branching schedule with ``branches[l]`` children at branch point
+    ``l`` (``BranchSchedule`` over token depths, ``fastrl.agents.branching.TurnSchedule`` over turns)."""
+
+    branches: tuple[int, ...]
+
+    @property
+    def leaves(self) -> int:
+        """Leaves per prompt (row): the product of ``branches``."""
+        return math.prod(self.branches)
+
+    def span(self, level: int) -> int:
+        """Leaves under one child of branch point ``level``."""
+        return math.prod(self.branches[level + 1:])
+
+
 @dataclass(frozen=True)
-class BranchSchedule:
+class BranchSchedule(BranchCounts):
     """Where a tree rollout branches and how wide: ``branches[l]`` children at completion
     depth ``depths[l]`` (``depths[0] == 0``: the prompt's children)."""
 
@@ -79,15 +95,6 @@ class BranchSchedule:
             raise InputError(f"tree_depths must give one depth per level of tree_branches ({len(branches)}), got {list(depths)}")
         if depths[0] != 0 or any(b <= a for a, b in zip(depths, depths[1:])):
             raise InputError(f"tree_depths must start at 0 and increase strictly (token depths of the branch points), got {list(depths)}")
-
-    @property
-    def leaves(self) -> int:
-        """Leaves per prompt: the product of ``branches``."""
-        return math.prod(self.branches)
-
-    def span(self, level: int) -> int:
-        """Leaves under one node of ``level``."""
-        return math.prod(self.branches[level + 1:])
 
     def check(self, *, group_size: int, max_new_tokens: int) -> None:
         """The schedule fits a run: ``group_size`` leaves, every branch point inside the completion."""
