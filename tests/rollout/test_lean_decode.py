@@ -8,15 +8,7 @@ import torch.nn.functional as F
 from fastrl.rollout import HFGroupSampler, SamplingConfig
 from fastrl.rollout.lean_decode import lean_decoder
 
-from test_hf_multiturn import PROMPTS, hf_greedy, tiny  # noqa: F401  (the one-thread fixture is per module)
-
-
-@pytest.fixture(autouse=True, scope="module")
-def _one_thread():
-    before = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(before)
+from test_hf_multiturn import PROMPTS, _one_thread, hf_greedy, tiny  # noqa: F401  (_one_thread: autouse, per module)
 
 
 def causal_attend(module, q, k, v, scaling):
