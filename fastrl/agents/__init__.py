@@ -2,6 +2,8 @@
 
 Modules (imports point down the list):
 
+- ``metric_names``: the names of the metrics agent rollouts log (``agent/...``, ``env/...``,
+  the tree figures), for the code that writes them and the code that reads them.
 - ``env``: the ``Environment`` protocol (``reset(row, seed) -> messages``, ``step(action) ->
   StepResult(observation, reward, done, info)``, ``close()``), validation (``InputError``),
   the default state key (a hash of the observation's tokens).

@@ -50,6 +50,7 @@ from typing import Any, Sequence
 
 import torch
 
+from fastrl.agents import metric_names as names
 from fastrl.agents.trajectory import Trajectory
 from fastrl.errors import InputError
 from fastrl.rollout.branch import BranchCounts
@@ -249,15 +250,15 @@ class TurnTree:
                 generated += sum(n for turn, n in policy if turn >= born)
                 steps += sum(1 for k in range(len(t.turn_rewards)) if k >= born)
         return {
-            "rollout/generated_tokens": float(generated),
-            "rollout/tree_leaf_tokens": float(leaf_tokens),
-            "rollout/tree_branch_points": float(self.branch_points),
-            "rollout/tree_copies": float(self.copies),
-            "agent/env_calls": float(self._resets + steps + self.fork_calls),
-            "agent/tree_leaf_env_calls": float(leaf_steps),
-            "env/forks_native": float(self.forks["fork"]),
-            "env/forks_replayed": float(self.forks["replay"]),
-            "env/fork_failures": float(self.fork_failures),
+            names.GENERATED_TOKENS: float(generated),
+            names.TREE_LEAF_TOKENS: float(leaf_tokens),
+            names.TREE_BRANCH_POINTS: float(self.branch_points),
+            names.TREE_COPIES: float(self.copies),
+            names.ENV_CALLS: float(self._resets + steps + self.fork_calls),
+            names.TREE_LEAF_ENV_CALLS: float(leaf_steps),
+            names.FORKS_NATIVE: float(self.forks["fork"]),
+            names.FORKS_REPLAYED: float(self.forks["replay"]),
+            names.FORK_FAILURES: float(self.fork_failures),
         }
 
 

@@ -23,6 +23,7 @@ import time
 from dataclasses import dataclass, replace
 from typing import Any, Literal, Protocol, Sequence
 
+from fastrl.agents import metric_names as names
 from fastrl.agents.env import default_state_key
 from fastrl.agents.render import ChatRenderer, DeltaError
 from fastrl.agents.tools import FAILURE_KINDS
@@ -288,9 +289,9 @@ def run_episodes(
     metrics = agent_metrics(trajectories)
     if tree is not None:
         metrics.update(tree.metrics(trajectories))
-    metrics["time/env_seconds"] = env_seconds
-    metrics["time/generation_seconds"] = generation_seconds
-    metrics["env/replays"] = float(replays)
+    metrics[names.ENV_SECONDS] = env_seconds
+    metrics[names.GENERATION_SECONDS] = generation_seconds
+    metrics[names.ENV_REPLAYS] = float(replays)
     return trajectories, metrics
 
 
@@ -347,26 +348,26 @@ def agent_metrics(trajectories: Sequence[Trajectory]) -> dict[str, float]:
     trajectory's environment seconds and turns, outcome reward and success rate."""
     n = max(len(trajectories), 1)
     metrics: dict[str, float] = {
-        "agent/turns_mean": sum(t.turns for t in trajectories) / n,
-        "agent/turns_max": float(max((t.turns for t in trajectories), default=0)),
-        "agent/tool_calls_per_trajectory": sum(t.tool_calls for t in trajectories) / n,
-        "agent/tool_call_rate": sum(t.tool_calls > 0 for t in trajectories) / n,
-        "agent/env_calls": float(sum(len(t.turn_rewards) for t in trajectories) + sum(bool(t.messages) for t in trajectories)),
-        "agent/outcome_reward_mean": sum(t.outcome_reward for t in trajectories) / n,
-        "agent/excluded": float(sum(t.excluded for t in trajectories)),
-        "agent/samples_per_trajectory": sum(len(t.samples) for t in trajectories) / n,
+        names.TURNS_MEAN: sum(t.turns for t in trajectories) / n,
+        names.TURNS_MAX: float(max((t.turns for t in trajectories), default=0)),
+        names.TOOL_CALLS_PER_TRAJECTORY: sum(t.tool_calls for t in trajectories) / n,
+        names.TOOL_CALL_RATE: sum(t.tool_calls > 0 for t in trajectories) / n,
+        names.ENV_CALLS: float(sum(len(t.turn_rewards) for t in trajectories) + sum(bool(t.messages) for t in trajectories)),
+        names.OUTCOME_REWARD_MEAN: sum(t.outcome_reward for t in trajectories) / n,
+        names.EXCLUDED: float(sum(t.excluded for t in trajectories)),
+        names.SAMPLES_PER_TRAJECTORY: sum(len(t.samples) for t in trajectories) / n,
     }
     for kind in FAILURE_KINDS:
-        metrics[f"agent/tool_failures/{kind}"] = float(sum(t.tool_failures.get(kind, 0) for t in trajectories))
+        metrics[names.tool_failures(kind)] = float(sum(t.tool_failures.get(kind, 0) for t in trajectories))
     reasons = sorted({t.stop_reason for t in trajectories} | set(DRIVER_STOPS))
     for reason in reasons:
-        metrics[f"agent/stop/{reason}"] = float(sum(t.stop_reason == reason for t in trajectories))
+        metrics[names.stop(reason)] = float(sum(t.stop_reason == reason for t in trajectories))
     policy = sum(t.count("policy") for t in trajectories)
     env = sum(t.count("env") for t in trajectories)
-    metrics["agent/env_token_share"] = env / max(policy + env, 1)
+    metrics[names.ENV_TOKEN_SHARE] = env / max(policy + env, 1)
     checked = sum(t.checked_turns for t in trajectories)
-    metrics["tokenization/mismatch_rate"] = sum(t.mismatched_turns for t in trajectories) / max(checked, 1)
+    metrics[names.TOKENIZATION_MISMATCH_RATE] = sum(t.mismatched_turns for t in trajectories) / max(checked, 1)
     slowest = max(trajectories, key=lambda t: t.env_seconds, default=None)
-    metrics["agent/slowest_env_seconds"] = slowest.env_seconds if slowest else 0.0
-    metrics["agent/slowest_turns"] = float(slowest.turns) if slowest else 0.0
+    metrics[names.SLOWEST_ENV_SECONDS] = slowest.env_seconds if slowest else 0.0
+    metrics[names.SLOWEST_TURNS] = float(slowest.turns) if slowest else 0.0
     return metrics

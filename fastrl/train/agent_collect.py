@@ -34,6 +34,7 @@ from typing import Any, Sequence
 
 import torch
 
+from fastrl.agents import metric_names as names
 from fastrl.agents.batch import AgentBatch
 from fastrl.agents.driver import AgentConfig, GroupSamplerTokens, run_episodes
 from fastrl.agents.render import ChatRenderer
@@ -145,13 +146,13 @@ class AgentCollector:
         lengths = torch.tensor([sum(len(s.token_ids) for s in t.samples) for t in trajectories], dtype=torch.float32)
         metrics["response/length_mean"] = float(policy.mean())
         metrics["response/length_max"] = float(policy.max())
-        metrics["agent/trajectory_tokens_mean"] = float(lengths.mean())
+        metrics[names.TRAJECTORY_TOKENS_MEAN] = float(lengths.mean())
         metrics["response/truncated_frac"] = float(sum(t.stop_reason in ("turn_length", "max_trajectory_tokens")
                                                        for t in trajectories) / max(len(trajectories), 1))
         metrics["rollout/samples"] = float(len(trajectories))
-        metrics["rollout/generated_tokens"] = float(self.ranks.sum(policy.sum()))
-        env_s, gen_s = metrics.get("time/env_seconds", 0.0), metrics.get("time/generation_seconds", 0.0)
-        metrics["agent/env_time_share"] = env_s / (env_s + gen_s) if env_s + gen_s > 0 else 0.0
+        metrics[names.GENERATED_TOKENS] = float(self.ranks.sum(policy.sum()))
+        env_s, gen_s = metrics.get(names.ENV_SECONDS, 0.0), metrics.get(names.GENERATION_SECONDS, 0.0)
+        metrics[names.ENV_TIME_SHARE] = env_s / (env_s + gen_s) if env_s + gen_s > 0 else 0.0
         return metrics, histogram(outcome)
 
     def samples(self, rollout: AgentRollout, tokenizer: Any) -> tuple[tuple[str, str, float], tuple[str, str, float]]:

@@ -30,17 +30,17 @@ from typing import Any, Sequence
 
 import torch
 
+from fastrl.agents import metric_names as names
 from fastrl.agents.branching import TurnTree, tree_token_sampler
 from fastrl.agents.driver import run_episodes
 from fastrl.agents.trajectory import Trajectory
 from fastrl.rollout.base import SamplingConfig
 from fastrl.train.agent_collect import AgentCollector, AgentRollout, turn_sampling
 from fastrl.train.experience import Experience
-from fastrl.train.metrics import TREE_LEAF_TOKENS_METRIC
 
 __all__ = ["AgentTreeCollector", "TREE_SUMMED_METRICS"]
 
-TREE_SUMMED_METRICS = ("rollout/generated_tokens", TREE_LEAF_TOKENS_METRIC, "rollout/tree_branch_points", "rollout/tree_copies")
+TREE_SUMMED_METRICS = (names.GENERATED_TOKENS, names.TREE_LEAF_TOKENS, names.TREE_BRANCH_POINTS, names.TREE_COPIES)
 """The tree's figures summed over ranks (each rank grows the trees of its own rows)."""
 
 
@@ -64,10 +64,10 @@ class AgentTreeCollector(AgentCollector):
             close = getattr(tokens, "close", None)
             if callable(close):
                 close()
-        metrics["rollout/kv_forks"] = float(getattr(tokens, "forked", 0))
+        metrics[names.KV_FORKS] = float(getattr(tokens, "forked", 0))
         hits = getattr(tokens, "prefix_hits", None)
         if hits:  # vLLM: the share of prompt blocks its prefix cache served (the siblings' shared history)
-            metrics["rollout/prefix_cache_hit_rate"] = sum(hits) / len(hits)
+            metrics[names.PREFIX_CACHE_HIT_RATE] = sum(hits) / len(hits)
         return trajectories, metrics, tree
 
     def experience(self, rollout: AgentRollout, *, device: torch.device) -> Experience:

@@ -49,8 +49,8 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Callable, Sequence, TypeVar
 
+from fastrl.agents import metric_names
 from fastrl.train.config import AGENT_FIELDS, ALGORITHMS, TrainConfig
-from fastrl.train.metrics import TREE_LEAF_TOKENS_METRIC
 
 __all__ = [
     "HYBRID",
@@ -151,12 +151,6 @@ that curve's earlier peak, while the trailing mean reward is below ``ECHO_TRAP_S
 best reward seen (a batch that is all solved has no spread either, and that is no trap)."""
 ECHO_TRAP_SOLVED = 0.95
 """Share of the best logged reward (``reward/max``) above which a collapsed std counts as solved."""
-ENV_CALLS_METRIC = "agent/env_calls"
-TREE_LEAF_ENV_CALLS_METRIC = "agent/tree_leaf_env_calls"
-"""Per step of a branching agent rollout (``--env --rollout tree``): the environment calls its
-leaves would have made played independently (``fastrl.agents.branching``)."""
-"""Per step: environment calls of the rollout (resets + steps; ``fastrl.agents.driver.agent_metrics``)."""
-TOOL_CALLS_METRIC = "agent/tool_calls_per_trajectory"
 SAMPLES_METRIC = "rollout/samples"
 """Per step: trajectories (samples) of the rollout."""
 STAGES = ("generate", "reward", "old_logp", "ref_logp", "values", "advantages", "update", "sync")
@@ -334,14 +328,14 @@ def run_metrics(steps: Sequence[dict[str, Any]], evals: Sequence[dict[str, Any]]
     (evaluation excluded) and ``generated_tokens`` the cumulative completion tokens, so an
     evaluation after step k sits at the totals of steps 1..k (step 0: the start).
 
-    Agent runs (``--env``) also cost environment calls (``ENV_CALLS_METRIC``) and tool calls;
+    Agent runs (``--env``) also cost environment calls (``metric_names.ENV_CALLS``) and tool calls;
     ``group_size`` (the run's trajectories per prompt) turns them into calls per prompt.
     Single-turn runs leave these NaN (not measured).
     """
     steps = sorted(steps, key=lambda r: r["step"])
     step_ids = [int(r["step"]) for r in steps]
     seconds = cumulative([_num(r.get("time/step")) for r in steps])
-    generated = cumulative([_num(r.get("rollout/generated_tokens")) for r in steps])
+    generated = cumulative([_num(r.get(metric_names.GENERATED_TOKENS)) for r in steps])
     # the trainer logs the update's throughput: tokens through the training forward x epochs
     trained = cumulative([_num(r.get("throughput/train_tokens_per_s")) * _num(r.get("time/update")) for r in steps])
     rewards = [_num(r.get("reward/mean")) for r in steps]
@@ -373,16 +367,17 @@ def run_metrics(steps: Sequence[dict[str, Any]], evals: Sequence[dict[str, Any]]
     stage_seconds = {k: v for k, v in stage_seconds.items() if v > 0}
     peaks = [_num(r.get("memory/peak_gb")) for r in steps]
     last = rewards[-SMOOTHING_STEPS:]
-    agent = any(ENV_CALLS_METRIC in r for r in steps)
+    agent = any(metric_names.ENV_CALLS in r for r in steps)
     nan = float("nan")
-    env_calls = sum(_num(r.get(ENV_CALLS_METRIC, 0.0)) for r in steps) if agent else nan
+    env_calls = sum(_num(r.get(metric_names.ENV_CALLS, 0.0)) for r in steps) if agent else nan
     trajectories = sum(_num(r.get(SAMPLES_METRIC, 0.0)) for r in steps) if agent else nan
-    tool_calls = sum(_num(r.get(TOOL_CALLS_METRIC, 0.0)) * _num(r.get(SAMPLES_METRIC, 0.0)) for r in steps) if agent else nan
+    tool_calls = (sum(_num(r.get(metric_names.TOOL_CALLS_PER_TRAJECTORY, 0.0)) * _num(r.get(SAMPLES_METRIC, 0.0)) for r in steps)
+                  if agent else nan)
     prompts = trajectories / group_size if agent and group_size else nan
-    tree = any(TREE_LEAF_TOKENS_METRIC in r for r in steps)
-    leaf_tokens = sum(_num(r.get(TREE_LEAF_TOKENS_METRIC, 0.0)) for r in steps) if tree else nan
-    leaf_env_calls = (sum(_num(r.get(TREE_LEAF_ENV_CALLS_METRIC, 0.0)) for r in steps)
-                      if agent and any(TREE_LEAF_ENV_CALLS_METRIC in r for r in steps) else nan)
+    tree = any(metric_names.TREE_LEAF_TOKENS in r for r in steps)
+    leaf_tokens = sum(_num(r.get(metric_names.TREE_LEAF_TOKENS, 0.0)) for r in steps) if tree else nan
+    leaf_env_calls = (sum(_num(r.get(metric_names.TREE_LEAF_ENV_CALLS, 0.0)) for r in steps)
+                      if agent and any(metric_names.TREE_LEAF_ENV_CALLS in r for r in steps) else nan)
     best_reward = max((v for v in (_num(r.get("reward/max")) for r in steps) if math.isfinite(v)), default=float("nan"))
     collapse, collapse_at = reward_std_collapse([_num(r.get("reward/std")) for r in steps], rewards, best_reward)
     return {

@@ -28,11 +28,7 @@ from typing import Any
 
 import torch
 
-TREE_LEAF_TOKENS_METRIC = "rollout/tree_leaf_tokens"
-"""Per step of a tree rollout (``--rollout tree``): the leaves' completion tokens, what independent
-samples of those lengths would have generated (``rollout/generated_tokens`` counts each shared
-segment once: the budget a tree run spends)."""
-
+from fastrl.agents import metric_names as names
 
 LOGP_GAP_MEAN, LOGP_GAP_MAX = "rollout/logp_gap_mean", "rollout/logp_gap_max"
 """Per step: mean and largest ``|trainer - sampler|`` log-prob over trained tokens (``LogpGap``)."""
@@ -282,7 +278,7 @@ def rollout_metrics(rollout: Any, ranks: Any) -> tuple[dict[str, float], dict[st
     metrics["response/length_max"] = float(lengths.max())
     metrics["response/truncated_frac"] = float(truncated.mean())
     metrics["rollout/samples"] = float(lengths.numel())
-    metrics["rollout/generated_tokens"] = float(ranks.sum(batch.stats.generated_tokens))
+    metrics[names.GENERATED_TOKENS] = float(ranks.sum(batch.stats.generated_tokens))
     metrics["rollout/prefill_tokens"] = float(ranks.sum(batch.stats.prefill_tokens_computed))
     return metrics, histogram(r)
 

@@ -17,11 +17,11 @@ from typing import Any
 
 import torch
 
+from fastrl.agents import metric_names as names
 from fastrl.rollout.base import GroupRollout
 from fastrl.rollout.branch import sample_tree
 from fastrl.train.collect import Collector
 from fastrl.train.experience import Experience
-from fastrl.train.metrics import TREE_LEAF_TOKENS_METRIC
 
 __all__ = ["TreeCollector"]
 
@@ -53,6 +53,6 @@ class TreeCollector(Collector):
     def step_metrics(self, rollout: GroupRollout, exp: Experience) -> tuple[dict[str, float], dict[str, list[float]]]:
         metrics, hist = super().step_metrics(rollout, exp)
         tree = rollout.batch.tree
-        metrics[TREE_LEAF_TOKENS_METRIC] = float(self.ranks.sum(tree.leaf_tokens))
-        metrics["rollout/tree_branch_points"] = float(self.ranks.sum(tree.branch_points))
+        metrics[names.TREE_LEAF_TOKENS] = float(self.ranks.sum(tree.leaf_tokens))
+        metrics[names.TREE_BRANCH_POINTS] = float(self.ranks.sum(tree.branch_points))
         return metrics, hist
