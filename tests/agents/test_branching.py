@@ -12,6 +12,7 @@ import random
 import pytest
 import torch
 
+from fastrl.agents import metric_names as names
 from fastrl.agents.branching import ForkingTokenSampler, TurnSchedule, TurnTree
 from fastrl.agents.driver import AgentConfig, run_episodes
 from fastrl.agents.envs import BUILTIN_ENVS
@@ -23,6 +24,7 @@ from fastrl.rollout.base import SamplingConfig
 from fastrl.rollout.hf import HFGroupSampler
 from fastrl.train.task import char_tokenizer, tiny_model
 from fastrl.workers import OK, RAISED
+from test_metric_names import unnamed
 
 STOPS = tuple(range(7, 104, 3))  # as in test_driver: a random tiny model ends its turns early
 
@@ -200,7 +202,7 @@ def test_tree_episodes_share_their_prefix_and_replay_exactly(tiny):
     trajectories, metrics, tree, sampler = _tree_episodes(tiny, schedule, rows=rows, seeds=[5, 6])
     G = schedule.leaves
     assert [(t.group, t.index) for t in trajectories] == [(g, j) for g in range(2) for j in range(G)]
-    assert metrics["env/forks_native"] >= 2 and metrics["env/forks_replayed"] == 0 and sampler.forked >= 1
+    assert metrics[names.FORKS_NATIVE] >= 2 and metrics[names.FORKS_REPLAYED] == 0 and sampler.forked >= 1
     for g in range(2):
         leaves = trajectories[g * G:(g + 1) * G]
         for a, b in ((leaves[0], leaves[1]), (leaves[2], leaves[3])):  # siblings below the turn-2 branch point
@@ -231,9 +233,10 @@ def test_tree_episodes_share_their_prefix_and_replay_exactly(tiny):
         torch.testing.assert_close(torch.tensor(sample.sampler_logp)[at], logp[at - 1], atol=2e-5, rtol=1e-5)
     # equal budget: shared turns are generated and stepped once
     leaf_tokens = sum(t.count("policy") for t in trajectories)
-    assert metrics["rollout/tree_leaf_tokens"] == leaf_tokens
-    assert 0 < metrics["rollout/generated_tokens"] < leaf_tokens
-    assert metrics["agent/env_calls"] < metrics["agent/tree_leaf_env_calls"]
+    assert metrics[names.TREE_LEAF_TOKENS] == leaf_tokens
+    assert 0 < metrics[names.GENERATED_TOKENS] < leaf_tokens
+    assert metrics[names.ENV_CALLS] < metrics[names.TREE_LEAF_ENV_CALLS]
+    assert unnamed(metrics) == []  # every figure the tree run logs is a declared name
     # the node grid: siblings' turn-2 nodes share a parent, their shared turns share a node
     assert tree.branch_points >= 2 + 2 and len(tree.parents) > 2
 
@@ -249,10 +252,10 @@ def test_a_branch_after_the_first_turn_and_leaves_that_stopped_early_are_copies(
         assert first[0] == first[1] == first[2]  # turn 0 is one trunk, sampled once
     # a trunk that ended at turn 0 never branched: its 3 leaves are it and 2 copies
     ended = [g for g in range(2) if trajectories[g * 3].turns == 1]
-    assert metrics["rollout/tree_copies"] == 2 * len(ended)
+    assert metrics[names.TREE_COPIES] == 2 * len(ended)
     for g in ended:
         assert all(t.samples[0].token_ids == trajectories[g * 3].samples[0].token_ids for t in trajectories[g * 3:g * 3 + 3])
-    assert metrics["rollout/generated_tokens"] < metrics["rollout/tree_leaf_tokens"]
+    assert metrics[names.GENERATED_TOKENS] < metrics[names.TREE_LEAF_TOKENS]
 
 
 def test_one_branch_point_at_turn_0_is_the_independent_rollout(tiny):
@@ -273,6 +276,6 @@ def test_one_branch_point_at_turn_0_is_the_independent_rollout(tiny):
     sampler.close()
     assert [t.samples[0].token_ids for t in trees] == [t.samples[0].token_ids for t in plain]
     assert [t.messages for t in trees] == [t.messages for t in plain]
-    assert metrics["env/forks_native"] == 2 * 2 and metrics["rollout/tree_copies"] == 0
-    assert metrics["agent/env_calls"] == plain_metrics["agent/env_calls"] - 2 * 2  # two forks per row instead of resets
-    assert metrics["rollout/generated_tokens"] == metrics["rollout/tree_leaf_tokens"] == sum(t.count("policy") for t in plain)
+    assert metrics[names.FORKS_NATIVE] == 2 * 2 and metrics[names.TREE_COPIES] == 0
+    assert metrics[names.ENV_CALLS] == plain_metrics[names.ENV_CALLS] - 2 * 2  # two forks per row instead of resets
+    assert metrics[names.GENERATED_TOKENS] == metrics[names.TREE_LEAF_TOKENS] == sum(t.count("policy") for t in plain)

@@ -5,6 +5,7 @@ forward over the final trajectory at policy positions, the loss mask is exactly 
 import pytest
 import torch
 
+from fastrl.agents import metric_names as names
 from fastrl.agents.driver import AgentConfig, GroupSamplerTokens, run_episodes
 from fastrl.agents.envs.frozenlake import frozenlake_rows, FrozenLakeEnv
 from fastrl.agents.render import ChatRenderer
@@ -40,7 +41,7 @@ def _episodes(setup, sampling, *, group_size=3):
 def test_greedy_turns_equal_generate_on_the_full_history(setup):
     tokenizer, model, _ = setup
     trajectories, metrics = _episodes(setup, {"greedy": True})
-    assert metrics["agent/turns_max"] >= 3 and metrics["agent/env_token_share"] > 0
+    assert metrics[names.TURNS_MAX] >= 3 and metrics[names.ENV_TOKEN_SHARE] > 0
     checked = 0
     for t in trajectories:
         (sample,) = t.samples

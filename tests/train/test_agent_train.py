@@ -7,6 +7,7 @@ import json
 import pytest
 import torch
 
+from fastrl.agents import metric_names as names
 from fastrl.cli import main
 from fastrl.train import TrainConfig
 from fastrl.train.trainer import Trainer
@@ -38,8 +39,8 @@ def test_a_branching_env_run_resumes_exactly(tmp_path):
         assert torch.equal(straight[k], resumed[k]), k
     steps_a = [m for m in read_metrics(tmp_path / "a") if "event" not in m]
     steps_b = [m for m in read_metrics(tmp_path / "b") if "event" not in m]
-    assert [m["step"] for m in steps_b] == [1, 2] and steps_a[-1]["env/forks_replayed"] > 0
-    for key in ("loss/total", "reward/mean", "rollout/generated_tokens", "agent/env_calls", "env/forks_replayed"):
+    assert [m["step"] for m in steps_b] == [1, 2] and steps_a[-1][names.FORKS_REPLAYED] > 0
+    for key in ("loss/total", "reward/mean", names.GENERATED_TOKENS, names.ENV_CALLS, names.FORKS_REPLAYED):
         assert steps_a[-1][key] == steps_b[-1][key], key
 
 
@@ -52,12 +53,12 @@ def test_an_env_run_resumes_exactly_and_logs_trajectories(tmp_path):
     steps_a = [m for m in read_metrics(tmp_path / "a") if "event" not in m]
     steps_b = [m for m in read_metrics(tmp_path / "b") if "event" not in m]
     assert [m["step"] for m in steps_b] == [1, 2]
-    for key in ("loss/total", "reward/mean", "agent/turns_mean", "agent/env_token_share"):
+    for key in ("loss/total", "reward/mean", names.TURNS_MEAN, names.ENV_TOKEN_SHARE):
         assert steps_a[-1][key] == steps_b[-1][key], key
     last = steps_a[-1]
-    assert last["rollout/samples"] == 4 and 1 <= last["agent/turns_mean"] <= 2
+    assert last["rollout/samples"] == 4 and 1 <= last[names.TURNS_MEAN] <= 2
     assert last["rollout/logp_gap_max"] < 1e-3  # the HF sampler's log-probs are the trainer's (policy tokens only)
-    assert last["time/env_seconds"] > 0 and 0 <= last["tokenization/mismatch_rate"] <= 1
+    assert last[names.ENV_SECONDS] > 0 and 0 <= last[names.TOKENIZATION_MISMATCH_RATE] <= 1
     evals = [m for m in read_metrics(tmp_path / "a") if m.get("event") == "eval" and "eval/accuracy" in m]
     assert [m["step"] for m in evals] == [0, 2] and all(0 <= m["eval/tool_call_rate"] <= 1 for m in evals)
     samples = (tmp_path / "a" / "samples.txt").read_text()
@@ -81,9 +82,9 @@ def test_fastrl_train_env_runs_a_step(tmp_path, env, extra):
         args += ["--sft_steps", "1", "--sft_check_every", "1000"]
     assert main(args + extra) == 0
     step = [m for m in read_metrics(out) if "event" not in m][0]
-    assert step["rollout/samples"] == 4 and step["agent/turns_mean"] > 0 and "agent/stop/max_turns" in step
+    assert step["rollout/samples"] == 4 and step[names.TURNS_MEAN] > 0 and names.stop("max_turns") in step
     if "Hanging" in env:  # one of the step's two rows hangs at reset, in both of its trajectories
-        assert step["agent/stop/env_timeout"] == step["agent/excluded"] == 2
+        assert step[names.stop("env_timeout")] == step[names.EXCLUDED] == 2
     assert (out / "final" / "config.json").exists()
 
 

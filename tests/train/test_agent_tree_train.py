@@ -17,6 +17,7 @@ from pathlib import Path
 import pytest
 import torch
 
+from fastrl.agents import metric_names as names
 from fastrl.agents.envs.frozenlake import FrozenLakeEnv
 from fastrl.cli import main
 from fastrl.errors import InputError
@@ -47,9 +48,9 @@ def test_frozenlake_tree_run_forks_replays_exactly_and_trains_on_the_trie(tmp_pa
         for r in _steps(tmp_path / "run"):
             assert math.isfinite(r["loss/total"]) and r["rollout/samples"] == 8
             assert r["layout/tree"] == 1.0 and r["layout/trie_saving"] >= 0.1  # the shared partial trajectories run once
-            assert 0 < r["rollout/generated_tokens"] < r["rollout/tree_leaf_tokens"]
-            assert r["agent/env_calls"] < r["agent/tree_leaf_env_calls"] and r["env/fork_failures"] == 0
-            assert r["env/forks_native"] >= 2 and r["env/forks_replayed"] == 0  # frozenlake forks itself
+            assert 0 < r[names.GENERATED_TOKENS] < r[names.TREE_LEAF_TOKENS]
+            assert r[names.ENV_CALLS] < r[names.TREE_LEAF_ENV_CALLS] and r[names.FORK_FAILURES] == 0
+            assert r[names.FORKS_NATIVE] >= 2 and r[names.FORKS_REPLAYED] == 0  # frozenlake forks itself
             assert r["advantage/tree_branch_points"] >= 2
         # one more rollout of the trained run, checked leaf by leaf
         rollout, _ = trainer.collector.collect(sampler=trainer.sampler, step=trainer.step, timer=trainer.timer)
@@ -66,7 +67,7 @@ def test_frozenlake_tree_run_forks_replays_exactly_and_trains_on_the_trie(tmp_pa
     step = tree_step_advantages_reference(exp.rewards, torch.where(on, exp.tree_nodes, -1), exp.tree_parents)[0]
     assert step[on].abs().max() > 0.1  # turn 0's two nodes per row: leaf means 0.5 against 1.0 (row 0), 0.5 against 0 (row 1)
     torch.testing.assert_close(exp.advantages[on], (episode[:, None] + trainer.cfg.step_coef * step)[on], atol=1e-5, rtol=1e-5)
-    assert rollout.metrics["rollout/kv_forks"] >= 1  # the HF sampler's siblings continue forked keys/values
+    assert rollout.metrics[names.KV_FORKS] >= 1  # the HF sampler's siblings continue forked keys/values
     batch, G = rollout.batch, 4
     assert batch.input_ids.shape[0] == len(rollout.trajectories) == 2 * G
     for r, t in enumerate(rollout.trajectories):
@@ -110,8 +111,8 @@ def test_calculator_ppo_tree_run_through_the_cli_replays_its_forks(tmp_path):
         args += [f"--{name}", str(TINY[name]).lower()]
     assert main(args) == 0
     (r,) = _steps(out)
-    assert math.isfinite(r["loss/total"]) and r["rollout/samples"] == 8 and r["env/fork_failures"] == 0
-    assert r["env/forks_replayed"] == 2 * 3 and r["env/forks_native"] == 0  # each row's 3 siblings: reset, checked
+    assert math.isfinite(r["loss/total"]) and r["rollout/samples"] == 8 and r[names.FORK_FAILURES] == 0
+    assert r[names.FORKS_REPLAYED] == 2 * 3 and r[names.FORKS_NATIVE] == 0  # each row's 3 siblings: reset, checked
     assert "advantage/tree_branch_points" not in r and math.isfinite(r["critic/loss"])  # ppo: its critic's GAE, no tree term
 
 

@@ -9,6 +9,7 @@ import math
 import pytest
 import yaml
 
+from fastrl.agents import metric_names as names
 from fastrl.cli import main
 from fastrl.train.compare import (
     HYBRID,
@@ -93,7 +94,7 @@ def test_trainer_budget_stop_condition():
 def _steps(rewards, *, seconds=1.0, tokens=10.0, kl=None, entropy=None):
     out = []
     for i, r in enumerate(rewards):
-        rec = {"step": i + 1, "time/step": seconds, "rollout/generated_tokens": tokens, "reward/mean": r,
+        rec = {"step": i + 1, "time/step": seconds, names.GENERATED_TOKENS: tokens, "reward/mean": r,
                "throughput/train_tokens_per_s": 50.0, "time/update": 0.5, "time/generate": 0.25, "memory/peak_gb": 1.0 + i}
         if kl is not None:
             rec["kl/ref"] = kl[i]
@@ -156,8 +157,8 @@ def test_agent_runs_cost_environment_calls_per_prompt():
     def agent_steps(samples, calls_per_trajectory):
         steps = _steps([0.2, 0.4])
         for rec in steps:
-            rec.update({"agent/env_calls": samples * calls_per_trajectory, "rollout/samples": samples,
-                        "agent/tool_calls_per_trajectory": calls_per_trajectory - 1})
+            rec.update({names.ENV_CALLS: samples * calls_per_trajectory, "rollout/samples": samples,
+                        names.TOOL_CALLS_PER_TRAJECTORY: calls_per_trajectory - 1})
         return steps
 
     grpo = run_metrics(agent_steps(16, 3), [], group_size=8)["cost"]  # 2 prompts x 8 trajectories, 3 calls each
@@ -169,7 +170,7 @@ def test_agent_runs_cost_environment_calls_per_prompt():
     assert math.isnan(grpo["leaf_env_calls"])  # independent trajectories: nothing to compare with
     branching = agent_steps(16, 3)
     for rec in branching:  # --rollout tree: fewer calls than its leaves played independently
-        rec.update({"agent/env_calls": 60, "agent/tree_leaf_env_calls": 96, "rollout/tree_leaf_tokens": 500})
+        rec.update({names.ENV_CALLS: 60, names.TREE_LEAF_ENV_CALLS: 96, names.TREE_LEAF_TOKENS: 500})
     tree = run_metrics(branching, [], group_size=8)["cost"]
     assert (tree["env_calls"], tree["leaf_env_calls"], tree["leaf_tokens"]) == (120, 192, 1000)
     tree_runs = [{"algorithm": "grpo", "seed": s, "status": "ok", "wall_seconds": 1.0,
@@ -467,7 +468,7 @@ def test_an_agent_comparison_counts_environment_calls(tmp_path, capsys):
                  if "event" not in json.loads(line)]
         cost = run["cost"]
         assert cost["trajectories"] == 2 * 4 and cost["prompts"] == 2 * prompts
-        assert cost["env_calls"] == sum(s["agent/env_calls"] for s in steps) >= cost["trajectories"]  # a reset each
+        assert cost["env_calls"] == sum(s[names.ENV_CALLS] for s in steps) >= cost["trajectories"]  # a reset each
         assert cost["env_calls_per_prompt"] == pytest.approx(cost["env_calls"] / cost["prompts"])
         assert cost["env_calls_per_prompt"] >= group_size  # each of a prompt's trajectories is reset at least
         assert set(run["stability"]) >= {"reward_std_collapse_steps", "non_finite_steps"}

@@ -14,6 +14,7 @@ from pathlib import Path
 import pytest
 import torch
 
+from fastrl.agents import metric_names as names
 from fastrl.cli import main
 from fastrl.config import PolicyLossConfig
 from fastrl.ops.policy_loss import policy_loss
@@ -38,23 +39,23 @@ def test_fastrl_train_rollout_tree_runs_and_logs_its_budget(tmp_path):
             "--rollout", "tree", "--tree_branches", "[2, 2]", "--tree_depths", "[0, 3]"]
     assert main(args) == 0
     rows = [json.loads(line) for line in (out / "metrics.jsonl").read_text().splitlines()]
-    steps = [r for r in rows if "rollout/tree_leaf_tokens" in r]
+    steps = [r for r in rows if names.TREE_LEAF_TOKENS in r]
     assert len(steps) == 2
     for r in steps:
         # the equal-budget figures: shared first segments were generated once
-        assert 0 < r["rollout/generated_tokens"] < r["rollout/tree_leaf_tokens"] <= 2 * 4 * 6
-        assert r["rollout/samples"] == 8 and r["rollout/tree_branch_points"] >= 2
+        assert 0 < r[names.GENERATED_TOKENS] < r[names.TREE_LEAF_TOKENS] <= 2 * 4 * 6
+        assert r["rollout/samples"] == 8 and r[names.TREE_BRANCH_POINTS] >= 2
         # the layout was picked from the experience: the leaves share their first segment
         assert r["layout/tree"] == 1.0 and r["layout/trie_saving"] >= 0.1
-        assert r["advantage/tree_branch_points"] == r["rollout/tree_branch_points"]
+        assert r["advantage/tree_branch_points"] == r[names.TREE_BRANCH_POINTS]
     # fastrl compare's report states the budget: generated tokens, and what independent sampling would have cost
     evals = [r for r in rows if r.get("event") == "eval"]
     record = {"algorithm": "grpo", "seed": 0, "success": True, "status": "ok", **run_metrics(steps, evals)}
-    assert record["cost"]["generated_tokens"] == sum(r["rollout/generated_tokens"] for r in steps)
-    assert record["cost"]["leaf_tokens"] == sum(r["rollout/tree_leaf_tokens"] for r in steps) > record["cost"]["generated_tokens"]
+    assert record["cost"]["generated_tokens"] == sum(r[names.GENERATED_TOKENS] for r in steps)
+    assert record["cost"]["leaf_tokens"] == sum(r[names.TREE_LEAF_TOKENS] for r in steps) > record["cost"]["generated_tokens"]
     table = format_table(summarize([record]), [])
     assert "generated tokens" in table and "tokens if sampled independently" in table
-    independent = run_metrics([{k: v for k, v in r.items() if k != "rollout/tree_leaf_tokens"} for r in steps], evals)
+    independent = run_metrics([{k: v for k, v in r.items() if k != names.TREE_LEAF_TOKENS} for r in steps], evals)
     assert math.isnan(independent["cost"]["leaf_tokens"])  # a G-independent run has no such row
 
 
