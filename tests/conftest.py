@@ -26,6 +26,18 @@ def _seed():
     yield
 
 
+@pytest.fixture(scope="module")
+def one_thread():
+    """torch at one intra-op thread for a whole test module, the count before put back after; a
+    module asks for it with ``pytestmark = pytest.mark.usefixtures("one_thread")``. Tiny per-token
+    ops avoid wake-up stalls on a shared CPU at one thread, and a forked worker that runs at one
+    thread sums in the same order as this process (bitwise equal results)."""
+    before = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(before)
+
+
 def pytest_report_header(config):
     return (
         f"fastrl tests: torch {torch.__version__}, device={DEVICE}, "

@@ -12,7 +12,9 @@ from fastrl.errors import InputError
 from fastrl.rollout import HFGroupSampler, SamplingConfig
 from fastrl.rollout.branch import BranchSchedule, fork_trajectories, sample_tree
 
-from test_hf_multiturn import EOS, _one_thread, tiny  # noqa: F401  (the same tiny models; _one_thread: autouse)
+from test_hf_multiturn import EOS, tiny  # the same tiny models
+
+pytestmark = pytest.mark.usefixtures("one_thread")
 
 PROMPTS = [[5, 6, 7, 8, 9, 10, 11], [12, 13, 14]]
 

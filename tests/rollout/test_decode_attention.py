@@ -10,13 +10,7 @@ from fastrl.ops.decode_attention import shared_prefix_decode_attention
 from fastrl.reference.decode_attention import shared_prefix_decode_attention_reference as reference
 
 
-@pytest.fixture(autouse=True, scope="module")
-def _one_thread():
-    """Tiny per-token ops: one intra-op thread avoids wake-up stalls on a shared CPU."""
-    before = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(before)
+pytestmark = pytest.mark.usefixtures("one_thread")
 
 
 def make_inputs(*, prefix_lens, group_size, Hq, Hkv, D, S, suffix_lens=None, dtype=torch.float32, device="cpu", alias=None):

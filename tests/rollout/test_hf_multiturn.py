@@ -32,12 +32,7 @@ def tiny(kind, *, eos=EOS):
     return model.eval()
 
 
-@pytest.fixture(autouse=True, scope="module")
-def _one_thread():
-    before = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(before)
+pytestmark = pytest.mark.usefixtures("one_thread")
 
 
 def env_tokens(turn, t, n):

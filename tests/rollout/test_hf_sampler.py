@@ -11,13 +11,7 @@ VOCAB = 256
 EOS = 3
 
 
-@pytest.fixture(autouse=True, scope="module")
-def _one_thread():
-    """Tiny per-token ops: one intra-op thread avoids wake-up stalls on a shared CPU."""
-    before = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(before)
+pytestmark = pytest.mark.usefixtures("one_thread")
 
 
 def tiny(kind: str, *, seed: int = 0, eos=EOS, max_pos: int = 256):

@@ -15,12 +15,7 @@ PROMPTS = [[5, 6, 7, 8, 9, 10, 11], [12, 13, 14], [20, 21, 22, 23, 24, 25, 26, 2
 L = TRANSPOSED_HEAD_MIN_STEPS + 4  # long enough for the transposed output projection
 
 
-@pytest.fixture(autouse=True, scope="module")
-def _one_thread():
-    before = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(before)
+pytestmark = pytest.mark.usefixtures("one_thread")
 
 
 def tiny(cls, config_cls, **extra):

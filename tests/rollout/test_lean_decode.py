@@ -8,7 +8,9 @@ import torch.nn.functional as F
 from fastrl.rollout import HFGroupSampler, SamplingConfig
 from fastrl.rollout.lean_decode import lean_decoder
 
-from test_hf_multiturn import PROMPTS, _one_thread, hf_greedy, tiny  # noqa: F401  (_one_thread: autouse, per module)
+from test_hf_multiturn import PROMPTS, hf_greedy, tiny
+
+pytestmark = pytest.mark.usefixtures("one_thread")
 
 
 def causal_attend(module, q, k, v, scaling):

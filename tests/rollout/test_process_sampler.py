@@ -14,14 +14,9 @@ from fastrl.rollout import HFGroupSampler, SamplingConfig
 from fastrl.rollout.process import ProcessSampler, SamplerProcessError, decode_batch, encode_batch
 
 
-@pytest.fixture(autouse=True)
-def _one_thread():
-    """The worker runs torch at one thread; so does this process here, so the two compute the
-    same sums in the same order (bitwise equal log-probs)."""
-    before = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(before)
+# the worker runs torch at one thread; so does this process here: the same sums in the same order
+# (bitwise equal log-probs)
+pytestmark = pytest.mark.usefixtures("one_thread")
 
 
 def tiny(seed: int) -> LlamaForCausalLM:

@@ -8,14 +8,11 @@ between machines cannot flip it.
 
 import json
 
-import torch
-
 from fastrl.train import TrainConfig
 from fastrl.train.trainer import Trainer
 
 
-def test_grpo_raises_held_out_accuracy_on_the_default_task(tmp_path):
-    torch.set_num_threads(1)
+def test_grpo_raises_held_out_accuracy_on_the_default_task(tmp_path, one_thread):
     cfg = TrainConfig(
         seed=1, steps=30, eval_every=30, eval_prompts=100, pass_k=1, task_eval_size=100, output_dir=str(tmp_path / "run"),
         progress=False, tensorboard=False, reward_workers=0,

@@ -10,12 +10,7 @@ from fastrl.train.sft import collate_sft, encode_sft_example, sft_loss, sft_warm
 from fastrl.train.task import ArithmeticTask, char_tokenizer, tiny_model
 
 
-@pytest.fixture(autouse=True, scope="module")
-def _one_thread():
-    before = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(before)
+pytestmark = pytest.mark.usefixtures("one_thread")
 
 
 @pytest.fixture(scope="module")
