@@ -21,7 +21,7 @@ from fastrl.agents.render import ChatRenderer
 from fastrl.agents.runtime import FORK_NATIVE, FORK_REPLAY, EnvRuntime, InProcessRuntime
 from fastrl.errors import InputError
 from fastrl.rollout.base import SamplingConfig
-from fastrl.rollout.hf import HFGroupSampler
+from fastrl.rollout.hf import HFGroupSampler, HFTokenSampler
 from fastrl.train.task import char_tokenizer, tiny_model
 from fastrl.workers import OK, RAISED
 from test_metric_names import unnamed
@@ -98,38 +98,6 @@ def test_each_builtin_environment_forks_in_the_worker_pool(name):
     for got in (child, parent):
         assert got.status == OK and (got.value.observation, got.value.reward, got.value.done) == (
             want.observation, want.reward, want.done)
-    if name == "calculator":  # a repeated call: the repeat detector's state must be carried to the copy
-        return ["calc(1+2)", "calc(1+2)"], "calc(1+2)"
-    return [f"query({row['sql']})"], row["answer"]
-
-
-@pytest.mark.parametrize("name", list(BUILTIN_ENVS))
-def test_each_builtin_environment_forks_in_the_worker_pool(name):
-    entry = BUILTIN_ENVS[name]
-    row = entry.rows(num_train=1, num_heldout=0, seed=0)[0][0]
-    if name == "frozenlake":
-        row = {"prompt": "p", "grid": ["....", "....", "....", "...G"], "start": [0, 0], "answer": "6"}
-    history, last = _actions(name, row)
-    with EnvRuntime(entry.make, num_workers=2, step_timeout_s=20) as runtime:
-        assert runtime.reset([(0, row, 3)])[0].status == OK
-        recorded = [runtime.step([(0, a)])[0].value for a in history]
-        assert all(not r.done for r in recorded)
-        (fork,) = runtime.fork([(1, 0)])
-        assert fork.status == OK, fork.message
-        assert fork.value.how == (FORK_NATIVE if name == "frozenlake" else FORK_REPLAY)
-        assert fork.value.calls == (0 if name == "frozenlake" else 1 + len(history))
-        child, parent = runtime.step([(1, last), (0, last)])
-        runtime.release([0, 1])
-    # both answer the next action as a fresh environment replaying the whole history does
-    fresh = entry.make()
-    fresh.reset(row, 3)
-    for action, want in zip(history, recorded):
-        assert fresh.step(action).observation == want.observation
-    want = fresh.step(last)
-    fresh.close()
-    for got in (child, parent):
-        assert got.status == OK and (got.value.observation, got.value.reward, got.value.done) == (
-            want.observation, want.reward, want.done)
     if name == "calculator":
         assert want.done and want.info["stop_reason"] == "repeated_call"  # the third identical call
 
@@ -177,15 +145,22 @@ def tiny():
     return tokenizer, model
 
 
-def _tree_episodes(tiny, schedule, *, rows, seeds, env=FrozenLakeEnv, max_turns=4):
+def _episodes(tiny, *, rows, seeds, schedule=None, group_size=None, env=FrozenLakeEnv, max_turns=4):
+    """``run_episodes`` on the tiny model: trees grown by ``schedule`` (``ForkingTokenSampler``), or
+    ``group_size`` independent trajectories per row without one (``HFTokenSampler``). Returns
+    ``(trajectories, metrics, tree or None, sampler)``."""
     tokenizer, model = tiny
     sampling = SamplingConfig(temperature=1.0, max_new_tokens=6, stop_token_ids=STOPS)
-    sampler = ForkingTokenSampler(HFGroupSampler(model, backend="torch"), sampling)
+    if schedule is None:
+        tree, sampler = None, HFTokenSampler(HFGroupSampler(model, backend="torch"), sampling)
+    else:
+        group_size = schedule.leaves
+        tree = TurnTree(schedule, group_size=group_size)
+        sampler = ForkingTokenSampler(HFGroupSampler(model, backend="torch"), sampling)
     renderer = ChatRenderer(tokenizer, stop_token_ids=(tokenizer.eos_token_id, *STOPS))
     config = AgentConfig(max_turns=max_turns, max_turn_tokens=6, max_trajectory_tokens=400, split_on_mismatch=False)
-    tree = TurnTree(schedule, group_size=schedule.leaves)
     with EnvRuntime(env, num_workers=2) as runtime:
-        trajectories, metrics = run_episodes(rows, group_size=schedule.leaves, runtime=runtime, renderer=renderer,
+        trajectories, metrics = run_episodes(rows, group_size=group_size, runtime=runtime, renderer=renderer,
                                              sampler=sampler, config=config, seeds=seeds, tree=tree)
     sampler.close()
     return trajectories, metrics, tree, sampler
@@ -199,7 +174,7 @@ def test_tree_episodes_share_their_prefix_and_replay_exactly(tiny):
     tokenizer, model = tiny
     rows, _ = frozenlake_rows(num_train=2, num_heldout=0, seed=0, size=5, hole_rate=0.0)  # no holes: long episodes
     schedule = TurnSchedule(branches=(2, 2), turns=(0, 2))
-    trajectories, metrics, tree, sampler = _tree_episodes(tiny, schedule, rows=rows, seeds=[5, 6])
+    trajectories, metrics, tree, sampler = _episodes(tiny, rows=rows, seeds=[5, 6], schedule=schedule)
     G = schedule.leaves
     assert [(t.group, t.index) for t in trajectories] == [(g, j) for g in range(2) for j in range(G)]
     assert metrics[names.FORKS_NATIVE] >= 2 and metrics[names.FORKS_REPLAYED] == 0 and sampler.forked >= 1
@@ -244,7 +219,7 @@ def test_tree_episodes_share_their_prefix_and_replay_exactly(tiny):
 def test_a_branch_after_the_first_turn_and_leaves_that_stopped_early_are_copies(tiny):
     rows, _ = frozenlake_rows(num_train=2, num_heldout=0, seed=3, size=3, hole_rate=0.3)
     schedule = TurnSchedule(branches=(3,), turns=(1,))
-    trajectories, metrics, tree, _ = _tree_episodes(tiny, schedule, rows=rows, seeds=[1, 2], max_turns=3)
+    trajectories, metrics, tree, _ = _episodes(tiny, rows=rows, seeds=[1, 2], schedule=schedule, max_turns=3)
     assert len(trajectories) == 2 * 3 and [t.index for t in trajectories] == [0, 1, 2] * 2
     for g in range(2):
         leaves = trajectories[g * 3:(g + 1) * 3]
@@ -261,19 +236,9 @@ def test_a_branch_after_the_first_turn_and_leaves_that_stopped_early_are_copies(
 def test_one_branch_point_at_turn_0_is_the_independent_rollout(tiny):
     """``--tree_turns [0] --tree_branches [G]``: the same seeds, the same trajectories as ``G``
     independent ones (one reset per row and G-1 forks instead of G resets)."""
-    from fastrl.rollout.hf import HFTokenSampler
-
-    tokenizer, model = tiny
     rows, _ = frozenlake_rows(num_train=2, num_heldout=0, seed=1, size=4, hole_rate=0.1)
-    trees, metrics, _, _ = _tree_episodes(tiny, TurnSchedule(branches=(3,), turns=(0,)), rows=rows, seeds=[7, 8])
-    sampling = SamplingConfig(temperature=1.0, max_new_tokens=6, stop_token_ids=STOPS)
-    sampler = HFTokenSampler(HFGroupSampler(model, backend="torch"), sampling)
-    renderer = ChatRenderer(tokenizer, stop_token_ids=(tokenizer.eos_token_id, *STOPS))
-    config = AgentConfig(max_turns=4, max_turn_tokens=6, max_trajectory_tokens=400, split_on_mismatch=False)
-    with EnvRuntime(FrozenLakeEnv, num_workers=2) as runtime:
-        plain, plain_metrics = run_episodes(rows, group_size=3, runtime=runtime, renderer=renderer, sampler=sampler,
-                                            config=config, seeds=[7, 8])
-    sampler.close()
+    trees, metrics, _, _ = _episodes(tiny, rows=rows, seeds=[7, 8], schedule=TurnSchedule(branches=(3,), turns=(0,)))
+    plain, plain_metrics, _, _ = _episodes(tiny, rows=rows, seeds=[7, 8], group_size=3)
     assert [t.samples[0].token_ids for t in trees] == [t.samples[0].token_ids for t in plain]
     assert [t.messages for t in trees] == [t.messages for t in plain]
     assert metrics[names.FORKS_NATIVE] == 2 * 2 and metrics[names.TREE_COPIES] == 0
