@@ -792,7 +792,7 @@ def _plan_settings(args: argparse.Namespace) -> dict[str, Any]:
     """What the plan computes with: fastrl train's resolution of the shared options (the
     config file, then the command line), then the plan's own."""
     from fastrl.errors import InputError
-    from fastrl.train.trainer import AUTO_CHECKPOINTING_TOKENS
+    from fastrl.train.assemble import uses_activation_checkpointing
 
     from fastrl.train.config import TrainConfig
 
@@ -828,8 +828,7 @@ def _plan_settings(args: argparse.Namespace) -> dict[str, Any]:
 
             prompt_len = DefaultTask().max_position_embeddings - train.max_new_tokens
         response_len = train.max_new_tokens
-    checkpointing = train.activation_checkpointing == "layer" or (
-        train.activation_checkpointing == "auto" and prompt_len + response_len >= AUTO_CHECKPOINTING_TOKENS)
+    checkpointing = uses_activation_checkpointing(train.activation_checkpointing, longest=prompt_len + response_len)
     algorithm = "ppo" if train.uses_critic else ("grpo" if train.uses_reference else "grpo_noref")
     notes = []
     if train.env is not None:

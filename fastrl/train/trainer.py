@@ -16,7 +16,8 @@
                 fixed greedy sequence must equal the trainer's
 8. metrics, held-out evaluation, checkpoints
 
-The rooms around the loop: ``experience.py`` (the step's tensors by name), ``layout.py``
+The rooms around the loop: ``assemble.py`` (``__init__``'s stages, in order, each returning
+the named object the loop uses), ``experience.py`` (the step's tensors by name), ``layout.py``
 (padded rows or packed groups: micro-batches, forwards, gather/scatter), ``ranks.py``
 (everything cross-process; the identity in one process), ``build.py`` (models, optimisers,
 the sampler registry), ``weights.py`` (sync and probe), ``evaluate.py``, ``checkpoint.py``,
@@ -29,6 +30,7 @@ from __future__ import annotations
 import contextlib
 import dataclasses
 import json
+import operator
 import time
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -39,28 +41,19 @@ import torch
 from fastrl.ops import GlobalCounts, policy_loss, value_loss
 from fastrl.ops.stats import every_kth, sampled_mean
 from fastrl.rollout.base import RolloutBatch, SamplingConfig
-from fastrl.train import advantages, agent_build, build, seeds
-from fastrl.train import distributed as dist_mod
-from fastrl.train.checkpoint import RunCheckpoint, check_algorithm, checkpoint_dir, claim_output_dir, resolve_resume, save_final, set_rng_state
-from fastrl.train.async_collect import make_collector
+from fastrl.train import advantages, assemble, build, seeds
+from fastrl.train.checkpoint import check_algorithm, checkpoint_dir, save_final, set_rng_state
 from fastrl.train.collect import rollout_sampling
 from fastrl.train.config import TrainConfig
 from fastrl.train.correction import rollout_correction
-from fastrl.train.critic import ValueModel
-from fastrl.train.evaluate import HeldOutEvaluator
 from fastrl.train.experience import Experience
 from fastrl.train.faults import TrainingDivergedError, divergence_message
-from fastrl.train.heap import mmap_large_blocks
 from fastrl.train.layout import MicroBatch, make_layout
 from fastrl.train.metrics import (
     LOSS_SHARES, LogpGap, MetricsLogger, SilentLogger, StageTimer, peak_memory_bytes, update_metric_name,
 )
 from fastrl.train.progress import describe_evaluation, rl_progress_label
-from fastrl.train.ranks import Ranks
-from fastrl.train.reference_policy import offload_reference
-from fastrl.train.rundir import lock_run_directory
 from fastrl.train.schedule import AdaptiveKLController
-from fastrl.train.score import GroupScorer
 from fastrl.train.weights import WeightSyncError, check_gap, probe_gap, push_weights
 
 __all__ = ["Trainer", "TrainResult", "TrainingDivergedError", "WeightSyncError"]
@@ -82,9 +75,6 @@ class TrainResult:
         return self.eval_history[-1] if self.eval_history else {}
 
 
-AUTO_CHECKPOINTING_TOKENS = 2048
-"""activation_checkpointing=auto turns it on for trajectories at least this long."""
-
 ENTROPY_METRIC_STRIDE = 7
 """Without an entropy term in the loss, the ``entropy/mean`` metric is the mean entropy of
 every 7th trained token of each micro-batch (the first included), computed in the training
@@ -99,6 +89,12 @@ SHARED_WEIGHTS_PROBE_EVERY = 10
 RUN_FILES = ("metrics.jsonl", "checkpoints", "reference", "final", "samples.txt", "tensorboard", "sampler_init",
              "final_critic", "summary.json")
 """What a run writes into output_dir: a new run refuses (or with overwrite, removes) an earlier run's."""
+
+
+def _part(path: str) -> property:
+    """A read-only attribute that is a part of one of the trainer's stage objects
+    (``"models.critic"``: ``self.models.critic``)."""
+    return property(operator.attrgetter(path), doc=f"``self.{path}``")
 
 
 class Trainer:
@@ -119,157 +115,59 @@ class Trainer:
         eval_rows: Sequence[dict[str, Any]] | None = None,
         reward_functions: Sequence[Callable | str] | None = None,
     ):
-        from fastrl.train.data import check_tokenizer_matches_model
-        from fastrl.train.rewards import RewardPool
-
+        # the stages of ``assemble.py``, in its order (the order the global RNG is drawn in)
         self.cfg = cfg = config.resolved(model_given=model is not None)
-        if cfg.threads:
-            torch.set_num_threads(cfg.threads)
-        # torchrun: join the process group and refuse what data parallel cannot run, on every rank
-        self.ranks = ranks = Ranks.join(cfg.device, local_device=build.device_of)
-        if ranks.sharded:
-            build.check_distributed(cfg, ranks.ctx)
-        self.device = ranks.device
-        if self.device.type == "cpu":
-            mmap_large_blocks()  # freed activations leave the process instead of staying resident (fastrl.train.heap)
-        self.is_main = ranks.is_main
         self.spec = build.sampler_spec(cfg.sampler)
-        self.out = Path(cfg.output_dir)
-        self.run_lock = lock_run_directory(self.out) if self.is_main else None  # one run per output_dir
-        self.out.mkdir(parents=True, exist_ok=True)
         self.loss_config = cfg.policy_loss_config()
-        self.autocast_dtype = None
-        if cfg.dtype == "bfloat16" or (cfg.dtype == "auto" and self.device.type == "cuda"):
-            self.autocast_dtype = torch.bfloat16
-        torch.manual_seed(cfg.seed)
-
-        self.resume_dir = resolve_resume(cfg.resume, cfg.output_dir) if cfg.resume else None
-        self.timer = StageTimer(self.device)
-        if self.resume_dir is None and self.is_main:
-            claim_output_dir(self.out, names=RUN_FILES, overwrite=cfg.overwrite)
-        ranks.barrier()  # no rank writes into output_dir before rank 0 has claimed it
-
-        # ---- model, tokenizer, data
-        self.builtin = model is None and cfg.model is None
-        self.tokenizer, self.policy = build.load_policy(cfg, model=model, tokenizer=tokenizer, resume_dir=self.resume_dir,
-                                                        device=self.device)
-        check_tokenizer_matches_model(self.tokenizer, self.policy)
-        if cfg.shared_prefix or cfg.prefix_tree is True:
-            build.check_shared_prefix_support(self.policy)
-        self.agent = None  # an agent run's environment side (fastrl train --env), checked on a real row here
-        if cfg.env is not None:
-            context = build.model_context_length(self.policy)
-            self.agent = agent_build.build_agent(cfg, self.tokenizer, train_rows=train_rows, eval_rows=eval_rows, max_length=context)
-            prompts = agent_build.agent_prompts(cfg, self.agent, max_length=context, sharded=ranks.sharded)
-        else:
-            prompts = build.encode_prompts(cfg, self.tokenizer, self.policy, *build.load_rows(cfg, train_rows, eval_rows),
-                                           sharded=ranks.sharded)
-        self.train_rows, self.encoded, self.eval_rows, self.eval_encoded = (prompts.train_rows, prompts.train_ids,
-                                                                            prompts.eval_rows, prompts.eval_ids)
-        self.max_length, self.dropped_prompts, self.batcher = prompts.max_length, prompts.dropped, prompts.batcher
-
-        # ---- a sampler that must be reached (a shared server): reachable and serving this
-        # architecture before any long work
-        self.connected = None
-        if self.spec.connect is not None:
-            self.connected = self.spec.connect(cfg)
-            longest = (max(len(ids) for ids in [*self.encoded, *self.eval_encoded]) + cfg.max_new_tokens if self.agent is None
-                       else cfg.max_trajectory_tokens)
-            build.check_served_model(self.connected, cfg=cfg, policy=self.policy, longest=longest)
-
-        # ---- rewards: checked on real rows before any training work
-        specs = list(reward_functions) if reward_functions is not None else list(cfg.rewards)
-        self.agent_scorer = None
-        if self.agent is None:
-            self.rewards = RewardPool(specs, weights=cfg.reward_weights, timeout_s=cfg.reward_timeout, num_workers=cfg.reward_workers)
-        else:  # the environment's outcome and the functions on whole trajectories (agent_score.py); None: no functions
-            self.agent_scorer = agent_build.agent_scorer(cfg, self.agent, specs)
-            self.rewards = self.agent_scorer.rewards
-        self.scorer = GroupScorer(tokenizer=self.tokenizer, rewards=self.rewards, prompt_column=cfg.prompt_column)
-        probe_rows = self.train_rows[: min(2, len(self.train_rows))]
-        if self.agent is None:
-            self.rewards.validate([r[cfg.prompt_column] for r in probe_rows], ["" for _ in probe_rows], self.scorer.columns(probe_rows))
-
-        # ---- warm-up (not on resume: the checkpoint has the warmed-up policy)
-        self.sft_metrics: dict[str, float] = {}
-        if cfg.sft_steps and self.resume_dir is None and self.agent is not None:
-            self.sft_metrics = agent_build.agent_warm_up(cfg, self.policy, self.tokenizer, self.agent, ranks=ranks,
-                                                         progress=cfg.progress and self.is_main)
-        elif cfg.sft_steps and self.resume_dir is None:
-            self.sft_metrics = build.warm_up(cfg, self.policy, self.tokenizer, self.train_rows, score_fn=self.scorer.answer_score,
-                                             progress=cfg.progress and self.is_main)
-        if ranks.sharded:
-            # every rank ran the same seeded warm-up; rank 0's weights make them bitwise equal
-            dist_mod.broadcast_module(self.policy)
-
-        # ---- memory at length
-        longest = max(len(ids) for ids in self.encoded) + cfg.max_new_tokens if self.agent is None else cfg.max_trajectory_tokens
-        self.checkpointing = cfg.activation_checkpointing == "layer" or (
-            cfg.activation_checkpointing == "auto" and longest >= AUTO_CHECKPOINTING_TOKENS
-        )
-        if cfg.offload_activations and not self.checkpointing:
-            raise ValueError("offload_activations offloads the layer inputs that checkpointing keeps: set activation_checkpointing=layer")
-
-        # ---- reference policy (frozen), critic, optimizers
-        self.reference = None
-        if cfg.uses_reference:
-            self.reference = build.load_reference(self.policy, path=self.out / "reference", resume=self.resume_dir is not None,
-                                                  save=self.is_main, device=self.device,
-                                                  offload=offload_reference(cfg.reference_offload, device=self.device,
-                                                                            sharded=ranks.sharded))
-        self.critic: ValueModel | None = None
-        if cfg.uses_critic:
-            self.critic = build.build_critic(cfg, self.policy, resume_dir=self.resume_dir, device=self.device)
-        self.sampler_model: torch.nn.Module | None = None  # under torchrun: the full copy of the sharded policy
-        if ranks.sharded:
-            param_dtype = self.autocast_dtype if self.device.type == "cuda" else None
-            self.sampler_model = build.shard_models(self.policy, self.critic, param_dtype=param_dtype)
-        opt = build.build_optimizers(cfg, self.policy, self.critic)
-        self.optimizer, self.scheduler = opt.optimizer, opt.scheduler
-        self.critic_optimizer, self.critic_scheduler = opt.critic_optimizer, opt.critic_scheduler
-        self.checkpoint = RunCheckpoint(policy=self.policy, optimizer=self.optimizer, scheduler=self.scheduler, critic=self.critic,
-                                        critic_optimizer=self.critic_optimizer, critic_scheduler=self.critic_scheduler)
-        if self.checkpointing:
-            build.enable_checkpointing([self.policy, self.critic.body if self.critic is not None else None])
+        self.site = site = assemble.open_run(cfg, run_files=RUN_FILES)
+        self.timer = StageTimer(site.device)
+        self.loaded = loaded = assemble.load_policy(cfg, site, model=model, tokenizer=tokenizer)
+        self.task = task = assemble.build_task(cfg, site, loaded, train_rows=train_rows, eval_rows=eval_rows)
+        connected = assemble.connect_sampler(cfg, self.spec, loaded, task)
+        self.scoring = scoring = assemble.build_scoring(cfg, loaded, task, reward_functions)
+        self.sft_metrics = assemble.warm_up(cfg, site, loaded, task, scoring)
+        self.models = models = assemble.build_models(cfg, site, loaded, task)
         self.kl_ctl = AdaptiveKLController(float(cfg.kl_coef or 0.0), target=cfg.kl_target, horizon=cfg.kl_horizon)
         self.layout = make_layout(shared_prefix=cfg.shared_prefix, prefix_tree=cfg.prefix_tree,
-                                  token_budget=cfg.micro_batch_tokens, device=self.device,
+                                  token_budget=cfg.micro_batch_tokens, device=site.device,
                                   temperature=cfg.temperature, forward_context=self._forward_context)
 
+        # ---- the loop's own state, restored on resume (before the sampler: it starts from the restored weights)
         self.step = 0
         self.logger: Any = None
         self._reward_histogram: dict[str, list[float]] = {}
         self.last_checkpoint: Path | None = None
         self.eval_history: list[dict[str, float]] = []
         self.sync_gaps: list[float] = []
-        if self.resume_dir is not None:
-            self._load_checkpoint(self.resume_dir)
+        if site.resume_dir is not None:
+            self._load_checkpoint(site.resume_dir)
 
-        # ---- sampler (after the resume, so it starts from the restored weights)
-        self.sampler = build.build_sampler(self.spec, build.SamplerContext(
-            cfg=cfg, policy=self.policy, full_copy=self.sampler_model, pad_token_id=self.tokenizer.pad_token_id,
-            output_dir=self.out, max_length=self.max_length, connected=self.connected,
-        ))
-        self.sampler_shares_weights = not self.spec.own_weights and self.sampler_model is None
+        self.sampler = assemble.open_sampler(cfg, self.spec, site, loaded, task, models, connected)
+        self.sampler_shares_weights = not self.spec.own_weights and models.full_copy is None
         """The sampler runs the policy module itself: nothing to push, the probe is a guard."""
         if self.spec.push_on_start:
             self._push_weights()  # the policy's weights (after warm-up or resume) before the first rollout
-        self.probe_prompt = self.encoded[0]
-        if self.agent is not None:
-            self.collector, self.evaluator = agent_build.agent_loop(cfg, self.agent, batcher=self.batcher, ranks=ranks,
-                                                                    sampler=self.sampler, pad_token_id=self.tokenizer.pad_token_id,
-                                                                    scorer=self.agent_scorer)
-        else:
-            self.collector = make_collector(cfg=cfg, batcher=self.batcher, ranks=ranks, scorer=self.scorer,
-                                            weights=self.sampler_model if self.sampler_model is not None else self.policy,
-                                            pad_token_id=self.tokenizer.pad_token_id, device=self.device,
-                                            resume_dir=self.resume_dir)
-            self.evaluator = HeldOutEvaluator(
-                sampler=self.sampler, scorer=self.scorer, ranks=ranks, rows=self.eval_rows, prompt_ids=self.eval_encoded,
-                max_new_tokens=cfg.max_new_tokens, pass_k=cfg.pass_k, temperature=cfg.temperature, top_p=cfg.top_p,
-                top_k=cfg.top_k, seed=cfg.seed, prompt_seeds=self._prompt_seeds,
-            )
+        loop = assemble.build_loop(cfg, site, loaded, task, scoring, models, sampler=self.sampler)
+        self.collector, self.evaluator = loop.collector, loop.evaluator  # attributes: tests wrap or swap them
         self._write_config()
+
+    # ---- the stages' parts by the names the loop, tests and callers read
+    ranks = _part("site.ranks")
+    device = _part("site.device")
+    is_main = _part("site.is_main")
+    out = _part("site.out")
+    resume_dir = _part("site.resume_dir")
+    policy = _part("loaded.module")
+    tokenizer = _part("loaded.tokenizer")
+    builtin = _part("loaded.builtin")
+    train_rows = _part("task.prompts.train_rows")
+    encoded = _part("task.prompts.train_ids")
+    eval_rows = _part("task.prompts.eval_rows")
+    rewards = _part("scoring.rewards")
+    checkpointing = _part("models.checkpointing")
+    reference = _part("models.reference")
+    critic = _part("models.critic")
+    optimizer = _part("models.optimizers.optimizer")
 
     # ================================================================== the run
     def train(self, *, stop_after: int | None = None) -> TrainResult:
@@ -367,8 +265,8 @@ class Trainer:
         # ---- metrics
         step_metrics, self._reward_histogram = self.collector.step_metrics(rollout, exp)
         metrics.update(step_metrics)
-        if self.dropped_prompts:
-            metrics["data/dropped_long_prompts"] = float(self.dropped_prompts)
+        if self.task.prompts.dropped:
+            metrics["data/dropped_long_prompts"] = float(self.task.prompts.dropped)
         if self.logger is not None:  # the logged samples are this rank's (rank 0 logs)
             self.logger.write_samples(self.step, *self.collector.samples(rollout, self.tokenizer))
         metrics["time/step"] = time.perf_counter() - t_step
@@ -380,13 +278,13 @@ class Trainer:
         trained = float(self.ranks.sum(exp.trained_tokens))
         metrics["throughput/train_tokens_per_s"] = trained * cfg.ppo_epochs / upd_s if upd_s > 0 else 0.0
         metrics["memory/peak_gb"] = peak_memory_bytes(self.device) / 2**30
-        metrics["lr"] = self.scheduler.get_last_lr()[0]
+        metrics["lr"] = self.models.optimizers.scheduler.get_last_lr()[0]
         return metrics
 
     def _update(self, exp: Experience, *, gap: LogpGap | None = None) -> dict[str, float]:
         """ppo_epochs x mini-batches (whole groups) x micro-batches; one optimizer step per mini-batch.
         ``gap``: fed the forwards before the first optimizer step (the policy is still the sampler's)."""
-        cfg, ranks, layout = self.cfg, self.ranks, self.layout
+        cfg, ranks, layout, opt = self.cfg, self.ranks, self.layout, self.models.optimizers
         agg: dict[str, list[tuple[float, float]]] = {}
         grad_norms, critic_grad_norms = [], []
         padding_passes = 0
@@ -413,7 +311,7 @@ class Trainer:
                 grad_norm = ranks.clip_grad_norm(self.policy.parameters(), cfg.grad_clip)
                 if not (torch.isfinite(total) and torch.isfinite(grad_norm)):
                     self._diverged(exp.batch, "loss" if not torch.isfinite(total) else "gradient norm", float(total), float(grad_norm))
-                self._optimizer_step(self.optimizer, self.scheduler)
+                self._optimizer_step(opt.optimizer, opt.scheduler)
                 gap = None  # the policy has moved: later forwards are not the sampler's policy
                 grad_norms.append(float(grad_norm))
                 agg.setdefault("loss", []).append((float(total), 1.0))
@@ -421,7 +319,7 @@ class Trainer:
                     cg = ranks.clip_grad_norm(self.critic.parameters(), cfg.grad_clip)
                     if not torch.isfinite(cg):
                         self._diverged(exp.batch, "critic gradient norm", float(total), float(cg))
-                    self._optimizer_step(self.critic_optimizer, self.critic_scheduler)
+                    self._optimizer_step(opt.critic_optimizer, opt.critic_scheduler)
                     critic_grad_norms.append(float(cg))
         pooled = ranks.pool_update_metrics(agg, updates=len(grad_norms), loss_shares=LOSS_SHARES)
         out = {update_metric_name(name): value for name, value in pooled.items()}
@@ -435,10 +333,6 @@ class Trainer:
     # ================================================================== the step's stages
     def _sampling(self, *, salt: int) -> SamplingConfig:
         return rollout_sampling(self.cfg, step=self.step, salt=salt)
-
-    def _prompt_seeds(self, sampling: SamplingConfig, first: int, count: int) -> list[int] | None:
-        """One sampling seed per prompt from its index in the whole (all-rank) batch."""
-        return seeds.prompt_seeds(sampling.seed, first, count)
 
     def _experience(self, exp_or_batch: Experience | RolloutBatch) -> Experience:
         if isinstance(exp_or_batch, Experience):
@@ -545,8 +439,8 @@ class Trainer:
         activation offload (``offload_activations``: saved tensors -- with checkpointing, just
         each layer's input -- go to CPU memory, pinned on a GPU so the copies are asynchronous)."""
         stack = contextlib.ExitStack()
-        if self.autocast_dtype is not None:
-            stack.enter_context(torch.autocast(self.device.type, dtype=self.autocast_dtype))
+        if self.site.autocast_dtype is not None:
+            stack.enter_context(torch.autocast(self.device.type, dtype=self.site.autocast_dtype))
         if self.cfg.offload_activations and torch.is_grad_enabled():
             stack.enter_context(torch.autograd.graph.save_on_cpu(pin_memory=self.device.type == "cuda"))
         return stack
@@ -566,7 +460,7 @@ class Trainer:
         # one process: a sampler that runs the policy module itself needs nothing. torchrun:
         # the trainer's full copy is refreshed (the HF sampler runs it), a server gets rank 0's upload
         own_weights = self.spec.own_weights if self.ranks.sharded else not self.sampler_shares_weights
-        push_weights(self.sampler, policy=self.policy, full_copy=self.sampler_model, own_weights=own_weights, ranks=self.ranks)
+        push_weights(self.sampler, policy=self.policy, full_copy=self.models.full_copy, own_weights=own_weights, ranks=self.ranks)
 
     @torch.no_grad()
     def _sync_weights(self) -> float | None:
@@ -576,7 +470,7 @@ class Trainer:
         every = self.cfg.sync_probe_every or (SHARED_WEIGHTS_PROBE_EVERY if self.sampler_shares_weights else 1)
         if self.step % every:
             return None
-        gap = probe_gap(self.sampler, self.policy, self.probe_prompt, max_new_tokens=self.cfg.max_new_tokens, device=self.device)
+        gap = probe_gap(self.sampler, self.policy, self.task.probe_prompt, max_new_tokens=self.cfg.max_new_tokens, device=self.device)
         self.sync_gaps.append(gap)
         check_gap(gap, tolerance=self.cfg.sync_probe_tolerance, step=self.step)
         return gap
@@ -608,19 +502,19 @@ class Trainer:
 
     def save_checkpoint(self) -> Path:
         """The policy, critic, optimizers, schedulers, RNG and trainer state (``checkpoint.RunCheckpoint``)."""
-        state = {"step": self.step, "batcher": self.batcher.state_dict(), "kl_controller": self.kl_ctl.state_dict(),
+        state = {"step": self.step, "batcher": self.task.prompts.batcher.state_dict(), "kl_controller": self.kl_ctl.state_dict(),
                  "eval_history": self.eval_history, "algorithm": self.cfg.algorithm}
-        self.last_checkpoint = self.checkpoint.save(
+        self.last_checkpoint = self.models.checkpoint.save(
             checkpoint_dir(self.out, self.step), tokenizer=self.tokenizer, state=state, keep=self.cfg.keep_checkpoints,
-            sharded=self.ranks.sharded, full_policy=self.sampler_model, rank=self.ranks.rank, world_size=self.ranks.world_size,
+            sharded=self.ranks.sharded, full_policy=self.models.full_copy, rank=self.ranks.rank, world_size=self.ranks.world_size,
             barrier=self.ranks.barrier, extra=self.collector.checkpoint_extra(),
         )
         return self.last_checkpoint
 
     def _load_checkpoint(self, directory: Path) -> None:
-        state, rng = self.checkpoint.load(directory, algorithm=self.cfg.algorithm, sharded=self.ranks.sharded, rank=self.ranks.rank)
+        state, rng = self.models.checkpoint.load(directory, algorithm=self.cfg.algorithm, sharded=self.ranks.sharded, rank=self.ranks.rank)
         check_algorithm(state, self.cfg.algorithm)
-        self.batcher.load_state_dict(state["batcher"])
+        self.task.prompts.batcher.load_state_dict(state["batcher"])
         self.kl_ctl.load_state_dict(state["kl_controller"])
         self.eval_history = list(state.get("eval_history", []))
         self.step = int(state["step"])
@@ -629,16 +523,16 @@ class Trainer:
 
     def _save_final(self, final: Path) -> None:
         save_final(final, policy=self.policy, critic=self.critic, critic_dir=self.out / "final_critic", tokenizer=self.tokenizer,
-                   sharded=self.ranks.sharded, full_policy=self.sampler_model, is_main=self.is_main)
+                   sharded=self.ranks.sharded, full_policy=self.models.full_copy, is_main=self.is_main)
 
     def close(self) -> None:
-        if self.run_lock is not None:
-            self.run_lock.release()
+        if self.site.run_lock is not None:
+            self.site.run_lock.release()
         if self.rewards is not None:
             self.rewards.close()
         self.collector.close()
-        if self.agent is not None:
-            self.agent.close()
+        if self.task.agent is not None:
+            self.task.agent.close()
         if hasattr(self.sampler, "close"):
             self.sampler.close()
         self.ranks.close()

@@ -1,0 +1,319 @@
+"""A ``Trainer``'s parts, stage by stage, in the order ``Trainer.__init__`` builds them.
+
+Each stage takes the config and the named objects built before it and returns one; the
+order is the order the global RNG is drawn in (so a seed gives one run) and the order the
+checks run in (whatever a user can get wrong fails before any long work):
+
+1. ``open_run``         ``RunSite``: threads, the processes (``Ranks``), the device, the
+                        output folder locked and claimed, the resume point, the seed
+2. ``load_policy``      ``LoadedPolicy``: the tokenizer and the policy, checked together
+3. ``build_task``       ``Task``: the encoded prompts and their batcher (an env run's
+                        environment side too, checked on a real row)
+4. ``connect_sampler``  a shared server's client, checked against the policy (else None)
+5. ``build_scoring``    ``Scoring``: the reward pool and the scorers, checked on real rows
+6. ``warm_up``          the supervised warm-up's ``sft/...`` metrics (none on resume)
+7. ``build_models``     ``Models``: activation checkpointing, reference, critic, FSDP,
+                        optimisers, what a checkpoint holds
+8. ``open_sampler``     the sampler (after the resume, so it starts from the restored weights)
+9. ``build_loop``       ``Loop``: the step's collector and the held-out evaluator
+
+Between 7 and 8 the trainer makes its KL controller and layout and restores a resumed
+run's state. The builders' bodies are ``build.py`` (what every run has, and single-turn
+runs) and ``agent_build.py`` (``--env``); a stage here picks which to call and checks what
+comes back.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any, Callable, Sequence
+
+import torch
+
+from fastrl.rollout.base import GroupSampler, SamplingConfig
+from fastrl.train import agent_build, build, seeds
+from fastrl.train import distributed as dist_mod
+from fastrl.train.agent_build import AgentSetup
+from fastrl.train.async_collect import make_collector
+from fastrl.train.build import Optimizers, Prompts, SamplerSpec
+from fastrl.train.checkpoint import RunCheckpoint, claim_output_dir, resolve_resume
+from fastrl.train.config import TrainConfig
+from fastrl.train.critic import ValueModel
+from fastrl.train.evaluate import HeldOutEvaluator
+from fastrl.train.heap import mmap_large_blocks
+from fastrl.train.ranks import Ranks
+from fastrl.train.reference_policy import ReferencePolicy, offload_reference
+from fastrl.train.rundir import RunDirectoryLock, lock_run_directory
+from fastrl.train.score import GroupScorer
+
+__all__ = [
+    "AUTO_CHECKPOINTING_TOKENS", "LoadedPolicy", "Loop", "Models", "RunSite", "Scoring", "Task", "build_loop", "build_models",
+    "build_scoring", "build_task", "connect_sampler", "load_policy", "open_run", "open_sampler", "uses_activation_checkpointing",
+    "warm_up",
+]
+
+AUTO_CHECKPOINTING_TOKENS = 2048
+"""activation_checkpointing=auto turns it on for trajectories at least this long."""
+
+
+# ---------------------------------------------------------------------------- 1. the run's place
+@dataclass
+class RunSite:
+    """Where a run trains: its processes, its device and its output folder."""
+
+    ranks: Ranks
+    out: Path
+    run_lock: RunDirectoryLock | None
+    """Rank 0's lock on ``out`` (one run per output folder); None on the other ranks."""
+    resume_dir: Path | None
+    """The checkpoint this run continues from (``resume``), else None."""
+    autocast_dtype: torch.dtype | None
+    """bf16 autocast around every forward (``dtype``), else None."""
+
+    @property
+    def device(self) -> torch.device:
+        return self.ranks.device
+
+    @property
+    def is_main(self) -> bool:
+        return self.ranks.is_main
+
+
+def open_run(cfg: TrainConfig, *, run_files: Sequence[str]) -> RunSite:
+    """Join the process group (torchrun; refusing on every rank what data parallel cannot
+    run), lock and claim ``output_dir`` (``run_files``: what an earlier run's outputs are),
+    seed the global RNG. Every rank waits until rank 0 has claimed the folder."""
+    if cfg.threads:
+        torch.set_num_threads(cfg.threads)
+    ranks = Ranks.join(cfg.device, local_device=build.device_of)
+    if ranks.sharded:
+        build.check_distributed(cfg, ranks.ctx)
+    if ranks.device.type == "cpu":
+        mmap_large_blocks()  # freed activations leave the process instead of staying resident (fastrl.train.heap)
+    out = Path(cfg.output_dir)
+    run_lock = lock_run_directory(out) if ranks.is_main else None
+    out.mkdir(parents=True, exist_ok=True)
+    autocast_dtype = torch.bfloat16 if cfg.dtype == "bfloat16" or (cfg.dtype == "auto" and ranks.device.type == "cuda") else None
+    torch.manual_seed(cfg.seed)
+    resume_dir = resolve_resume(cfg.resume, cfg.output_dir) if cfg.resume else None
+    if resume_dir is None and ranks.is_main:
+        claim_output_dir(out, names=run_files, overwrite=cfg.overwrite)
+    ranks.barrier()  # no rank writes into output_dir before rank 0 has claimed it
+    return RunSite(ranks=ranks, out=out, run_lock=run_lock, resume_dir=resume_dir, autocast_dtype=autocast_dtype)
+
+
+# ---------------------------------------------------------------------------- 2. the policy
+@dataclass
+class LoadedPolicy:
+    """The tokenizer and the policy module (train mode, on the run's device)."""
+
+    tokenizer: Any
+    module: torch.nn.Module
+    builtin: bool
+    """The built-in tiny model (no model given or named)."""
+
+
+def load_policy(cfg: TrainConfig, site: RunSite, *, model: torch.nn.Module | None, tokenizer: Any) -> LoadedPolicy:
+    """``build.load_policy`` (a resumed checkpoint's, the given model, the built-in one or
+    ``cfg.model``), checked against its tokenizer and, for packed layouts, its attention."""
+    from fastrl.train.data import check_tokenizer_matches_model
+
+    tok, policy = build.load_policy(cfg, model=model, tokenizer=tokenizer, resume_dir=site.resume_dir, device=site.device)
+    check_tokenizer_matches_model(tok, policy)
+    if cfg.shared_prefix or cfg.prefix_tree is True:
+        build.check_shared_prefix_support(policy)
+    return LoadedPolicy(tokenizer=tok, module=policy, builtin=model is None and cfg.model is None)
+
+
+# ---------------------------------------------------------------------------- 3. the task
+@dataclass
+class Task:
+    """What the run trains on: its prompts, and an env run's environment side."""
+
+    prompts: Prompts
+    agent: AgentSetup | None
+    """``fastrl train --env``'s environments, rows and renderer; None for a single-turn run."""
+
+    @property
+    def probe_prompt(self) -> list[int]:
+        """The weight-sync probe's prompt: the first training prompt."""
+        return self.prompts.train_ids[0]
+
+    def longest(self, cfg: TrainConfig, *, held_out: bool) -> int:
+        """The run's longest sequence: its longest training prompt (with ``held_out``, or
+        held-out prompt) + ``max_new_tokens``; an env run's ``max_trajectory_tokens``."""
+        if self.agent is not None:
+            return cfg.max_trajectory_tokens
+        ids = [*self.prompts.train_ids, *self.prompts.eval_ids] if held_out else self.prompts.train_ids
+        return max(len(p) for p in ids) + cfg.max_new_tokens
+
+
+def build_task(cfg: TrainConfig, site: RunSite, policy: LoadedPolicy, *, train_rows: Sequence[dict] | None,
+               eval_rows: Sequence[dict] | None) -> Task:
+    """An env run's ``AgentSetup`` and its prompts (``agent_build``), else the rows encoded
+    against the model's context (``build.encode_prompts``)."""
+    sharded = site.ranks.sharded
+    if cfg.env is None:
+        prompts = build.encode_prompts(cfg, policy.tokenizer, policy.module, *build.load_rows(cfg, train_rows, eval_rows),
+                                       sharded=sharded)
+        return Task(prompts=prompts, agent=None)
+    context = build.model_context_length(policy.module)
+    agent = agent_build.build_agent(cfg, policy.tokenizer, train_rows=train_rows, eval_rows=eval_rows, max_length=context)
+    return Task(prompts=agent_build.agent_prompts(cfg, agent, max_length=context, sharded=sharded), agent=agent)
+
+
+# ---------------------------------------------------------------------------- 4. a sampler to reach
+def connect_sampler(cfg: TrainConfig, spec: SamplerSpec, policy: LoadedPolicy, task: Task) -> Any:
+    """A sampler that must be reached (a shared server): reachable and serving this
+    architecture at this length before any long work. None for an in-process sampler."""
+    if spec.connect is None:
+        return None
+    connected = spec.connect(cfg)
+    build.check_served_model(connected, cfg=cfg, policy=policy.module, longest=task.longest(cfg, held_out=True))
+    return connected
+
+
+# ---------------------------------------------------------------------------- 5. rewards
+@dataclass
+class Scoring:
+    """How a step's samples are scored."""
+
+    rewards: Any
+    """The ``RewardPool`` (worker processes; closed with the run), or None: an env run without functions."""
+    scorer: GroupScorer
+    """The reward pool's call for a batch of single-turn samples (and the warm-up's probe)."""
+    agent_scorer: Any
+    """An env run's ``TrajectoryScorer`` (the environment's outcome and the functions); None single-turn."""
+
+
+def build_scoring(cfg: TrainConfig, policy: LoadedPolicy, task: Task, reward_functions: Sequence[Callable | str] | None) -> Scoring:
+    """The reward pool on ``reward_functions`` (else ``cfg.rewards``), checked on real rows
+    before any training work (an env run's: ``agent_build.agent_scorer``)."""
+    from fastrl.train.rewards import RewardPool
+
+    specs = list(reward_functions) if reward_functions is not None else list(cfg.rewards)
+    agent_scorer = None
+    if task.agent is None:
+        rewards = RewardPool(specs, weights=cfg.reward_weights, timeout_s=cfg.reward_timeout, num_workers=cfg.reward_workers)
+    else:
+        agent_scorer = agent_build.agent_scorer(cfg, task.agent, specs)
+        rewards = agent_scorer.rewards
+    scorer = GroupScorer(tokenizer=policy.tokenizer, rewards=rewards, prompt_column=cfg.prompt_column)
+    if task.agent is None:
+        probe_rows = task.prompts.train_rows[: min(2, len(task.prompts.train_rows))]
+        rewards.validate([r[cfg.prompt_column] for r in probe_rows], ["" for _ in probe_rows], scorer.columns(probe_rows))
+    return Scoring(rewards=rewards, scorer=scorer, agent_scorer=agent_scorer)
+
+
+# ---------------------------------------------------------------------------- 6. the warm-up
+def warm_up(cfg: TrainConfig, site: RunSite, policy: LoadedPolicy, task: Task, scoring: Scoring) -> dict[str, float]:
+    """The supervised warm-up (``sft_steps``; not on resume: the checkpoint has the warmed-up
+    policy): an env run's on its oracle's transcripts, else on the rows' answers. Returns its
+    ``sft/...`` metrics (empty without one). Under torchrun every rank ran the same seeded
+    warm-up, and rank 0's weights make them bitwise equal."""
+    metrics: dict[str, float] = {}
+    progress = cfg.progress and site.is_main
+    if cfg.sft_steps and site.resume_dir is None and task.agent is not None:
+        metrics = agent_build.agent_warm_up(cfg, policy.module, policy.tokenizer, task.agent, ranks=site.ranks, progress=progress)
+    elif cfg.sft_steps and site.resume_dir is None:
+        metrics = build.warm_up(cfg, policy.module, policy.tokenizer, task.prompts.train_rows, score_fn=scoring.scorer.answer_score,
+                                progress=progress)
+    if site.ranks.sharded:
+        dist_mod.broadcast_module(policy.module)
+    return metrics
+
+
+# ---------------------------------------------------------------------------- 7. the trained models
+def uses_activation_checkpointing(mode: str, *, longest: int) -> bool:
+    """``activation_checkpointing``: ``layer`` always, ``auto`` for sequences of at least
+    ``AUTO_CHECKPOINTING_TOKENS``, ``off`` never."""
+    return mode == "layer" or (mode == "auto" and longest >= AUTO_CHECKPOINTING_TOKENS)
+
+
+@dataclass
+class Models:
+    """What the update trains and compares against, and what a checkpoint holds."""
+
+    checkpointing: bool
+    """Activation checkpointing per decoder layer (``uses_activation_checkpointing``)."""
+    reference: ReferencePolicy | None
+    """The frozen reference (with a KL term), else None."""
+    critic: ValueModel | None
+    """PPO's critic, else None."""
+    full_copy: torch.nn.Module | None
+    """Under torchrun: the full copy of the sharded policy (the HF sampler runs it), else None."""
+    optimizers: Optimizers
+    checkpoint: RunCheckpoint
+
+
+def build_models(cfg: TrainConfig, site: RunSite, policy: LoadedPolicy, task: Task) -> Models:
+    """The reference (saved once under ``out/reference``), the critic, FSDP2 sharding under
+    torchrun, the optimisers and schedules, activation checkpointing on what is trained."""
+    checkpointing = uses_activation_checkpointing(cfg.activation_checkpointing, longest=task.longest(cfg, held_out=False))
+    if cfg.offload_activations and not checkpointing:
+        raise ValueError("offload_activations offloads the layer inputs that checkpointing keeps: set activation_checkpointing=layer")
+    device, sharded, module = site.device, site.ranks.sharded, policy.module
+    reference = None
+    if cfg.uses_reference:
+        reference = build.load_reference(module, path=site.out / "reference", resume=site.resume_dir is not None, save=site.is_main,
+                                         device=device, offload=offload_reference(cfg.reference_offload, device=device, sharded=sharded))
+    critic = build.build_critic(cfg, module, resume_dir=site.resume_dir, device=device) if cfg.uses_critic else None
+    full_copy = None
+    if sharded:
+        full_copy = build.shard_models(module, critic, param_dtype=site.autocast_dtype if device.type == "cuda" else None)
+    opt = build.build_optimizers(cfg, module, critic)
+    checkpoint = RunCheckpoint(policy=module, optimizer=opt.optimizer, scheduler=opt.scheduler, critic=critic,
+                               critic_optimizer=opt.critic_optimizer, critic_scheduler=opt.critic_scheduler)
+    if checkpointing:
+        build.enable_checkpointing([module, critic.body if critic is not None else None])
+    return Models(checkpointing=checkpointing, reference=reference, critic=critic, full_copy=full_copy, optimizers=opt,
+                  checkpoint=checkpoint)
+
+
+# ---------------------------------------------------------------------------- 8. the sampler
+def open_sampler(cfg: TrainConfig, spec: SamplerSpec, site: RunSite, policy: LoadedPolicy, task: Task, models: Models,
+                 connected: Any) -> GroupSampler:
+    """The registry entry's sampler (``build.SAMPLERS``) on the policy (under torchrun its
+    full copy), or the server ``connect_sampler`` reached."""
+    return build.build_sampler(spec, build.SamplerContext(
+        cfg=cfg, policy=policy.module, full_copy=models.full_copy, pad_token_id=policy.tokenizer.pad_token_id,
+        output_dir=site.out, max_length=task.prompts.max_length, connected=connected,
+    ))
+
+
+# ---------------------------------------------------------------------------- 9. the loop's collector and evaluator
+@dataclass
+class Loop:
+    """The two objects the loop drives: each step's rollouts, and the held-out evaluation."""
+
+    collector: Any
+    """The ``Collector`` interface (``collect.py``): ``Collector``, ``TreeCollector``, ``AsyncCollector``, ``AgentCollector``..."""
+    evaluator: Any
+    """``HeldOutEvaluator`` or an env run's ``AgentEvaluator``; called with no argument."""
+
+
+def _prompt_seeds(sampling: SamplingConfig, first: int, count: int) -> list[int] | None:
+    """One sampling seed per prompt from its index in the whole (all-rank) batch."""
+    return seeds.prompt_seeds(sampling.seed, first, count)
+
+
+def build_loop(cfg: TrainConfig, site: RunSite, policy: LoadedPolicy, task: Task, scoring: Scoring, models: Models, *,
+               sampler: GroupSampler) -> Loop:
+    """An env run's (``agent_build.agent_loop``), else ``make_collector``'s (with
+    ``async_steps``, its sampler process forked now from the current weights) and the
+    ``HeldOutEvaluator`` over the encoded held-out prompts."""
+    pad_token_id = policy.tokenizer.pad_token_id
+    if task.agent is not None:
+        collector, evaluator = agent_build.agent_loop(cfg, task.agent, batcher=task.prompts.batcher, ranks=site.ranks,
+                                                      sampler=sampler, pad_token_id=pad_token_id, scorer=scoring.agent_scorer)
+        return Loop(collector=collector, evaluator=evaluator)
+    collector = make_collector(cfg=cfg, batcher=task.prompts.batcher, ranks=site.ranks, scorer=scoring.scorer,
+                               weights=models.full_copy if models.full_copy is not None else policy.module,
+                               pad_token_id=pad_token_id, device=site.device, resume_dir=site.resume_dir)
+    evaluator = HeldOutEvaluator(
+        sampler=sampler, scorer=scoring.scorer, ranks=site.ranks, rows=task.prompts.eval_rows, prompt_ids=task.prompts.eval_ids,
+        max_new_tokens=cfg.max_new_tokens, pass_k=cfg.pass_k, temperature=cfg.temperature, top_p=cfg.top_p,
+        top_k=cfg.top_k, seed=cfg.seed, prompt_seeds=_prompt_seeds,
+    )
+    return Loop(collector=collector, evaluator=evaluator)
