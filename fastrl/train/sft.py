@@ -180,6 +180,7 @@ def sft_batches(
             on_step(step + 1, value)
         if callback is not None and callback(step, value) is True:
             break
+    optimizer.zero_grad(set_to_none=True)  # the last step's gradients are not the next trainer's first step's
     model.eval()
     return {
         "losses": losses,

@@ -81,6 +81,8 @@ def test_short_sft_lowers_the_loss_and_is_deterministic(tok):
     last = sum(out_a["losses"][-5:]) / 5
     assert last < 0.6 * first, (first, last)
     assert out_a["tokens"] > 0 and not a.training
+    # nothing of the warm-up's optimizer is left behind: the trainer's first backward starts from no gradient
+    assert all(p.grad is None for p in a.parameters())
     c = tiny_model(tok, hidden_size=32, layers=1, heads=4, max_position_embeddings=24, seed=0)
     out_c = sft_warmup(c, tok, rows, steps=5, lr=3e-3, batch_size=8, seed=6)
     assert out_c["losses"] != out_a["losses"][:5]  # another data order
