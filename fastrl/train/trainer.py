@@ -38,6 +38,7 @@ from typing import Any, Callable, Sequence
 
 import torch
 
+from fastrl.agents.metric_names import GENERATED_TOKENS
 from fastrl.ops import GlobalCounts, policy_loss, value_loss
 from fastrl.ops.stats import every_kth, sampled_mean
 from fastrl.rollout.base import RolloutBatch, SamplingConfig
@@ -198,7 +199,7 @@ class Trainer:
                 # every rank must stop at the same step (FSDP2 collectives): the slowest rank's clock
                 step_seconds = torch.tensor(metrics["time/step"], dtype=torch.float64)
                 spent_seconds += float(self.ranks.max(step_seconds)) if cfg.max_seconds is not None else metrics["time/step"]
-                spent_tokens += metrics["rollout/generated_tokens"]
+                spent_tokens += metrics[GENERATED_TOKENS]
                 out_of_budget = _budget_spent(cfg, seconds=spent_seconds, generated_tokens=spent_tokens)
                 if cfg.eval_every and (self.step % cfg.eval_every == 0 or self.step == cfg.steps or out_of_budget):
                     self._run_eval()
@@ -273,7 +274,7 @@ class Trainer:
         for stage, s in self.timer.seconds.items():
             metrics[f"time/{stage}"] = s
         gen_s = self.timer.seconds.get("generate", 0.0)
-        metrics["throughput/generate_tokens_per_s"] = metrics["rollout/generated_tokens"] / gen_s if gen_s > 0 else 0.0
+        metrics["throughput/generate_tokens_per_s"] = metrics[GENERATED_TOKENS] / gen_s if gen_s > 0 else 0.0
         upd_s = self.timer.seconds.get("update", 0.0)
         trained = float(self.ranks.sum(exp.trained_tokens))
         metrics["throughput/train_tokens_per_s"] = trained * cfg.ppo_epochs / upd_s if upd_s > 0 else 0.0

@@ -119,6 +119,12 @@ def two_process_runs(tmp_path_factory, request):
     cases["bad_mismatch"] = [*bad, "--seed", "{rank}", "--output_dir", str(root / "bad2")]
     cases["bad_vllm"] = [*bad, "--sampler", "vllm", "--output_dir", str(root / "bad3")]
     cases["bad_algorithm"] = [*bad, "--algorithm", "nope", "--output_dir", str(root / "bad4")]
+    return root, run_two_ranks(root, cases)
+
+
+def run_two_ranks(root: Path, cases: dict[str, list[str]]) -> list[dict]:
+    """Run each case of ``cases`` (name -> fastrl train arguments) in one torchrun launch of 2
+    gloo ranks (``_torchrun_main.py``); returns what each rank wrote (``rank{r}.json``)."""
     env = {**os.environ, "PYTHONPATH": str(REPO), "OMP_NUM_THREADS": "1"}
     proc = subprocess.run(
         [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", "2",
@@ -126,8 +132,7 @@ def two_process_runs(tmp_path_factory, request):
         env=env, capture_output=True, text=True, timeout=600, cwd=root, check=False,
     )
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-5000:]
-    seen = [json.loads((root / f"rank{r}.json").read_text()) for r in range(2)]
-    return root, seen
+    return [json.loads((root / f"rank{r}.json").read_text()) for r in range(2)]
 
 
 def steps(run_dir: Path) -> list[dict]:

@@ -14,16 +14,13 @@ Branching agent runs (``--env NAME --rollout tree``) are refused on every rank b
 
 from __future__ import annotations
 
-import json
-import os
-import subprocess
 import sys
 from pathlib import Path
 
 import pytest
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from test_distributed import REPO, REWARD, assert_same_run, base_args, steps  # noqa: E402
+from test_distributed import REWARD, assert_same_run, base_args, run_two_ranks, steps  # noqa: E402
 
 from fastrl.train.cli import parse_train_args  # noqa: E402
 from fastrl.train.trainer import Trainer  # noqa: E402
@@ -46,14 +43,7 @@ def two_process_tree_run(tmp_path_factory):
         "tree": [*base_args(root), *TREE, "--output_dir", str(root / "two")],
         "bad_agent_tree": [*base_args(root), *AGENT_TREE, "--output_dir", str(root / "bad_agent")],
     }
-    env = {**os.environ, "PYTHONPATH": str(REPO), "OMP_NUM_THREADS": "1"}
-    proc = subprocess.run(
-        [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", "2",
-         str(REPO / "tests" / "train" / "_torchrun_main.py"), str(root), json.dumps(cases)],
-        env=env, capture_output=True, text=True, timeout=600, cwd=root, check=False,
-    )
-    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-5000:]
-    return root, [json.loads((root / f"rank{r}.json").read_text()) for r in range(2)]
+    return root, run_two_ranks(root, cases)
 
 
 def test_two_process_tree_run_equals_one_process(two_process_tree_run, tmp_path):
