@@ -35,7 +35,7 @@ from typing import Any, Sequence
 
 import torch
 
-from fastrl.agents.trajectory import Trajectory, TrajectorySample
+from fastrl.agents.trajectory import POLICY, Trajectory, TrajectorySample
 from fastrl.rollout.base import RolloutBatch, RolloutStats
 
 __all__ = ["AgentBatch", "collate_samples"]
@@ -131,10 +131,14 @@ class AgentBatch:
         return batch
 
 
-def collate_samples(samples: Sequence[TrajectorySample], *, pad_token_id: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+def collate_samples(samples: Sequence[TrajectorySample], *, pad_token_id: int,
+                    answer_weight: float = 1.0) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """Right-padded ``input_ids``, ``attention_mask`` ``[B, T]`` and the loss mask ``[B, T-1]``
-    (column ``c`` scores token ``c + 1``: 1 on policy tokens) of trajectory samples -- the
-    inputs of ``fastrl.train.sft.sft_loss``, for a warm-up on ``demonstration_sample``s."""
+    (column ``c`` scores token ``c + 1``: 1 on policy tokens, ``answer_weight`` on those of
+    each sample's last policy turn, 0 elsewhere) of trajectory samples -- the inputs of
+    ``fastrl.train.sft.sft_loss``, for a warm-up on ``demonstration_sample``s."""
+    if not answer_weight > 0:
+        raise ValueError(f"answer_weight must be > 0, got {answer_weight}")
     if not samples:
         raise ValueError("collate_samples needs at least one sample")
     B, T = len(samples), max(len(s.token_ids) for s in samples)
@@ -146,4 +150,10 @@ def collate_samples(samples: Sequence[TrajectorySample], *, pad_token_id: int) -
         input_ids[b, :n] = torch.tensor(sample.token_ids, dtype=torch.long)
         attention_mask[b, :n] = 1
         loss_mask[b, :n] = torch.tensor(sample.loss_mask, dtype=torch.float32)
+        policy_turns = [s for s in sample.segments if s.role == POLICY]
+        if policy_turns and answer_weight != 1.0:
+            last = policy_turns[-1].turn
+            for segment in policy_turns:
+                if segment.turn == last:
+                    loss_mask[b, segment.start : segment.end] = answer_weight
     return input_ids, attention_mask, loss_mask[:, 1:]

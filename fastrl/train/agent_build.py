@@ -217,7 +217,8 @@ def agent_warm_up(cfg: TrainConfig, policy: torch.nn.Module, tokenizer: Any, set
         return rate >= cfg.sft_target_accuracy
 
     result = sft_batches(
-        policy, len(samples), lambda picked: collate_samples([samples[i] for i in picked], pad_token_id=pad),
+        policy, len(samples), lambda picked: collate_samples([samples[i] for i in picked], pad_token_id=pad,
+                                                           answer_weight=cfg.sft_answer_weight),
         steps=cfg.sft_steps, lr=cfg.sft_lr, batch_size=cfg.sft_batch_size, seed=cfg.seed, warmup_steps=cfg.sft_warmup_steps,
         callback=check, on_step=warm.on_step,
     )

@@ -54,6 +54,8 @@ class EnvTask:
     """Transcripts per warm-up step."""
     sft_warmup_steps: int = 20
     """Linear learning-rate warm-up of the supervised stage."""
+    sft_answer_weight: float = 1.0
+    """Loss weight of a transcript's answer turn relative to its tool calls (``TrainConfig.sft_answer_weight``)."""
     lr: float = 5e-4
     """RL AdamW learning rate."""
     steps: int | None = None
@@ -89,12 +91,12 @@ def apply_env_defaults(cfg: Any, *, builtin_model: bool) -> None:
         cfg.max_new_tokens = cfg.max_turn_tokens  # the weight-sync probe's length; the loss's norm_length
     if task is None:
         train, heldout = USER_ENV_ROWS
-        fills = {"task_train_size": train, "task_eval_size": heldout}
+        fills = {"task_train_size": train, "task_eval_size": heldout, "sft_answer_weight": 1.0}
         if cfg.sft_steps is None:
             cfg.sft_steps = 0
     else:
         fills = {"task_train_size": task.num_train, "task_eval_size": task.num_heldout, "sft_lr": task.sft_lr, "sft_batch_size": task.sft_batch_size, "sft_warmup_steps": task.sft_warmup_steps,
-                 "sft_check_every": task.sft_check_every}
+                 "sft_check_every": task.sft_check_every, "sft_answer_weight": task.sft_answer_weight}
         if builtin_model:
             fills.update(model_hidden_size=task.hidden_size, model_layers=task.layers, lr=task.lr,
                          sft_steps=task.sft_max_steps, sft_target_accuracy=task.sft_target_accuracy)

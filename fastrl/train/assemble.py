@@ -41,7 +41,7 @@ from fastrl.train.checkpoint import RunCheckpoint, claim_output_dir, resolve_res
 from fastrl.train.config import TrainConfig
 from fastrl.train.critic import ValueModel
 from fastrl.train.evaluate import HeldOutEvaluator
-from fastrl.train.heap import mmap_large_blocks
+from fastrl.train.heap import maps_large_blocks_for, mmap_large_blocks
 from fastrl.train.ranks import Ranks
 from fastrl.train.reference_policy import ReferencePolicy, offload_reference
 from fastrl.train.rundir import RunDirectoryLock, lock_run_directory
@@ -89,8 +89,6 @@ def open_run(cfg: TrainConfig, *, run_files: Sequence[str]) -> RunSite:
     ranks = Ranks.join(cfg.device, local_device=build.device_of)
     if ranks.sharded:
         build.check_distributed(cfg, ranks.ctx)
-    if ranks.device.type == "cpu":
-        mmap_large_blocks()  # freed activations leave the process instead of staying resident (fastrl.train.heap)
     out = Path(cfg.output_dir)
     run_lock = lock_run_directory(out) if ranks.is_main else None
     out.mkdir(parents=True, exist_ok=True)
@@ -116,13 +114,18 @@ class LoadedPolicy:
 
 def load_policy(cfg: TrainConfig, site: RunSite, *, model: torch.nn.Module | None, tokenizer: Any) -> LoadedPolicy:
     """``build.load_policy`` (a resumed checkpoint's, the given model, the built-in one or
-    ``cfg.model``), checked against its tokenizer and, for packed layouts, its attention."""
+    ``cfg.model``), checked against its tokenizer and, for packed layouts, its attention. A
+    CPU policy large enough for it gets ``mmap_large_blocks`` (``fastrl.train.heap``: freed
+    activations leave the process instead of staying resident)."""
     from fastrl.train.data import check_tokenizer_matches_model
 
     tok, policy = build.load_policy(cfg, model=model, tokenizer=tokenizer, resume_dir=site.resume_dir, device=site.device)
     check_tokenizer_matches_model(tok, policy)
     if cfg.shared_prefix or cfg.prefix_tree is True:
         build.check_shared_prefix_support(policy)
+    parameter_bytes = sum(p.numel() * p.element_size() for p in policy.parameters())
+    if maps_large_blocks_for(device_type=site.device.type, parameter_bytes=parameter_bytes):
+        mmap_large_blocks()
     return LoadedPolicy(tokenizer=tok, module=policy, builtin=model is None and cfg.model is None)
 
 

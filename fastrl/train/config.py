@@ -185,6 +185,12 @@ class TrainConfig:
     """Learning rate of the warm-up (None: DefaultTask's)."""
     sft_batch_size: Optional[int] = None
     """Rows per warm-up step (None: DefaultTask's)."""
+    sft_answer_weight: Optional[float] = None
+    """``--env`` warm-up: the loss weight of each demonstration's last assistant turn (the
+    answer) relative to its earlier ones (the tool calls), in a weighted mean over policy
+    tokens. None: the built-in environment's (``ENV_TASKS``, all 1 now), 1 for a user's
+    environment. sql's main failure is a right query with a miscopied answer
+    (``benchmarks/sql_failures.py``), which a larger weight stresses."""
 
     # ------------------------------------------------------------------ rewards
     rewards: Optional[list[str]] = None
@@ -693,7 +699,7 @@ class TrainConfig:
     def _validate_agent(self, positive_int, number) -> None:
         """The ``--env`` options: only with an environment, within range, and what an agent run cannot do."""
         if self.env is None:
-            given = [name for name in (*AGENT_FIELDS, "env_call_format") if getattr(self, name) is not None]
+            given = [name for name in (*AGENT_FIELDS, "env_call_format", "sft_answer_weight") if getattr(self, name) is not None]
             if self.env_reward_weight != 1.0:
                 given.append("env_reward_weight")
             if given:
@@ -702,6 +708,8 @@ class TrainConfig:
         if not self.env:
             raise InputError("env must name a built-in environment or module:Class, got ''")
         positive_int("env_workers")
+        if self.sft_answer_weight is not None:
+            number("sft_answer_weight", low=0.0, low_open=True)
         positive_int("env_max_repeated_calls", allow_zero=True)
         if self.env_max_repeated_calls == 1:
             raise InputError("env_max_repeated_calls must be 0 (no limit) or >= 2 (a first call is never a repeat), got 1")

@@ -48,7 +48,8 @@ def collate_sft(examples: Sequence[tuple[list[int], int]], *, pad_token_id: int)
 
 
 def sft_loss(model: torch.nn.Module, input_ids: torch.Tensor, attention_mask: torch.Tensor, loss_mask: torch.Tensor) -> torch.Tensor:
-    """Minus the mean log-prob of the tokens ``loss_mask`` marks (0-dim fp32)."""
+    """Minus the mean log-prob of the tokens ``loss_mask`` marks (0-dim fp32), weighted by
+    it: a 0/1 mask gives the plain mean, a larger weight stresses its tokens."""
     logp = causal_lm_logprobs(model, input_ids, attention_mask)
     return -(logp * loss_mask).sum() / loss_mask.sum().clamp(min=1.0)
 
@@ -175,7 +176,7 @@ def sft_batches(
         optimizer.step()
         value = float(loss.detach())
         losses.append(value)
-        tokens += int(loss_mask.sum())
+        tokens += int((loss_mask > 0).sum())
         if on_step is not None:
             on_step(step + 1, value)
         if callback is not None and callback(step, value) is True:

@@ -44,3 +44,29 @@ def test_blocks_above_the_threshold_are_mapped_and_unmapped_when_freed():
     mapped, unmapped = run("set")
     assert mapped >= 3 << 19 and unmapped >= 3 << 19  # its own mapping, gone when freed
     assert run("default") == [0, 0]  # without it: a heap block (the check is not vacuous)
+
+
+def _parameter_bytes(model) -> int:
+    return sum(p.numel() * p.element_size() for p in model.parameters())
+
+
+def test_the_trainer_maps_large_blocks_for_the_real_shape_and_not_for_the_built_in_tiny_models():
+    """The rule's inputs at the two ends: issue 20's real shape (a Qwen2 with a 151,936-token
+    vocabulary, built on the meta device) is mapped, the built-in tiny models are not, and a CUDA
+    run never is (glibc's heap holds no CUDA tensors)."""
+    import torch
+
+    from fastrl.bench.rollout_cases import qwen2_bench_model
+    from fastrl.train.heap import MMAP_MIN_POLICY_BYTES, maps_large_blocks_for
+    from fastrl.train.task import DefaultTask, char_tokenizer, tiny_model
+
+    with torch.device("meta"):
+        real = _parameter_bytes(qwen2_bench_model())
+    tok, default = char_tokenizer(), DefaultTask()
+    largest_tiny = _parameter_bytes(tiny_model(tok, hidden_size=256, layers=4, heads=default.heads, arch=default.arch,
+                                               max_position_embeddings=1024, seed=0))
+    assert real > MMAP_MIN_POLICY_BYTES > largest_tiny
+    assert maps_large_blocks_for(device_type="cpu", parameter_bytes=real)
+    assert not maps_large_blocks_for(device_type="cpu", parameter_bytes=largest_tiny)
+    assert not maps_large_blocks_for(device_type="cuda", parameter_bytes=real)
+    assert maps_large_blocks_for(device_type="cpu", parameter_bytes=MMAP_MIN_POLICY_BYTES)  # the bound is inclusive

@@ -6,6 +6,7 @@ import pytest
 import yaml
 
 from fastrl.config import PolicyLossConfig
+from fastrl.errors import InputError
 from fastrl.train.cli import build_train_parser, parse_train_args
 from fastrl.train.config import ALGORITHM_PRESETS, ALGORITHMS, TrainConfig
 
@@ -202,3 +203,13 @@ def test_fields_set_from_python_are_type_checked_too(option, value):
 
     with pytest.raises(InputError, match=option):
         TrainConfig(**{option: value}).resolved()
+
+
+def test_the_warm_up_answer_weight_is_the_environments_and_an_agent_option():
+    assert TrainConfig(env="sql").resolved().sft_answer_weight == 1.0
+    assert TrainConfig(env="frozenlake", model="some/model").resolved(model_given=True).sft_answer_weight == 1.0
+    assert TrainConfig(env="sql", sft_answer_weight=3.0).resolved().sft_answer_weight == 3.0
+    with pytest.raises(InputError, match="sft_answer_weight"):
+        TrainConfig(sft_answer_weight=2.0).resolved().validate()
+    with pytest.raises(InputError, match="sft_answer_weight"):
+        TrainConfig(env="sql", sft_answer_weight=0.0).resolved().validate()
