@@ -11,15 +11,18 @@ time is its own (``os.wait4``: the process and the workers it reaped); `--thread
 does instead (`fastrl train --env NAME --seed S`: torch's default threads, no OMP_NUM_THREADS).
 The machine's 1-minute load average is recorded before and after each run and sampled every
 `LOAD_SAMPLE_SECONDS` during it (mean and max: the CPU is shared). benchmarks/render_tables.py
-turns the JSON into the README's table.
+turns the JSON into the README's table. A seed's run is a process group of its own: SIGTERM or
+SIGINT to this script kills every run still going, with its workers, before it exits.
 """
 
 from __future__ import annotations
 
 import argparse
 import concurrent.futures
+import contextlib
 import json
 import os
+import signal
 import statistics
 import subprocess
 import sys
@@ -37,22 +40,39 @@ EVAL_KEYS = {"accuracy": "eval/accuracy", "tool_call_rate": "eval/tool_call_rate
 """What each held-out evaluation record gives (``fastrl.train.agent_evaluate``)."""
 
 
-def code_version() -> str:
-    """The commit the run's fastrl is (``+dirty`` when the worktree has uncommitted changes)."""
+def code_version(*, results: Path | None = None) -> str:
+    """The commit the run's fastrl is (``+dirty`` when the worktree has uncommitted changes other than
+    ``results``, this study's own JSON, which is rewritten after every seed and may be a tracked file)."""
     head = subprocess.run(["git", "-C", str(ROOT), "rev-parse", "--short", "HEAD"], capture_output=True, text=True).stdout.strip()
-    dirty = subprocess.run(["git", "-C", str(ROOT), "status", "--porcelain", "--untracked-files=no"], capture_output=True,
-                           text=True).stdout.strip()
+    spec = ["--", "."]
+    if results is not None and results.resolve().is_relative_to(ROOT):
+        spec.append(f":(exclude){results.resolve().relative_to(ROOT)}")
+    dirty = subprocess.run(["git", "-C", str(ROOT), "status", "--porcelain", "--untracked-files=no", *spec],
+                           capture_output=True, text=True).stdout.strip()
     return head + ("+dirty" if dirty else "")
 
 
-def run_seed(env_name: str, seed: int, out: Path, extra: list[str], *, threads: str = "1") -> dict:
+RUNNING: set[int] = set()
+"""The process groups of the seeds' ``fastrl train`` runs now going (killed when this script is)."""
+
+
+def kill_running(signum: int, _frame: object) -> None:
+    """SIGTERM/SIGINT: end every seed's run with its workers (its own process group), then exit."""
+    for pgid in list(RUNNING):
+        with contextlib.suppress(ProcessLookupError):
+            os.killpg(pgid, signal.SIGKILL)
+    raise SystemExit(128 + signum)
+
+
+def run_seed(env_name: str, seed: int, out: Path, extra: list[str], *, threads: str = "1",
+             results: Path | None = None) -> dict:
     env = {**os.environ, "PYTHONPATH": str(ROOT)}
     pinned = ["--threads", "1"] if threads == "1" else []
     if threads == "1":
         env["OMP_NUM_THREADS"] = "1"
     else:
         env.pop("OMP_NUM_THREADS", None)
-    commit = code_version()
+    commit = code_version(results=results)
     load_before = os.getloadavg()
     t0 = time.perf_counter()
     cmd = [sys.executable, "-m", "fastrl.cli", "train", "--env", env_name, "--seed", str(seed), *pinned,
@@ -70,8 +90,12 @@ def run_seed(env_name: str, seed: int, out: Path, extra: list[str], *, threads: 
     log = out.parent / f"{out.name}.log"
     try:
         with open(log, "w") as sink:
-            proc = subprocess.Popen(cmd, env=env, stdout=sink, stderr=subprocess.STDOUT)
-            _, status, usage = os.wait4(proc.pid, 0)  # this run's own CPU time (it and its reaped workers)
+            proc = subprocess.Popen(cmd, env=env, stdout=sink, stderr=subprocess.STDOUT, start_new_session=True)
+            RUNNING.add(proc.pid)
+            try:
+                _, status, usage = os.wait4(proc.pid, 0)  # this run's own CPU time (it and its reaped workers)
+            finally:
+                RUNNING.discard(proc.pid)
             proc.returncode = os.waitstatus_to_exitcode(status)
     finally:
         done.set()
@@ -126,10 +150,13 @@ def main() -> int:
                "env": args.env, "command": command, "machine": args.machine, "niceness": os.nice(0),
                "date": time.strftime("%Y-%m-%d"), "runs": runs}
     args.out.parent.mkdir(parents=True, exist_ok=True)
+    for signum in (signal.SIGTERM, signal.SIGINT):
+        signal.signal(signum, kill_running)
     with tempfile.TemporaryDirectory() as tmp:
         where = args.runs_dir or Path(tmp)
         with concurrent.futures.ThreadPoolExecutor(max_workers=len(args.seeds) if args.parallel else 1) as pool:
-            futures = {pool.submit(run_seed, args.env, seed, where / f"seed{seed}", args.extra, threads=args.threads): seed
+            futures = {pool.submit(run_seed, args.env, seed, where / f"seed{seed}", args.extra, threads=args.threads,
+                                   results=args.out): seed
                        for seed in args.seeds}
             for future in concurrent.futures.as_completed(futures):
                 seed = futures[future]
