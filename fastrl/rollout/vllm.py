@@ -59,10 +59,11 @@ they are sent as bytes to ``fastrl.rollout._vllm_ext.WeightSyncExtension``, whic
 
 from __future__ import annotations
 
+import contextlib
 import io
 import os
 import time
-from typing import TYPE_CHECKING, Any, Iterable, Sequence
+from typing import TYPE_CHECKING, Any, Iterable, Iterator, Sequence
 
 import torch
 
@@ -115,6 +116,12 @@ class VLLMGroupSampler:
     On CPU, vLLM's default ``VLLM_CPU_OMP_THREADS_BIND=auto`` pins the engine's OpenMP
     thread(s) to fixed cores; on a machine shared with other work set it to ``nobind``
     (the tests and the benchmark do), which was 10-50x faster under load here.
+
+    An engine this class builds in-process leaves the process's threads as they were: vLLM's
+    CPU worker replaces ``torch.set_num_threads`` with a no-op for the rest of the process
+    (and with ``auto`` binding changes the thread count and the CPU affinity), which would
+    silently fix the trainer's ``--threads`` and its forked workers' one thread; the three
+    are put back once the engine is up (``_process_threads_kept``).
     """
 
     def __init__(
@@ -172,7 +179,8 @@ class VLLMGroupSampler:
                 # "CPU Generator does not use offset". Whole-prompt prefills avoid it.
                 kwargs["enable_chunked_prefill"] = False
             kwargs.update(llm_kwargs)
-            self.llm = vllm.LLM(**kwargs)
+            with _process_threads_kept():
+                self.llm = vllm.LLM(**kwargs)
             self._owns_engine = True
         else:
             raise TypeError(f"model must be a path or a vllm.LLM, got {type(model).__name__}")
@@ -385,6 +393,22 @@ class VLLMGroupSampler:
         if self._owns_engine and self.llm is not None:
             self.llm.llm_engine.engine_core.shutdown()
             self.llm = None  # type: ignore[assignment]
+
+
+@contextlib.contextmanager
+def _process_threads_kept() -> Iterator[None]:
+    """This process's torch threads as they were before the block: ``torch.set_num_threads``
+    itself (vLLM's in-process CPU worker swaps in a no-op), the intra-op thread count and the
+    CPU affinity (where the platform has one)."""
+    set_threads, threads = torch.set_num_threads, torch.get_num_threads()
+    affinity = os.sched_getaffinity(0) if hasattr(os, "sched_getaffinity") else None
+    try:
+        yield
+    finally:
+        torch.set_num_threads = set_threads
+        set_threads(threads)
+        if affinity is not None and os.sched_getaffinity(0) != affinity:
+            os.sched_setaffinity(0, affinity)
 
 
 def _on_cpu() -> bool:

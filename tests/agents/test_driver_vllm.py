@@ -44,15 +44,9 @@ def engine(tmp_path_factory):
     path = tmp_path_factory.mktemp("tiny_agent_llama")
     model.save_pretrained(path)
     tokenizer.save_pretrained(path)
-    set_threads, threads = torch.set_num_threads, torch.get_num_threads()
-    affinity = os.sched_getaffinity(0) if hasattr(os, "sched_getaffinity") else None
     sampler = VLLMGroupSampler(path, block_size=32, max_model_len=MAX_LEN, kv_cache_memory_bytes=32 << 20)
     yield tokenizer, model, sampler
     sampler.close()
-    torch.set_num_threads = set_threads
-    torch.set_num_threads(threads)
-    if affinity is not None:
-        os.sched_setaffinity(0, affinity)
 
 
 class Recorder:

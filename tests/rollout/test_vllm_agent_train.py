@@ -51,7 +51,7 @@ class Recorder:
 
 @pytest.fixture
 def torch_threads():
-    """vLLM's CPU backend pins threads and replaces ``torch.set_num_threads``: restored after."""
+    """The in-process ``fastrl train`` sets torch's threads (``--threads``): put back after, with the affinity."""
     set_threads, threads = torch.set_num_threads, torch.get_num_threads()
     affinity = os.sched_getaffinity(0) if hasattr(os, "sched_getaffinity") else None
     yield

@@ -3,7 +3,7 @@
 One engine for the module (init ~2 s after a ~10 s import). The engine runs in-process
 (VLLM_ENABLE_V1_MULTIPROCESSING=0, set below before vLLM reads it). In-process vLLM sets
 torch's intra-op threads to 1 and replaces ``torch.set_num_threads`` with a no-op for the
-rest of the process; the fixture puts both back when the module is done.
+rest of the process; ``VLLMGroupSampler`` puts both back once its engine is up (tested below).
 """
 
 from __future__ import annotations
@@ -66,20 +66,36 @@ def models(tmp_path_factory):
 
 
 @pytest.fixture(scope="module")
-def sampler(models):
+def threads_before():
+    """The process's torch threads before the module's engine is built."""
+    return torch.set_num_threads, torch.get_num_threads(), (os.sched_getaffinity(0) if hasattr(os, "sched_getaffinity") else None)
+
+
+@pytest.fixture(scope="module")
+def sampler(models, threads_before):
     path, _, _ = models
-    set_threads, threads = torch.set_num_threads, torch.get_num_threads()
-    affinity = os.sched_getaffinity(0) if hasattr(os, "sched_getaffinity") else None
     # A small token budget per step: batches below overflow it (see test_seeded_batch_over_token_budget).
     s = VLLMGroupSampler(
         path, block_size=BLOCK, max_model_len=MAX_LEN, kv_cache_memory_bytes=32 << 20, max_num_batched_tokens=512
     )
     yield s
     s.close()
-    torch.set_num_threads = set_threads
-    torch.set_num_threads(threads)
+
+
+def test_engine_leaves_the_process_threads_as_they_were(sampler, threads_before):
+    """vLLM's CPU worker swaps ``torch.set_num_threads`` for a no-op; the sampler puts it back
+    (with the thread count and the affinity), so the trainer's --threads still take effect."""
+    set_threads, threads, affinity = threads_before
+    assert torch.set_num_threads is set_threads
+    assert torch.get_num_threads() == threads
     if affinity is not None:
-        os.sched_setaffinity(0, affinity)
+        assert os.sched_getaffinity(0) == affinity
+    other = 1 if threads != 1 else 2
+    torch.set_num_threads(other)
+    try:
+        assert torch.get_num_threads() == other
+    finally:
+        torch.set_num_threads(threads)
 
 
 def _prompts(lengths=PROMPT_LENGTHS, seed=1):
