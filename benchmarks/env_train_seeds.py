@@ -22,6 +22,7 @@ import concurrent.futures
 import contextlib
 import json
 import os
+import shlex
 import signal
 import statistics
 import subprocess
@@ -144,7 +145,7 @@ def main() -> int:
                         help="keep each seed's run directory here (seed<S>); default: a temporary directory")
     parser.add_argument("extra", nargs="*", help="more `fastrl train` options after --, given to every seed")
     args = parser.parse_args()
-    command = COMMANDS[args.threads].format(env=args.env) + (" " + " ".join(args.extra) if args.extra else "")
+    command = COMMANDS[args.threads].format(env=args.env) + (" " + shlex.join(args.extra) if args.extra else "")
     runs: dict[str, dict] = {}
     payload = {"what": f"fastrl train --env {args.env} (built-in defaults: warm-up on synthetic transcripts, then RL) per seed",
                "env": args.env, "command": command, "machine": args.machine, "niceness": os.nice(0),
