@@ -77,13 +77,49 @@ def env_train_seeds() -> str:
                          f"{run['rl_steps']} ({run['rl_step_seconds_median']:.2f} s)", whole, loads])
         commits = sorted({run["commit"] for run in data["runs"].values() if run.get("commit")})
         code = data.get("code") or (f"code {', '.join(commits)}" if commits else "")
-        notes.append(f"`{data['command']}` ({data['date']}{'; ' + code if code else ''})")
+        notes.append((f"`{data['command']}`", "; ".join(x for x in (data["date"], code, data["machine"]) if x)))
     table = _rows(["env", "seed", "warm-up steps (s)", "held-out success, step 0 -> end", "tool-call rate, step 0 -> end",
                    "RL steps (median step)", "whole run", "load before/after"], rows)
-    return table + "\n" + "; ".join(notes) + "; step 0 is after the warm-up, before RL; the project's 2-core CPU, " \
-        "shared with other sessions (load average = runnable processes); frozenlake has no tools (a move is the " \
-        "action), so its tool-call rate is 0; sql's three seeds ran at the same time on the loaded CPU (each got " \
-        "0.13-0.5 of a core), so its CPU time is the run's figure.\n"
+    if len({where for _, where in notes}) == 1:  # one date, code and machine: said once
+        said = ", ".join(command for command, _ in notes) + f" ({notes[0][1]})"
+    else:
+        said = "; ".join(f"{command} ({where})" for command, where in notes)
+    return table + "\n" + said + "; step 0 is after the warm-up, before RL; load average = runnable " \
+        "processes (2 cores); whole run = wall time (the run's own CPU time); frozenlake has no tools (a move is the " \
+        "action), so its tool-call rate is 0.\n"
+
+
+SQL_LEVER_FILES = ("env_train_sql_3seeds_cpu.json", "env_train_sql_100steps_3seeds_cpu.json",
+                   "env_train_sql_answerweight10_100steps_3seeds_cpu.json", "env_train_sql_answerweight10_3seeds_cpu.json",
+                   "env_train_sql_gigpo_3seeds_cpu.json", "env_train_sql_kl0_3seeds_cpu.json",
+                   "env_train_sql_lr1e-3_3seeds_cpu.json", "env_train_sql_tree_3seeds_cpu.json")
+"""sql's seed studies (benchmarks/env_train_seeds.py) on one code version, whose sql default was 100 RL
+steps (150 since): 150 steps as run by the README's table first, then 100 steps, then one lever each."""
+SQL_BASE_COMMAND = "OMP_NUM_THREADS=1 fastrl train --env sql --seed S --threads 1"
+
+
+def sql_levers() -> str:
+    """sql's held-out success per seed: 150 against 100 RL steps, and one changed option each."""
+    rows, commits, machines = [], set(), {}
+    for name in SQL_LEVER_FILES:
+        data = _load(name)
+        if not data["command"].startswith(SQL_BASE_COMMAND):
+            raise ValueError(f"{name}: not a study of {SQL_BASE_COMMAND!r} plus options: {data['command']!r}")
+        extra = data["command"][len(SQL_BASE_COMMAND):].strip()
+        runs = [run for _, run in sorted(data["runs"].items(), key=lambda kv: int(kv[0]))]
+        rises = [run["eval"][-1]["accuracy"] - run["eval"][0]["accuracy"] for run in runs]
+        cpu = [run["cpu_seconds"] for run in runs]
+        commits |= {run["commit"] for run in runs}
+        mark = machines.setdefault(data["machine"], "abcdefgh"[len(machines)])
+        rows.append([(f"`{extra}`" if extra else "none") + f" ({mark})", "/".join(sorted({str(run["rl_steps"]) for run in runs})),
+                     ", ".join(f"{run['eval'][0]['accuracy']:.2f} -> {run['eval'][-1]['accuracy']:.2f}" for run in runs),
+                     f"{sum(rises) / len(rises):+.3f}", ", ".join(f"{r:+.2f}" for r in rises), f"{min(cpu):.0f}-{max(cpu):.0f}"])
+    table = _rows([f"options after `{SQL_BASE_COMMAND.split(' ', 1)[1]}`", "RL steps",
+                   "held-out success, seeds 0, 1, 2 (step 0 -> end)", "mean change", "per seed", "CPU s per run"], rows)
+    return table + f"\n`python benchmarks/env_train_seeds.py --env sql --seeds 0 1 2 --out F -- OPTIONS`; code " \
+        f"{', '.join(sorted(commits))} (sql's default then: 100 RL steps); " \
+        f"{'; '.join(f'({mark}) {machine}' for machine, mark in machines.items())}; 100 " \
+        "held-out rows (a difference of two evaluations near 0.5 has a standard error of 0.07).\n"
 
 
 MULTITURN_ROLLOUT = "multiturn-rollout-cpu-20261201-205008.json"
@@ -435,7 +471,8 @@ TABLES: dict[str, Callable[[], str]] = {"default_train_seeds": default_train_see
                                         "compare_default": compare_default, "benchmarks_cpu": benchmarks_cpu,
                                         "async_default": async_default, "async_equal_wall": async_equal_wall,
                                         "async_breakdown": async_breakdown,
-                                        "compare_env": compare_env, "compare_env_summary": compare_env_summary}
+                                        "compare_env": compare_env, "compare_env_summary": compare_env_summary,
+                                        "sql_levers": sql_levers}
 
 
 def pages() -> list[Path]:

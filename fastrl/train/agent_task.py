@@ -58,8 +58,6 @@ class EnvTask:
     """Loss weight of a transcript's answer turn relative to its tool calls (``TrainConfig.sft_answer_weight``)."""
     lr: float = 5e-4
     """RL AdamW learning rate."""
-    steps: int | None = None
-    """RL steps of a run that sets none (None: ``config.DEFAULT_RL_STEPS``)."""
 
 
 ENV_TASKS: dict[str, EnvTask] = {
@@ -67,11 +65,11 @@ ENV_TASKS: dict[str, EnvTask] = {
     "calculator": EnvTask(agent=dict(max_turns=3, max_turn_tokens=24, max_trajectory_tokens=128, max_observation_tokens=16),
                           num_train=2000, num_heldout=100),
     # ~180 tokens for an oracle transcript (the schema line and question, one query of up to 84
-    # characters, its result, the answer); 100 RL steps (~3-4 CPU-s each, the query's ~60-85 decode
-    # steps per trajectory): 692-730 CPU-s a run over 3 seeds (docs/agents.md); the warm-up stops
-    # at 0.4, so that GRPO's groups of 8 sampled queries are right often enough to learn from
+    # characters, its result, the answer); the default 150 RL steps (~2 CPU-s each, the query's
+    # ~60-85 decode steps per trajectory): 485-535 CPU-s a run over 3 seeds (docs/agents.md); the
+    # warm-up stops at 0.4, so that GRPO's groups of 8 sampled queries are right often enough to learn from
     "sql": EnvTask(agent=dict(max_turns=3, max_turn_tokens=96, max_trajectory_tokens=256, max_observation_tokens=48),
-                   num_train=1000, num_heldout=100, sft_target_accuracy=0.4, steps=100),
+                   num_train=1000, num_heldout=100, sft_target_accuracy=0.4),
     # a 4x4 grid per observation; up to 6 moves
     "frozenlake": EnvTask(agent=dict(max_turns=6, max_turn_tokens=8, max_trajectory_tokens=320, max_observation_tokens=48),
                           num_train=1000, num_heldout=50),
@@ -103,8 +101,6 @@ def apply_env_defaults(cfg: Any, *, builtin_model: bool) -> None:
     for name, value in fills.items():
         if getattr(cfg, name) is None:
             setattr(cfg, name, value)
-    if cfg.steps is None and task is not None and task.steps is not None:
-        cfg.steps = task.steps
     if cfg.eval_prompts is None:
         cfg.eval_prompts = cfg.task_eval_size  # every held-out row
     if cfg.env_call_format is None:

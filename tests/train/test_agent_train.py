@@ -126,7 +126,7 @@ def test_the_agent_options_are_agent_configs_fields_with_its_docs(capsys):
     assert cfg.agent_config().max_turn_tokens == 8  # the built-in environment's default (ENV_TASKS)
     from fastrl.train.config import DEFAULT_RL_STEPS
 
-    # RL steps: the environment's own where it has one, else the default; a given --steps wins
-    assert TrainConfig(env="sql").resolved().steps == ENV_TASKS["sql"].steps != DEFAULT_RL_STEPS
+    # RL steps: the default for every built-in environment; a given --steps wins
+    assert TrainConfig(env="sql").resolved().steps == DEFAULT_RL_STEPS
     assert TrainConfig(env="sql", steps=3).resolved().steps == 3
     assert TrainConfig(env="calculator").resolved().steps == TrainConfig().resolved().steps == DEFAULT_RL_STEPS
