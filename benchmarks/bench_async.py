@@ -1,7 +1,7 @@
 """One-step asynchronous training (``--async_steps 1``) against the synchronous loop on the
 embedded default task (`fastrl train`, no options: SFT warm-up, then GRPO 150 steps), per seed.
 
-    python benchmarks/bench_async.py --seeds 0 1 2 --repeats 3 --out benchmarks/results/async_default_cpu_v2.json
+    python benchmarks/bench_async.py --seeds 0 1 2 --repeats 3 --out benchmarks/results/async_default_cpu_v3.json
 
 Each run is a fresh process (this script with ``--one``), the runs interleaved per seed
 (sync then async for even seeds, async then sync for odd ones; flipped every pass). Pinning: the synchronous
@@ -54,7 +54,7 @@ from pathlib import Path
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
-COMMAND = "python benchmarks/bench_async.py --seeds 0 1 2 --out benchmarks/results/async_default_cpu_v2.json"
+COMMAND = "python benchmarks/bench_async.py --seeds 0 1 2 --out benchmarks/results/async_default_cpu_v3.json"
 """The command of the committed results (``--repeats`` and any train options are added to it)."""
 TRAINER_CORE, SAMPLER_CORE = 0, 1
 TARGET = 1.15

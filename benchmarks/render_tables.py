@@ -391,8 +391,8 @@ def compare_env_summary() -> str:
     return _rows(["env", "budget", "success at start", *algorithms, "verdict", "wall / CPU"], rows)
 
 
-ASYNC_RESULTS = "async_default_cpu_v2.json"
-"""benchmarks/bench_async.py's results (shared-memory weight slots; async_default_cpu.json: before them)."""
+ASYNC_RESULTS = "async_default_cpu_v3.json"
+"""benchmarks/bench_async.py's results, on the idle machine (async_default_cpu_v2.json: earlier code, before the heap and warm-up fixes, on the loaded machine; async_default_cpu.json: before the shared-memory slots)."""
 
 
 def async_default() -> str:
