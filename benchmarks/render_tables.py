@@ -92,9 +92,10 @@ def env_train_seeds() -> str:
 SQL_LEVER_FILES = ("env_train_sql_3seeds_cpu.json", "env_train_sql_100steps_3seeds_cpu.json",
                    "env_train_sql_answerweight10_100steps_3seeds_cpu.json", "env_train_sql_answerweight10_3seeds_cpu.json",
                    "env_train_sql_gigpo_3seeds_cpu.json", "env_train_sql_kl0_3seeds_cpu.json",
-                   "env_train_sql_lr1e-3_3seeds_cpu.json", "env_train_sql_tree_3seeds_cpu.json")
-"""sql's seed studies (benchmarks/env_train_seeds.py) on one code version, whose sql default was 100 RL
-steps (150 since): 150 steps as run by the README's table first, then 100 steps, then one lever each."""
+                   "env_train_sql_lr1e-3_3seeds_cpu.json", "env_train_sql_tree_3seeds_cpu.json",
+                   "env_train_sql_group16_3seeds_cpu.json")
+"""sql's seed studies (benchmarks/env_train_seeds.py): 150 RL steps as run by the README's table first,
+then 100 steps (sql's default until 796b761), then one lever each."""
 SQL_BASE_COMMAND = "OMP_NUM_THREADS=1 fastrl train --env sql --seed S --threads 1"
 
 
@@ -117,7 +118,7 @@ def sql_levers() -> str:
     table = _rows([f"options after `{SQL_BASE_COMMAND.split(' ', 1)[1]}`", "RL steps",
                    "held-out success, seeds 0, 1, 2 (step 0 -> end)", "mean change", "per seed", "CPU s per run"], rows)
     return table + f"\n`python benchmarks/env_train_seeds.py --env sql --seeds 0 1 2 --out F -- OPTIONS`; code " \
-        f"{', '.join(sorted(commits))} (sql's default then: 100 RL steps); " \
+        f"{', '.join(sorted(commits))} (the RL steps each ran: sql's default was 100 until 796b761, 150 since); " \
         f"{'; '.join(f'({mark}) {machine}' for machine, mark in machines.items())}; 100 " \
         "held-out rows (a difference of two evaluations near 0.5 has a standard error of 0.07).\n"
 
