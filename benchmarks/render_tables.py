@@ -19,6 +19,8 @@ import sys
 from pathlib import Path
 from typing import Callable
 
+from env_train_seeds import COMMANDS
+
 ROOT = Path(__file__).resolve().parents[1]
 RESULTS = ROOT / "benchmarks" / "results"
 PAGES = ("README.md", "docs")
@@ -96,7 +98,8 @@ SQL_LEVER_FILES = ("env_train_sql_3seeds_cpu.json", "env_train_sql_100steps_3see
                    "env_train_sql_group16_3seeds_cpu.json")
 """sql's seed studies (benchmarks/env_train_seeds.py): 150 RL steps as run by the README's table first,
 then 100 steps (sql's default until 796b761), then one lever each."""
-SQL_BASE_COMMAND = "OMP_NUM_THREADS=1 fastrl train --env sql --seed S --threads 1"
+SQL_BASE_COMMAND = COMMANDS["1"].format(env="sql")
+"""The one-thread study's command (benchmarks/env_train_seeds.py's), which each lever's adds options to."""
 
 
 def sql_levers() -> str:
@@ -111,7 +114,7 @@ def sql_levers() -> str:
         rises = [run["eval"][-1]["accuracy"] - run["eval"][0]["accuracy"] for run in runs]
         cpu = [run["cpu_seconds"] for run in runs]
         commits |= {run["commit"] for run in runs}
-        mark = machines.setdefault(data["machine"], "abcdefgh"[len(machines)])
+        mark = machines.setdefault(data["machine"], chr(ord("a") + len(machines)))
         rows.append([(f"`{extra}`" if extra else "none") + f" ({mark})", "/".join(sorted({str(run["rl_steps"]) for run in runs})),
                      ", ".join(f"{run['eval'][0]['accuracy']:.2f} -> {run['eval'][-1]['accuracy']:.2f}" for run in runs),
                      f"{sum(rises) / len(rises):+.3f}", ", ".join(f"{r:+.2f}" for r in rises), f"{min(cpu):.0f}-{max(cpu):.0f}"])

@@ -12,8 +12,13 @@ from __future__ import annotations
 import argparse
 import json
 import shlex
+import statistics
 import sys
 from pathlib import Path
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+
+from fastrl.train.compare import read_metrics_jsonl  # noqa: E402
 
 WINDOW = 20
 """RL steps per window."""
@@ -22,12 +27,12 @@ KEYS = ("reward/mean", "groups/frac_all_equal")
 
 def windows(run_dir: Path, window: int = WINDOW) -> dict:
     """``{key: [first-window mean, last-window mean]}`` over the run's RL steps (evaluations excluded)."""
-    rows = [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines() if line.strip()]
-    steps = [r for r in rows if "event" not in r and all(k in r for k in KEYS)]
+    records, _ = read_metrics_jsonl(run_dir / "metrics.jsonl")
+    steps = [r for r in records if "event" not in r and all(k in r for k in KEYS)]
     if len(steps) < 2 * window:
         raise SystemExit(f"{run_dir}: {len(steps)} RL steps with {KEYS}, fewer than two windows of {window}")
-    mean = lambda part, key: sum(r[key] for r in part) / len(part)  # noqa: E731
-    return {"rl_steps": len(steps), **{key: [mean(steps[:window], key), mean(steps[-window:], key)] for key in KEYS}}
+    return {"rl_steps": len(steps), **{key: [statistics.fmean(r[key] for r in part) for part in (steps[:window], steps[-window:])]
+                                        for key in KEYS}}
 
 
 def main(argv: list[str] | None = None) -> int:

@@ -1073,7 +1073,9 @@ def _train_env() -> dict[str, str]:
     return env
 
 
-def _read_jsonl_metrics(path: Path) -> tuple[list[dict], list[dict]]:
+def read_metrics_jsonl(path: Path) -> tuple[list[dict], list[dict]]:
+    """A run's ``metrics.jsonl`` as (step records, ``event: eval`` records); a missing file is empty
+    and a torn line (a run killed mid-write) is skipped."""
     steps, evals = [], []
     if not path.exists():
         return steps, evals
@@ -1193,7 +1195,7 @@ def _run_phase(directory: Path, fields: dict[str, Any], processes: RunProcesses)
         returncode = processes.run(cmd, log=log, env={**_train_env(), PARENT_PID_ENV: str(os.getpid())})
     wall = time.perf_counter() - t0
     log_text = (directory / "train.log").read_text(errors="replace")
-    steps, evals = _read_jsonl_metrics(directory / "metrics.jsonl")
+    steps, evals = read_metrics_jsonl(directory / "metrics.jsonl")
     summary_file = directory / "summary.json"
     summary = json.loads(summary_file.read_text()) if summary_file.exists() else {}
     if returncode == 0:
