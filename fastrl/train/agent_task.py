@@ -40,6 +40,8 @@ class EnvTask:
     """Width of the built-in tiny model."""
     layers: int = 4
     """Decoder layers of the built-in tiny model."""
+    heads: int = 4
+    """Attention heads of the built-in tiny model."""
     sft_max_steps: int = 600
     """Most warm-up steps on the oracle's transcripts (teacher-forced on the policy turns)."""
     sft_target_accuracy: float = 0.3
@@ -98,7 +100,7 @@ def apply_env_defaults(cfg: Any, *, builtin_model: bool) -> None:
         fills = {"task_train_size": task.num_train, "task_eval_size": task.num_heldout, "sft_lr": task.sft_lr, "sft_batch_size": task.sft_batch_size, "sft_warmup_steps": task.sft_warmup_steps,
                  "sft_check_every": task.sft_check_every, "sft_answer_weight": task.sft_answer_weight}
         if builtin_model:
-            fills.update(model_hidden_size=task.hidden_size, model_layers=task.layers, lr=task.lr,
+            fills.update(model_hidden_size=task.hidden_size, model_layers=task.layers, model_heads=task.heads, lr=task.lr,
                          sft_steps=task.sft_max_steps, sft_target_accuracy=task.sft_target_accuracy)
     for name, value in fills.items():
         if getattr(cfg, name) is None:

@@ -176,7 +176,7 @@ def load_policy(cfg: TrainConfig, *, model: torch.nn.Module | None, tokenizer: A
         # an agent run's tiny model takes its longest trajectory
         positions = default.max_position_embeddings if cfg.env is None else cfg.max_trajectory_tokens
         policy = tiny_model(
-            tok, hidden_size=cfg.model_hidden_size, layers=cfg.model_layers, heads=default.heads, arch=default.arch,
+            tok, hidden_size=cfg.model_hidden_size, layers=cfg.model_layers, heads=cfg.model_heads, arch=default.arch,
             max_position_embeddings=positions, seed=cfg.seed,
         )
         return tok, policy.to(device).train()

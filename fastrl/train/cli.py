@@ -35,7 +35,7 @@ dashed spelling (--group-size 8) is accepted too. Booleans take a value: --overw
 # `fastrl train --help` shows the options in these groups, in this order; every TrainConfig
 # field is in exactly one (tests/train/test_train_cli.py checks it).
 HELP_GROUPS: dict[str, tuple[str, ...]] = {
-    "model": ("model", "tokenizer", "dtype", "device", "model_hidden_size", "model_layers", "threads"),
+    "model": ("model", "tokenizer", "dtype", "device", "model_hidden_size", "model_layers", "model_heads", "threads"),
     "data": ("dataset", "dataset_split", "eval_dataset", "eval_fraction", "prompt_column", "chat_template",
              "max_prompt_length", "drop_long_prompts", "task_digits", "task_operations", "task_train_size",
              "task_eval_size"),

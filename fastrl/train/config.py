@@ -166,6 +166,9 @@ class TrainConfig:
     """Built-in model: hidden size (None: DefaultTask's)."""
     model_layers: Optional[int] = None
     """Built-in model: decoder layers (None: DefaultTask's)."""
+    model_heads: Optional[int] = None
+    """Built-in model: attention heads, a divisor of the hidden size (None: DefaultTask's, or the
+    built-in environment's)."""
     sft_steps: Optional[int] = None
     """Supervised warm-up steps before RL on the prompt/answer pairs (needs an ``answer`` column);
     with ``sft_target_accuracy``, the most steps. None: DefaultTask's for the built-in model, 0
@@ -517,6 +520,7 @@ class TrainConfig:
         for name, value in (("task_digits", default.task.digits), ("task_operations", default.task.operations),
                             ("task_train_size", default.task.num_train), ("task_eval_size", default.task.num_heldout),
                             ("model_hidden_size", default.hidden_size), ("model_layers", default.layers),
+                            ("model_heads", default.heads),
                             ("sft_lr", default.sft_lr), ("sft_batch_size", default.sft_batch_size),
                             ("sft_warmup_steps", default.sft_warmup_steps)):
             if getattr(c, name) is None:
@@ -601,8 +605,10 @@ class TrainConfig:
             number("sft_target_accuracy", low=0.0, low_open=True, high=1.0)
         for name in ("group_size", "prompts_per_step", "max_new_tokens", "steps", "ppo_epochs", "mini_batches", "sft_probe_rows", "sft_check_every",
                      "micro_batch_tokens", "eval_prompts", "pass_k", "keep_checkpoints", "task_digits",
-                     "task_train_size", "task_eval_size", "model_hidden_size", "model_layers", "sft_batch_size"):
+                     "task_train_size", "task_eval_size", "model_hidden_size", "model_layers", "model_heads", "sft_batch_size"):
             positive_int(name)
+        if self.model_hidden_size is not None and self.model_heads is not None and self.model_hidden_size % self.model_heads:
+            raise InputError(f"model_hidden_size ({self.model_hidden_size}) must be a multiple of model_heads ({self.model_heads})")
         for name in ("eval_every", "save_every", "warmup_steps", "max_resample_rounds", "reward_workers", "kl_horizon",
                      "top_k", "seed", "async_steps"):
             positive_int(name, allow_zero=True)

@@ -863,8 +863,9 @@ def builtin_train_model_shape(train: Any = None) -> ModelShape:
     default = DefaultTask()
     hidden = train.model_hidden_size if train is not None else default.hidden_size
     layers = train.model_layers if train is not None else default.layers
+    heads = train.model_heads if train is not None else default.heads
     positions = train.max_trajectory_tokens if train is not None and train.env is not None else default.max_position_embeddings
-    model = tiny_model(char_tokenizer(), hidden_size=hidden, layers=layers, heads=default.heads, arch=default.arch,
+    model = tiny_model(char_tokenizer(), hidden_size=hidden, layers=layers, heads=heads, arch=default.arch,
                        max_position_embeddings=positions)
     name = "fastrl train's built-in model" + (f" (--env {train.env})" if train is not None and train.env is not None else "")
     return shape_from_config(model.config, name=name)
