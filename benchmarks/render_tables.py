@@ -57,10 +57,12 @@ def default_train_seeds() -> str:
     return table + f"\n`{data['command']}`; {data['machine']}; {data['date']}.\n"
 
 
-ENV_SEED_FILES = ("env_train_calculator_3seeds_cpu.json", "env_train_frozenlake_3seeds_cpu.json", "env_train_sql_3seeds_cpu.json")
+ENV_SEED_FILES = ("env_train_calculator_3seeds_cpu.json", "env_train_frozenlake_3seeds_cpu.json",
+                  "env_train_sql_width128_default_threads_cpu.json")
 """The seed studies of built-in environments (benchmarks/env_train_seeds.py) the README shows, in order
 (``env_train_calculator_3seeds_cpu_agenttrain3c42318.json``: the same study on agenttrain's first
-defaults, whose warm-up overshot its target)."""
+defaults, whose warm-up overshot its target). sql's is its command as a user types it (torch's two threads):
+its 128-wide model takes 930-1160 CPU-s a run, over 10 minutes on one thread."""
 
 
 def env_train_seeds() -> str:
@@ -95,9 +97,11 @@ SQL_LEVER_FILES = ("env_train_sql_3seeds_cpu.json", "env_train_sql_100steps_3see
                    "env_train_sql_answerweight10_100steps_3seeds_cpu.json", "env_train_sql_answerweight10_3seeds_cpu.json",
                    "env_train_sql_gigpo_3seeds_cpu.json", "env_train_sql_kl0_3seeds_cpu.json",
                    "env_train_sql_lr1e-3_3seeds_cpu.json", "env_train_sql_tree_3seeds_cpu.json",
-                   "env_train_sql_group16_3seeds_cpu.json")
-"""sql's seed studies (benchmarks/env_train_seeds.py): 150 RL steps as run by the README's table first,
-then 100 steps (sql's default until 796b761), then one lever each."""
+                   "env_train_sql_group16_3seeds_cpu.json", "env_train_sql_rlwarmup20_3seeds_cpu.json",
+                   "env_train_sql_heads2_3seeds_cpu.json", "env_train_sql_width128_3seeds_cpu.json")
+"""sql's seed studies (benchmarks/env_train_seeds.py) on its first built-in model (64 wide): 150 RL steps
+first, then 100 steps (sql's default until 796b761), then one lever each; the last, a 128-wide model,
+is the default since 5002a4f."""
 SQL_BASE_COMMAND = COMMANDS["1"].format(env="sql")
 """The one-thread study's command (benchmarks/env_train_seeds.py's), which each lever's adds options to."""
 
@@ -113,7 +117,7 @@ def sql_levers() -> str:
         runs = [run for _, run in sorted(data["runs"].items(), key=lambda kv: int(kv[0]))]
         rises = [run["eval"][-1]["accuracy"] - run["eval"][0]["accuracy"] for run in runs]
         cpu = [run["cpu_seconds"] for run in runs]
-        commits |= {run["commit"] for run in runs}
+        commits |= {data["code"].removeprefix("code ")} if data.get("code") else {run["commit"] for run in runs}
         mark = machines.setdefault(data["machine"], chr(ord("a") + len(machines)))
         rows.append([(f"`{extra}`" if extra else "none") + f" ({mark})", "/".join(sorted({str(run["rl_steps"]) for run in runs})),
                      ", ".join(f"{run['eval'][0]['accuracy']:.2f} -> {run['eval'][-1]['accuracy']:.2f}" for run in runs),
@@ -121,7 +125,8 @@ def sql_levers() -> str:
     table = _rows([f"options after `{SQL_BASE_COMMAND.split(' ', 1)[1]}`", "RL steps",
                    "held-out success, seeds 0, 1, 2 (step 0 -> end)", "mean change", "per seed", "CPU s per run"], rows)
     return table + f"\n`python benchmarks/env_train_seeds.py --env sql --seeds 0 1 2 --out F -- OPTIONS`; code " \
-        f"{', '.join(sorted(commits))} (the RL steps each ran: sql's default was 100 until 796b761, 150 since); " \
+        f"{', '.join(sorted(commits))} (the RL steps each ran: sql's default was 100 until 796b761, 150 since; " \
+        "every row ran the 64-wide built-in model but `--model_hidden_size 128`, the default since 5002a4f); " \
         f"{'; '.join(f'({mark}) {machine}' for machine, mark in machines.items())}; 100 " \
         "held-out rows (a difference of two evaluations near 0.5 has a standard error of 0.07).\n"
 
