@@ -94,11 +94,12 @@ def _fwd_range(
 def _fwd_kernel(
     Q, K, V, O, LSE, DOC_START, PREFIX_END, SEG_START, N,
     stride_qn, stride_qh, stride_kn, stride_kh, stride_vn, stride_vh, stride_on, stride_oh, stride_ln,
-    scale,
+    SCALE,
     R: tl.constexpr, D: tl.constexpr,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_D: tl.constexpr,
     PRECISION: tl.constexpr, UPCAST: tl.constexpr, ACC: tl.constexpr,
 ):
+    scale = tl.load(SCALE)  # ACC's dtype (scale_arg)
     mb = tl.program_id(0)
     hq = tl.program_id(1)
     hk = hq // R
@@ -166,11 +167,12 @@ def _bwd_dq_kernel(
     Q, K, V, DO, LSE, DELTA, DQ, DOC_START, PREFIX_END, SEG_START, N,
     stride_qn, stride_qh, stride_kn, stride_kh, stride_vn, stride_vh, stride_don, stride_doh,
     stride_ln, stride_dqn, stride_dqh,
-    scale,
+    SCALE,
     R: tl.constexpr, D: tl.constexpr,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_D: tl.constexpr,
     PRECISION: tl.constexpr, UPCAST: tl.constexpr, ACC: tl.constexpr,
 ):
+    scale = tl.load(SCALE)  # ACC's dtype (scale_arg)
     mb = tl.program_id(0)
     hq = tl.program_id(1)
     hk = hq // R
@@ -212,11 +214,12 @@ def _bwd_dkdv_kernel(
     Q, K, V, DO, LSE, DELTA, DK, DV, DOC_START, PREFIX_END, SEG_START, QUERY_END, N,
     stride_qn, stride_qh, stride_kn, stride_kh, stride_vn, stride_vh, stride_don, stride_doh,
     stride_ln, stride_dkn, stride_dkh, stride_dvn, stride_dvh,
-    scale,
+    SCALE,
     R: tl.constexpr, D: tl.constexpr,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_D: tl.constexpr,
     PRECISION: tl.constexpr, UPCAST: tl.constexpr, ACC: tl.constexpr,
 ):
+    scale = tl.load(SCALE)  # ACC's dtype (scale_arg)
     nb = tl.program_id(0)
     hk = tl.program_id(1)
     first = nb * BLOCK_N
@@ -267,6 +270,14 @@ def _bwd_dkdv_kernel(
     tl.store(DV + cols[:, None] * stride_dvn + hk * stride_dvh + offs_d[None, :], dv.to(DV.dtype.element_ty), mask=kd_mask)
 
 
+def scale_arg(scale: float, acc_like: torch.Tensor) -> torch.Tensor:
+    """The softmax scale as a 1-element tensor in the accumulation dtype (``acc_like``'s, the
+    log-sum-exp's), loaded by the kernel: a Python float argument is typed fp32 in a compiled
+    kernel, which put fp32 rounding into the fp64 path (errors of 1e-8 on the H200 where the
+    interpreter, which keeps Python floats, gave 1e-16)."""
+    return torch.full((1,), scale, dtype=acc_like.dtype, device=acc_like.device)
+
+
 def _config(q: torch.Tensor) -> dict:
     interpret = os.environ.get("TRITON_INTERPRET", "0") not in ("", "0")
     acc = tl.float64 if q.dtype == torch.float64 else tl.float32
@@ -299,7 +310,7 @@ def shared_prefix_attention_fwd(
     _fwd_kernel[grid](
         q, k, v, out, lse, doc_start, prefix_end, seg_start, N,
         q.stride(0), q.stride(1), k.stride(0), k.stride(1), v.stride(0), v.stride(1), out.stride(0), out.stride(1), lse.stride(0),
-        scale,
+        scale_arg(scale, lse),
         R=R, D=D, BLOCK_D=BLOCK_D, **t, **consts,
     )
     return out, lse
@@ -329,6 +340,7 @@ def shared_prefix_attention_bwd(
         grad_out = grad_out.contiguous()
     delta = (grad_out.to(lse.dtype) * out.to(lse.dtype)).sum(-1).contiguous()  # [N, Hq]
     lse = lse.contiguous()
+    scale_t = scale_arg(scale, lse)
     dq = torch.empty(N, Hq, D, device=q.device, dtype=q.dtype)
     dk = torch.empty(N, Hkv, D, device=q.device, dtype=k.dtype)
     dv = torch.empty(N, Hkv, D, device=q.device, dtype=v.dtype)
@@ -336,14 +348,14 @@ def shared_prefix_attention_bwd(
         q, k, v, grad_out, lse, delta, dq, doc_start, prefix_end, seg_start, N,
         q.stride(0), q.stride(1), k.stride(0), k.stride(1), v.stride(0), v.stride(1), grad_out.stride(0), grad_out.stride(1),
         lse.stride(0), dq.stride(0), dq.stride(1),
-        scale,
+        scale_t,
         R=R, D=D, BLOCK_D=BLOCK_D, **t, **consts,
     )
     _bwd_dkdv_kernel[(triton.cdiv(N, t["BLOCK_N"]), Hkv)](
         q, k, v, grad_out, lse, delta, dk, dv, doc_start, prefix_end, seg_start, query_end, N,
         q.stride(0), q.stride(1), k.stride(0), k.stride(1), v.stride(0), v.stride(1), grad_out.stride(0), grad_out.stride(1),
         lse.stride(0), dk.stride(0), dk.stride(1), dv.stride(0), dv.stride(1),
-        scale,
+        scale_t,
         R=R, D=D, BLOCK_D=BLOCK_D, **t, **consts,
     )
     return dq, dk, dv

@@ -34,7 +34,7 @@ import torch
 import triton
 import triton.language as tl
 
-from csrc_triton.shared_prefix_attention import CUDA_TILES, FP32_DOT_PRECISION, INTERPRETER_TILES
+from csrc_triton.shared_prefix_attention import CUDA_TILES, FP32_DOT_PRECISION, INTERPRETER_TILES, scale_arg
 
 __all__ = ["tiles_for", "tree_attention_fwd", "tree_attention_bwd"]
 
@@ -48,11 +48,12 @@ def _allowed(rows, row_ok, cols, col_ok, key_end):
 def _fwd_kernel(
     Q, K, V, O, LSE, KEY_END, KV_PTR, KV_BLOCKS, N,
     stride_qn, stride_qh, stride_kn, stride_kh, stride_vn, stride_vh, stride_on, stride_oh, stride_ln,
-    scale,
+    SCALE,
     R: tl.constexpr, D: tl.constexpr,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_D: tl.constexpr,
     PRECISION: tl.constexpr, UPCAST: tl.constexpr, ACC: tl.constexpr,
 ):
+    scale = tl.load(SCALE)  # ACC's dtype (shared_prefix_attention.scale_arg)
     mb = tl.program_id(0)
     hq = tl.program_id(1)
     hk = hq // R
@@ -101,11 +102,12 @@ def _bwd_dq_kernel(
     Q, K, V, DO, LSE, DELTA, DQ, KEY_END, KV_PTR, KV_BLOCKS, N,
     stride_qn, stride_qh, stride_kn, stride_kh, stride_vn, stride_vh, stride_don, stride_doh,
     stride_ln, stride_dqn, stride_dqh,
-    scale,
+    SCALE,
     R: tl.constexpr, D: tl.constexpr,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_D: tl.constexpr,
     PRECISION: tl.constexpr, UPCAST: tl.constexpr, ACC: tl.constexpr,
 ):
+    scale = tl.load(SCALE)  # ACC's dtype (shared_prefix_attention.scale_arg)
     mb = tl.program_id(0)
     hq = tl.program_id(1)
     hk = hq // R
@@ -152,11 +154,12 @@ def _bwd_dkdv_kernel(
     Q, K, V, DO, LSE, DELTA, DK, DV, KEY_END, N,
     stride_qn, stride_qh, stride_kn, stride_kh, stride_vn, stride_vh, stride_don, stride_doh,
     stride_ln, stride_dkn, stride_dkh, stride_dvn, stride_dvh,
-    scale,
+    SCALE,
     R: tl.constexpr, D: tl.constexpr,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_D: tl.constexpr,
     PRECISION: tl.constexpr, UPCAST: tl.constexpr, ACC: tl.constexpr,
 ):
+    scale = tl.load(SCALE)  # ACC's dtype (shared_prefix_attention.scale_arg)
     nb = tl.program_id(0)
     hk = tl.program_id(1)
     first = nb * BLOCK_N
@@ -234,7 +237,7 @@ def tree_attention_fwd(
     _fwd_kernel[(triton.cdiv(N, t["BLOCK_M"]), Hq)](
         q, k, v, out, lse, key_end, kv_ptr, kv_blocks, N,
         q.stride(0), q.stride(1), k.stride(0), k.stride(1), v.stride(0), v.stride(1), out.stride(0), out.stride(1), lse.stride(0),
-        scale,
+        scale_arg(scale, lse),
         R=R, D=D, BLOCK_D=BLOCK_D, **t, **_config(q),
     )
     return out, lse
@@ -256,6 +259,7 @@ def tree_attention_bwd(
         grad_out = grad_out.contiguous()
     delta = (grad_out.to(lse.dtype) * out.to(lse.dtype)).sum(-1).contiguous()  # [N, Hq]
     lse = lse.contiguous()
+    scale_t = scale_arg(scale, lse)
     dq = torch.empty(N, Hq, D, device=q.device, dtype=q.dtype)
     dk = torch.empty(N, Hkv, D, device=q.device, dtype=k.dtype)
     dv = torch.empty(N, Hkv, D, device=q.device, dtype=v.dtype)
@@ -263,14 +267,14 @@ def tree_attention_bwd(
         q, k, v, grad_out, lse, delta, dq, key_end, kv_ptr, kv_blocks, N,
         q.stride(0), q.stride(1), k.stride(0), k.stride(1), v.stride(0), v.stride(1), grad_out.stride(0), grad_out.stride(1),
         lse.stride(0), dq.stride(0), dq.stride(1),
-        scale,
+        scale_t,
         R=R, D=D, BLOCK_D=BLOCK_D, **t, **consts,
     )
     _bwd_dkdv_kernel[(triton.cdiv(N, t["BLOCK_N"]), Hkv)](
         q, k, v, grad_out, lse, delta, dk, dv, key_end, N,
         q.stride(0), q.stride(1), k.stride(0), k.stride(1), v.stride(0), v.stride(1), grad_out.stride(0), grad_out.stride(1),
         lse.stride(0), dk.stride(0), dk.stride(1), dv.stride(0), dv.stride(1),
-        scale,
+        scale_t,
         R=R, D=D, BLOCK_D=BLOCK_D, **t, **consts,
     )
     return dq, dk, dv
