@@ -71,8 +71,10 @@ def chunk_rows(vocab: int, *, weight_grad_hidden: int = 0) -> int:
 
 
 def _shard_info(weight: torch.Tensor, group: Any) -> tuple[torch.Tensor, torch.Tensor]:
-    """(vocab offset of this rank's rows, total vocab size) as 0-dim int64 tensors."""
-    v_local = torch.tensor([weight.shape[0]], dtype=torch.int64, device=weight.device)
+    """(vocab offset of this rank's rows, total vocab size) as 0-dim int64 tensors. Made by
+    fills on the weight's device: ``torch.tensor([...], device="cuda")`` copies from pageable
+    host memory, a host synchronisation (the H200's sync debug mode caught it)."""
+    v_local = torch.full((1,), weight.shape[0], dtype=torch.int64, device=weight.device)
     if group is None:
         return torch.zeros((), dtype=torch.int64, device=weight.device), v_local[0]
     world = dist.get_world_size(group)
