@@ -405,6 +405,51 @@ def record(full: bool, families=None) -> Recorder:
     return rec
 
 
+# ----------------------------------------------------------------------------- fp64 scalars
+# A Python float argument is typed fp32 by the JIT (the interpreter keeps it a double), so in a
+# float64 launch it rounds to fp32 where CPU tests cannot see it: the attention kernels' softmax
+# scale did, and their float64 oracle tests missed by 1e-8 on the H200 (they now load it from a
+# tensor of the accumulation dtype). Those left, each with why its rounding is harmless:
+FP64_LAUNCH_FP32_SCALARS = {
+    "_group_adv_kernel": {"eps", "floor"},  # added to a std and a floor under it: a relative 3e-8 of 1e-6
+    "_step_adv_kernel": {"eps"},  # likewise
+    "_turn_combine_kernel": {"eps", "c_rel", "c_ep"},  # eps as above; the turn/episode mixing weights: 6e-8 relative
+}
+
+
+def cases_fp64_attention(rec: Recorder) -> None:
+    """The training attention kernels launched as the float64 tests launch them."""
+    from csrc_triton.shared_prefix_attention import shared_prefix_attention_bwd, shared_prefix_attention_fwd
+    from csrc_triton.tree_attention import tree_attention_bwd, tree_attention_fwd
+
+    f64, n = torch.float64, 256
+    q, k, v, go = meta(n, 4, 16, dtype=f64), meta(n, 2, 16, dtype=f64), meta(n, 2, 16, dtype=f64), meta(n, 4, 16, dtype=f64)
+    bounds = [meta(n, dtype=torch.int32) for _ in range(4)]
+    rec.label = "shared_prefix_attention float64"
+    out, lse = shared_prefix_attention_fwd(q, k, v, *bounds[:3], 0.25)
+    shared_prefix_attention_bwd(go, q, k, v, out, lse, *bounds, 0.25)
+    rec.label = "tree_attention float64"
+    ptr, blocks = meta(n // 64 + 2, dtype=torch.int32), meta(99, dtype=torch.int32)
+    out, lse = tree_attention_fwd(q, k, v, bounds[0], ptr, blocks, 0.25)
+    tree_attention_bwd(go, q, k, v, out, lse, bounds[0], ptr, blocks, 0.25)
+
+
+def fp32_scalars_in_fp64_launches(rec: Recorder) -> dict[str, list[str]]:
+    """Kernel -> the fp32 scalar arguments of its launches that also take a float64 tensor."""
+    found: dict[str, set[str]] = {}
+    for (name, _), launch in rec.distinct().items():
+        types = {p: str(t) for p, t in launch.signature.items()}
+        if "*fp64" in types.values():
+            found.setdefault(name, set()).update(p for p, t in types.items() if t == "fp32")
+    return {name: sorted(params) for name, params in found.items() if params}
+
+
+def fp64_scalar_problems(found: dict[str, list[str]]) -> list[str]:
+    """The fp32 scalars of float64 launches not in ``FP64_LAUNCH_FP32_SCALARS``."""
+    return [f"{name}: {p} is an fp32 scalar in a float64 launch" for name, params in sorted(found.items())
+            for p in params if p not in FP64_LAUNCH_FP32_SCALARS.get(name, set())]
+
+
 # ----------------------------------------------------------------------------- compile
 
 
@@ -537,7 +582,19 @@ def main(argv=None) -> int:
     ap.add_argument("--report", type=Path, help="write the JSON report here")
     ap.add_argument("--list", action="store_true", help="only list the variants, compile nothing")
     ap.add_argument("--jobs", type=int, default=1, help="compile this many variants at a time")
+    ap.add_argument("--fp64-scalars", action="store_true",
+                    help="compile nothing: print (JSON) the fp32 scalar arguments of float64 launches; exit 1 on any "
+                         "not in FP64_LAUNCH_FP32_SCALARS")
     args = ap.parse_args(argv)
+
+    if args.fp64_scalars:
+        rec = record(full=True)
+        with rec.active():
+            cases_fp64_attention(rec)
+        found = fp32_scalars_in_fp64_launches(rec)
+        problems = fp64_scalar_problems(found)
+        print(json.dumps({"found": found, "problems": problems}))
+        return 1 if problems else 0
 
     rec = record(full=not args.subset, families=args.only)
     distinct = rec.distinct()

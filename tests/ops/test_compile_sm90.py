@@ -45,3 +45,16 @@ def test_every_kernel_compiles_for_sm90_without_spills(tmp_path):
                                              "_prefix_attn_kernel", "_suffix_merge_kernel"}
     assert {r["input_dtype"] for r in strict} == {"bf16", "fp16"}
     assert all(r["spill_store_bytes"] == r["spill_load_bytes"] == 0 for r in strict)
+
+
+def test_float64_launches_take_no_fp32_scalar_but_the_listed_ones():
+    # a Python float is an fp32 kernel argument on a GPU and a double in the interpreter: in a
+    # float64 launch it rounds where no CPU test sees it (the attention scale did, found on the H200)
+    env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
+    proc = subprocess.run([sys.executable, "benchmarks/gpu/sm90_compile.py", "--fp64-scalars"],
+                          cwd=ROOT, env=env, capture_output=True, text=True, timeout=300)
+    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
+    found = json.loads(proc.stdout.strip().splitlines()[-1])["found"]
+    # the walk sees fp32 scalars where they are (the listed, harmless ones), and none in attention
+    assert found["_group_adv_kernel"] == ["eps", "floor"]
+    assert not any(name in found for name in ("_fwd_kernel", "_bwd_dq_kernel", "_bwd_dkdv_kernel"))
