@@ -2,12 +2,13 @@
 
 ``kernels.py`` must check a kernel against the reference before timing it and must not time
 a kernel that fails; ``tests_passed.py`` gates the benchmark modules on their tests' JUnit
-results. (The Triton kernels run in the interpreter here: tiny shapes.)
+results or on the outcomes ``stream_outcomes.py`` writes test by test. (The Triton kernels run in the interpreter here: tiny shapes.)
 """
 
 from __future__ import annotations
 
 import importlib.util
+import os
 import subprocess
 import sys
 from pathlib import Path
@@ -79,3 +80,41 @@ def test_bench_modules_are_gated_on_their_tests(tmp_path):
     assert gate("scans") == 1
     assert gate("rollout") == 0  # its tests did not run (a dry run): not held against it
     assert gate("policy_loss", tmp_path / "missing.xml") == 1
+
+
+def test_streamed_outcomes_gate_like_the_junit_report(tmp_path):
+    # what stream_outcomes.py writes, test by test: a stage cut at its timeout keeps it
+    tsv = tmp_path / "tests_outcomes.tsv"
+    tsv.write_text("passed\ttests/ops/test_policy_loss.py::test_a\nfailed\ttests/ops/test_scans.py::TestBig::test_b\n"
+                   "skipped\ttests/ops/test_advantages.py::test_c\n")
+    script = ROOT / "benchmarks" / "gpu" / "tests_passed.py"
+
+    def gate(module: str, path: Path = tsv) -> int:
+        return subprocess.run([sys.executable, str(script), str(path), module], capture_output=True).returncode
+
+    assert gate("policy_loss") == 0
+    assert gate("advantages") == 0
+    assert gate("scans") == 1
+    assert gate("rollout") == 0
+    assert gate("policy_loss", tmp_path / "missing.tsv") == 1
+
+
+def test_stream_outcomes_writes_each_report_as_it_arrives(tmp_path):
+    (tmp_path / "test_x.py").write_text(
+        "import pytest\n\n"
+        "def test_ok():\n    pass\n\n"
+        "def test_bad():\n    assert 1 == 2, 'the values'\n\n"
+        "@pytest.fixture\ndef broken():\n    raise RuntimeError('setup broke')\n\n"
+        "def test_setup_error(broken):\n    pass\n\n"
+        "@pytest.mark.skip(reason='no')\ndef test_skipped():\n    pass\n")
+    outcomes, failures = tmp_path / "o.tsv", tmp_path / "f.txt"
+    env = {**os.environ, "PYTHONPATH": str(ROOT / "benchmarks" / "gpu"), "FASTRL_OUTCOMES": str(outcomes),
+           "FASTRL_FAILURES": str(failures)}
+    subprocess.run([sys.executable, "-m", "pytest", "-q", "-p", "stream_outcomes", "-p", "no:cacheprovider", "test_x.py"],
+                   cwd=tmp_path, env=env, capture_output=True)
+    lines = sorted(outcomes.read_text().splitlines())
+    assert lines == sorted(["passed\ttest_x.py::test_ok", "failed\ttest_x.py::test_bad",
+                            "failed\ttest_x.py::test_setup_error", "skipped\ttest_x.py::test_skipped"])
+    text = failures.read_text()
+    assert "=== test_x.py::test_bad (call)" in text and "the values" in text
+    assert "=== test_x.py::test_setup_error (setup)" in text and "setup broke" in text

@@ -2,12 +2,15 @@
 (issue 20, section 1: the static-shape decode step captured in a CUDA graph).
 
 Shape: issue 20's real shape (a seeded random Qwen2, vocabulary 151,936, hidden 256, 4 layers,
-2 prompts x G=8, prompt 256 + 128 new tokens), in bf16 on CUDA. Each implementation is
+2 prompts x G=8, prompt 256 + 128 new tokens), timed in bf16 on CUDA. Each implementation is
 timed only after its check passed: greedy completions of every decode mode equal
-``decode='eager'`` token for token and equal HF ``generate`` on G copies of each prompt (bf16
-rounding can flip a near-tie argmax: the share of equal completions is recorded, and a mode
-is timed only if it matches ``eager`` exactly). Then sampled rollouts (temperature 1, per-prompt
-seeds) are timed: best of ``--repeats`` after a warm-up, CUDA synchronised around each call.
+``decode='eager'`` token for token and equal HF ``generate`` on G copies of each prompt. The
+check runs the same weights in fp32: in bf16 a random model's near-flat logits make every
+implementation's greedy path diverge somewhere (the first H200 run, checking in bf16: no
+completion of eager, static or CUDA-graph decode equalled ``generate``'s, so only eager and
+``generate`` were timed); the share of equal completions is recorded. Then sampled rollouts
+(temperature 1, per-prompt seeds) are timed in bf16: best of ``--repeats`` after a warm-up,
+CUDA synchronised around each call.
 The JSON is rewritten after every case, so a timeout keeps what finished.
 
     python benchmarks/gpu/bench_sampler.py --out $OUT/sampler_gpu.json            # on the device
@@ -31,6 +34,8 @@ from fastrl.rollout import HFGroupSampler, SamplingConfig  # noqa: E402
 
 REAL = dict(vocab=151_936, hidden=256, layers=4, prompts=2, G=8, P=256, L=128)
 DRY = dict(vocab=512, hidden=64, layers=2, prompts=2, G=4, P=16, L=8)
+CHECK_DTYPE = torch.float32
+"""The greedy checks' dtype (the timings' is bf16 on CUDA)."""
 
 
 def _sync(device: torch.device) -> None:
@@ -61,12 +66,14 @@ def main(argv: list[str] | None = None) -> int:
     device = torch.device("cpu" if args.dry_run or not torch.cuda.is_available() else "cuda")
     dtype = torch.float32 if device.type == "cpu" else torch.bfloat16
     modes = ["eager", "static"] + (["cuda_graph"] if device.type == "cuda" else [])
-    model = qwen2_bench_model(vocab=shape["vocab"], hidden=shape["hidden"], layers=shape["layers"]).to(device=device, dtype=dtype)
+    torch.backends.cuda.matmul.allow_tf32 = False  # the check's fp32 is fp32
+    model = qwen2_bench_model(vocab=shape["vocab"], hidden=shape["hidden"], layers=shape["layers"]).to(device=device, dtype=CHECK_DTYPE)
     G, L = shape["G"], shape["L"]
     prompts = [random_prompt(shape["P"], shape["vocab"], seed=i) for i in range(shape["prompts"])]
     seeds = list(range(len(prompts)))
     out: dict = {"benchmark": "sampler_decode_modes_gpu", "command": "python benchmarks/gpu/bench_sampler.py " + " ".join(argv or sys.argv[1:]),
-                 "device": torch.cuda.get_device_name() if device.type == "cuda" else "cpu", "dtype": str(dtype), "shape": shape,
+                 "device": torch.cuda.get_device_name() if device.type == "cuda" else "cpu", "dtype": str(dtype),
+                 "check_dtype": str(CHECK_DTYPE), "shape": shape,
                  "checks": {}, "seconds": {}, "tokens_per_s": {}, "speed_vs_hf_generate": {}}
 
     def save() -> None:
@@ -91,6 +98,8 @@ def main(argv: list[str] | None = None) -> int:
     if args.dry_run:
         save()
         return 0 if all(ok.values()) else 1
+    model.to(dtype)
+    samplers = {m: HFGroupSampler(model, decode=m) for m in modes}
     cfg = SamplingConfig(temperature=1.0, max_new_tokens=L)
     tokens = len(prompts) * G * L
 

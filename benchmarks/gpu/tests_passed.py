@@ -1,8 +1,10 @@
-"""Exit 0 when the tests of a benchmark module's kernels passed in a pytest JUnit XML file.
+"""Exit 0 when the tests of a benchmark module's kernels passed, read from a pytest JUnit XML
+file or from ``stream_outcomes.py``'s outcome lines (``.tsv``: written test by test, so a test
+stage stopped at its timeout still has one).
 
-``python benchmarks/gpu/tests_passed.py tests.xml policy_loss`` (used by run.sh: a kernel is
-timed only after its correctness tests passed on the same device). Test files that did not
-run (a dry run runs only a few) do not count against a module; a missing report does.
+``python benchmarks/gpu/tests_passed.py tests_outcomes.tsv policy_loss`` (used by run.sh: a
+kernel is timed only after its correctness tests passed on the same device). Test files that
+did not run (a dry run runs only a few) do not count against a module; a missing report does.
 """
 
 from __future__ import annotations
@@ -21,7 +23,10 @@ MODULE_TESTS = {
 }
 
 
-def failures(xml_path: str, module: str) -> list[str]:
+def failures(report_path: str, module: str) -> list[str]:
+    if report_path.endswith(".tsv"):
+        return _tsv_failures(report_path, module)
+    xml_path = report_path
     files = MODULE_TESTS[module]
     bad = []
     for case in ET.parse(xml_path).getroot().iter("testcase"):
@@ -30,6 +35,17 @@ def failures(xml_path: str, module: str) -> list[str]:
         src = "/".join(p for p in path if not p[:1].isupper()) + ".py"
         if src in files and any(c.tag in ("failure", "error") for c in case):
             bad.append(f"{case.get('classname')}::{case.get('name')}")
+    return bad
+
+
+def _tsv_failures(path: str, module: str) -> list[str]:
+    files = MODULE_TESTS[module]
+    bad = []
+    with open(path) as f:
+        for line in f:
+            outcome, _, nodeid = line.rstrip("\n").partition("\t")
+            if nodeid.split("::", 1)[0] in files and outcome == "failed":
+                bad.append(nodeid)
     return bad
 
 
