@@ -11,7 +11,8 @@ if not torch.cuda.is_available():
 
 import pytest  # noqa: E402
 
-DEVICE = torch.device("cuda" if torch.cuda.is_available() else "cpu")
+# indexed on CUDA (cuda:0, not cuda), so that ``x.device == DEVICE`` holds for a tensor made there
+DEVICE = torch.device("cuda", torch.cuda.current_device()) if torch.cuda.is_available() else torch.device("cpu")
 
 
 @pytest.fixture

@@ -2,8 +2,12 @@
 
 from __future__ import annotations
 
+import os
 import statistics
+import subprocess
+import sys
 from collections import defaultdict
+from pathlib import Path
 
 import pytest
 import torch
@@ -399,13 +403,31 @@ def test_group_float64_rewards_keep_their_precision(backend, device):
     torch.testing.assert_close(stats["frac_all_equal_groups"].cpu(), ref_stats["frac_all_equal_groups"])
 
 
+_NON_FINITE_ON_CUDA = """
+import sys, torch
+from fastrl.ops import group_advantages
+rewards = torch.tensor([1.0, 0.0, float(sys.argv[2]), 1.0], device="cuda")
+group_advantages(rewards, torch.tensor([0, 0, 1, 1], device="cuda"), mode="batch_std", backend=sys.argv[1])
+torch.cuda.synchronize()
+"""
+
+
 @pytest.mark.parametrize("backend", BACKENDS)
 @pytest.mark.parametrize("bad", [float("nan"), float("inf"), float("-inf")])
-def test_group_non_finite_reward_is_an_error(backend, bad):
-    rewards = torch.tensor([1.0, 0.0, bad, 1.0])
-    ids = torch.tensor([0, 0, 1, 1])
-    with pytest.raises(ValueError, match="rewards must be finite"):
-        group_advantages(rewards, ids, mode="batch_std", backend=backend)
+def test_group_non_finite_reward_is_an_error(backend, bad, device):
+    """A ValueError on CPU; on CUDA a device-side assert (a host check would need a sync). The
+    assert ends the process's CUDA context, so on CUDA the call runs in a fresh process."""
+    if device.type == "cpu":
+        rewards = torch.tensor([1.0, 0.0, bad, 1.0], device=device)
+        ids = torch.tensor([0, 0, 1, 1], device=device)
+        with pytest.raises(ValueError, match="rewards must be finite"):
+            group_advantages(rewards, ids, mode="batch_std", backend=backend)
+        return
+    root = Path(__file__).resolve().parents[2]
+    env = {**os.environ, "PYTHONPATH": os.pathsep.join(p for p in (str(root), os.environ.get("PYTHONPATH")) if p)}
+    proc = subprocess.run([sys.executable, "-c", _NON_FINITE_ON_CUDA, backend, str(bad)], cwd=root, env=env,
+                          capture_output=True, text=True, timeout=300)
+    assert proc.returncode != 0 and "device-side assert triggered" in proc.stderr, proc.stderr[-4000:]
 
 
 @pytest.mark.parametrize("mode", GROUP_MODES)

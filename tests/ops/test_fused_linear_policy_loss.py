@@ -10,7 +10,7 @@ from fastrl.ops import fused_linear_policy_loss, linear_logprobs, policy_loss
 B, T, H, V = 3, 6, 24, 67
 
 
-def _data(seed=0):
+def _data(seed=0, device="cpu"):
     g = torch.Generator().manual_seed(seed)
     h = torch.randn(B, T, H, generator=g)
     w = torch.randn(V, H, generator=g) * 0.3
@@ -26,7 +26,7 @@ def _data(seed=0):
     ref = lp + 0.2 * torch.randn(B, T, generator=g)
     roll = old + 0.1 * torch.randn(B, T, generator=g)
     adv = torch.randn(B, generator=g)
-    return h, w, b, y, mask, old, ref, roll, adv
+    return tuple(t.to(device) for t in (h, w, b, y, mask, old, ref, roll, adv))
 
 
 def _reference(h, w, b, y, mask, old, adv, cfg, temperature, with_entropy, **kw):
@@ -90,10 +90,9 @@ def test_matches_policy_loss_on_logits_path(name):
         assert ((got.double() - want).abs().max() / want.abs().max()) < 1e-4
 
 
-def test_equals_composition_of_the_two_ops_triton_backend():
+def test_equals_composition_of_the_two_ops_triton_backend(device):
     cfg = PolicyLossConfig.preset("grpo")
-    dev = torch.device("cuda" if torch.cuda.is_available() else "cpu")  # else: Triton interpreter
-    h, w, b, y, mask, old, ref, _, adv = (t.to(dev) for t in _data(1))
+    h, w, b, y, mask, old, ref, _, adv = _data(1, device)
     hh, ww = h.clone().requires_grad_(), w.clone().requires_grad_()
     loss, metrics = fused_linear_policy_loss(hh, ww, y, old, adv, mask, ref_logp=ref, config=cfg, backend="triton")
     loss.backward()
@@ -183,7 +182,7 @@ def test_no_grad_and_bf16_inputs():
 @pytest.mark.parametrize("backend", ["torch", "triton"])
 @pytest.mark.parametrize("name", ["old_logp", "advantages", "ref_logp", "rollout_logp"])
 @pytest.mark.parametrize("change", ["shorter", "longer", "extra_row"])
-def test_wrong_shapes_are_value_errors_before_any_work(backend, name, change, monkeypatch):
+def test_wrong_shapes_are_value_errors_before_any_work(backend, name, change, monkeypatch, device):
     """Every per-token input is checked before the log-probs are computed (the one-pass CPU
     path used to index them after its work: IndexError, or silent mis-indexing if larger)."""
     import fastrl.ops.logprobs as lp_mod
@@ -193,7 +192,8 @@ def test_wrong_shapes_are_value_errors_before_any_work(backend, name, change, mo
 
     monkeypatch.setattr(lp_mod, "_torch_logits", no_work)
     monkeypatch.setattr(lp_mod._LinearLogprobs, "apply", no_work)
-    h, w, b, y, mask, old, ref, roll, adv = _data()
+    # the torch backend on CPU tensors: the one-pass path; Triton on the GPU when there is one
+    h, w, b, y, mask, old, ref, roll, adv = _data(device=device if backend == "triton" else "cpu")
     args = dict(old_logp=old, advantages=adv[:, None].expand(B, T).contiguous(), ref_logp=ref, rollout_logp=roll)
     x = args[name]
     if change == "shorter":
@@ -211,10 +211,11 @@ def test_wrong_shapes_are_value_errors_before_any_work(backend, name, change, mo
 
 
 @pytest.mark.parametrize("backend", ["torch", "triton"])
-def test_double_backward_with_retain_graph(backend):
+def test_double_backward_with_retain_graph(backend, device):
     """autograd.grad(..., retain_graph=True) then a second backward gives the same gradients
     (the one-pass CPU path used to clear and scale its saved gradients in place)."""
-    h, w, b, y, mask, old, ref, roll, adv = _data(5)
+    # the torch backend on CPU tensors: the one-pass path; Triton on the GPU when there is one
+    h, w, b, y, mask, old, ref, roll, adv = _data(5, device if backend == "triton" else "cpu")
     hh, ww = h.clone().requires_grad_(), w.clone().requires_grad_()
     loss, _ = fused_linear_policy_loss(hh, ww, y, old, adv, mask, ref_logp=ref,
                                        config=PolicyLossConfig(kl_coef=0.1), backend=backend)

@@ -14,21 +14,21 @@ from fastrl.reference.policy_loss import policy_loss_reference
 from fastrl.reference.value_loss import value_loss_reference
 
 B, T = 3, 7
-COUNT_FORMS = {
-    "int": lambda c: int(c),
-    "float": lambda c: float(c),
-    "tensor0d_int": lambda c: torch.tensor(int(c)),
-    "tensor0d_float": lambda c: torch.tensor(float(c)),
-    "tensor1_int": lambda c: torch.tensor([int(c)]),
-    "tensor11_float": lambda c: torch.tensor([[float(c)]]),
+COUNT_FORMS = {  # (count, device of the inputs) -> the count in that form (a tensor on that device)
+    "int": lambda c, d: int(c),
+    "float": lambda c, d: float(c),
+    "tensor0d_int": lambda c, d: torch.tensor(int(c), device=d),
+    "tensor0d_float": lambda c, d: torch.tensor(float(c), device=d),
+    "tensor1_int": lambda c, d: torch.tensor([int(c)], device=d),
+    "tensor11_float": lambda c, d: torch.tensor([[float(c)]], device=d),
 }
 
 
-def _batch(masked_out: bool):
+def _batch(masked_out: bool, device="cpu"):
     g = torch.Generator().manual_seed(0)
-    x = {k: torch.randn(B, T, generator=g) for k in ("a", "b", "c")}
+    x = {k: torch.randn(B, T, generator=g).to(device) for k in ("a", "b", "c")}
     mask = torch.zeros(B, T) if masked_out else (torch.rand(B, T, generator=g) > 0.3).float()
-    return x, mask
+    return x, mask.to(device)
 
 
 def _policy(backend, mask, x, agg, **count):
@@ -56,9 +56,9 @@ def _value(backend, mask, x, agg, **count):
 
 def _fused(backend, mask, x, agg, **count):
     g = torch.Generator().manual_seed(1)
-    h = torch.randn(B, T, 8, generator=g).requires_grad_()
-    w = torch.randn(11, 8, generator=g)
-    y = torch.randint(0, 11, (B, T), generator=g)
+    h = torch.randn(B, T, 8, generator=g).to(mask.device).requires_grad_()
+    w = torch.randn(11, 8, generator=g).to(mask.device)
+    y = torch.randint(0, 11, (B, T), generator=g).to(mask.device)
     cfg = PolicyLossConfig(loss_agg=agg)
     loss, _ = fused_linear_policy_loss(h, w, y, -x["a"].abs(), x["b"], mask, config=cfg, backend=backend, **count)
     (gh,) = torch.autograd.grad(loss, h)
@@ -71,23 +71,23 @@ RUNS = [(op, b) for op in OPS for b in ("reference", "torch", "triton") if not (
 
 @pytest.mark.parametrize(("op", "backend"), RUNS)
 @pytest.mark.parametrize("agg", ["token-mean", "seq-mean-token-mean"])
-def test_every_count_form_gives_the_same_loss(op, backend, agg):
-    x, mask = _batch(masked_out=False)
+def test_every_count_form_gives_the_same_loss(op, backend, agg, device):
+    x, mask = _batch(masked_out=False, device=device)
     key = "global_token_count" if agg == "token-mean" else "global_seq_count"
     want = OPS[op](backend, mask, x, agg, **{key: 11.0})
     for form, make in COUNT_FORMS.items():
-        got = OPS[op](backend, mask, x, agg, **{key: make(11)})
+        got = OPS[op](backend, mask, x, agg, **{key: make(11, device)})
         torch.testing.assert_close(got[0], want[0], msg=lambda m, f=form: f"{form}: {m}")
         torch.testing.assert_close(got[1], want[1], msg=lambda m, f=form: f"{form}: {m}")
 
 
 @pytest.mark.parametrize(("op", "backend"), RUNS)
 @pytest.mark.parametrize("agg", ["token-mean", "seq-mean-token-sum"])
-def test_count_of_zero_on_a_fully_masked_batch_gives_zero(op, backend, agg):
-    x, mask = _batch(masked_out=True)
+def test_count_of_zero_on_a_fully_masked_batch_gives_zero(op, backend, agg, device):
+    x, mask = _batch(masked_out=True, device=device)
     key = "global_token_count" if agg == "token-mean" else "global_seq_count"
     for form, make in COUNT_FORMS.items():
-        loss, grad = OPS[op](backend, mask, x, agg, **{key: make(0)})
+        loss, grad = OPS[op](backend, mask, x, agg, **{key: make(0, device)})
         assert loss.item() == 0.0, form
         assert torch.count_nonzero(grad) == 0, form
 
@@ -146,9 +146,9 @@ def _value_n(backend, mask, x, agg, **count):
 
 def _fused_n(backend, mask, x, agg, **count):
     g = torch.Generator().manual_seed(1)
-    h = torch.randn(B, T, 8, generator=g).requires_grad_()
-    w = torch.randn(11, 8, generator=g)
-    y = torch.randint(0, 11, (B, T), generator=g)
+    h = torch.randn(B, T, 8, generator=g).to(mask.device).requires_grad_()
+    w = torch.randn(11, 8, generator=g).to(mask.device)
+    y = torch.randint(0, 11, (B, T), generator=g).to(mask.device)
     cfg = PolicyLossConfig(loss_agg=agg, **_agg_kw(agg))
     loss, _ = fused_linear_policy_loss(h, w, y, -x["a"].abs(), x["b"], mask, config=cfg, backend=backend, **count)
     (gh,) = torch.autograd.grad(loss, h)
@@ -170,9 +170,9 @@ RUNS_N = [(op, b) for op in OPS_N for b in ("torch", "triton") if not (op == "ag
 @pytest.mark.parametrize(("op", "backend"), RUNS_N)
 @pytest.mark.parametrize("agg", ALL_AGGS)
 @pytest.mark.parametrize("tensor", [False, True])
-def test_global_counts_equal_the_explicit_count_of_the_mode(op, backend, agg, tensor):
-    x, mask = _batch(masked_out=False)
-    make = torch.tensor if tensor else float
+def test_global_counts_equal_the_explicit_count_of_the_mode(op, backend, agg, tensor, device):
+    x, mask = _batch(masked_out=False, device=device)
+    make = (lambda c: torch.tensor(c, device=device)) if tensor else float
     explicit = {"global_token_count": make(TOKENS)} if agg == "token-mean" else {"global_seq_count": make(SEQS)}
     want = OPS_N[op](backend, mask, x, agg, **explicit)
     got = OPS_N[op](backend, mask, x, agg, global_counts=GlobalCounts(tokens=make(TOKENS), sequences=make(SEQS)))

@@ -35,6 +35,8 @@ from fastrl.reference.turn_advantages import turn_advantages_reference, turn_gae
 from fastrl.reference.value_loss import value_loss_reference
 from fastrl.reference.whiten import masked_whiten_reference
 
+from conftest import DEVICE  # tests/ is on sys.path; the Triton backend needs CUDA tensors on a GPU
+
 B, T = 4, 9
 GARBAGE = {
     "nan": [float("nan")],
@@ -52,7 +54,7 @@ def _mask(seed: int = 0) -> torch.Tensor:
     m[2, 5:] = False  # right padding
     m[3, 2:4] = False  # an observation block inside the row
     m[3, 0] = True
-    return m
+    return m.to(DEVICE)
 
 
 def _fill(x: torch.Tensor, keep: torch.Tensor, kind: str | None) -> torch.Tensor:
@@ -61,14 +63,14 @@ def _fill(x: torch.Tensor, keep: torch.Tensor, kind: str | None) -> torch.Tensor
     if kind is None:
         pad = torch.zeros_like(x)
     else:
-        vals = torch.tensor(GARBAGE[kind], dtype=x.dtype)
-        idx = torch.arange(x.numel()).reshape(x.shape) % len(vals)
+        vals = torch.tensor(GARBAGE[kind], dtype=x.dtype, device=x.device)
+        idx = torch.arange(x.numel(), device=x.device).reshape(x.shape) % len(vals)
         pad = vals[idx]
     return torch.where(keep, x, pad)
 
 
 def _rand(*shape, seed):
-    return torch.randn(*shape, generator=torch.Generator().manual_seed(seed))
+    return torch.randn(*shape, generator=torch.Generator().manual_seed(seed)).to(DEVICE)
 
 
 def _grads(out: torch.Tensor, inputs: list[torch.Tensor]) -> list[torch.Tensor]:
@@ -169,9 +171,9 @@ def _whiten_case(backend, kind, shift_mean):
 def _step_adv_case(backend, kind):
     S = 3
     m = _mask(5)
-    end = torch.tensor([[8, 3, -1], [-1, -1, -1], [4, -1, 1], [6, 0, -1]])
+    end = torch.tensor([[8, 3, -1], [-1, -1, -1], [4, -1, 1], [6, 0, -1]], device=DEVICE)
     r = _fill(_rand(B, S, seed=1), end >= 0, kind)
-    ids = torch.tensor([7, 7, 3, 3])
+    ids = torch.tensor([7, 7, 3, 3], device=DEVICE)
     if backend == "reference":
         return {"advantages": step_advantages_reference(r, end, ids, m)}
     return {"advantages": step_advantages(r, end, ids, m, backend=backend)}
@@ -185,7 +187,7 @@ def _turn_layout(kind):
     ti = torch.cumsum(starts.long(), 1) - 1
     nt = starts.sum(1)
     ti = torch.where(m, ti, -1 if kind is None else 10**9)
-    present = torch.arange(4)[None] < nt[:, None]
+    present = torch.arange(4, device=DEVICE)[None] < nt[:, None]
     return m, ti, nt, present
 
 
@@ -193,8 +195,8 @@ def _turn_case(backend, kind, mode):
     m, ti, nt, present = _turn_layout(kind)
     r = _fill(_rand(B, 4, seed=1).round(), present, kind)
     outcome = _rand(B, seed=2)
-    keys = torch.where(present, torch.tensor([[1, 2, 1, 2]]).expand(B, 4), 0 if kind is None else 2**61)
-    ids = torch.tensor([7, 7, 3, 7])
+    keys = torch.where(present, torch.tensor([[1, 2, 1, 2]], device=DEVICE).expand(B, 4), 0 if kind is None else 2**61)
+    ids = torch.tensor([7, 7, 3, 7], device=DEVICE)
     kw = dict(mode=mode, gamma=0.9, outcome_coef=0.5, state_keys=keys if mode == "gigpo" else None)
     if backend == "reference":
         adv, stats = turn_advantages_reference(ti, m, r, nt, outcome, ids, **kw)
@@ -234,7 +236,7 @@ def _logprobs_case(backend, kind):
     m = _mask(7)
     h = _fill(_rand(B, T, H, seed=1), m[..., None], kind).requires_grad_()
     w = (0.5 * _rand(V, H, seed=2)).requires_grad_()
-    y = torch.randint(0, V, (B, T), generator=torch.Generator().manual_seed(3))
+    y = torch.randint(0, V, (B, T), generator=torch.Generator().manual_seed(3)).to(DEVICE)
     y = torch.where(m, y, -100)
     if backend == "reference":
         lp, ent = linear_logprobs_reference(h, w, y)
@@ -248,7 +250,7 @@ def _fused_case(backend, kind):
     m = _mask(8)
     h = _fill(_rand(B, T, H, seed=1), m[..., None], kind).requires_grad_()
     w = (0.5 * _rand(V, H, seed=2)).requires_grad_()
-    y = torch.randint(0, V, (B, T), generator=torch.Generator().manual_seed(3))
+    y = torch.randint(0, V, (B, T), generator=torch.Generator().manual_seed(3)).to(DEVICE)
     y = torch.where(m, y, V + 7)  # padding ids may be anything
     with torch.no_grad():
         lp0 = torch.log_softmax(torch.where(m[..., None], h, 0.0) @ w.T, -1).gather(-1, torch.where(m, y, 0)[..., None])[..., 0]

@@ -146,14 +146,14 @@ def test_reference_and_backends_match_trl_formula(loss_type, level, with_is):
         vespo_k_pos=2.0, vespo_lambda_pos=3.0, vespo_k_neg=3.0, vespo_lambda_neg=2.0, loss_agg="token-mean",
     )
     b = {k: v for k, v in batch.items() if k != "ref_logp" and (with_is or k != "rollout_logp")}
-    ref = _run("ref", b, cfg)
-    torch.testing.assert_close(ref[0], trl_loss.detach(), rtol=1e-10, atol=1e-12)
-    torch.testing.assert_close(ref[2], trl_grad, rtol=1e-10, atol=1e-12)
+    ref = _run("ref", b, cfg)  # on DEVICE; TRL's formula ran on the CPU tensors of the batch
+    torch.testing.assert_close(ref[0].cpu(), trl_loss.detach(), rtol=1e-10, atol=1e-12)
+    torch.testing.assert_close(ref[2].cpu(), trl_grad, rtol=1e-10, atol=1e-12)
     for backend in BACKENDS:
         _assert_close(_run(backend, b, cfg), ref)
     if loss_type == "cispo":  # TRL's cispo_clip_ratio
         flags = ((torch.exp(_log_w(batch, level)) > hp["eps_high"]) & (batch["advantages"][:, None] > 0)).to(D64)
-        torch.testing.assert_close(ref[1]["cispo_clip_frac"], (flags.expand_as(mask) * mask).sum() / mask.sum())
+        torch.testing.assert_close(ref[1]["cispo_clip_frac"].cpu(), (flags.expand_as(mask) * mask).sum() / mask.sum())
 
 
 def _log_w(batch, level):
