@@ -14,7 +14,7 @@ baseline are timed side by side (best-of-n and median; CUDA synchronised around 
   the layout a cache without prefix sharing holds; built before timing) and
   ``flex_expanded`` (``flex_attention`` under ``torch.compile`` on the same expanded K/V).
 - the GRPO loss from LM-head hidden states, forward + backward: ``fastrl``
-  (``fused_linear_policy_loss``) vs ``liger`` (Liger-Kernel's ``LigerFusedLinearGRPOLoss``,
+  (``fused_linear_policy_loss``, the Triton kernels; ``fastrl_torch``: its chunked PyTorch path) vs ``liger`` (Liger-Kernel's ``LigerFusedLinearGRPOLoss``,
   compiled on CUDA) and ``naive`` (full logits), with the inputs of
   ``fastrl.bench.cases_logprobs.build_grpo``.
 """
@@ -131,6 +131,9 @@ def logprob_case(tokens, hidden, vocab, device, dtype: str, *, repeats: int) -> 
     impls = {name: build_grpo(name, tokens, hidden, vocab, dtype=dtype, device=str(device),
                               backend="triton" if name == "fastrl" else "auto")
              for name in ("fastrl", "liger", "naive") if name in available_impls()}
+    # fastrl's chunked PyTorch path (the CPU default) beside its kernel: on the first H200 run the
+    # kernel took 13x the naive GEMMs' time, so the GPU's choice between the two is measured here
+    impls["fastrl_torch"] = build_grpo("fastrl", tokens, hidden, vocab, dtype=dtype, device=str(device), backend="torch")
     if "liger_error" in check:
         impls.pop("liger", None)
     return BenchCase(op="grpo_loss_fwd_bwd", shape=f"N={tokens} H={hidden} V={vocab} {dtype}", impls=impls,
