@@ -1,6 +1,8 @@
 """`fastrl train --env NAME` (a built-in environment with its defaults) per seed: the warm-up,
 held-out success and tool-call rate at step 0 (after the warm-up, before RL) and after RL, the
-median RL step, the whole run's wall time.
+held-out rows gained and lost between the two with the exact McNemar p-value
+(``fastrl.train.paired``: the same rows evaluated twice), the median RL step, the whole run's
+wall time.
 
     nice python benchmarks/env_train_seeds.py --env calculator --seeds 0 1 2 \
         --out benchmarks/results/env_train_calculator_3seeds_cpu.json
@@ -33,6 +35,10 @@ import time
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(ROOT))
+
+from fastrl.train.paired import paired_change  # noqa: E402
+
 COMMANDS = {"1": "OMP_NUM_THREADS=1 fastrl train --env {env} --seed S --threads 1", "default": "fastrl train --env {env} --seed S"}
 """The command a seed runs, per ``--threads`` choice."""
 LOAD_SAMPLE_SECONDS = 15.0
@@ -118,10 +124,15 @@ def read_run(out: Path) -> dict:
     evals = [r for r in records if r.get("event") == "eval" and "eval/accuracy" in r]
     steps = [r for r in records if "event" not in r]
     summary = json.loads((out / "summary.json").read_text()) if (out / "summary.json").exists() else {}
+    paired = None
+    if len(evals) >= 2 and "row_success" in evals[0] and "row_success" in evals[-1]:
+        change = paired_change(evals[0]["row_success"], evals[-1]["row_success"])
+        paired = {"gained": change.gained, "lost": change.lost, "rows": change.rows, "p_value": change.p_value}
     return {
         "sft_steps": sft.get("sft/steps"), "sft_seconds": round(sft["sft/seconds"], 1) if "sft/seconds" in sft else None,
         "sft_probe_accuracy": sft.get("sft/probe_accuracy"),
         "eval": [{"step": r["step"], **{k: r.get(v) for k, v in EVAL_KEYS.items()}} for r in evals],
+        "heldout_first_last_paired": paired,
         "rl_steps": len(steps),
         "rl_step_seconds_median": round(statistics.median(r["time/step"] for r in steps), 3) if steps else None,
         "train_tool_call_rate_first_last": [steps[0].get("agent/tool_call_rate"), steps[-1].get("agent/tool_call_rate")]

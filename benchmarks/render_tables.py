@@ -65,6 +65,10 @@ defaults, whose warm-up overshot its target). sql's is its command as a user typ
 its 128-wide model takes 930-1160 CPU-s a run, over 10 minutes on one thread."""
 
 
+def _p_value(p: float) -> str:
+    return f"{p:.2g}" if p >= 0.001 else "<0.001"
+
+
 def env_train_seeds() -> str:
     """`fastrl train --env NAME` per seed: held-out success and tool-call rate before/after RL."""
     rows, notes = [], []
@@ -76,19 +80,24 @@ def env_train_seeds() -> str:
             sft = f"{run['sft_steps']:.0f} ({run['sft_seconds']:.0f} s)" if run.get("sft_steps") is not None else "none"
             loads = "/".join(f"{x:.1f}" for x in run["load_average_before_after"])
             whole = f"{run['wall_seconds']:.0f} s" + (f" ({run['cpu_seconds']:.0f} s CPU)" if run.get("cpu_seconds") else "")
-            rows.append([env, seed, sft, f"{first['accuracy']:.2f} -> **{last['accuracy']:.2f}**",
+            paired = run.get("heldout_first_last_paired")
+            flips = f"+{paired['gained']} / -{paired['lost']} (p = {_p_value(paired['p_value'])})" if paired else "-"
+            rows.append([env, seed, sft, f"{first['accuracy']:.2f} -> **{last['accuracy']:.2f}**", flips,
                          f"{first['tool_call_rate']:.2f} -> {last['tool_call_rate']:.2f}",
                          f"{run['rl_steps']} ({run['rl_step_seconds_median']:.2f} s)", whole, loads])
         commits = sorted({run["commit"] for run in data["runs"].values() if run.get("commit")})
         code = data.get("code") or (f"code {', '.join(commits)}" if commits else "")
         notes.append((f"`{data['command']}`", "; ".join(x for x in (data["date"], code, data["machine"]) if x)))
-    table = _rows(["env", "seed", "warm-up steps (s)", "held-out success, step 0 -> end", "tool-call rate, step 0 -> end",
+    table = _rows(["env", "seed", "warm-up steps (s)", "held-out success, step 0 -> end",
+                   "held-out rows gained / lost (McNemar p)", "tool-call rate, step 0 -> end",
                    "RL steps (median step)", "whole run", "load before/after"], rows)
     if len({where for _, where in notes}) == 1:  # one date, code and machine: said once
         said = ", ".join(command for command, _ in notes) + f" ({notes[0][1]})"
     else:
         said = "; ".join(f"{command} ({where})" for command, where in notes)
-    return table + "\n" + said + "; step 0 is after the warm-up, before RL; load average = runnable " \
+    return table + "\n" + said + "; step 0 is after the warm-up, before RL; rows gained / lost: held-out rows " \
+        "failed at step 0 and solved at the end / the reverse, with the exact two-sided McNemar p-value " \
+        "(fastrl.train.paired; - for runs logged before per-row results); load average = runnable " \
         "processes (2 cores); whole run = wall time (the run's own CPU time); frozenlake has no tools (a move is the " \
         "action), so its tool-call rate is 0.\n"
 

@@ -44,6 +44,8 @@ class AgentEvaluator:
         """The functions whose held-out means are logged (``eval/reward/<name>``); none without a pool."""
         self.runtime, self.renderer, self.agent = runtime, renderer, agent
         self.seed = seed + EVAL_SEED_OFFSET
+        self.last_row_success: list[int] | None = None
+        """The last evaluation's success (0/1) per held-out row, in row order (``fastrl.train.paired``)."""
 
     @torch.no_grad()
     def __call__(self) -> dict[str, float]:
@@ -53,6 +55,7 @@ class AgentEvaluator:
         share = self.ranks.share(len(self.rows))
         figures = self.ranks.gather(self.episodes(self.rows[share], first=share.start, rewards=True))
         outcome, tool_calls, turns = figures[:, :3].unbind(1)
+        self.last_row_success = succeeded(outcome).int().tolist()
         metrics = {"eval/accuracy": float(succeeded(outcome).float().mean()), "eval/reward_mean": float(outcome.mean()),
                    "eval/tool_call_rate": float((tool_calls > 0).float().mean()), "eval/turns_mean": float(turns.mean())}
         for k, name in enumerate(self.reward_names):

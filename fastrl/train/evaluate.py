@@ -59,6 +59,8 @@ class HeldOutEvaluator:
         self.sampled = SamplingConfig(temperature=temperature, top_p=top_p, top_k=top_k, max_new_tokens=max_new_tokens,
                                       seed=seed + EVAL_SEED_OFFSET)
         self.prompt_seeds = prompt_seeds
+        self.last_row_success: list[int] | None = None
+        """The last evaluation's greedy success (0/1) per held-out row, in row order (``fastrl.train.paired``)."""
 
     @torch.no_grad()
     def __call__(self) -> dict[str, float]:
@@ -69,6 +71,7 @@ class HeldOutEvaluator:
         rows, prompts, first = self.rows[share], self.prompt_ids[share], share.start
         greedy = self.scores(rows, prompts, SamplingConfig(greedy=True, temperature=1.0, max_new_tokens=self.max_new_tokens), 1,
                              first=first)
+        self.last_row_success = succeeded(greedy).int().tolist()
         out = {"eval/accuracy": float(succeeded(greedy).float().mean()), "eval/reward_mean": float(greedy.mean())}
         k = self.pass_k
         if k > 1:

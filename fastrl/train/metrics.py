@@ -125,8 +125,13 @@ class MetricsLogger:
 
             self.bar.advance(step_values(metrics))
 
-    def log_eval(self, step: int, metrics: dict[str, float]) -> None:
-        self.jsonl.write(json.dumps({"step": step, "time": time.time(), "event": "eval", **metrics}) + "\n")
+    def log_eval(self, step: int, metrics: dict[str, float], *, row_success: list[int] | None = None) -> None:
+        """An ``event: eval`` record; ``row_success``: the success (0/1) per held-out row, in row
+        order (``row_success`` in the record: two evaluations compared row by row, ``fastrl.train.paired``)."""
+        record = {"step": step, "time": time.time(), "event": "eval", **metrics}
+        if row_success is not None:
+            record["row_success"] = list(row_success)
+        self.jsonl.write(json.dumps(record) + "\n")
         if self.tb is not None:
             for k, v in metrics.items():
                 self.tb.add_scalar(k, v, step)

@@ -492,7 +492,7 @@ class Trainer:
         if not self.eval_history or self.eval_history[-1].get("step") != float(self.step):
             self.eval_history.append(metrics)
         if self.logger is not None:
-            self.logger.log_eval(self.step, metrics)
+            self.logger.log_eval(self.step, metrics, row_success=self.evaluator.last_row_success)
 
     # ================================================================== setup, checkpoints, the end
     def _write_config(self) -> None:

@@ -61,6 +61,9 @@ def test_an_env_run_resumes_exactly_and_logs_trajectories(tmp_path):
     assert last[names.ENV_SECONDS] > 0 and 0 <= last[names.TOKENIZATION_MISMATCH_RATE] <= 1
     evals = [m for m in read_metrics(tmp_path / "a") if m.get("event") == "eval" and "eval/accuracy" in m]
     assert [m["step"] for m in evals] == [0, 2] and all(0 <= m["eval/tool_call_rate"] <= 1 for m in evals)
+    for m in evals:  # each held-out row's success, for the paired view of two evaluations
+        assert len(m["row_success"]) == TINY["task_eval_size"] and set(m["row_success"]) <= {0, 1}
+        assert sum(m["row_success"]) / len(m["row_success"]) == pytest.approx(m["eval/accuracy"])
     samples = (tmp_path / "a" / "samples.txt").read_text()
     assert "=== step 2 best" in samples and "[prompt] <bos><|user|>Compute " in samples and "[policy 0] " in samples
 

@@ -69,6 +69,9 @@ def test_grpo_end_to_end_writes_metrics_samples_and_a_loadable_model(tmp_path):
     evals = [m for m in read_metrics(out) if m.get("event") == "eval"]
     assert [e["step"] for e in evals] == [0.0, 2.0]
     assert {"eval/accuracy", "eval/pass@2", "eval/reward_mean"} <= set(evals[0])
+    for e in evals:  # each held-out row's greedy success, for the paired view of two evaluations
+        assert len(e["row_success"]) == cfg.eval_prompts and set(e["row_success"]) <= {0, 1}
+        assert sum(e["row_success"]) / len(e["row_success"]) == pytest.approx(e["eval/accuracy"])
     assert "=== step 1 best" in (out / "samples.txt").read_text()
     assert (out / "config.yaml").exists() and (out / "summary.json").exists()
     assert any((out / "tensorboard").iterdir())
