@@ -57,16 +57,18 @@ def default_train_seeds() -> str:
     return table + f"\n`{data['command']}`; {data['machine']}; {data['date']}.\n"
 
 
-ENV_SEED_FILES = ("env_train_calculator_3seeds_cpu.json", "env_train_frozenlake_3seeds_cpu.json",
-                  "env_train_sql_width128_default_threads_cpu.json")
-"""The seed studies of built-in environments (benchmarks/env_train_seeds.py) the README shows, in order
-(``env_train_calculator_3seeds_cpu_agenttrain3c42318.json``: the same study on agenttrain's first
+ENV_SEED_FILES = ("env_train_calculator_3seeds_paired_cpu.json", "env_train_frozenlake_3seeds_paired_cpu.json",
+                  "env_train_sql_width128_default_threads_paired_cpu.json")
+"""The seed studies of built-in environments (benchmarks/env_train_seeds.py) the README shows, in order:
+2026-12-04's, whose runs logged each held-out row's success (the rows gained and lost). The same studies
+on 2026-12-03's instance: ``env_train_calculator_3seeds_cpu.json``, ``env_train_frozenlake_3seeds_cpu.json``,
+``env_train_sql_width128_default_threads_cpu.json`` (``..._agenttrain3c42318.json``: agenttrain's first
 defaults, whose warm-up overshot its target). sql's is its command as a user types it (torch's two threads):
 its 128-wide model takes 930-1160 CPU-s a run, over 10 minutes on one thread."""
 
 
 def _p_value(p: float) -> str:
-    return f"{p:.2g}" if p >= 0.001 else "<0.001"
+    return f"p = {p:.2g}" if p >= 0.001 else "p < 0.001"
 
 
 def env_train_seeds() -> str:
@@ -81,7 +83,7 @@ def env_train_seeds() -> str:
             loads = "/".join(f"{x:.1f}" for x in run["load_average_before_after"])
             whole = f"{run['wall_seconds']:.0f} s" + (f" ({run['cpu_seconds']:.0f} s CPU)" if run.get("cpu_seconds") else "")
             paired = run.get("heldout_first_last_paired")
-            flips = f"+{paired['gained']} / -{paired['lost']} (p = {_p_value(paired['p_value'])})" if paired else "-"
+            flips = f"+{paired['gained']} / -{paired['lost']} ({_p_value(paired['p_value'])})" if paired else "-"
             rows.append([env, seed, sft, f"{first['accuracy']:.2f} -> **{last['accuracy']:.2f}**", flips,
                          f"{first['tool_call_rate']:.2f} -> {last['tool_call_rate']:.2f}",
                          f"{run['rl_steps']} ({run['rl_step_seconds_median']:.2f} s)", whole, loads])
