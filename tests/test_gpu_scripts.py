@@ -85,17 +85,21 @@ def test_bench_modules_are_gated_on_their_tests(tmp_path):
 def test_streamed_outcomes_gate_like_the_junit_report(tmp_path):
     # what stream_outcomes.py writes, test by test: a stage cut at its timeout keeps it
     tsv = tmp_path / "tests_outcomes.tsv"
-    tsv.write_text("passed\ttests/ops/test_policy_loss.py::test_a\nfailed\ttests/ops/test_scans.py::TestBig::test_b\n"
+    tsv.write_text("collected\ttests/ops/test_policy_loss.py::test_a\ncollected\ttests/ops/test_scans.py::TestBig::test_b\n"
+                   "collected\ttests/ops/test_advantages.py::test_c\ncollected\ttests/ops/test_kl.py::test_d\n"
+                   "passed\ttests/ops/test_policy_loss.py::test_a\nfailed\ttests/ops/test_scans.py::TestBig::test_b\n"
                    "skipped\ttests/ops/test_advantages.py::test_c\n")
     script = ROOT / "benchmarks" / "gpu" / "tests_passed.py"
 
     def gate(module: str, path: Path = tsv) -> int:
         return subprocess.run([sys.executable, str(script), str(path), module], capture_output=True).returncode
 
-    assert gate("policy_loss") == 0
-    assert gate("advantages") == 0
+    assert gate("policy_loss") == 1  # test_kl.py's test was collected and never reached (a timeout)
+    assert gate("advantages") == 0  # skipped is not failed
     assert gate("scans") == 1
-    assert gate("rollout") == 0
+    assert gate("rollout") == 0  # its tests were not in the run: not held against it
+    tsv.write_text(tsv.read_text() + "passed\ttests/ops/test_kl.py::test_d\n")
+    assert gate("policy_loss") == 0
     assert gate("policy_loss", tmp_path / "missing.tsv") == 1
 
 
@@ -112,9 +116,11 @@ def test_stream_outcomes_writes_each_report_as_it_arrives(tmp_path):
            "FASTRL_FAILURES": str(failures)}
     subprocess.run([sys.executable, "-m", "pytest", "-q", "-p", "stream_outcomes", "-p", "no:cacheprovider", "test_x.py"],
                    cwd=tmp_path, env=env, capture_output=True)
-    lines = sorted(outcomes.read_text().splitlines())
-    assert lines == sorted(["passed\ttest_x.py::test_ok", "failed\ttest_x.py::test_bad",
-                            "failed\ttest_x.py::test_setup_error", "skipped\ttest_x.py::test_skipped"])
+    lines = outcomes.read_text().splitlines()
+    ids = ["test_x.py::test_ok", "test_x.py::test_bad", "test_x.py::test_setup_error", "test_x.py::test_skipped"]
+    assert lines[:4] == [f"collected\t{i}" for i in ids]  # the whole list first, then each outcome as it ends
+    assert sorted(lines[4:]) == sorted(["passed\ttest_x.py::test_ok", "failed\ttest_x.py::test_bad",
+                                        "failed\ttest_x.py::test_setup_error", "skipped\ttest_x.py::test_skipped"])
     text = failures.read_text()
     assert "=== test_x.py::test_bad (call)" in text and "the values" in text
     assert "=== test_x.py::test_setup_error (setup)" in text and "setup broke" in text

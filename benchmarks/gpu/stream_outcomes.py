@@ -3,9 +3,10 @@
 timeout still says what passed, what failed and why -- JUnit XML is written only at the end,
 and the first H200 run lost it that way (its stage ended at 95%, every benchmark gate closed).
 
-* ``$FASTRL_OUTCOMES``: one line a test, ``OUTCOME<TAB>nodeid`` (``passed``, ``failed``,
-  ``skipped``; a failing setup or teardown is a ``failed`` line of its own), read by
-  ``tests_passed.py``;
+* ``$FASTRL_OUTCOMES``: first a ``collected<TAB>nodeid`` line per test the session will run,
+  then one line a test as it ends, ``OUTCOME<TAB>nodeid`` (``passed``, ``failed``, ``skipped``;
+  a failing setup or teardown is a ``failed`` line of its own), read by ``tests_passed.py``: a
+  collected test without an outcome was not reached;
 * ``$FASTRL_FAILURES``: each failure's id and the end of its traceback.
 
 ``python -m pytest -p stream_outcomes ...`` with ``benchmarks/gpu`` on ``PYTHONPATH``.
@@ -24,6 +25,11 @@ def _append(env: str, text: str) -> None:
     if path:
         with open(path, "a") as f:
             f.write(text)
+
+
+def pytest_collection_finish(session):
+    if os.environ.get("PYTEST_XDIST_WORKER", "gw0") == "gw0":  # one process writes the list (xdist's workers collect alike)
+        _append("FASTRL_OUTCOMES", "".join(f"collected\t{item.nodeid}\n" for item in session.items))
 
 
 def pytest_runtest_logreport(report):

@@ -39,14 +39,22 @@ def failures(report_path: str, module: str) -> list[str]:
 
 
 def _tsv_failures(path: str, module: str) -> list[str]:
+    """Failed tests of the module's files, and collected ones that never got an outcome (a stage
+    stopped at its timeout first): a kernel is timed only after its tests ran and passed."""
     files = MODULE_TESTS[module]
-    bad = []
+    collected, ended, failed = [], set(), []
     with open(path) as f:
         for line in f:
             outcome, _, nodeid = line.rstrip("\n").partition("\t")
-            if nodeid.split("::", 1)[0] in files and outcome == "failed":
-                bad.append(nodeid)
-    return bad
+            if nodeid.split("::", 1)[0] not in files:
+                continue
+            if outcome == "collected":
+                collected.append(nodeid)
+            else:
+                ended.add(nodeid)
+                if outcome == "failed":
+                    failed.append(nodeid)
+    return failed + [f"{nodeid} (not reached)" for nodeid in dict.fromkeys(collected) if nodeid not in ended]
 
 
 if __name__ == "__main__":
