@@ -55,8 +55,9 @@ class AgentEvaluator:
         share = self.ranks.share(len(self.rows))
         figures = self.ranks.gather(self.episodes(self.rows[share], first=share.start, rewards=True))
         outcome, tool_calls, turns = figures[:, :3].unbind(1)
-        self.last_row_success = succeeded(outcome).int().tolist()
-        metrics = {"eval/accuracy": float(succeeded(outcome).float().mean()), "eval/reward_mean": float(outcome.mean()),
+        ok = succeeded(outcome)
+        self.last_row_success = ok.int().tolist()
+        metrics = {"eval/accuracy": float(ok.float().mean()), "eval/reward_mean": float(outcome.mean()),
                    "eval/tool_call_rate": float((tool_calls > 0).float().mean()), "eval/turns_mean": float(turns.mean())}
         for k, name in enumerate(self.reward_names):
             metrics[f"eval/reward/{name}"] = float(figures[:, 3 + k].mean())

@@ -71,8 +71,9 @@ class HeldOutEvaluator:
         rows, prompts, first = self.rows[share], self.prompt_ids[share], share.start
         greedy = self.scores(rows, prompts, SamplingConfig(greedy=True, temperature=1.0, max_new_tokens=self.max_new_tokens), 1,
                              first=first)
-        self.last_row_success = succeeded(greedy).int().tolist()
-        out = {"eval/accuracy": float(succeeded(greedy).float().mean()), "eval/reward_mean": float(greedy.mean())}
+        ok = succeeded(greedy)
+        self.last_row_success = ok.int().tolist()
+        out = {"eval/accuracy": float(ok.float().mean()), "eval/reward_mean": float(greedy.mean())}
         k = self.pass_k
         if k > 1:
             ok = succeeded(self.scores(rows, prompts, self.sampled, k, first=first).view(-1, k))
