@@ -14,11 +14,21 @@ prompt x G=8 trajectories, 8 turns of 64 sampled tokens followed by 64 observati
   per turn: what a multi-turn loop over ``generate`` does). Its own random numbers, so other
   tokens, but the same number of tokens per turn (no eos, fixed observations).
 
-``continued`` and ``reprefill`` use the same seeds, so both sample the same tokens (checked). Interleaved rounds, one intra-op
+* ``continued_unnarrowed``: ``continued`` with ``hf.COMPACT_FRACTION = 0``: trajectories that
+  have ended keep stepping through the model until the turn's longest one ends (what the eager
+  decode did before it narrowed its KV store to the rows still sampling).
+
+``continued`` and ``reprefill`` use the same seeds, so both sample the same tokens (checked; as
+do ``continued`` and ``continued_unnarrowed``). Interleaved rounds, one intra-op
 thread, best of the rounds; prefill tokens, wall and process CPU seconds; JSON under
 ``benchmarks/results/``.
 
+``--budget-spread F``: uneven turns, trajectory ``j``'s budget at turn ``k`` is
+``model_tokens * (1 - F * ((j + k) % G) / (G - 1))`` (``F = 0.6``: 40-100 %, mean 70 % of the
+longest, about the sql environment's spread); only the ``continued*`` arms take per-trajectory budgets.
+
     taskset -c 0 python benchmarks/bench_multiturn_rollout.py --rounds 2
+    taskset -c 0 python benchmarks/bench_multiturn_rollout.py --arms continued,continued_unnarrowed --budget-spread 0.6 --G 32
 """
 
 from __future__ import annotations
@@ -38,6 +48,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 from fastrl.bench.harness import environment, write_payload  # noqa: E402
 from fastrl.bench.rollout_cases import qwen2_bench_model, random_prompt  # noqa: E402
 from fastrl.rollout import HFGroupSampler, SamplingConfig  # noqa: E402
+from fastrl.rollout import hf  # noqa: E402
 from fastrl.rollout.hf import HFTokenSampler, TURN_SEED_STRIDE  # noqa: E402
 
 
@@ -46,15 +57,24 @@ def observation(turn: int, t: int, n: int, vocab: int) -> list[int]:
     return torch.randint(1, vocab, (n,), generator=g).tolist()
 
 
-def play(continue_sequences, prompt, *, G, turns, model_tokens, obs_tokens, vocab):
+def budgets(turn: int, *, G: int, model_tokens: int, spread: float) -> list[int]:
+    """Each trajectory's token budget at a turn (``--budget-spread``)."""
+    return [max(1, round(model_tokens * (1 - spread * ((j + turn) % G) / max(G - 1, 1)))) for j in range(G)]
+
+
+def play(continue_sequences, prompt, *, G, turns, model_tokens, obs_tokens, vocab, spread=0.0):
     seqs = [list(prompt) for _ in range(G)]
     sampled = []
     for turn in range(turns):
         seeds = [(j * TURN_SEED_STRIDE + turn) for j in range(G)]
-        outs = continue_sequences(seqs, max_new_tokens=[model_tokens] * G, seeds=seeds)
+        outs = continue_sequences(seqs, max_new_tokens=budgets(turn, G=G, model_tokens=model_tokens, spread=spread), seeds=seeds)
         sampled.append([o.token_ids for o in outs])
         seqs = [s + o.token_ids + (observation(turn, j, obs_tokens, vocab) if turn + 1 < turns else []) for j, (s, o) in enumerate(zip(seqs, outs))]
     return sampled
+
+
+def sampled_tokens(sampled: list[list[list[int]]]) -> int:
+    return sum(len(c) for turn in sampled for c in turn)
 
 
 class Reprefill:
@@ -100,18 +120,25 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--obs-tokens", type=int, default=64)
     ap.add_argument("--prompt", type=int, default=256)
     ap.add_argument("--G", type=int, default=8)
-    ap.add_argument("--arms", default="continued,reprefill,hf_generate")
+    ap.add_argument("--arms", default="continued,reprefill,hf_generate", help="also: continued_unnarrowed")
+    ap.add_argument("--budget-spread", type=float, default=0.0, help="uneven per-trajectory budgets (continued* arms only)")
+    ap.add_argument("--vocab", type=int, default=151_936)
+    ap.add_argument("--hidden", type=int, default=256)
+    ap.add_argument("--layers", type=int, default=4)
     ap.add_argument("--out", default=None)
     args = ap.parse_args(argv)
     arms = args.arms.split(",")
+    if args.budget_spread and any(not a.startswith("continued") for a in arms):
+        ap.error("--budget-spread: only the continued* arms take per-trajectory budgets")
     torch.set_num_threads(1)
     load_start = os.getloadavg()
-    model = qwen2_bench_model()
+    model = qwen2_bench_model(vocab=args.vocab, hidden=args.hidden, layers=args.layers)
     V = model.config.vocab_size
     prompt = random_prompt(args.prompt, V)
     sampler = HFGroupSampler(model)
     cfg = SamplingConfig(temperature=1.0)
-    kw = dict(G=args.G, turns=args.turns, model_tokens=args.model_tokens, obs_tokens=args.obs_tokens, vocab=V)
+    kw = dict(G=args.G, turns=args.turns, model_tokens=args.model_tokens, obs_tokens=args.obs_tokens, vocab=V, spread=args.budget_spread)
+    fraction = hf.COMPACT_FRACTION
     times = {k: [] for k in arms}
     cpu = {k: [] for k in arms}
     prefill = {}
@@ -120,11 +147,13 @@ def main(argv: list[str] | None = None) -> int:
         for name in arms[r % len(arms):] + arms[: r % len(arms)]:
             t0, c0 = time.perf_counter(), time.process_time()
             with torch.no_grad():
-                if name == "continued":
+                if name.startswith("continued"):
+                    hf.COMPACT_FRACTION = 0.0 if name == "continued_unnarrowed" else fraction
                     ts = HFTokenSampler(sampler, cfg)
                     tokens[name] = play(ts.continue_sequences, prompt, **kw)
                     prefill[name] = sum(ts.state.prefill_tokens)
                     ts.close()
+                    hf.COMPACT_FRACTION = fraction
                 else:
                     rp = Reprefill(sampler, cfg) if name == "reprefill" else HFGenerate(model)
                     tokens[name] = play(rp.continue_sequences, prompt, **kw)
@@ -144,11 +173,16 @@ def main(argv: list[str] | None = None) -> int:
         "created": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime()),
         "load_average_start_end": [load_start, os.getloadavg()],
         "shape": {"prompt": args.prompt, "G": args.G, "turns": args.turns, "model_tokens_per_turn": args.model_tokens,
+                  "budget_spread": args.budget_spread, "compact_fraction": fraction,
                   "observation_tokens_per_turn": args.obs_tokens,
                   "model": {"arch": "Qwen2ForCausalLM", "vocab": V, "hidden": model.config.hidden_size, "layers": model.config.num_hidden_layers}},
         "seconds": times, "best_seconds": best, "cpu_seconds": cpu, "best_cpu_seconds": best_cpu, "prefill_tokens": prefill,
-        "sampled_tokens_per_s": {k: args.G * args.turns * args.model_tokens / v for k, v in best.items()},
+        "sampled_tokens_per_s": {k: sampled_tokens(tokens[k]) / v for k, v in best.items()},
     }
+    if "continued" in best and "continued_unnarrowed" in best:
+        payload["same_tokens_narrowed"] = tokens["continued"] == tokens["continued_unnarrowed"]
+        payload["speedup_narrowed"] = best["continued_unnarrowed"] / best["continued"]
+        payload["cpu_speedup_narrowed"] = best_cpu["continued_unnarrowed"] / best_cpu["continued"]
     if "continued" in best and "reprefill" in best:
         payload["same_tokens"] = tokens["continued"] == tokens["reprefill"]
         payload["speedup_continued_vs_reprefill"] = best["reprefill"] / best["continued"]
@@ -158,8 +192,10 @@ def main(argv: list[str] | None = None) -> int:
     if "hf_generate" in best:
         payload["speed_vs_hf_generate"] = {k: best["hf_generate"] / v for k, v in best.items()}
         payload["cpu_speed_vs_hf_generate"] = {k: best_cpu["hf_generate"] / v for k, v in best_cpu.items()}
-    payload["cpu_sampled_tokens_per_s"] = {k: args.G * args.turns * args.model_tokens / v for k, v in best_cpu.items()}
-    print(json.dumps({k: payload.get(k) for k in ("best_seconds", "prefill_tokens", "same_tokens", "speedup_continued_vs_reprefill", "cpu_speedup_continued_vs_reprefill", "speed_vs_hf_generate", "cpu_speed_vs_hf_generate")}))
+    payload["cpu_sampled_tokens_per_s"] = {k: sampled_tokens(tokens[k]) / v for k, v in best_cpu.items()}
+    print(json.dumps({k: payload.get(k) for k in ("best_seconds", "best_cpu_seconds", "prefill_tokens", "same_tokens", "speedup_continued_vs_reprefill",
+                                                  "cpu_speedup_continued_vs_reprefill", "speed_vs_hf_generate", "cpu_speed_vs_hf_generate",
+                                                  "same_tokens_narrowed", "speedup_narrowed", "cpu_speedup_narrowed")}))
     write_payload(payload, args.out, stem="multiturn-rollout-cpu")
     return 0
 

@@ -15,7 +15,9 @@ prompt. The work it does:
    a fixed number of batched ops per layer with no loop over groups
    (``fastrl.ops.decode_attention.padded_prefix_attention`` on CPU; on CUDA the Triton
    kernels of ``shared_prefix_decode_attention`` read each group's prompt once). The only
-   host sync per step is the stop check (none when no row can end early). For Llama/Qwen2
+   host sync per step is the stop check (none when no row can end early). Once enough rows
+   have ended (``COMPACT_FRACTION``), the eager step runs the rows still sampling only (their
+   suffix rows moved to the front of the store, :meth:`CascadeKV.narrow`). For Llama/Qwen2
    models in fp32 the prefills and decode steps run the layers through
    :mod:`fastrl.rollout.lean_decode` (the same weights in fewer ops; checked once, at the
    first prefill, against the model's own forward).
@@ -115,6 +117,14 @@ DECODE_MODES = ("eager", "static", "cuda_graph")
 """``HFGroupSampler(decode=...)``: the per-token step as variable-shape eager ops, as one
 static-shape step (run eagerly; the CPU test of the captured path), or that step captured
 once per rollout in a CUDA graph and replayed."""
+COMPACT_FRACTION = 0.75
+"""The eager decode narrows its KV store to the rows still sampling (:meth:`CascadeKV.narrow`)
+once they are at most this fraction of the rows its forward runs: ended rows would otherwise
+keep stepping through every layer and the attention until the longest row ends. Each narrowing
+copies the whole suffix store once (one ``index_select`` per tensor, of the order of a few
+decode steps' attention reads), so it waits until a quarter of the rows run are idle: at most
+``log(B) / log(4 / 3)`` copies per decode (17 for 128 rows), and at most a third more rows run
+than are sampled. ``0`` never narrows."""
 
 __all__ = ["HFGroupSampler", "CascadeKV", "ATTN_NAME", "MultiTurnState", "TurnOutput", "HFTokenSampler"]
 
@@ -128,6 +138,12 @@ class CascadeKV:
     ``suffix_len[b]`` slots hold the keys/values of the tokens it has run after its prompt
     (sampled tokens, and in multi-turn rollouts the appended environment tokens); the last
     slot is a scratch slot that padded query positions write to and nothing reads.
+
+    Narrowed (:meth:`narrow`, by the eager decode once enough rows have stopped): the forwards
+    run only some rows, whose suffix rows were moved to the front (``order[i]``: the batch row
+    held in suffix row ``i``); ``batch``, ``prefix_of``, ``suffix_len`` and the layout are
+    theirs, and the forwards read and write the first ``batch`` suffix rows (views of the
+    full tensors). :meth:`widen` restores the batch's order.
     """
 
     def __init__(self, *, num_layers: int, prompt_lens: list[int], backend: str, device: torch.device):
@@ -160,23 +176,84 @@ class CascadeKV:
         self.suffix_v: list[torch.Tensor | None] = [None] * num_layers
         self.capacity = 0
         self.peak_bytes = 0
+        self.order: list[int] | None = None  # None: not narrowed
+        self._dropped_len: list[int] = []  # narrowed: the suffix length of each row when it was left out
+        self.rows_run = 0
+        """Rows run by the forwards after the prefill (:meth:`set_forward`), summed over them."""
 
     # ---- layout of the rows
     def set_rows(self, prefix_of: list[int], *, group_size: int = 1) -> None:
         """Row ``b`` reads prompt ``prefix_of[b]`` (``group_size``: rows come in groups of
-        that many consecutive rows with one prompt, which the Triton kernel exploits)."""
+        that many consecutive rows with one prompt, which the Triton kernel exploits). Every
+        row's suffix is empty."""
+        self.full_prefix_of = list(prefix_of)
+        self.full_group_size = group_size
+        self.order = None
+        self._layout(self.full_prefix_of, group_size)
+        self.suffix_len = [0] * self.batch
+
+    def _layout(self, prefix_of: list[int], group_size: int) -> None:
+        """The layout of the rows a forward runs (``batch``: the first rows of the suffix
+        tensors); suffix lengths untouched."""
         self.prefix_of = list(prefix_of)
         self.rows = PrefixRows.build(self.prefix_of, len(self.prompt_lens), self.device)
         self.group_size = group_size if self.rows.identity and self.rows.per_prefix == group_size else 1
         self.batch = len(prefix_of)
-        self.suffix_len = [0] * self.batch
         first = self.prefix_of[:: self.group_size]
         self._tri_start = torch.tensor([u * self.P for u in first], dtype=torch.int32, device=self.device)
         self._tri_len = torch.tensor([self.prompt_lens[u] for u in first], dtype=torch.int32, device=self.device)
         self.prompt_len_rows = torch.tensor([self.prompt_lens[u] for u in self.prefix_of], dtype=torch.long, device=self.device)
 
+    def _permute(self, index: list[int]) -> None:
+        """Suffix row ``i`` becomes the current row ``index[i]`` (one ``index_select`` per tensor)."""
+        index_t = torch.tensor(index, dtype=torch.long, device=self.device)
+        for ts in (self.suffix_k, self.suffix_v):
+            for layer, t in enumerate(ts):
+                if t is not None:
+                    ts[layer] = t.index_select(0, index_t)
+
+    def narrow(self, rows: list[int]) -> None:
+        """Run only these rows (ascending indices into the full batch, a subset of the rows run
+        now) in the following forwards: their suffix rows are moved first (the others keep
+        their keys/values and length, unread, after them) and the layout is theirs.
+        :meth:`widen` restores the full batch."""
+        current = self.order[: self.batch] if self.order is not None else list(range(self.batch))
+        if rows == current:
+            return
+        kept = set(rows)
+        if len(kept) != len(rows) or rows != sorted(rows) or not kept <= set(current):
+            raise ValueError(f"narrow: rows must be ascending rows of the current forward {current}, got {rows}")
+        if self.order is None:
+            self.order = list(range(self.batch))
+            self._dropped_len = [0] * self.batch
+        for b, n in zip(current, self.suffix_len):
+            if b not in kept:
+                self._dropped_len[b] = n
+        where = {b: i for i, b in enumerate(self.order)}
+        order = rows + [b for b in self.order if b not in kept]
+        self._permute([where[b] for b in order])
+        self.order = order
+        length = dict(zip(current, self.suffix_len))
+        self.suffix_len = [length[b] for b in rows]
+        self._layout([self.full_prefix_of[b] for b in rows], self.full_group_size)
+
+    def widen(self) -> None:
+        """Undo :meth:`narrow`: the suffix rows back in the batch's order, the full layout;
+        a row left out keeps the suffix length it had when it was left out."""
+        if self.order is None:
+            return
+        lens = self._dropped_len
+        for b, n in zip(self.order, self.suffix_len):
+            lens[b] = n
+        where = {b: i for i, b in enumerate(self.order)}
+        self._permute([where[b] for b in range(len(self.order))])
+        self.order = None
+        self._layout(self.full_prefix_of, self.full_group_size)
+        self.suffix_len = lens
+
     def keep(self, rows: list[int]) -> None:
         """Keep only these rows (in this order): the others' suffix memory is released."""
+        assert self.order is None, "keep: the store is narrowed (widen() first)"
         if rows == list(range(self.batch)):
             return
         index = torch.tensor(rows, dtype=torch.long, device=self.device)
@@ -190,6 +267,7 @@ class CascadeKV:
 
     def reserve(self, slots: int) -> None:
         """Room for ``slots`` suffix tokens per row (plus the scratch slot); grows by copying."""
+        assert self.order is None, "reserve: the store is narrowed (widen() first)"
         need = slots + 1
         if need <= self.capacity:
             return
@@ -210,6 +288,7 @@ class CascadeKV:
         ``b``'s new tokens (the rest padding). Returns the ``[B, T]`` position ids."""
         self.mode = "decode"
         B, starts = self.batch, self.suffix_len
+        self.rows_run += B
         dev = self.device
         self.T = T
         uniform = all(c == T for c in counts) and all(s == starts[0] for s in starts)
@@ -308,8 +387,9 @@ class CascadeKV:
             self.peak_bytes = max(self.peak_bytes, self.bytes())
             out = outs[0] if len(outs) == 1 else torch.cat(outs, dim=2)
             return out.transpose(1, 2)  # [1, sum P, Hq, D]
-        # query [B, Hq, T, D], key/value [B, Hkv, T, D]: write the new keys/values in place
-        sk, sv = self.suffix_k[layer], self.suffix_v[layer]
+        # query [B, Hq, T, D], key/value [B, Hkv, T, D]: write the new keys/values in place,
+        # into the first B rows of the suffix tensors (all of them unless narrowed)
+        sk, sv = self.suffix_k[layer][: self.batch], self.suffix_v[layer][: self.batch]
         if self.mode == "static":  # T == 1, slots and mask from device tensors, the full capacity
             sk[self._brange, :, self.static_slot] = key[:, :, 0]
             sv[self._brange, :, self.static_slot] = value[:, :, 0]
@@ -765,10 +845,14 @@ class HFGroupSampler:
         stop token), their log-probs and whether a stop token ended them.
 
         The only host sync per step is the stop check (none at all when nothing can end a row
-        early: no stop token and equal budgets). Rows that have ended keep stepping through
-        the model (their keys/values are never read back) with the pad token as input, but
-        are no longer projected to logits nor sampled. Every sampled token but the last of
-        each row has been run through the model (its keys/values are in ``kv``)."""
+        early: no stop token and equal budgets). Rows that have ended are no longer projected to
+        logits nor sampled. With ``decode="eager"``, once the rows still sampling are at most
+        ``COMPACT_FRACTION`` of the rows the forward runs, the store is narrowed to them
+        (:meth:`CascadeKV.narrow`) and the following steps run only those rows; until then, and
+        in the static modes (fixed shapes) throughout, ended rows keep stepping through the
+        model with the pad token as input (their keys/values are never read back). The store
+        is widened back to the batch's row order before returning. Every sampled token but the
+        last of each row has been run through the model (its keys/values are in ``kv``)."""
         B = len(budgets)
         L = max(budgets)
         device = logits.device
@@ -780,6 +864,9 @@ class HFGroupSampler:
         budget_t = torch.tensor(budgets, device=device)
         active: torch.Tensor | None = None  # the rows still sampling (None: all)
         n_active = B
+        computed = list(range(B))  # the rows the eager forward runs (ascending)
+        computed_t: torch.Tensor | None = None  # ... as a tensor (None: all rows)
+        pick: torch.Tensor | None = None  # the positions of the active rows among them (None: all)
         step_fn = None
         steps = 0
         # [B, V] buffers written by every step (fresh ones would be page-faulted in each step)
@@ -787,41 +874,53 @@ class HFGroupSampler:
         head_out = None
         if head is not None and self.decode == "eager" and L > 1:
             head_out = torch.empty(logits.shape, dtype=head.linear.weight.dtype, device=device)
-        for step in range(L):
-            u = None if uniforms is None else (uniforms[:, step] if active is None else uniforms[active, step])
-            tok, lp = sample_tokens(logits, sampling, uniforms=u, generator=gen, work=work)
-            if active is None:
-                tokens[:, step] = tok
-                logps[:, step] = lp
-            else:
-                tokens[active, step] = tok
-                logps[active, step] = lp
-            steps = step + 1
-            if step == L - 1:
-                break
-            if can_stop:
-                if stop_ids.numel():
-                    finished |= torch.isin(tokens[:, step], stop_ids)
-                if uneven:
-                    finished |= budget_t <= steps
-                done = finished.tolist()  # the one host sync of the step
-                if all(done):
+        try:
+            for step in range(L):
+                u = None if uniforms is None else (uniforms[:, step] if active is None else uniforms[active, step])
+                tok, lp = sample_tokens(logits, sampling, uniforms=u, generator=gen, work=work)
+                if active is None:
+                    tokens[:, step] = tok
+                    logps[:, step] = lp
+                else:
+                    tokens[active, step] = tok
+                    logps[active, step] = lp
+                steps = step + 1
+                if step == L - 1:
                     break
-                if B - sum(done) < n_active:
-                    active = torch.tensor([b for b, d in enumerate(done) if not d], dtype=torch.long, device=device)
-                    n_active = active.numel()
-            if self.decode == "eager":
-                pos = kv.set_forward([1] * B, 1)
-                h = self._forward(kv, tokens[:, step, None], pos, head)
-                logits = self._project(h if active is None else h.index_select(0, active), head, head_out)
-            else:
-                if step_fn is None:
-                    kv.start_static()
-                    step_fn = self._static_step(kv, head)
-                logits = step_fn(tokens[:, step])
-                kv.suffix_len = [n + 1 for n in kv.suffix_len]
-                if active is not None:
-                    logits = logits.index_select(0, active)
+                if can_stop:
+                    if stop_ids.numel():
+                        finished |= torch.isin(tokens[:, step], stop_ids)
+                    if uneven:
+                        finished |= budget_t <= steps
+                    done = finished.tolist()  # the one host sync of the step
+                    if all(done):
+                        break
+                    if B - sum(done) < n_active:
+                        alive = [b for b, d in enumerate(done) if not d]
+                        active = torch.tensor(alive, dtype=torch.long, device=device)
+                        n_active = len(alive)
+                        if self.decode == "eager":
+                            if n_active <= COMPACT_FRACTION * len(computed):
+                                kv.narrow(alive)
+                                computed, computed_t = alive, active
+                            where = {b: i for i, b in enumerate(computed)}
+                            pick = None if n_active == len(computed) else torch.tensor(
+                                [where[b] for b in alive], dtype=torch.long, device=device)
+                if self.decode == "eager":
+                    pos = kv.set_forward([1] * len(computed), 1)
+                    ids = tokens[:, step, None] if computed_t is None else tokens[:, step].index_select(0, computed_t)[:, None]
+                    h = self._forward(kv, ids, pos, head)
+                    logits = self._project(h if pick is None else h.index_select(0, pick), head, head_out)
+                else:
+                    if step_fn is None:
+                        kv.start_static()
+                        step_fn = self._static_step(kv, head)
+                    logits = step_fn(tokens[:, step])
+                    kv.suffix_len = [n + 1 for n in kv.suffix_len]
+                    if active is not None:
+                        logits = logits.index_select(0, active)
+        finally:
+            kv.widen()  # also when a step raised: the store stays usable
         rows_h = tokens[:, :steps].tolist()
         logps_h = logps[:, :steps].cpu().unbind(0)  # one copy; each row's log-probs are a view of it
         stop_set = set(stop_ids.tolist())
@@ -1021,7 +1120,7 @@ class HFGroupSampler:
         todo = [state.pending[t] + a for t, a in zip(ids, appended)]
         counts = [len(x) for x in todo]
         T = max(counts)
-        # every row runs max(budgets) - 1 decode steps (rows that are done keep stepping, unread)
+        # a row may run max(budgets) - 1 decode steps (rows that are done may keep stepping, unread)
         kv.reserve(max(s + c for s, c in zip(kv.suffix_len, counts)) + max(budgets))
         gen = None
         uniforms = None

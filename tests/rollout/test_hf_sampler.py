@@ -5,6 +5,7 @@ import torch
 from transformers import LlamaConfig, LlamaForCausalLM, Qwen2Config, Qwen2ForCausalLM
 
 from fastrl.rollout import GroupSampler, HFGroupSampler, RolloutBatch, SamplingConfig
+from fastrl.rollout import hf
 from fastrl.rollout.hf import ATTN_NAME, process_logits
 
 VOCAB = 256
@@ -350,3 +351,126 @@ def test_first_token_distribution_passes_a_chi_square_test(top_k, top_p):
     chi2 = float(((obs - exp_) ** 2 / exp_).sum())
     df = len(obs) - 1
     assert chi2 < df + 5 * (2 * df) ** 0.5, (chi2, df)  # ~5 sigma above the mean of chi2(df)
+
+
+# ---- the eager decode narrows its KV store to the rows still sampling (hf.COMPACT_FRACTION)
+NARROW_G = 4
+NARROW_BUDGETS = [1, 24, 3, 17, 2, 30, 8, 5, 12, 1, 20, 6]  # per trajectory (3 prompts x 4)
+NARROW_STOPS = tuple(range(100, 116))  # stop tokens: some trajectories end before their budget
+
+
+def _narrow_turns(model, monkeypatch, fraction, turns, *, backend="torch", budgets=NARROW_BUDGETS, garbage=False):
+    """Multi-turn rollout over PROMPTS x NARROW_G with per-trajectory budgets (the first turn;
+    6 after that) and seeds at this
+    COMPACT_FRACTION (0: never narrow). Per turn: the outputs, the rows the turn's forwards
+    ran, and a copy of the store's suffix keys/values with the suffix lengths after it.
+    ``garbage``: after each turn, the slots past each row's length are overwritten with large
+    finite noise (nothing may read them)."""
+    monkeypatch.setattr(hf, "COMPACT_FRACTION", fraction)
+    sampler = HFGroupSampler(model, backend=backend)
+    state = sampler.start(PROMPTS, group_size=NARROW_G, sampling=SamplingConfig(temperature=1.0, stop_token_ids=NARROW_STOPS))
+    kv = state.kv
+    turns_out = []
+    for turn in range(turns):
+        live = list(state.live)
+        appended = [[] if turn == 0 else [40 + t, 41 + turn, 7] for t in live]
+        seeds = [1000 * t + turn for t in live]
+        run = kv.rows_run
+        out = sampler.continue_(state, appended, max_new_tokens=[budgets[t] if turn == 0 else 6 for t in live], seeds=seeds)
+        assert kv.order is None  # widened back
+        suffix = [(k.clone(), v.clone()) for k, v in zip(kv.suffix_k, kv.suffix_v)]
+        turns_out.append((out, kv.rows_run - run, suffix, list(kv.suffix_len)))
+        if garbage:
+            g = torch.Generator().manual_seed(turn)
+            for t in (*kv.suffix_k, *kv.suffix_v):
+                for b, n in enumerate(kv.suffix_len):
+                    t[b, :, n:] = 1e3 * torch.randn(t[b, :, n:].shape, generator=g)
+    sampler.close(state)
+    return turns_out
+
+
+def _same_outputs(a, b):
+    assert [o.token_ids for o in a] == [o.token_ids for o in b]
+    assert [o.stopped for o in a] == [o.stopped for o in b]
+    for x, y in zip(a, b):
+        torch.testing.assert_close(torch.tensor(x.logprobs), torch.tensor(y.logprobs), rtol=0, atol=1e-5)
+
+
+def test_narrowed_decode_equals_each_row_alone_and_the_unnarrowed_decode(monkeypatch):
+    model = tiny("llama")
+    [(on, rows_on, _, _)] = _narrow_turns(model, monkeypatch, 0.75, 1)
+    [(off, rows_off, _, _)] = _narrow_turns(model, monkeypatch, 0.0, 1)
+    lengths = [len(o.token_ids) for o in on]
+    assert any(o.stopped for o in on) and len(set(lengths)) > 5  # rows end at very different steps
+    # unnarrowed, every row runs every decode step (one per sampled token but the longest row's last)
+    assert rows_off == len(on) * (max(lengths) - 1)
+    assert sum(lengths) - len(on) <= rows_on < rows_off / 2  # narrowed: far fewer
+    _same_outputs(on, off)
+    # each trajectory alone (one row: nothing to narrow) samples the same tokens
+    sampler = HFGroupSampler(model)
+    for t, o in enumerate(on):
+        state = sampler.start([PROMPTS[t // NARROW_G]], group_size=1, sampling=SamplingConfig(temperature=1.0, stop_token_ids=NARROW_STOPS))
+        _same_outputs([o], sampler.continue_(state, [[]], max_new_tokens=NARROW_BUDGETS[t], seeds=[1000 * t]))
+
+
+def test_narrowed_decode_through_the_triton_kernels(monkeypatch):
+    # the narrowed layouts (per-row prompt starts) in the Triton cascade kernels (interpreter on
+    # CPU: short budgets)
+    model = tiny("llama")
+    budgets = [min(n, 6) for n in NARROW_BUDGETS]
+    [(on, rows_on, _, _)] = _narrow_turns(model, monkeypatch, 0.75, 1, backend="triton", budgets=budgets)
+    [(off, rows_off, _, _)] = _narrow_turns(model, monkeypatch, 0.0, 1, backend="triton", budgets=budgets)
+    assert rows_on < rows_off
+    _same_outputs(on, off)
+
+
+def test_turn_after_a_narrowed_turn_continues_every_trajectory_from_its_own_kv(monkeypatch):
+    model = tiny("qwen2")
+    on = _narrow_turns(model, monkeypatch, 0.75, 3)
+    off = _narrow_turns(model, monkeypatch, 0.0, 3)
+    assert on[0][1] < off[0][1]  # turn 1 narrowed
+    for (a, _, _, _), (b, _, _, _) in zip(on, off):
+        assert len(a) == len(PROMPTS) * NARROW_G  # every trajectory continues
+        _same_outputs(a, b)
+
+
+def test_widened_store_holds_every_rows_keys_and_values(monkeypatch):
+    model = tiny("llama")
+    on = _narrow_turns(model, monkeypatch, 0.75, 2, garbage=True)
+    off = _narrow_turns(model, monkeypatch, 0.0, 2)
+    assert on[0][1] < off[0][1]  # turn 1 narrowed
+    for (_, rows_on, kv_on, len_on), (_, rows_off, kv_off, len_off) in zip(on, off):
+        assert rows_on <= rows_off and len_on == len_off and sum(len_on) > 0
+        for (k_on, v_on), (k_off, v_off) in zip(kv_on, kv_off):
+            for b, n in enumerate(len_on):  # the slots row b has written, in row b
+                torch.testing.assert_close(k_on[b, :, :n], k_off[b, :, :n], rtol=0, atol=1e-5)
+                torch.testing.assert_close(v_on[b, :, :n], v_off[b, :, :n], rtol=0, atol=1e-5)
+    # the second turn read none of the garbage written past every row's length after the first
+    _same_outputs(on[1][0], off[1][0])
+
+
+def test_narrow_and_widen_restore_the_store_exactly():
+    kv = hf.CascadeKV(num_layers=1, prompt_lens=[3, 5], backend="torch", device=torch.device("cpu"))
+    kv.prefix_k = [torch.zeros(2, 2, 5, 4)]
+    kv.set_rows([0, 0, 0, 1, 1, 1], group_size=3)
+    kv.reserve(6)
+    k = torch.randn(kv.suffix_k[0].shape)
+    kv.suffix_k[0].copy_(k)
+    kv.suffix_len = [1, 2, 3, 4, 5, 6]
+    kv.narrow([0, 2, 3, 5])
+    assert kv.batch == 4 and kv.prefix_of == [0, 0, 1, 1] and kv.suffix_len == [1, 3, 4, 6]
+    assert kv.group_size == 1  # no longer groups of the rollout's group size
+    assert kv.prompt_len_rows.tolist() == [3, 3, 5, 5]
+    assert torch.equal(kv.suffix_k[0][:4], k[[0, 2, 3, 5]])
+    kv.suffix_len = [n + 1 for n in kv.suffix_len]
+    kv.narrow([2, 5])
+    assert kv.prefix_of == [0, 1] and kv.group_size == 1 and kv.suffix_len == [4, 7]
+    assert torch.equal(kv.suffix_k[0][:2], k[[2, 5]])
+    with pytest.raises(AssertionError, match="narrowed"):
+        kv.keep([0])
+    with pytest.raises(AssertionError, match="narrowed"):
+        kv.reserve(100)
+    kv.widen()
+    assert kv.order is None and kv.batch == 6 and kv.group_size == 3 and kv.prefix_of == [0, 0, 0, 1, 1, 1]
+    assert kv.suffix_len == [2, 2, 4, 5, 5, 7]  # rows left out keep the length they had then
+    assert torch.equal(kv.suffix_k[0], k)
