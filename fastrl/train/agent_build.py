@@ -220,12 +220,13 @@ def agent_warm_up(cfg: TrainConfig, policy: torch.nn.Module, tokenizer: Any, set
         policy, len(samples), lambda picked: collate_samples([samples[i] for i in picked], pad_token_id=pad,
                                                            answer_weight=cfg.sft_answer_weight),
         steps=cfg.sft_steps, lr=cfg.sft_lr, batch_size=cfg.sft_batch_size, seed=cfg.seed, warmup_steps=cfg.sft_warmup_steps,
-        callback=check, on_step=warm.on_step,
+        callback=check, on_step=warm.on_step, layout=cfg.sft_layout,
     )
     warm.close()
     policy.train()
     metrics = {"sft/steps": float(result["steps"]), "sft/first_loss": float(result["first_loss"]),
-               "sft/final_loss": float(result["final_loss"]), "sft/seconds": float(result["seconds"])}
+               "sft/final_loss": float(result["final_loss"]), "sft/seconds": float(result["seconds"]),
+               "sft/trie_steps": float(result["trie_steps"])}
     if history:
         metrics["sft/probe_accuracy"] = float(history[-1][1])
     return metrics

@@ -372,7 +372,7 @@ def warm_up(cfg: TrainConfig, policy: torch.nn.Module, tokenizer: Any, rows: Seq
         raise InputError("sft_steps > 0 needs an 'answer' column in the dataset (the warm-up targets)")
     warm = WarmupProgress(cfg.sft_steps, target_accuracy=cfg.sft_target_accuracy, enabled=progress)
     common = dict(steps=cfg.sft_steps, lr=cfg.sft_lr, batch_size=cfg.sft_batch_size, seed=cfg.seed, warmup_steps=cfg.sft_warmup_steps,
-                  prompt_column=cfg.prompt_column, chat_template=cfg.chat_template, on_step=warm.on_step)
+                  prompt_column=cfg.prompt_column, chat_template=cfg.chat_template, on_step=warm.on_step, layout=cfg.sft_layout)
     if cfg.sft_target_accuracy is not None:
         common["max_steps"] = common.pop("steps")
         result = sft_to_target(
@@ -387,6 +387,7 @@ def warm_up(cfg: TrainConfig, policy: torch.nn.Module, tokenizer: Any, rows: Seq
     metrics = {
         "sft/steps": float(result["steps"]), "sft/first_loss": float(result["first_loss"]),
         "sft/final_loss": float(result["final_loss"]), "sft/seconds": float(result["seconds"]),
+        "sft/trie_steps": float(result["trie_steps"]),
     }
     if result.get("probe"):
         metrics["sft/probe_accuracy"] = float(result["probe"][-1][1])

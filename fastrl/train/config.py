@@ -28,6 +28,7 @@ from fastrl.reference.turn_advantages import NORMS, TURN_ADVANTAGE_MODES
 from fastrl.rollout.hf import DECODE_MODES
 from fastrl.train.correction import ROLLOUT_CORRECTIONS, RolloutCorrectionMode
 from fastrl.train.reference_policy import REFERENCE_OFFLOADS
+from fastrl.train.sft import SFT_LAYOUTS
 
 _FLOAT32_MAX = 3.4028234663852886e38
 """Largest finite float32: a float option beyond it overflows the first tensor it enters."""
@@ -97,6 +98,7 @@ ALGORITHMS: tuple[str, ...] = tuple(ALGORITHM_PRESETS)
 Algorithm = Literal[ALGORITHMS]  # type: ignore[valid-type]  (the CLI's choices, derived from the presets)
 CallFormat = Literal[CALL_FORMATS]  # type: ignore[valid-type]  (the tool-call formats fastrl.agents.tools parses)
 SamplerDecode = Literal[DECODE_MODES]  # type: ignore[valid-type]  (HFGroupSampler's decode modes, one list)
+SftLayout = Literal[SFT_LAYOUTS]  # type: ignore[valid-type]  (the warm-up's batch layouts, fastrl.train.sft)
 
 AGENT_FIELDS: tuple[str, ...] = tuple(f.name for f in dataclasses.fields(AgentConfig))
 """The agent limits and policies: ``TrainConfig`` has one option per ``AgentConfig`` field, of
@@ -194,6 +196,12 @@ class TrainConfig:
     tokens. None: the built-in environment's (``ENV_TASKS``, all 1 now), 1 for a user's
     environment. sql's main failure is a right query with a miscopied answer
     (``benchmarks/sql_failures.py``), which a larger weight stresses."""
+    sft_layout: SftLayout = "auto"
+    """How a warm-up batch runs, with the same loss and gradients: padded rows, or the trie of
+    its examples (every prefix two share runs once: demonstrations share their system text,
+    question templates and tool-call syntax). auto: the trie when it runs at most half the
+    padded tokens (``fastrl.train.sft.SFT_TRIE_MIN_SAVING``): sql's and frozenlake's
+    demonstrations, not the calculator's or the default task's. Logged as ``sft/trie_steps``."""
 
     # ------------------------------------------------------------------ rewards
     rewards: Optional[list[str]] = None

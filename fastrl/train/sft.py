@@ -4,12 +4,22 @@ Each example is ``encode_prompt(prompt) + answer tokens + eos``; the loss is min
 log-prob of the answer and eos tokens over the batch (prompt and padding tokens carry no
 loss). Log-probs come from ``fastrl.ops.hf.causal_lm_logprobs``: the LM head is applied
 tile by tile from the hidden states, so the ``[tokens, vocab]`` logits are never built.
+
+A batch runs in one of two layouts (``SFT_LAYOUTS``), with the same loss and gradients:
+``padded`` rows ``[B, T]``, or ``trie``: the batch's sequences packed as the trie of their
+tokens (``fastrl.ops.hf_tree``), every prefix two examples share run once -- demonstrations
+of one environment share the system text, the question's template and much of the tool
+call, so the trie runs a third of the padded tokens or less. ``auto`` takes the trie per
+batch when it saves at least ``SFT_TRIE_MIN_SAVING`` of the padded tokens and the model
+supports the shared-prefix forward.
 """
 
 from __future__ import annotations
 
+import contextlib
 import math
 import time
+from dataclasses import dataclass
 from typing import Any, Callable, Sequence
 
 import numpy as np
@@ -18,7 +28,17 @@ import torch
 from fastrl.ops.hf import causal_lm_logprobs
 from fastrl.train.data import check_rows, encode_prompt
 
-__all__ = ["encode_sft_example", "collate_sft", "sft_loss", "sft_warmup", "sft_batches", "sft_to_target"]
+__all__ = ["encode_sft_example", "collate_sft", "sft_loss", "sft_warmup", "sft_batches", "sft_to_target", "SFT_LAYOUTS",
+           "SFT_TRIE_MIN_SAVING", "TrieBatch", "trie_batch", "trie_sft_loss"]
+
+SFT_LAYOUTS = ("auto", "padded", "trie")
+"""How a warm-up batch runs (module docstring)."""
+SFT_TRIE_MIN_SAVING = 0.5
+"""``auto`` runs a batch as a trie when the trie has at most half the padded batch's tokens.
+The trie's attention (a dense tree mask up to ``fastrl.ops.tree_attention.DENSE_MAX_TOKENS``
+tokens, per-segment SDPA above) costs more per token than the padded causal kernel, so a
+small saving does not pay (``benchmarks/sft_layout.py``: the step time of both layouts per
+built-in task)."""
 
 
 def encode_sft_example(
@@ -54,6 +74,70 @@ def sft_loss(model: torch.nn.Module, input_ids: torch.Tensor, attention_mask: to
     return -(logp * loss_mask).sum() / loss_mask.sum().clamp(min=1.0)
 
 
+@dataclass(frozen=True)
+class TrieBatch:
+    """A warm-up batch packed as the trie of its sequences: ``tree`` scores each sequence
+    from its first weighted token on; ``weights`` ``[M]`` is the loss weight of each of the
+    tree's scored tokens (its ``sample_index``/``seq_pos`` order; 0 on the environment's
+    tokens between policy turns)."""
+
+    tree: Any
+    weights: torch.Tensor
+    padded_tokens: int
+    """``B * T`` of the padded batch it replaces."""
+
+    @property
+    def tokens(self) -> int:
+        """Tokens the forward runs (the trie's)."""
+        return int(self.tree.input_ids.shape[1])
+
+
+def _sequences(input_ids: torch.Tensor, attention_mask: torch.Tensor) -> list[list[int]]:
+    lengths = attention_mask.sum(dim=1)
+    right_padded = torch.arange(attention_mask.shape[1], device=lengths.device)[None, :] < lengths[:, None]
+    if not torch.equal(attention_mask != 0, right_padded):
+        raise ValueError("the trie layout needs right-padded rows (every row's tokens first, then its padding)")
+    return [row[:n] for row, n in zip(input_ids.tolist(), lengths.tolist())]
+
+
+def trie_batch(input_ids: torch.Tensor, attention_mask: torch.Tensor, loss_mask: torch.Tensor, *,
+               sequences: list[list[int]] | None = None) -> TrieBatch:
+    """The trie of a right-padded batch (``collate_sft``'s or ``collate_samples``' tensors;
+    ``sequences``: its rows without padding, when already at hand), on ``input_ids``' device.
+    ``loss_mask[b, c]`` weighs token ``c + 1`` of row ``b``; row ``b`` is scored from its
+    first weighted token to its end (a row with no weight scores nothing)."""
+    from fastrl.ops.tree_attention import PackedTree
+
+    seqs = _sequences(input_ids, attention_mask) if sequences is None else sequences
+    weighted = (loss_mask > 0).tolist()
+    starts = []
+    for seq, w in zip(seqs, weighted):
+        first = next((c for c in range(len(seq) - 1) if w[c]), None)
+        starts.append(len(seq) if first is None else first + 1)
+    tree = PackedTree.from_sequences(seqs, score_start=starts, device=input_ids.device)
+    weights = loss_mask.to(torch.float32)[tree.sample_index, tree.seq_pos - 1]
+    return TrieBatch(tree=tree, weights=weights, padded_tokens=int(input_ids.numel()))
+
+
+def trie_sft_loss(model: torch.nn.Module, batch: TrieBatch) -> torch.Tensor:
+    """``sft_loss`` of the padded batch ``batch`` packs, from one forward over its trie (run it
+    and its backward inside ``fastrl.ops.hf_packed.shared_prefix_attention_enabled(model)``)."""
+    from fastrl.ops.hf_tree import tree_causal_lm_logprobs
+
+    logp = tree_causal_lm_logprobs(model, batch.tree)
+    return -(logp * batch.weights).sum() / batch.weights.sum().clamp(min=1.0)
+
+
+def _supports_trie(model: torch.nn.Module) -> bool:
+    from fastrl.ops.hf_packed import check_shared_prefix_support
+
+    try:
+        check_shared_prefix_support(model)
+    except ValueError:
+        return False
+    return True
+
+
 def _learning_rate(step: int, *, steps: int, lr: float, warmup_steps: int, schedule: str) -> float:
     """The rate of step ``step`` (0-based): linear warm-up, then constant or half-cosine decay."""
     if step < warmup_steps:
@@ -82,6 +166,7 @@ def sft_warmup(
     max_grad_norm: float | None = 1.0,
     callback: Callable[[int, float], bool | None] | None = None,
     on_step: Callable[[int, float], None] | None = None,
+    layout: str = "auto",
 ) -> dict[str, Any]:
     """Teacher-forced SFT of ``model`` on ``rows`` (in place), for ``steps`` AdamW steps.
 
@@ -94,10 +179,12 @@ def sft_warmup(
     when it returns True the warm-up stops there (e.g. once a probe accuracy is reached:
     the cosine schedule still runs over ``steps``). ``on_step(steps done, loss)`` is called
     after each step too, before ``callback`` (a progress bar). The model is left in eval mode.
+    ``layout``: how each batch runs, one of ``SFT_LAYOUTS`` (module docstring).
 
     Returns ``{"losses": [per-step loss], "first_loss", "final_loss", "seconds",
     "tokens" (answer + eos tokens trained on), "steps" (taken: fewer than asked when the
-    callback stopped the warm-up)}``.
+    callback stopped the warm-up), "trie_steps" (steps run as a trie), "forward_tokens"
+    (tokens the forwards ran), "padded_tokens" (what the padded batches would have run)}``.
     """
     for name, value, low in (("steps", steps, 0), ("batch_size", batch_size, 1), ("warmup_steps", warmup_steps, 0)):
         if not isinstance(value, int) or isinstance(value, bool) or value < low:
@@ -117,7 +204,7 @@ def sft_warmup(
     return sft_batches(
         model, len(examples), lambda picked: collate_sft([examples[i] for i in picked], pad_token_id=pad_id), steps=steps, lr=lr,
         batch_size=batch_size, seed=seed, weight_decay=weight_decay, warmup_steps=warmup_steps, schedule=schedule,
-        max_grad_norm=max_grad_norm, callback=callback, on_step=on_step,
+        max_grad_norm=max_grad_norm, callback=callback, on_step=on_step, layout=layout,
     )
 
 
@@ -136,6 +223,7 @@ def sft_batches(
     max_grad_norm: float | None = 1.0,
     callback: Callable[[int, float], bool | None] | None = None,
     on_step: Callable[[int, float], None] | None = None,
+    layout: str = "auto",
 ) -> dict[str, Any]:
     """``sft_warmup``'s loop over any examples: ``collate(indices) -> (input_ids,
     attention_mask, loss_mask [B, T-1])`` of the examples picked (seeded shuffled epochs of
@@ -143,6 +231,13 @@ def sft_batches(
     ``fastrl.agents.batch.collate_samples`` of demonstrations)."""
     if num_examples < 1 and steps > 0:
         raise ValueError("the warm-up needs at least one example")
+    if layout not in SFT_LAYOUTS:
+        raise ValueError(f"layout must be one of {SFT_LAYOUTS}, got {layout!r}")
+    if layout == "trie":
+        from fastrl.ops.hf_packed import check_shared_prefix_support
+
+        check_shared_prefix_support(model)
+    trie_ok = layout == "trie" or (layout == "auto" and _supports_trie(model))
     examples = range(num_examples)
     params = [p for p in model.parameters() if p.requires_grad]
     optimizer = torch.optim.AdamW(params, lr=lr, weight_decay=weight_decay)
@@ -151,7 +246,7 @@ def sft_batches(
     order = rng.permutation(len(examples))
     position = 0
     losses: list[float] = []
-    tokens = 0
+    tokens = forward_tokens = padded_tokens = trie_steps = 0
     model.train()
     t0 = time.perf_counter()
     for step in range(steps):
@@ -166,11 +261,21 @@ def sft_batches(
         input_ids, attention_mask, loss_mask = input_ids.to(device), attention_mask.to(device), loss_mask.to(device)
         for group in optimizer.param_groups:
             group["lr"] = _learning_rate(step, steps=steps, lr=lr, warmup_steps=warmup_steps, schedule=schedule)
-        loss = sft_loss(model, input_ids, attention_mask, loss_mask)
-        if not torch.isfinite(loss):
-            raise FloatingPointError(f"SFT loss is {loss.item()} at step {step}")
-        optimizer.zero_grad(set_to_none=True)
-        loss.backward()
+        trie = _as_trie(input_ids, attention_mask, loss_mask, forced=layout == "trie") if trie_ok else None
+        context = contextlib.nullcontext()
+        if trie is not None:
+            from fastrl.ops.hf_packed import shared_prefix_attention_enabled
+
+            context = shared_prefix_attention_enabled(model)  # the forward's and the backward's
+        with context:
+            loss = sft_loss(model, input_ids, attention_mask, loss_mask) if trie is None else trie_sft_loss(model, trie)
+            if not torch.isfinite(loss):
+                raise FloatingPointError(f"SFT loss is {loss.item()} at step {step}")
+            optimizer.zero_grad(set_to_none=True)
+            loss.backward()
+        trie_steps += trie is not None
+        forward_tokens += input_ids.numel() if trie is None else trie.tokens
+        padded_tokens += input_ids.numel()
         if max_grad_norm is not None:
             torch.nn.utils.clip_grad_norm_(params, max_grad_norm)
         optimizer.step()
@@ -190,7 +295,21 @@ def sft_batches(
         "seconds": time.perf_counter() - t0,
         "tokens": tokens,
         "steps": len(losses),
+        "trie_steps": trie_steps,
+        "forward_tokens": forward_tokens,
+        "padded_tokens": padded_tokens,
     }
+
+
+def _as_trie(input_ids: torch.Tensor, attention_mask: torch.Tensor, loss_mask: torch.Tensor, *, forced: bool) -> TrieBatch | None:
+    """The batch's trie when ``forced`` or when it saves ``SFT_TRIE_MIN_SAVING`` of the padded
+    tokens, else None (the padded batch runs)."""
+    from fastrl.ops.tree_attention import trie_size
+
+    seqs = _sequences(input_ids, attention_mask)
+    if not forced and trie_size(seqs) > (1.0 - SFT_TRIE_MIN_SAVING) * input_ids.numel():
+        return None
+    return trie_batch(input_ids, attention_mask, loss_mask, sequences=seqs)
 
 
 def sft_to_target(
@@ -213,11 +332,12 @@ def sft_to_target(
     chat_template: bool | None = None,
     on_step: Callable[[int, float], None] | None = None,
     on_probe: Callable[[int, float], None] | None = None,
+    layout: str = "auto",
 ) -> dict[str, Any]:
     """``sft_warmup`` (constant rate) that stops once greedy accuracy on the first
     ``probe_rows`` training rows reaches ``target_accuracy`` (checked every ``check_every``
     steps), or after ``max_steps``. ``on_step(steps done, loss)`` is called after each step,
-    ``on_probe(steps done, accuracy)`` after each check (a progress bar).
+    ``on_probe(steps done, accuracy)`` after each check (a progress bar); ``layout`` as for ``sft_warmup``.
 
     Returns ``sft_warmup``'s dict plus ``"probe"``: ``[(steps done, probe accuracy)]``.
     """
@@ -245,7 +365,7 @@ def sft_to_target(
     out = sft_warmup(
         model, tokenizer, rows, steps=max_steps, lr=lr, batch_size=batch_size, seed=seed, warmup_steps=warmup_steps,
         prompt_column=prompt_column, answer_column=answer_column, chat_template=chat_template, callback=check,
-        on_step=on_step,
+        on_step=on_step, layout=layout,
     )
     out["probe"] = history
     return out

@@ -86,6 +86,9 @@ def test_fastrl_train_env_runs_a_step(tmp_path, env, extra):
     assert main(args + extra) == 0
     step = [m for m in read_metrics(out) if "event" not in m][0]
     assert step["rollout/samples"] == 4 and step[names.TURNS_MEAN] > 0 and names.stop("max_turns") in step
+    if ":" not in env:  # the warm-up ran; sql's and frozenlake's demonstrations share most of their tokens: a trie
+        warm = [m for m in read_metrics(out) if "sft/steps" in m][0]
+        assert warm["sft/steps"] == 1 and warm["sft/trie_steps"] == 1
     if "Hanging" in env:  # one of the step's two rows hangs at reset, in both of its trajectories
         assert step[names.stop("env_timeout")] == step[names.EXCLUDED] == 2
     assert (out / "final" / "config.json").exists()

@@ -139,3 +139,85 @@ def test_sft_to_target_stops_at_the_probe_target(tok):
     assert out["steps"] == 7 and [s for s, _ in out["probe"]] == [3, 6]
     final = evaluate(model, tok, rows[:10], score_fn=exact_match_score, max_new_tokens=3)["accuracy"]
     assert out["probe"][-1][1] <= 1.0 and 0.0 <= final <= 1.0
+
+
+def _demonstrations(tok, env, n):
+    """``n`` oracle transcripts of a built-in environment, as the agent warm-up lays them out."""
+    from fastrl.agents.envs import BUILTIN_ENVS, synthetic_transcripts
+    from fastrl.agents.render import ChatRenderer, demonstration_sample
+
+    train, _ = BUILTIN_ENVS[env].rows(num_train=n, num_heldout=1, seed=0)
+    renderer = ChatRenderer(tok, tools=None)
+    return [demonstration_sample(renderer, p, t) for p, t in synthetic_transcripts(env, train, call_format="compact", seed=0)]
+
+
+@pytest.mark.parametrize("arch", ["llama", "qwen2"])
+def test_the_trie_batch_has_the_padded_batchs_loss_and_gradients(tok, arch):
+    from fastrl.agents.batch import collate_samples
+    from fastrl.ops.hf_packed import shared_prefix_attention_enabled
+    from fastrl.train.sft import trie_batch, trie_sft_loss
+
+    # multi-turn sql demonstrations (tool result tokens between the policy turns carry no loss), the
+    # answer turn weighted 3x, and one row that scores nothing
+    samples = _demonstrations(tok, "sql", 6)
+    model = tiny_model(tok, hidden_size=32, layers=2, heads=4, arch=arch, max_position_embeddings=256, seed=3)
+    input_ids, attention_mask, loss_mask = collate_samples(samples, pad_token_id=tok.pad_token_id, answer_weight=3.0)
+    loss_mask[5] = 0.0
+    padded = sft_loss(model, input_ids, attention_mask, loss_mask)
+    want = torch.autograd.grad(padded, list(model.parameters()))
+    garbage = input_ids.masked_fill(attention_mask == 0, 77)  # what sits in the padding is never packed
+    batch = trie_batch(garbage, attention_mask, loss_mask)
+    assert batch.tokens < 0.6 * sum(len(s.token_ids) for s in samples)  # the schema line and templates run once
+    assert batch.weights.max() == 3.0 and (batch.weights == 0).any()
+    with shared_prefix_attention_enabled(model):
+        loss = trie_sft_loss(model, batch)
+        got = torch.autograd.grad(loss, list(model.parameters()))
+    torch.testing.assert_close(loss, padded, rtol=1e-5, atol=1e-6)
+    for g, w in zip(got, want):
+        torch.testing.assert_close(g, w, rtol=1e-4, atol=1e-6)
+
+
+def test_the_trie_layout_trains_like_the_padded_one_and_auto_takes_it_when_it_saves(tok):
+    from fastrl.agents.batch import collate_samples
+    from fastrl.train.sft import SFT_TRIE_MIN_SAVING, _as_trie, sft_batches
+
+    samples = _demonstrations(tok, "sql", 48)
+    collate = lambda picked: collate_samples([samples[i] for i in picked], pad_token_id=tok.pad_token_id)  # noqa: E731
+    base = tiny_model(tok, hidden_size=32, layers=2, heads=4, max_position_embeddings=256, seed=1)
+    outs, models = {}, {}
+    for layout in ("padded", "trie", "auto"):
+        models[layout] = copy.deepcopy(base)
+        outs[layout] = sft_batches(models[layout], len(samples), collate, steps=4, lr=3e-3, batch_size=24, seed=2, layout=layout)
+    assert outs["padded"]["trie_steps"] == 0 and outs["trie"]["trie_steps"] == outs["auto"]["trie_steps"] == 4
+    assert outs["trie"]["forward_tokens"] < 0.5 * outs["padded"]["forward_tokens"] == 0.5 * outs["trie"]["padded_tokens"]
+    assert outs["trie"]["tokens"] == outs["padded"]["tokens"]
+    torch.testing.assert_close(outs["trie"]["losses"], outs["padded"]["losses"], rtol=1e-4, atol=1e-5)
+    for a, b in zip(models["trie"].parameters(), models["padded"].parameters()):
+        torch.testing.assert_close(a, b, rtol=1e-3, atol=1e-5)
+    # the rule's input is the trie's share of the padded tokens: arithmetic prompts share little
+    rows = ArithmeticTask(digits=2, num_train=16, num_heldout=0, seed=0).train_rows()
+    few = collate_sft([encode_sft_example(tok, r["prompt"], r["answer"]) for r in rows], pad_token_id=tok.pad_token_id)
+    assert _as_trie(*few, forced=False) is None and _as_trie(*few, forced=True) is not None
+    many = collate(list(range(16)))
+    trie = _as_trie(*many, forced=False)
+    assert trie is not None and trie.tokens <= (1 - SFT_TRIE_MIN_SAVING) * trie.padded_tokens
+
+
+def test_trie_layout_bad_input(tok):
+    from fastrl.train.sft import sft_batches, trie_batch
+
+    rows = [{"prompt": "1+1=", "answer": "2"}]
+    model = tiny_model(tok, hidden_size=16, layers=1, heads=2)
+    with pytest.raises(ValueError, match="layout must be one of"):
+        sft_warmup(model, tok, rows, steps=1, lr=1e-3, batch_size=1, layout="packed")
+    left = torch.tensor([[0, 0, 5, 6], [4, 5, 6, 7]]), torch.tensor([[0, 0, 1, 1], [1, 1, 1, 1]]), torch.ones(2, 3)
+    with pytest.raises(ValueError, match="right-padded"):
+        trie_batch(*left)
+    # a model the shared-prefix forward does not support: the trie is refused, auto pads
+    windowed = tiny_model(tok, hidden_size=16, layers=1, heads=2, arch="qwen2")
+    windowed.config.attention_dropout = 0.1
+    collate = lambda picked: collate_sft([encode_sft_example(tok, "1+1=", "2")] * len(picked), pad_token_id=tok.pad_token_id)  # noqa: E731
+    with pytest.raises(ValueError, match="attention dropout"):
+        sft_batches(windowed, 1, collate, steps=1, lr=1e-3, batch_size=2, layout="trie")
+    out = sft_batches(windowed, 1, collate, steps=1, lr=1e-3, batch_size=2, layout="auto")
+    assert out["steps"] == 1 and out["trie_steps"] == 0
