@@ -37,8 +37,9 @@ SFT_TRIE_MIN_SAVING = 0.5
 """``auto`` runs a batch as a trie when the trie has at most half the padded batch's tokens.
 The trie's attention (a dense tree mask up to ``fastrl.ops.tree_attention.DENSE_MAX_TOKENS``
 tokens, per-segment SDPA above) costs more per token than the padded causal kernel, so a
-small saving does not pay (``benchmarks/sft_layout.py``: the step time of both layouts per
-built-in task)."""
+small saving does not pay. ``benchmarks/bench_sft_layout.py`` (batches of 64, two threads):
+the trie's step is 2.55x faster on sql's demonstrations (saving 0.72) and 2.28x on frozenlake's
+(0.72), 0.75x on the calculator's (0.20) and 0.47x on the default task's (0.31)."""
 
 
 def encode_sft_example(
