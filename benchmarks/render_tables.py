@@ -58,9 +58,10 @@ def default_train_seeds() -> str:
 
 
 ENV_SEED_FILES = ("env_train_calculator_3seeds_narrowed_cpu.json", "env_train_frozenlake_3seeds_trie_narrowed_cpu.json",
-                  "env_train_sql_trie_warmup_default_threads_cpu.json")
+                  "env_train_sql_trie_target05_default_threads_cpu.json")
 """The seed studies of built-in environments (benchmarks/env_train_seeds.py) the README shows, in order:
-2026-12-04's with the warm-up's tries and the narrowed decode (code 868e46b, sql's eedd3f2), whose runs
+2026-12-04's with the warm-up's tries and the narrowed decode (code 868e46b; sql's 4725803 with
+``--sft_target_accuracy 0.5``, its default since; at 0.4: ``env_train_sql_trie_warmup_default_threads_cpu.json``), whose runs
 logged each held-out row's success (the rows gained and lost). Before those two changes (code 16a80a5):
 ``env_train_calculator_3seeds_paired_cpu.json``, ``env_train_frozenlake_3seeds_paired_cpu.json``,
 ``env_train_sql_width128_default_threads_paired_cpu.json``. The same studies on 2026-12-03's instance: ``env_train_calculator_3seeds_cpu.json``, ``env_train_frozenlake_3seeds_cpu.json``,
