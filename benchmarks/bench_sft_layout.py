@@ -74,7 +74,8 @@ def _step(model, optimizer, batch, layout: str) -> float:
 
 
 def measure(task: str, *, batch_size: int, batches: int, rounds: int, seed: int) -> dict:
-    from fastrl.ops.tree_attention import trie_size
+    from fastrl.ops.hf_packed import shared_prefix_attention_enabled
+    from fastrl.train.sft import sft_loss, trie_batch, trie_sft_loss
     from fastrl.train.task import char_tokenizer, tiny_model
 
     tok = char_tokenizer()
@@ -82,17 +83,15 @@ def measure(task: str, *, batch_size: int, batches: int, rounds: int, seed: int)
     base = tiny_model(tok, hidden_size=hidden, layers=layers, heads=heads, max_position_embeddings=positions, seed=seed)
     padded_tokens = [int(b[0].numel()) for b in data]
     real_tokens = [int(b[1].sum()) for b in data]
-    trie_tokens = [trie_size([row[:n] for row, n in zip(b[0].tolist(), b[1].sum(1).tolist())]) for b in data]
+    tries = [trie_batch(*b) for b in data]
+    trie_tokens = [t.tokens for t in tries]
     # loss agreement: the same weights, each batch in both layouts
     check = copy.deepcopy(base)
     loss_gap = 0.0
     with torch.no_grad():
-        from fastrl.ops.hf_packed import shared_prefix_attention_enabled
-        from fastrl.train.sft import sft_loss, trie_batch, trie_sft_loss
-
-        for b in data:
-            with shared_prefix_attention_enabled(check):
-                t = float(trie_sft_loss(check, trie_batch(*b)))
+        with shared_prefix_attention_enabled(check):
+            trie_losses = [float(trie_sft_loss(check, trie)) for trie in tries]
+        for b, t in zip(data, trie_losses):
             loss_gap = max(loss_gap, abs(t - float(sft_loss(check, *b))))
     seconds = {"padded": [], "trie": []}
     models = {k: copy.deepcopy(base) for k in seconds}
