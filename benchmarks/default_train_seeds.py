@@ -20,10 +20,16 @@ import time
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(ROOT))
+
+from benchmarks.env_train_seeds import code_version  # noqa: E402
+from fastrl.train.paired import paired_change  # noqa: E402
+
 COMMAND = "OMP_NUM_THREADS=1 fastrl train --seed S --threads 1"
 
 
-def run_seed(seed: int, out: Path) -> dict:
+def run_seed(seed: int, out: Path, *, results: Path | None = None) -> dict:
+    commit = code_version(results=results)
     env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONPATH": str(ROOT)}
     t0 = time.perf_counter()
     subprocess.run([sys.executable, "-m", "fastrl.cli", "train", "--seed", str(seed), "--threads", "1",
@@ -33,9 +39,15 @@ def run_seed(seed: int, out: Path) -> dict:
     sft = next(r for r in records if r.get("event") == "eval" and "sft/steps" in r)
     evals = [r for r in records if r.get("event") == "eval" and "eval/accuracy" in r]
     steps = [r["time/step"] for r in records if "event" not in r]
+    paired = None
+    if len(evals) >= 2 and "row_success" in evals[0] and "row_success" in evals[-1]:
+        change = paired_change(evals[0]["row_success"], evals[-1]["row_success"])
+        paired = {"gained": change.gained, "lost": change.lost, "rows": change.rows, "p_value": change.p_value}
     return {"sft_steps": sft["sft/steps"], "sft_seconds": round(sft["sft/seconds"], 1),
+            "sft_probes": sft.get("sft/probes"), "sft_probe_accuracy": sft.get("sft/probe_accuracy"),
             "eval": [{"step": r["step"], "accuracy": r["eval/accuracy"], "pass@4": r["eval/pass@4"]} for r in evals],
-            "grpo_step_seconds_median": round(statistics.median(steps), 3), "wall_seconds": round(wall, 1)}
+            "heldout_first_last_paired": paired,
+            "grpo_step_seconds_median": round(statistics.median(steps), 3), "wall_seconds": round(wall, 1), "commit": commit}
 
 
 def main() -> int:
@@ -47,7 +59,7 @@ def main() -> int:
     runs = {}
     with tempfile.TemporaryDirectory() as tmp:
         for seed in args.seeds:
-            runs[str(seed)] = run_seed(seed, Path(tmp) / f"seed{seed}")
+            runs[str(seed)] = run_seed(seed, Path(tmp) / f"seed{seed}", results=args.out)
             print(f"seed {seed}: {json.dumps(runs[str(seed)])}", flush=True)
     payload = {"what": "fastrl train (embedded default: SFT warm-up to 30%, then GRPO 150 steps of 16 prompts x 8) per seed",
                "command": COMMAND, "machine": args.machine, "date": time.strftime("%Y-%m-%d"), "runs": runs}

@@ -131,6 +131,7 @@ def read_run(out: Path) -> dict:
     return {
         "sft_steps": sft.get("sft/steps"), "sft_seconds": round(sft["sft/seconds"], 1) if "sft/seconds" in sft else None,
         "sft_probe_accuracy": sft.get("sft/probe_accuracy"),
+        "sft_probes": sft.get("sft/probes"),
         "eval": [{"step": r["step"], **{k: r.get(v) for k, v in EVAL_KEYS.items()}} for r in evals],
         "heldout_first_last_paired": paired,
         "rl_steps": len(steps),

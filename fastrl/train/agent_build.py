@@ -184,7 +184,7 @@ def agent_warm_up(cfg: TrainConfig, policy: torch.nn.Module, tokenizer: Any, set
     from fastrl.rollout import HFGroupSampler
     from fastrl.train.agent_evaluate import AgentEvaluator
     from fastrl.train.progress import WarmupProgress
-    from fastrl.train.sft import sft_batches
+    from fastrl.train.sft import ProbeSchedule, sft_batches
 
     pad_id = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else tokenizer.eos_token_id
     prober = AgentEvaluator(sampler=HFGroupSampler(policy, pad_token_id=pad_id), ranks=ranks, rows=[], runtime=setup.runtime,
@@ -206,15 +206,16 @@ def agent_warm_up(cfg: TrainConfig, policy: torch.nn.Module, tokenizer: Any, set
     probe_rows = setup.train_rows[: cfg.sft_probe_rows]
     history: list[tuple[int, float]] = []
     warm = WarmupProgress(cfg.sft_steps, target_accuracy=cfg.sft_target_accuracy, enabled=progress)
+    schedule = ProbeSchedule(cfg.sft_check_every, cfg.sft_target_accuracy) if cfg.sft_target_accuracy is not None else None
 
     def check(step: int, loss: float) -> bool:
-        if cfg.sft_target_accuracy is None or (step + 1) % cfg.sft_check_every:
+        if schedule is None or not schedule.due(step + 1):
             return False
         rate = success_rate(probe_rows)
         policy.train()
         history.append((step + 1, rate))
         warm.on_probe(step + 1, rate)
-        return rate >= cfg.sft_target_accuracy
+        return schedule.reached(step + 1, rate)
 
     result = sft_batches(
         policy, len(samples), lambda picked: collate_samples([samples[i] for i in picked], pad_token_id=pad,
@@ -229,4 +230,5 @@ def agent_warm_up(cfg: TrainConfig, policy: torch.nn.Module, tokenizer: Any, set
                "sft/trie_steps": float(result["trie_steps"])}
     if history:
         metrics["sft/probe_accuracy"] = float(history[-1][1])
+        metrics["sft/probes"] = float(len(history))
     return metrics

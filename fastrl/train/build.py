@@ -391,6 +391,7 @@ def warm_up(cfg: TrainConfig, policy: torch.nn.Module, tokenizer: Any, rows: Seq
     }
     if result.get("probe"):
         metrics["sft/probe_accuracy"] = float(result["probe"][-1][1])
+        metrics["sft/probes"] = float(len(result["probe"]))
     return metrics
 
 

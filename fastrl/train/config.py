@@ -184,8 +184,10 @@ class TrainConfig:
     sft_probe_rows: int = 100
     """Training prompts the warm-up's accuracy probe evaluates."""
     sft_check_every: Optional[int] = None
-    """Warm-up steps between accuracy probes (None: DefaultTask's 50; a built-in environment's
-    own, ``fastrl/train/agent_task.py``)."""
+    """Most warm-up steps between accuracy probes; after a probe short of the target the next
+    comes this many steps times the share of the target still missing (``fastrl.train.sft.ProbeSchedule``),
+    so a steep learning curve is not overshot. None: DefaultTask's 50; a built-in
+    environment's own, ``fastrl/train/agent_task.py``. Logged: ``sft/probes``."""
     sft_lr: Optional[float] = None
     """Learning rate of the warm-up (None: DefaultTask's)."""
     sft_batch_size: Optional[int] = None

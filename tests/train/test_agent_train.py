@@ -70,7 +70,8 @@ def test_an_env_run_resumes_exactly_and_logs_trajectories(tmp_path):
 
 @pytest.mark.parametrize("env, extra", [
     ("sql", ["--max_turn_tokens", "8"]),
-    ("frozenlake", ["--algorithm", "ppo"]),
+    # an unreachable warm-up target: probed at step 2, then as ProbeSchedule says, to the last step
+    ("frozenlake", ["--algorithm", "ppo", "--sft_steps", "4", "--sft_check_every", "2", "--sft_target_accuracy", "1.0"]),
     ("agent_user_envs:EchoEnv", []),
     ("agent_user_envs:HangingEnv", ["--failed_trajectories", "mask", "--env_step_timeout", "3"]),
 ])
@@ -81,14 +82,19 @@ def test_fastrl_train_env_runs_a_step(tmp_path, env, extra):
                  "env_workers", "reward_workers", "max_turns", "progress", "tensorboard", "threads"):
         if f"--{name}" not in extra:
             args += [f"--{name}", str(TINY[name]).lower()]
-    if ":" not in env:
+    if ":" not in env and "--sft_steps" not in extra:
         args += ["--sft_steps", "1", "--sft_check_every", "1000"]
     assert main(args + extra) == 0
     step = [m for m in read_metrics(out) if "event" not in m][0]
     assert step["rollout/samples"] == 4 and step[names.TURNS_MEAN] > 0 and names.stop("max_turns") in step
     if ":" not in env:  # the warm-up ran; sql's and frozenlake's demonstrations share most of their tokens: a trie
         warm = [m for m in read_metrics(out) if "sft/steps" in m][0]
-        assert warm["sft/steps"] == 1 and warm["sft/trie_steps"] == 1
+        steps = int(extra[extra.index("--sft_steps") + 1]) if "--sft_steps" in extra else 1
+        assert warm["sft/steps"] == warm["sft/trie_steps"] == steps
+        if "--sft_target_accuracy" in extra:  # a probe at 2, the next at 3 or 4 (1 or 2 steps: the accuracy below 1)
+            assert warm["sft/probes"] in (2, 3) and 0 <= warm["sft/probe_accuracy"] < 1
+        else:
+            assert "sft/probes" not in warm
     if "Hanging" in env:  # one of the step's two rows hangs at reset, in both of its trajectories
         assert step[names.stop("env_timeout")] == step[names.EXCLUDED] == 2
     assert (out / "final" / "config.json").exists()
