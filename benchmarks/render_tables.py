@@ -49,12 +49,16 @@ def default_train_seeds() -> str:
     for seed, run in sorted(data["runs"].items(), key=lambda kv: int(kv[0])):
         first, last = run["eval"][0], run["eval"][-1]
         label = f"{seed} (the default)" if seed == "0" else seed
-        rows.append([label, f"{run['sft_steps']:.0f} ({run['sft_seconds']:.0f} s)",
-                     f"{first['accuracy']:.3f} -> **{last['accuracy']:.3f}**",
+        paired = run.get("heldout_first_last_paired")
+        flips = f"+{paired['gained']} / -{paired['lost']} ({_p_value(paired['p_value'])})" if paired else "-"
+        rows.append([label, _warm_up(run), f"{first['accuracy']:.3f} -> **{last['accuracy']:.3f}**", flips,
                      f"{first['pass@4']:.3f} -> {last['pass@4']:.3f}",
                      f"{run['grpo_step_seconds_median']:.2f} s", f"{run['wall_seconds']:.0f} s"])
-    table = _rows(["seed", "warm-up steps (s)", "held-out accuracy", "pass@4", "GRPO step (median)", "whole run"], rows)
-    return table + f"\n`{data['command']}`; {data['machine']}; {data['date']}.\n"
+    table = _rows(["seed", "warm-up steps (s), last probe", "held-out accuracy", "held-out rows gained / lost (McNemar p)",
+                   "pass@4", "GRPO step (median)", "whole run"], rows)
+    commits = sorted({run["commit"] for run in data["runs"].values() if run.get("commit")})
+    code = f"code {', '.join(commits)}; " if commits else ""
+    return table + f"\n`{data['command']}`; {code}{data['machine']}; {data['date']}.\n"
 
 
 ENV_SEED_FILES = ("env_train_calculator_3seeds_narrowed_cpu.json", "env_train_frozenlake_3seeds_trie_narrowed_cpu.json",
@@ -74,6 +78,15 @@ def _p_value(p: float) -> str:
     return f"p = {p:.2g}" if p >= 0.001 else "p < 0.001"
 
 
+def _warm_up(run: dict) -> str:
+    """A seed's warm-up: its steps, seconds and last probe accuracy (and how many probes, when logged)."""
+    if run.get("sft_steps") is None:
+        return "none"
+    probe = run.get("sft_probe_accuracy")
+    probes = f" ({run['sft_probes']:.0f} probes)" if run.get("sft_probes") else ""
+    return f"{run['sft_steps']:.0f} ({run['sft_seconds']:.0f} s)" + (f", {probe:.2f}{probes}" if probe is not None else "")
+
+
 def env_train_seeds() -> str:
     """`fastrl train --env NAME` per seed: held-out success and tool-call rate before/after RL."""
     rows, notes = [], []
@@ -82,7 +95,7 @@ def env_train_seeds() -> str:
         env = data["env"]
         for seed, run in sorted(data["runs"].items(), key=lambda kv: int(kv[0])):
             first, last = run["eval"][0], run["eval"][-1]
-            sft = f"{run['sft_steps']:.0f} ({run['sft_seconds']:.0f} s)" if run.get("sft_steps") is not None else "none"
+            sft = _warm_up(run)
             loads = "/".join(f"{x:.1f}" for x in run["load_average_before_after"])
             whole = f"{run['wall_seconds']:.0f} s" + (f" ({run['cpu_seconds']:.0f} s CPU)" if run.get("cpu_seconds") else "")
             paired = run.get("heldout_first_last_paired")
@@ -93,7 +106,7 @@ def env_train_seeds() -> str:
         commits = sorted({run["commit"] for run in data["runs"].values() if run.get("commit")})
         code = data.get("code") or (f"code {', '.join(commits)}" if commits else "")
         notes.append((f"`{data['command']}`", "; ".join(x for x in (data["date"], code, data["machine"]) if x)))
-    table = _rows(["env", "seed", "warm-up steps (s)", "held-out success, step 0 -> end",
+    table = _rows(["env", "seed", "warm-up steps (s), last probe", "held-out success, step 0 -> end",
                    "held-out rows gained / lost (McNemar p)", "tool-call rate, step 0 -> end",
                    "RL steps (median step)", "whole run", "load before/after"], rows)
     if len({where for _, where in notes}) == 1:  # one date, code and machine: said once

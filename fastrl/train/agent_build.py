@@ -35,6 +35,7 @@ from fastrl.agents.tools import tool_schemas
 from fastrl.errors import InputError
 from fastrl.train.agent_task import USER_ENV_ROWS
 from fastrl.train.config import TrainConfig
+from fastrl.train.sft import ProbeSchedule, WarmupResult
 from fastrl.workers import OK
 
 __all__ = ["AgentSetup", "build_agent", "agent_prompts", "agent_loop", "agent_scorer", "agent_warm_up", "env_rows"]
@@ -177,14 +178,17 @@ def agent_loop(cfg: TrainConfig, setup: AgentSetup, *, batcher: Any, ranks: Any,
 
 
 def agent_warm_up(cfg: TrainConfig, policy: torch.nn.Module, tokenizer: Any, setup: AgentSetup, *, ranks: Any,
-                  progress: bool) -> dict[str, float]:
+                  progress: bool, schedule: ProbeSchedule | None = None) -> WarmupResult:
     """The supervised warm-up of a built-in environment (module docstring); returns its
-    ``sft/...`` metrics, the policy back in train mode. The probe plays greedy episodes with
-    the HF sampler on the first ``sft_probe_rows`` training rows."""
+    ``sft/...`` metrics and probes, the policy back in train mode. The probe plays greedy episodes with
+    the HF sampler on the first ``sft_probe_rows`` training rows, when ``schedule`` says (its
+    ``due`` / ``reached``; None: ``ProbeSchedule`` on ``sft_check_every`` and ``sft_target_accuracy``,
+    no probe without a target). Probing draws no random numbers, so it leaves the warm-up's
+    steps as they are."""
     from fastrl.rollout import HFGroupSampler
     from fastrl.train.agent_evaluate import AgentEvaluator
     from fastrl.train.progress import WarmupProgress
-    from fastrl.train.sft import ProbeSchedule, sft_batches
+    from fastrl.train.sft import sft_batches
 
     pad_id = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else tokenizer.eos_token_id
     prober = AgentEvaluator(sampler=HFGroupSampler(policy, pad_token_id=pad_id), ranks=ranks, rows=[], runtime=setup.runtime,
@@ -206,7 +210,8 @@ def agent_warm_up(cfg: TrainConfig, policy: torch.nn.Module, tokenizer: Any, set
     probe_rows = setup.train_rows[: cfg.sft_probe_rows]
     history: list[tuple[int, float]] = []
     warm = WarmupProgress(cfg.sft_steps, target_accuracy=cfg.sft_target_accuracy, enabled=progress)
-    schedule = ProbeSchedule(cfg.sft_check_every, cfg.sft_target_accuracy) if cfg.sft_target_accuracy is not None else None
+    if schedule is None and cfg.sft_target_accuracy is not None:
+        schedule = ProbeSchedule(cfg.sft_check_every, cfg.sft_target_accuracy)
 
     def check(step: int, loss: float) -> bool:
         if schedule is None or not schedule.due(step + 1):
@@ -231,4 +236,4 @@ def agent_warm_up(cfg: TrainConfig, policy: torch.nn.Module, tokenizer: Any, set
     if history:
         metrics["sft/probe_accuracy"] = float(history[-1][1])
         metrics["sft/probes"] = float(len(history))
-    return metrics
+    return WarmupResult(metrics=metrics, probes=tuple(history))

@@ -11,7 +11,8 @@ checks run in (whatever a user can get wrong fails before any long work):
                         environment side too, checked on a real row)
 4. ``connect_sampler``  a shared server's client, checked against the policy (else None)
 5. ``build_scoring``    ``Scoring``: the reward pool and the scorers, checked on real rows
-6. ``warm_up``          the supervised warm-up's ``sft/...`` metrics (none on resume)
+6. ``warm_up``          ``WarmupResult``: the supervised warm-up's ``sft/...`` metrics and
+                        probes (none on resume)
 7. ``build_models``     ``Models``: activation checkpointing, reference, critic, FSDP,
                         optimisers, what a checkpoint holds
 8. ``open_sampler``     the sampler (after the resume, so it starts from the restored weights)
@@ -46,6 +47,7 @@ from fastrl.train.ranks import Ranks
 from fastrl.train.reference_policy import ReferencePolicy, offload_reference
 from fastrl.train.rundir import RunDirectoryLock, lock_run_directory
 from fastrl.train.score import GroupScorer
+from fastrl.train.sft import WarmupResult
 
 __all__ = [
     "AUTO_CHECKPOINTING_TOKENS", "LoadedPolicy", "Loop", "Models", "RunSite", "Scoring", "Task", "build_loop", "build_models",
@@ -210,21 +212,21 @@ def build_scoring(cfg: TrainConfig, policy: LoadedPolicy, task: Task, reward_fun
 
 
 # ---------------------------------------------------------------------------- 6. the warm-up
-def warm_up(cfg: TrainConfig, site: RunSite, policy: LoadedPolicy, task: Task, scoring: Scoring) -> dict[str, float]:
+def warm_up(cfg: TrainConfig, site: RunSite, policy: LoadedPolicy, task: Task, scoring: Scoring) -> WarmupResult:
     """The supervised warm-up (``sft_steps``; not on resume: the checkpoint has the warmed-up
     policy): an env run's on its oracle's transcripts, else on the rows' answers. Returns its
-    ``sft/...`` metrics (empty without one). Under torchrun every rank ran the same seeded
+    ``sft/...`` metrics and probes (empty without one). Under torchrun every rank ran the same seeded
     warm-up, and rank 0's weights make them bitwise equal."""
-    metrics: dict[str, float] = {}
+    result = WarmupResult(metrics={})
     progress = cfg.progress and site.is_main
     if cfg.sft_steps and site.resume_dir is None and task.agent is not None:
-        metrics = agent_build.agent_warm_up(cfg, policy.module, policy.tokenizer, task.agent, ranks=site.ranks, progress=progress)
+        result = agent_build.agent_warm_up(cfg, policy.module, policy.tokenizer, task.agent, ranks=site.ranks, progress=progress)
     elif cfg.sft_steps and site.resume_dir is None:
-        metrics = build.warm_up(cfg, policy.module, policy.tokenizer, task.prompts.train_rows, score_fn=scoring.scorer.answer_score,
+        result = build.warm_up(cfg, policy.module, policy.tokenizer, task.prompts.train_rows, score_fn=scoring.scorer.answer_score,
                                 progress=progress)
     if site.ranks.sharded:
         dist_mod.broadcast_module(policy.module)
-    return metrics
+    return result
 
 
 # ---------------------------------------------------------------------------- 7. the trained models

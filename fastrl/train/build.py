@@ -26,6 +26,7 @@ from fastrl.train.critic import ValueModel
 from fastrl.train.data import model_context_length
 from fastrl.train.reference_policy import OFFLOAD_FILE, ReferencePolicy
 from fastrl.train.schedule import warmup_cosine
+from fastrl.train.sft import WarmupResult
 
 __all__ = ["SAMPLERS", "Optimizers", "SamplerContext", "SamplerSpec", "build_sampler", "sampler_spec"]
 
@@ -361,9 +362,9 @@ def check_distributed(cfg: TrainConfig, ctx: Any) -> None:
 
 
 def warm_up(cfg: TrainConfig, policy: torch.nn.Module, tokenizer: Any, rows: Sequence[dict], *,
-            score_fn: Callable[[list, list[str], list], list[float]], progress: bool) -> dict[str, float]:
+            score_fn: Callable[[list, list[str], list], list[float]], progress: bool) -> WarmupResult:
     """The supervised warm-up (``sft_steps``; to ``sft_target_accuracy`` when set, probing with
-    ``score_fn``); returns its ``sft/...`` metrics, the policy back in train mode. ``progress``:
+    ``score_fn``); returns its ``sft/...`` metrics and probes, the policy back in train mode. ``progress``:
     show its progress (``WarmupProgress``)."""
     from fastrl.train.progress import WarmupProgress
     from fastrl.train.sft import sft_to_target, sft_warmup
@@ -392,7 +393,7 @@ def warm_up(cfg: TrainConfig, policy: torch.nn.Module, tokenizer: Any, rows: Seq
     if result.get("probe"):
         metrics["sft/probe_accuracy"] = float(result["probe"][-1][1])
         metrics["sft/probes"] = float(len(result["probe"]))
-    return metrics
+    return WarmupResult(metrics=metrics, probes=tuple(result.get("probe", ())))
 
 
 @dataclass

@@ -1032,7 +1032,7 @@ def prepare_start(plan: ComparePlan) -> dict[str, Any]:
     t0, cpu0 = time.perf_counter(), _self_cpu_seconds()
     with Trainer(TrainConfig(**fields)) as trainer:
         model_dir = None
-        if trainer.builtin or trainer.sft_metrics:
+        if trainer.builtin or trainer.warmup.metrics:
             model_dir = start / "model"
             trainer.policy.save_pretrained(model_dir, safe_serialization=True)
             trainer.tokenizer.save_pretrained(model_dir)
@@ -1041,7 +1041,7 @@ def prepare_start(plan: ComparePlan) -> dict[str, Any]:
                 for row in rows:
                     f.write(json.dumps(_jsonable_row(row)) + "\n")
         info = {"seconds": time.perf_counter() - t0, "cpu_seconds": _self_cpu_seconds() - cpu0,
-                "warmup_seed": warmup_seed, "sft": dict(trainer.sft_metrics),
+                "warmup_seed": warmup_seed, "sft": dict(trainer.warmup.metrics),
                 "model": str(model_dir) if model_dir else plan.base.model, "train_rows": len(trainer.train_rows),
                 "eval_rows": len(trainer.eval_rows)}
     if not info["eval_rows"]:

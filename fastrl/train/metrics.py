@@ -24,7 +24,7 @@ import resource
 import sys
 import time
 from pathlib import Path
-from typing import Any
+from typing import Any, Sequence
 
 import torch
 
@@ -125,12 +125,16 @@ class MetricsLogger:
 
             self.bar.advance(step_values(metrics))
 
-    def log_eval(self, step: int, metrics: dict[str, float], *, row_success: list[int] | None = None) -> None:
+    def log_eval(self, step: int, metrics: dict[str, float], *, row_success: list[int] | None = None,
+                 probes: Sequence[tuple[int, float]] = ()) -> None:
         """An ``event: eval`` record; ``row_success``: the success (0/1) per held-out row, in row
-        order (``row_success`` in the record: two evaluations compared row by row, ``fastrl.train.paired``)."""
+        order (``row_success`` in the record: two evaluations compared row by row, ``fastrl.train.paired``);
+        ``probes``: the warm-up's ``(steps done, accuracy)`` probes (``probes`` in the record, pairs)."""
         record = {"step": step, "time": time.time(), "event": "eval", **metrics}
         if row_success is not None:
             record["row_success"] = list(row_success)
+        if probes:
+            record["probes"] = [[int(s), float(a)] for s, a in probes]
         self.jsonl.write(json.dumps(record) + "\n")
         if self.tb is not None:
             for k, v in metrics.items():

@@ -33,7 +33,7 @@ from fastrl.ops.hf import causal_lm_logprobs
 from fastrl.train.data import check_rows, encode_prompt
 
 __all__ = ["encode_sft_example", "collate_sft", "sft_loss", "sft_warmup", "sft_batches", "sft_to_target", "SFT_LAYOUTS",
-           "SFT_TRIE_MIN_SAVING", "TrieBatch", "trie_batch", "trie_sft_loss", "ProbeSchedule"]
+           "SFT_TRIE_MIN_SAVING", "TrieBatch", "trie_batch", "trie_sft_loss", "ProbeSchedule", "WarmupResult"]
 
 SFT_LAYOUTS = ("auto", "padded", "trie")
 """How a warm-up batch runs (module docstring)."""
@@ -44,6 +44,16 @@ tokens, per-segment SDPA above) costs more per token than the padded causal kern
 small saving does not pay. ``benchmarks/bench_sft_layout.py`` (batches of 64, two threads):
 the trie's step is 2.55x faster on sql's demonstrations (saving 0.72) and 2.28x on frozenlake's
 (0.72), 0.75x on the calculator's (0.20) and 0.47x on the default task's (0.31)."""
+
+
+@dataclass(frozen=True)
+class WarmupResult:
+    """What a run's warm-up stage returns (``fastrl.train.assemble.warm_up``)."""
+
+    metrics: dict[str, float]
+    """Its ``sft/...`` metrics (empty without a warm-up)."""
+    probes: tuple[tuple[int, float], ...] = ()
+    """Each accuracy probe, ``(steps done, accuracy)``, in order (logged with the metrics)."""
 
 
 @dataclass

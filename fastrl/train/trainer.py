@@ -126,7 +126,7 @@ class Trainer:
         self.task = task = assemble.build_task(cfg, site, loaded, train_rows=train_rows, eval_rows=eval_rows)
         connected = assemble.connect_sampler(cfg, self.spec, loaded, task)
         self.scoring = scoring = assemble.build_scoring(cfg, loaded, task, reward_functions)
-        self.sft_metrics = assemble.warm_up(cfg, site, loaded, task, scoring)
+        self.warmup = assemble.warm_up(cfg, site, loaded, task, scoring)
         self.models = models = assemble.build_models(cfg, site, loaded, task)
         self.kl_ctl = AdaptiveKLController(float(cfg.kl_coef or 0.0), target=cfg.kl_target, horizon=cfg.kl_horizon)
         self.layout = make_layout(shared_prefix=cfg.shared_prefix, prefix_tree=cfg.prefix_tree,
@@ -189,8 +189,8 @@ class Trainer:
         else:  # under torchrun rank 0 writes the logs (its metrics are already over every rank)
             self.logger = SilentLogger()
         try:
-            if self.sft_metrics:
-                self.logger.log_eval(self.step, self.sft_metrics)
+            if self.warmup.metrics:
+                self.logger.log_eval(self.step, self.warmup.metrics, probes=self.warmup.probes)
             if cfg.eval_every and self.step == 0:
                 self._run_eval()
             while self.step < end:

@@ -9,6 +9,7 @@ between machines cannot flip it.
 import json
 
 from fastrl.train import TrainConfig
+from fastrl.train.sft import ProbeSchedule
 from fastrl.train.trainer import Trainer
 
 
@@ -20,9 +21,20 @@ def test_grpo_raises_held_out_accuracy_on_the_default_task(tmp_path, one_thread)
     with Trainer(cfg) as trainer:
         result = trainer.train()
     before, after = result.first_eval["eval/accuracy"], result.last_eval["eval/accuracy"]
-    sft = trainer.sft_metrics
+    sft = trainer.warmup.metrics
     print(json.dumps({"before": before, "after": after, **sft}))
     assert sft["sft/probe_accuracy"] >= 0.3
+    # the probes came when ProbeSchedule said (sooner near the target), and the run's log has them
+    probes = trainer.warmup.probes
+    assert len(probes) == sft["sft/probes"] and probes[-1] == (sft["sft/steps"], sft["sft/probe_accuracy"])
+    schedule = ProbeSchedule(trainer.cfg.sft_check_every, trainer.cfg.sft_target_accuracy)
+    assert probes[0][0] == schedule.next_at
+    for (step, acc), (next_step, _) in zip(probes, probes[1:]):
+        assert not schedule.reached(step, acc) and next_step == schedule.next_at
+    assert schedule.reached(*probes[-1])
+    records = [json.loads(line) for line in (tmp_path / "run" / "metrics.jsonl").read_text().splitlines()]
+    logged = next(m for m in records if "sft/steps" in m)
+    assert logged["probes"] == [[s, a] for s, a in probes]
     assert after >= before + LEARNING_MARGIN, (before, after)
 
 
