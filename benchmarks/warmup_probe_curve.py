@@ -8,9 +8,9 @@ Runs the stages of ``fastrl train --env ENV --seed S`` up to its warm-up (the sa
 and seeded batches) and replaces the run's probe schedule by a grid: a probe after every
 ``--every`` steps from ``--start`` to ``--stop``, where the warm-up stops. Probing draws no random
 numbers, so the curve is the one the run itself climbs (tests/bench/test_warmup_probe_curve_smoke.py).
-Reports each probe and, on this curve, where the warm-up stops under a fixed interval of
-``sft_check_every`` steps (the rule before ``ProbeSchedule``) and under ``ProbeSchedule``, for
-every probe of either inside the range.
+Reports each probe and, on this curve, where the warm-up stops under ``ProbeSchedule``'s two
+rules: every ``sft_check_every`` steps (the default) and sooner near the target
+(``--sft_probe_sooner``), when the range holds every probe of the rule.
 """
 
 from __future__ import annotations
@@ -70,10 +70,11 @@ def probe_curve(cfg, grid: Grid):
 
 
 def stops_on_curve(probes: list[tuple[int, float]], *, check_every: int, target: float) -> dict:
-    """Where a warm-up to ``target`` stops on ``probes`` (every step of a range) under a fixed
-    interval of ``check_every`` and under ``ProbeSchedule``: the first probe of each at or past the
-    target inside the range, ``None`` when the range has none (each schedule is replayed from step
-    ``check_every``; a probe it wants outside the range ends the replay)."""
+    """Where a warm-up to ``target`` stops on ``probes`` (every step of a range) under
+    ``ProbeSchedule`` every ``check_every`` steps (``fixed_interval``, whose probes before the range
+    are taken to be short of the target) and sooner near the target (``sooner_near_target``,
+    replayed from step ``check_every``: ``None`` when it wants a probe before the range): the first
+    probe at or past the target, ``None`` when the range has none."""
     from fastrl.train.sft import ProbeSchedule
 
     curve = dict(probes)
@@ -85,7 +86,7 @@ def stops_on_curve(probes: list[tuple[int, float]], *, check_every: int, target:
         return None
 
     def adaptive() -> tuple[int, float] | None:
-        schedule = ProbeSchedule(check_every, target)
+        schedule = ProbeSchedule(check_every, target, sooner_near_target=True)
         step = schedule.next_at
         while step <= max(curve):
             if step not in curve:  # before the range: its accuracy is not known here
@@ -95,7 +96,7 @@ def stops_on_curve(probes: list[tuple[int, float]], *, check_every: int, target:
             step = schedule.next_at
         return None
 
-    return {"fixed_interval": fixed(), "probe_schedule": adaptive()}
+    return {"fixed_interval": fixed(), "sooner_near_target": adaptive()}
 
 
 def main(argv: list[str] | None = None) -> int:

@@ -182,8 +182,8 @@ def agent_warm_up(cfg: TrainConfig, policy: torch.nn.Module, tokenizer: Any, set
     """The supervised warm-up of a built-in environment (module docstring); returns its
     ``sft/...`` metrics and probes, the policy back in train mode. The probe plays greedy episodes with
     the HF sampler on the first ``sft_probe_rows`` training rows, when ``schedule`` says (its
-    ``due`` / ``reached``; None: ``ProbeSchedule`` on ``sft_check_every`` and ``sft_target_accuracy``,
-    no probe without a target). Probing draws no random numbers, so it leaves the warm-up's
+    ``due`` / ``reached``; None: ``ProbeSchedule`` on ``sft_check_every``, ``sft_target_accuracy`` and
+    ``sft_probe_sooner``, no probe without a target). Probing draws no random numbers, so it leaves the warm-up's
     steps as they are."""
     from fastrl.rollout import HFGroupSampler
     from fastrl.train.agent_evaluate import AgentEvaluator
@@ -211,7 +211,7 @@ def agent_warm_up(cfg: TrainConfig, policy: torch.nn.Module, tokenizer: Any, set
     history: list[tuple[int, float]] = []
     warm = WarmupProgress(cfg.sft_steps, target_accuracy=cfg.sft_target_accuracy, enabled=progress)
     if schedule is None and cfg.sft_target_accuracy is not None:
-        schedule = ProbeSchedule(cfg.sft_check_every, cfg.sft_target_accuracy)
+        schedule = ProbeSchedule(cfg.sft_check_every, cfg.sft_target_accuracy, sooner_near_target=cfg.sft_probe_sooner)
 
     def check(step: int, loss: float) -> bool:
         if schedule is None or not schedule.due(step + 1):

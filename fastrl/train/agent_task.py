@@ -48,9 +48,9 @@ class EnvTask:
     """The warm-up stops once greedy episodes on training rows succeed this often: GRPO needs
     groups that are sometimes right, and the rise after it is RL's."""
     sft_check_every: int = 10
-    """Most warm-up steps between probes (sooner near the target, ``fastrl.train.sft.ProbeSchedule``): the
-    success rate climbs fast once the tool call is learnt (calculator: from under 0.3 to 0.78 within 50
-    steps; sql's seed 0 from 0.49 to 0.82 within 10), so a coarse check overshoots the target."""
+    """Warm-up steps between probes: the success rate climbs fast once the tool call is learnt
+    (calculator: from under 0.3 to 0.78 within 50 steps), so a coarse check overshoots the target
+    (``TrainConfig.sft_probe_sooner`` probes sooner near it; measured in docs/agents.md)."""
     sft_lr: float = 3e-3
     """Warm-up AdamW learning rate."""
     sft_batch_size: int = 64

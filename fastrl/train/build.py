@@ -379,7 +379,7 @@ def warm_up(cfg: TrainConfig, policy: torch.nn.Module, tokenizer: Any, rows: Seq
         result = sft_to_target(
             policy, tokenizer, rows, score_fn=score_fn, target_accuracy=cfg.sft_target_accuracy,
             check_every=cfg.sft_check_every, probe_rows=cfg.sft_probe_rows, max_new_tokens=cfg.max_new_tokens,
-            on_probe=warm.on_probe, **common,
+            on_probe=warm.on_probe, sooner_near_target=cfg.sft_probe_sooner, **common,
         )
     else:
         result = sft_warmup(policy, tokenizer, rows, **common)

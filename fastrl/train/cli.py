@@ -40,7 +40,7 @@ HELP_GROUPS: dict[str, tuple[str, ...]] = {
              "max_prompt_length", "drop_long_prompts", "task_digits", "task_operations", "task_train_size",
              "task_eval_size"),
     "warm-up (supervised, before RL)": ("sft_steps", "sft_target_accuracy", "sft_warmup_steps", "sft_probe_rows",
-                                        "sft_check_every", "sft_lr", "sft_batch_size", "sft_answer_weight", "sft_layout"),
+                                        "sft_check_every", "sft_probe_sooner", "sft_lr", "sft_batch_size", "sft_answer_weight", "sft_layout"),
     "algorithm": ("algorithm", "clip_low", "clip_high", "dual_clip", "loss_agg", "surrogate", "advantage_mode",
                   "kl_coef", "kl_estimator", "kl_in_reward", "kl_target", "kl_horizon", "entropy_coef",
                   "rollout_correction", "is_cap", "is_level", "critic_init", "critic_lr", "value_clip", "gamma",

@@ -184,10 +184,14 @@ class TrainConfig:
     sft_probe_rows: int = 100
     """Training prompts the warm-up's accuracy probe evaluates."""
     sft_check_every: Optional[int] = None
-    """Most warm-up steps between accuracy probes; after a probe short of the target the next
-    comes this many steps times the share of the target still missing (``fastrl.train.sft.ProbeSchedule``),
-    so a steep learning curve is not overshot. None: DefaultTask's 50; a built-in
-    environment's own, ``fastrl/train/agent_task.py``. Logged: ``sft/probes``."""
+    """Warm-up steps between accuracy probes (None: DefaultTask's 50; a built-in environment's
+    own, ``fastrl/train/agent_task.py``). Logged: ``sft/probes``, and each probe in the warm-up's record."""
+    sft_probe_sooner: bool = False
+    """Probe the warm-up sooner as its accuracy nears the target: after a probe short of it, the
+    next comes ``sft_check_every`` times the share of the target still missing
+    (``fastrl.train.sft.ProbeSchedule``), so a steep learning curve is not overshot. Off by
+    default: the warm-up then stops at the first probe noise lifts over the target, and on the
+    built-in environments RL did no better from there (docs/agents.md)."""
     sft_lr: Optional[float] = None
     """Learning rate of the warm-up (None: DefaultTask's)."""
     sft_batch_size: Optional[int] = None

@@ -39,8 +39,10 @@ def describe_run(cfg: Any) -> str:
     parts = []
     if cfg.sft_steps and not cfg.resume:
         if cfg.sft_target_accuracy is not None:
+            probed = (f"probed at most {cfg.sft_check_every} steps apart, sooner near the target" if cfg.sft_probe_sooner
+                      else f"checked every {cfg.sft_check_every} steps")
             parts.append(f"warm-up until {cfg.sft_target_accuracy:.0%} greedy accuracy on {cfg.sft_probe_rows} training "
-                         f"prompts (probed at most {cfg.sft_check_every} steps apart, sooner near the target; at most {cfg.sft_steps} steps)")
+                         f"prompts ({probed}, at most {cfg.sft_steps} steps)")
         else:
             parts.append(f"{cfg.sft_steps} supervised warm-up steps")
     batch = (f"{cfg.prompts_per_step} prompts x {cfg.group_size} samples" if not cfg.prompt_token_budget

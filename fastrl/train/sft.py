@@ -13,9 +13,9 @@ call, so the trie runs a third of the padded tokens or less. ``auto`` takes the 
 batch when it saves at least ``SFT_TRIE_MIN_SAVING`` of the padded tokens and the model
 supports the shared-prefix forward.
 
-A warm-up to a target accuracy probes greedy accuracy between steps (``ProbeSchedule``): at
-most ``check_every`` steps apart, sooner as the probe nears the target, so a steep learning
-curve is not overshot between two probes.
+A warm-up to a target accuracy probes greedy accuracy between steps (``ProbeSchedule``):
+every ``check_every`` steps, or, with ``sooner_near_target``, at most that far apart and sooner
+as the probe nears the target.
 """
 
 from __future__ import annotations
@@ -58,18 +58,21 @@ class WarmupResult:
 
 @dataclass
 class ProbeSchedule:
-    """When a warm-up to ``target`` probes its accuracy: first after ``check_every`` steps,
-    then after each probe short of the target ``check_every`` times the share of the target
-    still missing, rounded up (at least 1 step). A probe at a third of the target comes
-    ``2/3 * check_every`` steps later, one just under it on the next step: near the target the
-    success rate can climb by a third within 10 steps (sql's seed 0 from 0.49 to 0.82,
-    ``docs/agents.md``), and a fixed interval stops far past it.
+    """When a warm-up to ``target`` probes its accuracy: every ``check_every`` steps. With
+    ``sooner_near_target``, after a probe short of the target the next comes ``check_every``
+    times the share of the target still missing, rounded up (at least 1 step): a probe at a third
+    of the target comes ``2/3 * check_every`` steps later, one just under it on the next step.
+    Near the target the success rate can climb by a third within 10 steps (sql's seed 0 from 0.49
+    to 0.82, ``benchmarks/warmup_probe_curve.py``), and a fixed interval stops past it; but
+    probing often, the warm-up stops at the first probe that noise lifts over the target, and on
+    the built-in environments that did not help RL (``docs/agents.md``), so it is off by default.
 
     ``due(steps done)`` says whether to probe now; ``reached(steps done, accuracy)`` records
     a probe, sets the next and says whether the target is met."""
 
     check_every: int
     target: float
+    sooner_near_target: bool = False
     next_at: int = 0
 
     def __post_init__(self) -> None:
@@ -85,6 +88,9 @@ class ProbeSchedule:
     def reached(self, steps_done: int, accuracy: float) -> bool:
         if accuracy >= self.target:
             return True
+        if not self.sooner_near_target:
+            self.next_at = steps_done + self.check_every
+            return False
         missing = (self.target - max(accuracy, 0.0)) / self.target
         self.next_at = steps_done + max(1, math.ceil(self.check_every * missing - 1e-9))
         return False
@@ -382,10 +388,12 @@ def sft_to_target(
     on_step: Callable[[int, float], None] | None = None,
     on_probe: Callable[[int, float], None] | None = None,
     layout: str = "auto",
+    sooner_near_target: bool = False,
 ) -> dict[str, Any]:
     """``sft_warmup`` (constant rate) that stops once greedy accuracy on the first
     ``probe_rows`` training rows reaches ``target_accuracy`` (probed when ``ProbeSchedule``
-    says: at most ``check_every`` steps apart), or after ``max_steps``. ``on_step(steps done, loss)`` is called after each step,
+    says: every ``check_every`` steps, or sooner near the target with ``sooner_near_target``), or
+    after ``max_steps``. ``on_step(steps done, loss)`` is called after each step,
     ``on_probe(steps done, accuracy)`` after each check (a progress bar); ``layout`` as for ``sft_warmup``.
 
     Returns ``sft_warmup``'s dict plus ``"probe"``: ``[(steps done, probe accuracy)]``.
@@ -393,7 +401,7 @@ def sft_to_target(
     from fastrl.rollout import HFGroupSampler
     from fastrl.train.evaluate import evaluate
 
-    schedule = ProbeSchedule(check_every, target_accuracy)
+    schedule = ProbeSchedule(check_every, target_accuracy, sooner_near_target=sooner_near_target)
     probe = list(rows[: max(1, probe_rows)])
     sampler = HFGroupSampler(model)
     history: list[tuple[int, float]] = []

@@ -241,8 +241,8 @@ class DefaultTask:
     errs (from a model that gets almost nothing right, the groups are all wrong and carry
     no signal), and how long the SFT warm-up needs to reach that point varies with the
     seed. So the warm-up is *adaptive*: SFT until greedy accuracy on ``sft_probe_rows``
-    training problems reaches ``sft_target_accuracy`` (probed at most ``sft_check_every``
-    steps apart, sooner near the target), at most ``sft_max_steps`` steps; 2 layers rarely learn the carry in that budget.
+    training problems reaches ``sft_target_accuracy`` (checked every ``sft_check_every``
+    steps), at most ``sft_max_steps`` steps; 2 layers rarely learn the carry in that budget.
     The exploratory measurements behind these choices (per-seed accuracies, learning rates
     tried, step costs) are recorded in ``benchmarks/results/default_task_selection_notes.md``;
     the held-out accuracy of the default run over 3 seeds is in
@@ -267,7 +267,7 @@ class DefaultTask:
     """The warm-up stops once greedy accuracy on the probe rows reaches this (GRPO does
     the rest; starting lower, the groups are mostly all-wrong and GRPO stalls)."""
     sft_check_every: int = 50
-    """Most SFT steps between probe evaluations (sooner near the target: ``fastrl.train.sft.ProbeSchedule``)."""
+    """SFT steps between probe evaluations."""
     sft_probe_rows: int = 100
     """Training problems the probe evaluates (greedy), never held-out ones."""
     sft_lr: float = 3e-3

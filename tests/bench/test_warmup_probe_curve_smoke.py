@@ -27,11 +27,11 @@ def test_stops_on_a_curve(bench):
     # flat, then crossing 0.5 at step 19 and jumping at 20
     curve = [(s, 0.1 if s <= 12 else 0.3 if s <= 17 else 0.48 if s == 18 else 0.55 if s == 19 else 0.9) for s in range(1, 31)]
     stops = bench.stops_on_curve(curve, check_every=10, target=0.5)
-    # fixed: 10 (0.1), 20 (0.9); ProbeSchedule: 10 (0.1) -> +8 -> 18 (0.48) -> +1 -> 19 (0.55)
-    assert stops == {"fixed_interval": (20, 0.9), "probe_schedule": (19, 0.55)}
-    assert bench.stops_on_curve(curve, check_every=10, target=0.95) == {"fixed_interval": None, "probe_schedule": None}
+    # fixed: 10 (0.1), 20 (0.9); sooner near the target: 10 (0.1) -> +8 -> 18 (0.48) -> +1 -> 19 (0.55)
+    assert stops == {"fixed_interval": (20, 0.9), "sooner_near_target": (19, 0.55)}
+    assert bench.stops_on_curve(curve, check_every=10, target=0.95) == {"fixed_interval": None, "sooner_near_target": None}
     # a range that starts after the schedule's first probe: its replay cannot start
-    assert bench.stops_on_curve(curve[14:], check_every=10, target=0.5) == {"fixed_interval": (20, 0.9), "probe_schedule": None}
+    assert bench.stops_on_curve(curve[14:], check_every=10, target=0.5) == {"fixed_interval": (20, 0.9), "sooner_near_target": None}
     grid = bench.Grid(start=4, stop=9, every=2)
     assert [n for n in range(1, 12) if grid.due(n)] == [4, 6, 8, 10] and grid.reached(9, 0.0) and not grid.reached(8, 1.0)
 

@@ -70,8 +70,9 @@ def test_an_env_run_resumes_exactly_and_logs_trajectories(tmp_path):
 
 @pytest.mark.parametrize("env, extra", [
     ("sql", ["--max_turn_tokens", "8"]),
-    # an unreachable warm-up target: probed at step 2, then as ProbeSchedule says, to the last step
-    ("frozenlake", ["--algorithm", "ppo", "--sft_steps", "4", "--sft_check_every", "2", "--sft_target_accuracy", "1.0"]),
+    # an unreachable warm-up target, probed sooner near it: at step 2, then 1 or 2 steps on, to the last step
+    ("frozenlake", ["--algorithm", "ppo", "--sft_steps", "4", "--sft_check_every", "2", "--sft_target_accuracy", "1.0",
+                    "--sft_probe_sooner", "true"]),
     ("agent_user_envs:EchoEnv", []),
     ("agent_user_envs:HangingEnv", ["--failed_trajectories", "mask", "--env_step_timeout", "3"]),
 ])

@@ -24,10 +24,11 @@ def test_grpo_raises_held_out_accuracy_on_the_default_task(tmp_path, one_thread)
     sft = trainer.warmup.metrics
     print(json.dumps({"before": before, "after": after, **sft}))
     assert sft["sft/probe_accuracy"] >= 0.3
-    # the probes came when ProbeSchedule said (sooner near the target), and the run's log has them
+    # the probes came when ProbeSchedule said (every sft_check_every steps), and the run's log has them
     probes = trainer.warmup.probes
     assert len(probes) == sft["sft/probes"] and probes[-1] == (sft["sft/steps"], sft["sft/probe_accuracy"])
-    schedule = ProbeSchedule(trainer.cfg.sft_check_every, trainer.cfg.sft_target_accuracy)
+    schedule = ProbeSchedule(trainer.cfg.sft_check_every, trainer.cfg.sft_target_accuracy,
+                             sooner_near_target=trainer.cfg.sft_probe_sooner)
     assert probes[0][0] == schedule.next_at
     for (step, acc), (next_step, _) in zip(probes, probes[1:]):
         assert not schedule.reached(step, acc) and next_step == schedule.next_at

@@ -124,10 +124,14 @@ def test_callback_can_stop_the_warmup_early(tok):
     assert out["steps"] == 6
 
 
-def test_probe_schedule_probes_sooner_near_the_target():
+def test_probe_schedule_probes_every_check_every_steps_or_sooner_near_the_target():
     from fastrl.train.sft import ProbeSchedule
 
-    s = ProbeSchedule(10, 0.5)
+    fixed = ProbeSchedule(10, 0.5)  # the default: every 10 steps whatever the accuracy
+    assert [n for n in range(1, 12) if fixed.due(n)] == [10, 11]
+    assert not fixed.reached(10, 0.0) and fixed.next_at == 20
+    assert not fixed.reached(20, 0.49) and fixed.next_at == 30 and fixed.reached(30, 0.5)
+    s = ProbeSchedule(10, 0.5, sooner_near_target=True)
     assert [n for n in range(1, 12) if s.due(n)] == [10, 11]  # the first probe after check_every steps
     assert not s.reached(10, 0.0) and s.next_at == 20  # nothing right yet: the whole interval
     assert not s.reached(20, 0.25) and s.next_at == 25  # half the target missing: half the interval (5.0, not 6)
@@ -135,7 +139,7 @@ def test_probe_schedule_probes_sooner_near_the_target():
     assert not s.reached(32, 0.49) and s.next_at == 33  # just under: the next step, never 0 steps
     assert s.reached(33, 0.5) and s.reached(33, 0.9)  # at or past the target
     # an unreachable target keeps probing at the interval its shortfall gives; a target of 0 is met at once
-    t = ProbeSchedule(3, 1.01)
+    t = ProbeSchedule(3, 1.01, sooner_near_target=True)
     assert not t.reached(3, 0.0) and t.next_at == 6
     assert ProbeSchedule(3, 0.0).reached(3, 0.0)
     for bad in (0, -1, 2.5, True):
@@ -147,20 +151,24 @@ def test_probe_schedule_probes_sooner_near_the_target():
         ProbeSchedule(10, float("nan"))
 
 
-def test_sft_to_target_stops_at_the_probe_target(tok):
+@pytest.mark.parametrize("sooner", [False, True])
+def test_sft_to_target_stops_at_the_probe_target(tok, sooner):
     from fastrl.train.evaluate import evaluate
     from fastrl.train.sft import ProbeSchedule, sft_to_target
     from fastrl.train.task import exact_match_score
 
     rows = ArithmeticTask(digits=1, num_train=40, num_heldout=0).train_rows()
-    kw = dict(score_fn=exact_match_score, check_every=3, probe_rows=10, max_new_tokens=3, lr=3e-3, batch_size=8)
+    kw = dict(score_fn=exact_match_score, check_every=3, probe_rows=10, max_new_tokens=3, lr=3e-3, batch_size=8,
+              sooner_near_target=sooner)
     model = tiny_model(tok, hidden_size=16, layers=1, heads=2, max_position_embeddings=24)
     out = sft_to_target(model, tok, rows, target_accuracy=0.0, max_steps=20, **kw)
     assert out["steps"] == 3 and [s for s, _ in out["probe"]] == [3]  # 0.0 is reached at the first check
     model = tiny_model(tok, hidden_size=16, layers=1, heads=2, max_position_embeddings=24)
     out = sft_to_target(model, tok, rows, target_accuracy=1.01, max_steps=12, **kw)  # unreachable: runs to max_steps
     assert out["steps"] == 12 and out["probe"][0][0] == 3
-    replay = ProbeSchedule(3, 1.01)  # each probe came when the schedule said, from the accuracy before it
+    if not sooner:
+        assert [s for s, _ in out["probe"]] == [3, 6, 9, 12]
+    replay = ProbeSchedule(3, 1.01, sooner_near_target=sooner)  # each probe came when the schedule said, from the accuracy before it
     for (step, acc), (next_step, _) in zip(out["probe"], out["probe"][1:]):
         assert not replay.reached(step, acc) and next_step == replay.next_at
     assert not replay.reached(*out["probe"][-1]) and replay.next_at > 12
