@@ -23,7 +23,7 @@ from __future__ import annotations
 import contextlib
 import math
 import time
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any, Callable, Sequence
 
 import numpy as np
@@ -73,7 +73,8 @@ class ProbeSchedule:
     check_every: int
     target: float
     sooner_near_target: bool = False
-    next_at: int = 0
+    next_at: int = field(init=False, default=0)
+    """The steps done at which the next probe is due."""
 
     def __post_init__(self) -> None:
         if not isinstance(self.check_every, int) or isinstance(self.check_every, bool) or self.check_every < 1:
