@@ -72,7 +72,8 @@ ENV_TASKS: dict[str, EnvTask] = {
     # ~60-85 decode steps per trajectory): 456-490 s wall a run over 3 seeds, the warm-up's batches run as tries (662-685 s
     # padded, docs/agents.md). The warm-up stops at 0.5, so that GRPO's groups of 8 sampled queries are right often
     # enough to learn from: at 0.4 one seed in three (seed 1) started from a policy RL did not move, with GRPO and
-    # with GiGPO; at 0.5 held-out success rose on seeds 1 and 2 (+35/-2, +22/-1) and seed 0 (from 0.80) by +9/-2.
+    # with GiGPO; at 0.5 held-out success rose on seeds 1 and 2 (+35/-2, +22/-1) and seed 0 (from 0.80) by +9/-2,
+    # and on three fresh seeds, 3-5, by +16/-1, +13/-1, +33/-1 (460-528 s).
     # Width 128 (head dimension 32): at 64 the policy copied the query's result with a wrong last digit
     # (14 -> 15, 324 -> 325) and RL hardly moved it (docs/agents.md)
     "sql": EnvTask(agent=dict(max_turns=3, max_turn_tokens=96, max_trajectory_tokens=256, max_observation_tokens=48),
