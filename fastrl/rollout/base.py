@@ -56,6 +56,9 @@ class RolloutStats:
     """Prompt tokens a sample did not recompute because it shares its group's prefix."""
     generated_tokens: int = 0
     peak_kv_cache_bytes: int = 0
+    """The most bytes the HF sampler's key/value store held at once (its prefix and suffix
+    tensors; while the store grows or narrows, one layer's key or value tensor at a time is
+    copied on top of that and is not counted); 0 where a backend does not measure it (vLLM)."""
     seconds: float = 0.0
     prefix_cache_hit_rate: float | None = None
     """vLLM: hits / queries of its prefix cache during this call."""
