@@ -188,7 +188,7 @@ def agent_warm_up(cfg: TrainConfig, policy: torch.nn.Module, tokenizer: Any, set
     from fastrl.rollout import HFGroupSampler
     from fastrl.train.agent_evaluate import AgentEvaluator
     from fastrl.train.progress import WarmupProgress
-    from fastrl.train.sft import sft_batches
+    from fastrl.train.sft import probe_when_due, sft_batches
 
     pad_id = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else tokenizer.eos_token_id
     prober = AgentEvaluator(sampler=HFGroupSampler(policy, pad_token_id=pad_id), ranks=ranks, rows=[], runtime=setup.runtime,
@@ -208,19 +208,16 @@ def agent_warm_up(cfg: TrainConfig, policy: torch.nn.Module, tokenizer: Any, set
                              f"{setup.agent.max_trajectory_tokens} (the longest has {longest} tokens)")
     pad = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else tokenizer.eos_token_id
     probe_rows = setup.train_rows[: cfg.sft_probe_rows]
-    history: list[tuple[int, float]] = []
     warm = WarmupProgress(cfg.sft_steps, target_accuracy=cfg.sft_target_accuracy, enabled=progress)
     if schedule is None and cfg.sft_target_accuracy is not None:
         schedule = ProbeSchedule(cfg.sft_check_every, cfg.sft_target_accuracy, sooner_near_target=cfg.sft_probe_sooner)
 
-    def check(step: int, loss: float) -> bool:
-        if schedule is None or not schedule.due(step + 1):
-            return False
+    def probe() -> float:
         rate = success_rate(probe_rows)
         policy.train()
-        history.append((step + 1, rate))
-        warm.on_probe(step + 1, rate)
-        return schedule.reached(step + 1, rate)
+        return rate
+
+    check, history = probe_when_due(schedule, probe, on_probe=warm.on_probe) if schedule is not None else (None, [])
 
     result = sft_batches(
         policy, len(samples), lambda picked: collate_samples([samples[i] for i in picked], pad_token_id=pad,
@@ -230,10 +227,4 @@ def agent_warm_up(cfg: TrainConfig, policy: torch.nn.Module, tokenizer: Any, set
     )
     warm.close()
     policy.train()
-    metrics = {"sft/steps": float(result["steps"]), "sft/first_loss": float(result["first_loss"]),
-               "sft/final_loss": float(result["final_loss"]), "sft/seconds": float(result["seconds"]),
-               "sft/trie_steps": float(result["trie_steps"])}
-    if history:
-        metrics["sft/probe_accuracy"] = float(history[-1][1])
-        metrics["sft/probes"] = float(len(history))
-    return WarmupResult(metrics=metrics, probes=tuple(history))
+    return WarmupResult.of_run(result, history)

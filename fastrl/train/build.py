@@ -385,15 +385,7 @@ def warm_up(cfg: TrainConfig, policy: torch.nn.Module, tokenizer: Any, rows: Seq
         result = sft_warmup(policy, tokenizer, rows, **common)
     warm.close()
     policy.train()
-    metrics = {
-        "sft/steps": float(result["steps"]), "sft/first_loss": float(result["first_loss"]),
-        "sft/final_loss": float(result["final_loss"]), "sft/seconds": float(result["seconds"]),
-        "sft/trie_steps": float(result["trie_steps"]),
-    }
-    if result.get("probe"):
-        metrics["sft/probe_accuracy"] = float(result["probe"][-1][1])
-        metrics["sft/probes"] = float(len(result["probe"]))
-    return WarmupResult(metrics=metrics, probes=tuple(result.get("probe", ())))
+    return WarmupResult.of_run(result, result.get("probe", ()))
 
 
 @dataclass

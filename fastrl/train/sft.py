@@ -33,7 +33,8 @@ from fastrl.ops.hf import causal_lm_logprobs
 from fastrl.train.data import check_rows, encode_prompt
 
 __all__ = ["encode_sft_example", "collate_sft", "sft_loss", "sft_warmup", "sft_batches", "sft_to_target", "SFT_LAYOUTS",
-           "SFT_TRIE_MIN_SAVING", "TrieBatch", "trie_batch", "trie_sft_loss", "ProbeSchedule", "WarmupResult"]
+           "SFT_TRIE_MIN_SAVING", "TrieBatch", "trie_batch", "trie_sft_loss", "ProbeSchedule", "WarmupResult",
+           "probe_when_due"]
 
 SFT_LAYOUTS = ("auto", "padded", "trie")
 """How a warm-up batch runs (module docstring)."""
@@ -54,6 +55,19 @@ class WarmupResult:
     """Its ``sft/...`` metrics (empty without a warm-up)."""
     probes: tuple[tuple[int, float], ...] = ()
     """Each accuracy probe, ``(steps done, accuracy)``, in order (logged with the metrics)."""
+
+    @classmethod
+    def of_run(cls, run: dict[str, Any], probes: Sequence[tuple[int, float]] = ()) -> "WarmupResult":
+        """From ``sft_batches``' (or ``sft_warmup``'s) dict and the probes: ``sft/steps``,
+        ``sft/first_loss``, ``sft/final_loss``, ``sft/seconds``, ``sft/trie_steps`` and, when it
+        probed, ``sft/probe_accuracy`` (the last probe's) and ``sft/probes`` (how many)."""
+        metrics = {"sft/steps": float(run["steps"]), "sft/first_loss": float(run["first_loss"]),
+                   "sft/final_loss": float(run["final_loss"]), "sft/seconds": float(run["seconds"]),
+                   "sft/trie_steps": float(run["trie_steps"])}
+        if probes:
+            metrics["sft/probe_accuracy"] = float(probes[-1][1])
+            metrics["sft/probes"] = float(len(probes))
+        return cls(metrics=metrics, probes=tuple(probes))
 
 
 @dataclass
@@ -95,6 +109,26 @@ class ProbeSchedule:
         missing = (self.target - max(accuracy, 0.0)) / self.target
         self.next_at = steps_done + max(1, math.ceil(self.check_every * missing - 1e-9))
         return False
+
+
+def probe_when_due(schedule: Any, probe: Callable[[], float], *, on_probe: Callable[[int, float], None] | None = None,
+                   ) -> tuple[Callable[[int, float], bool], list[tuple[int, float]]]:
+    """A warm-up's ``callback`` (``sft_batches``) that runs ``probe()`` (an accuracy) when
+    ``schedule`` (a ``ProbeSchedule``, or anything with its ``due`` / ``reached``) says, calls
+    ``on_probe(steps done, accuracy)`` and stops the warm-up once ``schedule.reached``; and the
+    list it records each probe ``(steps done, accuracy)`` in."""
+    history: list[tuple[int, float]] = []
+
+    def check(step: int, loss: float) -> bool:
+        if not schedule.due(step + 1):
+            return False
+        accuracy = probe()
+        history.append((step + 1, accuracy))
+        if on_probe is not None:
+            on_probe(step + 1, accuracy)
+        return schedule.reached(step + 1, accuracy)
+
+    return check, history
 
 
 def encode_sft_example(
@@ -405,19 +439,10 @@ def sft_to_target(
     schedule = ProbeSchedule(check_every, target_accuracy, sooner_near_target=sooner_near_target)
     probe = list(rows[: max(1, probe_rows)])
     sampler = HFGroupSampler(model)
-    history: list[tuple[int, float]] = []
-
-    def check(step: int, loss: float) -> bool:
-        if not schedule.due(step + 1):
-            return False
-        acc = evaluate(
-            model, tokenizer, probe, score_fn=score_fn, max_new_tokens=max_new_tokens, sampler=sampler,
-            prompt_column=prompt_column, answer_column=answer_column, chat_template=chat_template,
-        )["accuracy"]
-        history.append((step + 1, acc))
-        if on_probe is not None:
-            on_probe(step + 1, acc)
-        return schedule.reached(step + 1, acc)
+    check, history = probe_when_due(schedule, lambda: evaluate(
+        model, tokenizer, probe, score_fn=score_fn, max_new_tokens=max_new_tokens, sampler=sampler,
+        prompt_column=prompt_column, answer_column=answer_column, chat_template=chat_template,
+    )["accuracy"], on_probe=on_probe)
 
     out = sft_warmup(
         model, tokenizer, rows, steps=max_steps, lr=lr, batch_size=batch_size, seed=seed, warmup_steps=warmup_steps,
