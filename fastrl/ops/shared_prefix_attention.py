@@ -540,7 +540,7 @@ def cuda_auto_backend(q: torch.Tensor) -> str:
     if q.dtype == torch.float64:
         return "triton"
     try:
-        import torch.nn.attention.flex_attention  # noqa: F401
+        from torch.nn.attention import flex_attention  # noqa: F401
     except ImportError:  # torch < 2.5
         return "triton"
     return CUDA_AUTO_BACKEND
