@@ -96,6 +96,16 @@ def _allowed_t(cols, col_ok, rows, row_ok, key_end):
 
 
 @triton.jit
+def _load_tile(base, idx, idx_ok, stride_n, offs_d, d_ok, UPCAST: tl.constexpr, ACC: tl.constexpr):
+    """Rows ``idx`` of one head's ``[N, D]`` slice at ``base`` (masked rows and lanes read 0),
+    upcast to ``ACC`` under the interpreter."""
+    x = tl.load(base + idx[:, None] * stride_n + offs_d[None, :], mask=idx_ok[:, None] & d_ok[None, :], other=0.0)
+    if UPCAST:
+        x = x.to(ACC)
+    return x
+
+
+@triton.jit
 def _fwd_kernel(
     Q, K, V, O, LSE, KEY_END, KV_PTR, KV_BLOCKS, N,
     stride_qn, stride_qh, stride_kn, stride_kh, stride_vn, stride_vh, stride_on, stride_oh, stride_ln,
@@ -113,9 +123,7 @@ def _fwd_kernel(
     offs_n = tl.arange(0, BLOCK_N)
     offs_d = tl.arange(0, BLOCK_D)
     d_ok = offs_d < D
-    q = tl.load(Q + rows[:, None] * stride_qn + hq * stride_qh + offs_d[None, :], mask=row_ok[:, None] & d_ok[None, :], other=0.0)
-    if UPCAST:
-        q = q.to(ACC)
+    q = _load_tile(Q + hq * stride_qh, rows, row_ok, stride_qn, offs_d, d_ok, UPCAST, ACC)
     m_i = tl.full((BLOCK_M,), float("-inf"), ACC)
     l_i = tl.zeros((BLOCK_M,), ACC)
     acc = tl.zeros((BLOCK_M, BLOCK_D), ACC)
@@ -124,12 +132,9 @@ def _fwd_kernel(
     for b in range(tl.load(KV_PTR + mb), tl.load(KV_PTR + mb + 1)):
         cols = tl.load(KV_BLOCKS + b) * BLOCK_N + offs_n
         c_ok = cols < N
-        k = tl.load(k_base + cols[:, None] * stride_kn + offs_d[None, :], mask=c_ok[:, None] & d_ok[None, :], other=0.0)
-        v = tl.load(v_base + cols[:, None] * stride_vn + offs_d[None, :], mask=c_ok[:, None] & d_ok[None, :], other=0.0)
+        k = _load_tile(k_base, cols, c_ok, stride_kn, offs_d, d_ok, UPCAST, ACC)
+        v = _load_tile(v_base, cols, c_ok, stride_vn, offs_d, d_ok, UPCAST, ACC)
         key_end = tl.load(KEY_END + cols, mask=c_ok, other=0)
-        if UPCAST:
-            k = k.to(ACC)
-            v = v.to(ACC)
         s = tl.dot(q, tl.trans(k), input_precision=PRECISION, out_dtype=ACC) * scale
         ok = _allowed(rows, row_ok, cols, c_ok, key_end)
         s = tl.where(ok, s, float("-inf"))
@@ -164,12 +169,8 @@ def _bwd_dq_kernel(
     offs_n = tl.arange(0, BLOCK_N)
     offs_d = tl.arange(0, BLOCK_D)
     d_ok = offs_d < D
-    qd_mask = row_ok[:, None] & d_ok[None, :]
-    q = tl.load(Q + rows[:, None] * stride_qn + hq * stride_qh + offs_d[None, :], mask=qd_mask, other=0.0)
-    do = tl.load(DO + rows[:, None] * stride_don + hq * stride_doh + offs_d[None, :], mask=qd_mask, other=0.0)
-    if UPCAST:
-        q = q.to(ACC)
-        do = do.to(ACC)
+    q = _load_tile(Q + hq * stride_qh, rows, row_ok, stride_qn, offs_d, d_ok, UPCAST, ACC)
+    do = _load_tile(DO + hq * stride_doh, rows, row_ok, stride_don, offs_d, d_ok, UPCAST, ACC)
     lse = tl.load(LSE + rows * stride_ln + hq, mask=row_ok, other=0.0)
     delta = tl.load(DELTA + rows * stride_ln + hq, mask=row_ok, other=0.0)
     dq = tl.zeros((BLOCK_M, BLOCK_D), ACC)
@@ -178,12 +179,9 @@ def _bwd_dq_kernel(
     for b in range(tl.load(KV_PTR + mb), tl.load(KV_PTR + mb + 1)):
         cols = tl.load(KV_BLOCKS + b) * BLOCK_N + offs_n
         c_ok = cols < N
-        k = tl.load(k_base + cols[:, None] * stride_kn + offs_d[None, :], mask=c_ok[:, None] & d_ok[None, :], other=0.0)
-        v = tl.load(v_base + cols[:, None] * stride_vn + offs_d[None, :], mask=c_ok[:, None] & d_ok[None, :], other=0.0)
+        k = _load_tile(k_base, cols, c_ok, stride_kn, offs_d, d_ok, UPCAST, ACC)
+        v = _load_tile(v_base, cols, c_ok, stride_vn, offs_d, d_ok, UPCAST, ACC)
         key_end = tl.load(KEY_END + cols, mask=c_ok, other=0)
-        if UPCAST:
-            k = k.to(ACC)
-            v = v.to(ACC)
         s = tl.dot(q, tl.trans(k), input_precision=PRECISION, out_dtype=ACC) * scale
         ok = _allowed(rows, row_ok, cols, c_ok, key_end)
         p = tl.where(ok, tl.exp(s - lse[:, None]), 0.0)
@@ -191,7 +189,7 @@ def _bwd_dq_kernel(
         ds = p * (dp - delta[:, None])
         dq += tl.dot(ds.to(k.dtype), k, input_precision=PRECISION, out_dtype=ACC)
     dq = dq * scale
-    tl.store(DQ + rows[:, None] * stride_dqn + hq * stride_dqh + offs_d[None, :], dq.to(DQ.dtype.element_ty), mask=qd_mask)
+    tl.store(DQ + rows[:, None] * stride_dqn + hq * stride_dqh + offs_d[None, :], dq.to(DQ.dtype.element_ty), mask=row_ok[:, None] & d_ok[None, :])
 
 
 @triton.jit
@@ -215,11 +213,8 @@ def _bwd_dkdv_kernel(
     offs_d = tl.arange(0, BLOCK_D)
     d_ok = offs_d < D
     kd_mask = c_ok[:, None] & d_ok[None, :]
-    k = tl.load(K + cols[:, None] * stride_kn + hk * stride_kh + offs_d[None, :], mask=kd_mask, other=0.0)
-    v = tl.load(V + cols[:, None] * stride_vn + hk * stride_vh + offs_d[None, :], mask=kd_mask, other=0.0)
-    if UPCAST:
-        k = k.to(ACC)
-        v = v.to(ACC)
+    k = _load_tile(K + hk * stride_kh, cols, c_ok, stride_kn, offs_d, d_ok, UPCAST, ACC)
+    v = _load_tile(V + hk * stride_vh, cols, c_ok, stride_vn, offs_d, d_ok, UPCAST, ACC)
     key_end = tl.load(KEY_END + cols, mask=c_ok, other=0)
     # the queries that see any key of this tile: [first, max key_end) -- its keys' subtrees;
     # this item's chunk of them
@@ -230,12 +225,8 @@ def _bwd_dkdv_kernel(
     for m0 in range(q_lo, q_hi, BLOCK_M):  # transposed (keys as the MMA's M): every product is [BLOCK_N, *]
         rows = m0 + offs_m
         row_ok = rows < q_hi
-        qd_mask = row_ok[:, None] & d_ok[None, :]
-        q = tl.load(Q + rows[:, None] * stride_qn + hq * stride_qh + offs_d[None, :], mask=qd_mask, other=0.0)
-        do = tl.load(DO + rows[:, None] * stride_don + hq * stride_doh + offs_d[None, :], mask=qd_mask, other=0.0)
-        if UPCAST:
-            q = q.to(ACC)
-            do = do.to(ACC)
+        q = _load_tile(Q + hq * stride_qh, rows, row_ok, stride_qn, offs_d, d_ok, UPCAST, ACC)
+        do = _load_tile(DO + hq * stride_doh, rows, row_ok, stride_don, offs_d, d_ok, UPCAST, ACC)
         lse = tl.load(LSE + rows * stride_ln + hq, mask=row_ok, other=0.0)
         delta = tl.load(DELTA + rows * stride_ln + hq, mask=row_ok, other=0.0)
         s_t = tl.dot(k, tl.trans(q), input_precision=PRECISION, out_dtype=ACC) * scale  # [BLOCK_N, BLOCK_M]
