@@ -34,8 +34,10 @@ shared-prefix ``[prompt | c_1 | ... | c_G]`` layout is the depth-2 case (a promp
 
 Every key/query loop is a ``for`` over ``range(lo, hi)`` with bounds loaded from memory:
 Triton software-pipelines such loops on the GPU (cp.async prefetch of the next tiles; a
-``while`` loop gets synchronous loads), and the CPU interpreter (Triton 3.8) runs the very
-same loops, so CI tests the kernels the GPU compiles.
+``while`` loop gets synchronous loads). The CPU interpreter of Triton 3.8 runs the very same
+loops, so CI tests the kernels the GPU compiles; where an older interpreter cannot
+(``interpreter_for_loops``), the constexpr ``FOR_LOOPS=False`` swaps in a ``while`` header
+around the same step functions (``_fwd_step``, ``_dq_step``, ``_dkdv_step``).
 
 Accumulation is fp32 (fp64 for fp64 inputs). Under the CPU interpreter bf16/fp16 tiles are
 upcast before ``tl.dot`` (its bf16 dot is wrong there).
@@ -44,6 +46,7 @@ upcast before ``tl.dot`` (its bf16 dot is wrong there).
 from __future__ import annotations
 
 import os
+import re
 
 import torch
 import triton
@@ -106,13 +109,34 @@ def _load_tile(base, idx, idx_ok, stride_n, offs_d, d_ok, UPCAST: tl.constexpr, 
 
 
 @triton.jit
+def _fwd_step(acc, m_i, l_i, q, b, KV_BLOCKS, KEY_END, k_base, v_base, stride_kn, stride_vn, N, rows, row_ok,
+              offs_n, offs_d, d_ok, scale,
+              BLOCK_N: tl.constexpr, PRECISION: tl.constexpr, UPCAST: tl.constexpr, ACC: tl.constexpr):
+    """One key block (entry ``b`` of the block list) of the forward's online softmax."""
+    cols = tl.load(KV_BLOCKS + b) * BLOCK_N + offs_n
+    c_ok = cols < N
+    k = _load_tile(k_base, cols, c_ok, stride_kn, offs_d, d_ok, UPCAST, ACC)
+    v = _load_tile(v_base, cols, c_ok, stride_vn, offs_d, d_ok, UPCAST, ACC)
+    key_end = tl.load(KEY_END + cols, mask=c_ok, other=0)
+    s = tl.dot(q, tl.trans(k), input_precision=PRECISION, out_dtype=ACC) * scale
+    ok = _allowed(rows, row_ok, cols, c_ok, key_end)
+    s = tl.where(ok, s, float("-inf"))
+    m_new = tl.maximum(m_i, tl.max(s, axis=1))
+    alpha = tl.where(m_new == float("-inf"), 0.0, tl.exp(m_i - m_new))
+    p = tl.where(ok, tl.exp(s - m_new[:, None]), 0.0)
+    l_i = l_i * alpha + tl.sum(p, axis=1)
+    acc = acc * alpha[:, None] + tl.dot(p.to(v.dtype), v, input_precision=PRECISION, out_dtype=ACC)
+    return acc, m_new, l_i
+
+
+@triton.jit
 def _fwd_kernel(
     Q, K, V, O, LSE, KEY_END, KV_PTR, KV_BLOCKS, N,
     stride_qn, stride_qh, stride_kn, stride_kh, stride_vn, stride_vh, stride_on, stride_oh, stride_ln,
     SCALE,
     R: tl.constexpr, D: tl.constexpr,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_D: tl.constexpr,
-    PRECISION: tl.constexpr, UPCAST: tl.constexpr, ACC: tl.constexpr,
+    PRECISION: tl.constexpr, UPCAST: tl.constexpr, ACC: tl.constexpr, FOR_LOOPS: tl.constexpr,
 ):
     scale = tl.load(SCALE)  # ACC's dtype (scale_arg)
     mb = tl.program_id(0)
@@ -129,25 +153,41 @@ def _fwd_kernel(
     acc = tl.zeros((BLOCK_M, BLOCK_D), ACC)
     k_base = K + hk * stride_kh
     v_base = V + hk * stride_vh
-    for b in range(tl.load(KV_PTR + mb), tl.load(KV_PTR + mb + 1)):
-        cols = tl.load(KV_BLOCKS + b) * BLOCK_N + offs_n
-        c_ok = cols < N
-        k = _load_tile(k_base, cols, c_ok, stride_kn, offs_d, d_ok, UPCAST, ACC)
-        v = _load_tile(v_base, cols, c_ok, stride_vn, offs_d, d_ok, UPCAST, ACC)
-        key_end = tl.load(KEY_END + cols, mask=c_ok, other=0)
-        s = tl.dot(q, tl.trans(k), input_precision=PRECISION, out_dtype=ACC) * scale
-        ok = _allowed(rows, row_ok, cols, c_ok, key_end)
-        s = tl.where(ok, s, float("-inf"))
-        m_new = tl.maximum(m_i, tl.max(s, axis=1))
-        alpha = tl.where(m_new == float("-inf"), 0.0, tl.exp(m_i - m_new))
-        p = tl.where(ok, tl.exp(s - m_new[:, None]), 0.0)
-        l_i = l_i * alpha + tl.sum(p, axis=1)
-        acc = acc * alpha[:, None] + tl.dot(p.to(v.dtype), v, input_precision=PRECISION, out_dtype=ACC)
-        m_i = m_new
+    b_lo = tl.load(KV_PTR + mb)
+    b_hi = tl.load(KV_PTR + mb + 1)
+    if FOR_LOOPS:
+        for b in range(b_lo, b_hi):
+            acc, m_i, l_i = _fwd_step(acc, m_i, l_i, q, b, KV_BLOCKS, KEY_END, k_base, v_base, stride_kn, stride_vn, N, rows,
+                                      row_ok, offs_n, offs_d, d_ok, scale, BLOCK_N, PRECISION, UPCAST, ACC)
+    else:
+        b = b_lo
+        while b < b_hi:
+            acc, m_i, l_i = _fwd_step(acc, m_i, l_i, q, b, KV_BLOCKS, KEY_END, k_base, v_base, stride_kn, stride_vn, N, rows,
+                                      row_ok, offs_n, offs_d, d_ok, scale, BLOCK_N, PRECISION, UPCAST, ACC)
+            b += 1
     l_safe = tl.where(row_ok, l_i, 1.0)  # every real query attends at least to itself: l_i > 0
     o = acc / l_safe[:, None]
     tl.store(O + rows[:, None] * stride_on + hq * stride_oh + offs_d[None, :], o.to(O.dtype.element_ty), mask=row_ok[:, None] & d_ok[None, :])
     tl.store(LSE + rows * stride_ln + hq, m_i + tl.log(l_safe), mask=row_ok)
+
+
+@triton.jit
+def _dq_step(dq, q, do, lse, delta, b, KV_BLOCKS, KEY_END, k_base, v_base, stride_kn, stride_vn, N, rows, row_ok,
+             offs_n, offs_d, d_ok, scale,
+             BLOCK_N: tl.constexpr, PRECISION: tl.constexpr, UPCAST: tl.constexpr, ACC: tl.constexpr):
+    """One key block (entry ``b`` of the block list) of ``dq``."""
+    cols = tl.load(KV_BLOCKS + b) * BLOCK_N + offs_n
+    c_ok = cols < N
+    k = _load_tile(k_base, cols, c_ok, stride_kn, offs_d, d_ok, UPCAST, ACC)
+    v = _load_tile(v_base, cols, c_ok, stride_vn, offs_d, d_ok, UPCAST, ACC)
+    key_end = tl.load(KEY_END + cols, mask=c_ok, other=0)
+    s = tl.dot(q, tl.trans(k), input_precision=PRECISION, out_dtype=ACC) * scale
+    ok = _allowed(rows, row_ok, cols, c_ok, key_end)
+    p = tl.where(ok, tl.exp(s - lse[:, None]), 0.0)
+    dp = tl.dot(do, tl.trans(v), input_precision=PRECISION, out_dtype=ACC)
+    ds = p * (dp - delta[:, None])
+    dq += tl.dot(ds.to(k.dtype), k, input_precision=PRECISION, out_dtype=ACC)
+    return dq
 
 
 @triton.jit
@@ -158,7 +198,7 @@ def _bwd_dq_kernel(
     SCALE,
     R: tl.constexpr, D: tl.constexpr,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_D: tl.constexpr,
-    PRECISION: tl.constexpr, UPCAST: tl.constexpr, ACC: tl.constexpr,
+    PRECISION: tl.constexpr, UPCAST: tl.constexpr, ACC: tl.constexpr, FOR_LOOPS: tl.constexpr,
 ):
     scale = tl.load(SCALE)  # ACC's dtype (scale_arg)
     mb = tl.program_id(0)
@@ -176,20 +216,41 @@ def _bwd_dq_kernel(
     dq = tl.zeros((BLOCK_M, BLOCK_D), ACC)
     k_base = K + hk * stride_kh
     v_base = V + hk * stride_vh
-    for b in range(tl.load(KV_PTR + mb), tl.load(KV_PTR + mb + 1)):
-        cols = tl.load(KV_BLOCKS + b) * BLOCK_N + offs_n
-        c_ok = cols < N
-        k = _load_tile(k_base, cols, c_ok, stride_kn, offs_d, d_ok, UPCAST, ACC)
-        v = _load_tile(v_base, cols, c_ok, stride_vn, offs_d, d_ok, UPCAST, ACC)
-        key_end = tl.load(KEY_END + cols, mask=c_ok, other=0)
-        s = tl.dot(q, tl.trans(k), input_precision=PRECISION, out_dtype=ACC) * scale
-        ok = _allowed(rows, row_ok, cols, c_ok, key_end)
-        p = tl.where(ok, tl.exp(s - lse[:, None]), 0.0)
-        dp = tl.dot(do, tl.trans(v), input_precision=PRECISION, out_dtype=ACC)
-        ds = p * (dp - delta[:, None])
-        dq += tl.dot(ds.to(k.dtype), k, input_precision=PRECISION, out_dtype=ACC)
+    b_lo = tl.load(KV_PTR + mb)
+    b_hi = tl.load(KV_PTR + mb + 1)
+    if FOR_LOOPS:
+        for b in range(b_lo, b_hi):
+            dq = _dq_step(dq, q, do, lse, delta, b, KV_BLOCKS, KEY_END, k_base, v_base, stride_kn, stride_vn, N, rows, row_ok,
+                          offs_n, offs_d, d_ok, scale, BLOCK_N, PRECISION, UPCAST, ACC)
+    else:
+        b = b_lo
+        while b < b_hi:
+            dq = _dq_step(dq, q, do, lse, delta, b, KV_BLOCKS, KEY_END, k_base, v_base, stride_kn, stride_vn, N, rows, row_ok,
+                          offs_n, offs_d, d_ok, scale, BLOCK_N, PRECISION, UPCAST, ACC)
+            b += 1
     dq = dq * scale
     tl.store(DQ + rows[:, None] * stride_dqn + hq * stride_dqh + offs_d[None, :], dq.to(DQ.dtype.element_ty), mask=row_ok[:, None] & d_ok[None, :])
+
+
+@triton.jit
+def _dkdv_step(dk, dv, k, v, key_end, cols, c_ok, m0, q_hi, Q, DO, LSE, DELTA, hq, stride_qn, stride_qh,
+               stride_don, stride_doh, stride_ln, offs_m, offs_d, d_ok, scale,
+               PRECISION: tl.constexpr, UPCAST: tl.constexpr, ACC: tl.constexpr):
+    """The queries ``m0 + offs_m`` (below ``q_hi``) of one key tile's dK/dV, transposed."""
+    rows = m0 + offs_m
+    row_ok = rows < q_hi
+    q = _load_tile(Q + hq * stride_qh, rows, row_ok, stride_qn, offs_d, d_ok, UPCAST, ACC)
+    do = _load_tile(DO + hq * stride_doh, rows, row_ok, stride_don, offs_d, d_ok, UPCAST, ACC)
+    lse = tl.load(LSE + rows * stride_ln + hq, mask=row_ok, other=0.0)
+    delta = tl.load(DELTA + rows * stride_ln + hq, mask=row_ok, other=0.0)
+    s_t = tl.dot(k, tl.trans(q), input_precision=PRECISION, out_dtype=ACC) * scale  # [BLOCK_N, BLOCK_M]
+    ok_t = _allowed_t(cols, c_ok, rows, row_ok, key_end)
+    p_t = tl.where(ok_t, tl.exp(s_t - lse[None, :]), 0.0)
+    dv += tl.dot(p_t.to(do.dtype), do, input_precision=PRECISION, out_dtype=ACC)
+    dp_t = tl.dot(v, tl.trans(do), input_precision=PRECISION, out_dtype=ACC)
+    ds_t = p_t * (dp_t - delta[None, :])
+    dk += tl.dot(ds_t.to(q.dtype), q, input_precision=PRECISION, out_dtype=ACC)
+    return dk, dv
 
 
 @triton.jit
@@ -200,7 +261,7 @@ def _bwd_dkdv_kernel(
     SCALE,
     R: tl.constexpr, D: tl.constexpr,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_D: tl.constexpr,
-    PRECISION: tl.constexpr, UPCAST: tl.constexpr, ACC: tl.constexpr, ATOMIC: tl.constexpr,
+    PRECISION: tl.constexpr, UPCAST: tl.constexpr, ACC: tl.constexpr, FOR_LOOPS: tl.constexpr, ATOMIC: tl.constexpr,
 ):
     scale = tl.load(SCALE)  # ACC's dtype (scale_arg)
     item = tl.program_id(0)
@@ -222,20 +283,17 @@ def _bwd_dkdv_kernel(
     q_hi = tl.minimum(tl.max(key_end, axis=0), q_lo + Q_CHUNK)
     dk = tl.zeros((BLOCK_N, BLOCK_D), ACC)
     dv = tl.zeros((BLOCK_N, BLOCK_D), ACC)
-    for m0 in range(q_lo, q_hi, BLOCK_M):  # transposed (keys as the MMA's M): every product is [BLOCK_N, *]
-        rows = m0 + offs_m
-        row_ok = rows < q_hi
-        q = _load_tile(Q + hq * stride_qh, rows, row_ok, stride_qn, offs_d, d_ok, UPCAST, ACC)
-        do = _load_tile(DO + hq * stride_doh, rows, row_ok, stride_don, offs_d, d_ok, UPCAST, ACC)
-        lse = tl.load(LSE + rows * stride_ln + hq, mask=row_ok, other=0.0)
-        delta = tl.load(DELTA + rows * stride_ln + hq, mask=row_ok, other=0.0)
-        s_t = tl.dot(k, tl.trans(q), input_precision=PRECISION, out_dtype=ACC) * scale  # [BLOCK_N, BLOCK_M]
-        ok_t = _allowed_t(cols, c_ok, rows, row_ok, key_end)
-        p_t = tl.where(ok_t, tl.exp(s_t - lse[None, :]), 0.0)
-        dv += tl.dot(p_t.to(do.dtype), do, input_precision=PRECISION, out_dtype=ACC)
-        dp_t = tl.dot(v, tl.trans(do), input_precision=PRECISION, out_dtype=ACC)
-        ds_t = p_t * (dp_t - delta[None, :])
-        dk += tl.dot(ds_t.to(q.dtype), q, input_precision=PRECISION, out_dtype=ACC)
+    # transposed (keys as the MMA's M): every product is [BLOCK_N, *]
+    if FOR_LOOPS:
+        for m0 in range(q_lo, q_hi, BLOCK_M):
+            dk, dv = _dkdv_step(dk, dv, k, v, key_end, cols, c_ok, m0, q_hi, Q, DO, LSE, DELTA, hq, stride_qn, stride_qh,
+                                stride_don, stride_doh, stride_ln, offs_m, offs_d, d_ok, scale, PRECISION, UPCAST, ACC)
+    else:
+        m0 = q_lo
+        while m0 < q_hi:
+            dk, dv = _dkdv_step(dk, dv, k, v, key_end, cols, c_ok, m0, q_hi, Q, DO, LSE, DELTA, hq, stride_qn, stride_qh,
+                                stride_don, stride_doh, stride_ln, offs_m, offs_d, d_ok, scale, PRECISION, UPCAST, ACC)
+            m0 += BLOCK_M
     dk = dk * scale
     dk_ptr = DK + cols[:, None] * stride_dkn + hk * stride_dkh + offs_d[None, :]
     dv_ptr = DV + cols[:, None] * stride_dvn + hk * stride_dvh + offs_d[None, :]
@@ -255,12 +313,30 @@ def scale_arg(scale: float, acc_like: torch.Tensor) -> torch.Tensor:
     return torch.full((1,), scale, dtype=acc_like.dtype, device=acc_like.device)
 
 
-def _config(q: torch.Tensor) -> dict:
+def _version(text: str) -> tuple[int, int]:
+    m = re.match(r"(\d+)\.(\d+)", text)
+    return (int(m[1]), int(m[2])) if m else (0, 0)
+
+
+def interpreter_for_loops() -> bool:
+    """Whether the CPU interpreter runs ``for b in range(lo, hi)`` over bounds loaded from
+    memory: Triton 3.8's does (checked with numpy 2.3 and 2.4); Triton 3.6's fails on them with
+    numpy >= 2.4 ("only 0-dimensional arrays can be converted to Python scalars"), so there the
+    kernels take their ``while`` form (``FOR_LOOPS=False``: the same step functions, another
+    loop header)."""
+    import numpy
+
+    return _version(triton.__version__) >= (3, 8) or _version(numpy.__version__) < (2, 4)
+
+
+def _config(q: torch.Tensor, for_loops: bool | None) -> dict:
     interpret = os.environ.get("TRITON_INTERPRET", "0") not in ("", "0")
     return dict(
         PRECISION=FP32_DOT_PRECISION if q.dtype in (torch.float32, torch.float64) else "tf32",
         UPCAST=interpret and q.dtype in (torch.bfloat16, torch.float16),
         ACC=tl.float64 if q.dtype == torch.float64 else tl.float32,
+        # on the GPU always: Triton software-pipelines for loops, not while loops
+        FOR_LOOPS=(not interpret or interpreter_for_loops()) if for_loops is None else for_loops,
     )
 
 
@@ -281,10 +357,11 @@ def one_item_per_tile(n: int, block_n: int, device: torch.device) -> torch.Tenso
 
 def tree_attention_fwd(
     q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, key_end: torch.Tensor,
-    kv_ptr: torch.Tensor, kv_blocks: torch.Tensor, scale: float,
+    kv_ptr: torch.Tensor, kv_blocks: torch.Tensor, scale: float, *, for_loops: bool | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """``q [N, Hq, D]``, ``k/v [N, Hkv, D]``, int32 ``key_end [N]`` and the block list of the
-    ``"fwd"`` tile shape -> ``(out [N, Hq, D] in q.dtype, lse [N, Hq] fp32 (fp64 for fp64))``."""
+    ``"fwd"`` tile shape -> ``(out [N, Hq, D] in q.dtype, lse [N, Hq] fp32 (fp64 for fp64))``.
+    ``for_loops``: the loop form (default: ``for`` wherever it runs, see ``interpreter_for_loops``)."""
     N, Hq, D = q.shape
     R = Hq // k.shape[1]
     t = tiles_for(q.device)["fwd"]
@@ -295,7 +372,7 @@ def tree_attention_fwd(
         q, k, v, out, lse, key_end, kv_ptr, kv_blocks, N,
         q.stride(0), q.stride(1), k.stride(0), k.stride(1), v.stride(0), v.stride(1), out.stride(0), out.stride(1), lse.stride(0),
         scale_arg(scale, lse),
-        R=R, D=D, BLOCK_D=BLOCK_D, **t, **_config(q),
+        R=R, D=D, BLOCK_D=BLOCK_D, **t, **_config(q, for_loops),
     )
     return out, lse
 
@@ -303,7 +380,7 @@ def tree_attention_fwd(
 def tree_attention_bwd(
     grad_out: torch.Tensor, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, out: torch.Tensor, lse: torch.Tensor,
     key_end: torch.Tensor, kv_ptr: torch.Tensor, kv_blocks: torch.Tensor, scale: float,
-    *, dkdv_items: torch.Tensor | None = None, q_chunk: int | None = None,
+    *, dkdv_items: torch.Tensor | None = None, q_chunk: int | None = None, for_loops: bool | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """Gradients ``(dq, dk, dv)`` in the dtypes of ``q, k, v``; ``lse`` from the forward,
     ``kv_ptr``/``kv_blocks`` the block list of the ``"dq"`` tile shape.
@@ -316,7 +393,7 @@ def tree_attention_bwd(
     R = Hq // Hkv
     tiles = tiles_for(q.device)
     t_dq, t_kv = tiles["dq"], tiles["dkdv"]
-    consts = _config(q)
+    consts = _config(q, for_loops)
     if dkdv_items is None:
         dkdv_items, q_chunk = one_item_per_tile(N, t_kv["BLOCK_N"], q.device), N
     elif q_chunk is None or q_chunk <= 0 or q_chunk % t_kv["BLOCK_M"]:

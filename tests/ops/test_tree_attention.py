@@ -242,22 +242,49 @@ def test_triton_never_reads_outside_the_views(device):
         torch.testing.assert_close(g, w, atol=1e-12, rtol=0)
 
 
-def test_kernel_loops_are_for_loops():
+def test_kernel_loops_are_for_loops_on_the_gpu():
     # Triton software-pipelines `for` loops (also over bounds loaded from memory), not `while`
-    # loops: the audit found every KV loop of the previous kernels to be an unpipelined while
+    # loops (the audit found every KV loop of the previous kernels to be an unpipelined while):
+    # each kernel has one `for`, under `if FOR_LOOPS:`, and a `while` only in its else branch
+    # (the interpreters that cannot range() over loaded bounds)
     import ast
     import inspect
 
     import csrc_triton.tree_attention as mod
 
     tree = ast.parse(inspect.getsource(mod))
-    jitted = [f for f in ast.walk(tree) if isinstance(f, ast.FunctionDef)
-              and any("jit" in ast.unparse(d) for d in f.decorator_list)]
-    assert {f.name for f in jitted} >= {"_fwd_kernel", "_bwd_dq_kernel", "_bwd_dkdv_kernel"}
-    for f in jitted:
-        assert not any(isinstance(n, ast.While) for n in ast.walk(f)), f.name
-    loops = {f.name: sum(isinstance(n, ast.For) for n in ast.walk(f)) for f in jitted}
-    assert loops["_fwd_kernel"] == loops["_bwd_dq_kernel"] == loops["_bwd_dkdv_kernel"] == 1
+    kernels = {f.name: f for f in ast.walk(tree) if isinstance(f, ast.FunctionDef) and f.name.endswith("_kernel")}
+    assert set(kernels) == {"_fwd_kernel", "_bwd_dq_kernel", "_bwd_dkdv_kernel"}
+    for name, f in kernels.items():
+        fors = [n for n in ast.walk(f) if isinstance(n, ast.For)]
+        whiles = [n for n in ast.walk(f) if isinstance(n, ast.While)]
+        gates = [n for n in ast.walk(f) if isinstance(n, ast.If) and ast.unparse(n.test) == "FOR_LOOPS"]
+        assert len(fors) == len(whiles) == len(gates) == 1, name
+        assert fors[0] in gates[0].body and whiles[0] in gates[0].orelse, name
+    helpers = [f for f in ast.walk(tree) if isinstance(f, ast.FunctionDef) and not f.name.endswith("_kernel")]
+    assert not any(isinstance(n, (ast.For, ast.While)) for f in helpers for n in ast.walk(f))
+
+
+@pytest.mark.parametrize("Hq, Hkv", [(4, 2), (2, 2)])
+def test_while_loop_form_computes_the_same(Hq, Hkv, device):
+    # FOR_LOOPS=False (an older interpreter's form) runs the same steps: bitwise the same results
+    from csrc_triton.tree_attention import tiles_for, tree_attention_bwd, tree_attention_fwd
+
+    lay = TreeLayout.from_parents([20, 9, 17, 1, 3], [-1, 0, 0, 2, 0], device=device)
+    t = tiles_for(lay.device)
+    q, k, v = (x.detach() for x in _qkv(lay.num_tokens, Hq, Hkv, 8, torch.float64, device))
+    go = torch.randn_like(q)
+    ptr, blocks = lay.block_lists(t["fwd"]["BLOCK_M"], t["fwd"]["BLOCK_N"])
+    dptr, dblocks = lay.block_lists(t["dq"]["BLOCK_M"], t["dq"]["BLOCK_N"])
+    items = lay.dkdv_items(t["dkdv"]["BLOCK_N"], t["q_chunk"])
+    runs = []
+    for form in (True, False):
+        out, lse = tree_attention_fwd(q, k, v, lay.key_end, ptr, blocks, 0.3, for_loops=form)
+        grads = tree_attention_bwd(go, q, k, v, out, lse, lay.key_end, dptr, dblocks, 0.3, dkdv_items=items,
+                                   q_chunk=t["q_chunk"], for_loops=form)
+        runs.append((out, lse, *grads))
+    for a, b in zip(*runs):
+        assert torch.equal(a, b)
 
 
 @pytest.mark.parametrize("backend", ["segments", "triton"])
