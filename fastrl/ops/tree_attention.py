@@ -166,7 +166,10 @@ class TreeLayout:
             for n in segs:
                 lens.append(n)
                 parents.append(root if p else -1)
-        return cls.from_parents(lens, parents, device=layout.device if device is None else device)
+        tree = cls.from_parents(lens, parents, device=layout.device if device is None else device)
+        if tree.device == layout.device:  # block_lists can then build on the device, from these bounds
+            tree._cache["depth2_bounds"] = (layout.q_doc_start, layout.q_prefix_end, layout.q_seg_start)
+        return tree
 
     def to(self, device: torch.device | str) -> "TreeLayout":
         """The same layout with its tensors on ``device``."""
@@ -194,9 +197,18 @@ class TreeLayout:
         """For the Triton kernels: per query tile of ``block_m`` tokens, the key blocks of
         ``block_n`` tokens holding any key it attends (its segments' ancestors and the
         segments themselves, up to the tile's last token), ascending, as CSR int32
-        ``(ptr [tiles + 1], blocks)`` on the layout's device (cached per tile shape)."""
+        ``(ptr [tiles + 1], blocks)`` on the layout's device (cached per tile shape; entries
+        of ``blocks`` past ``ptr[-1]`` are unused)."""
         key = ("blocks", block_m, block_n)
         out = self._cache.get(key)
+        if out is None and "depth2_bounds" in self._cache:
+            # a shared-prefix layout's tree (from_shared_prefix): the same lists from its per-token
+            # bounds, on the device, without the Python loop below (~20 ms at 18K tokens); the
+            # blocks tensor may run past ptr[-1]
+            from csrc_triton.shared_prefix_attention import depth2_block_lists
+
+            out = depth2_block_lists(*self._cache["depth2_bounds"], block_m, block_n)
+            self._cache[key] = out
         if out is None:
             N, cu = self.num_tokens, self.host_seg_cu
             ptr, blocks = [0], []

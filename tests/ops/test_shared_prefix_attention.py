@@ -195,8 +195,9 @@ def _random_layout(rng):
 
 @pytest.mark.parametrize("block_m, block_n", [(16, 16), (16, 32), (32, 16), (128, 64)])
 def test_device_built_depth2_lists_equal_the_tree_lists(block_m, block_n):
-    # the launchers' sync-free key_end and block lists (from the per-token bounds) are the
-    # depth-2 tree's host-built ones (exactly the blocks holding an attended key)
+    # the launchers' sync-free key_end and block lists (from the per-token bounds; also what a
+    # shared-prefix layout's tree uses) are the host-built ones of the same tree (exactly the
+    # blocks holding an attended key)
     import random
 
     from csrc_triton.shared_prefix_attention import depth2_block_lists, depth2_key_end
@@ -208,8 +209,12 @@ def test_device_built_depth2_lists_equal_the_tree_lists(block_m, block_n):
         bounds = (lay.q_doc_start, lay.q_prefix_end, lay.q_seg_start)
         assert torch.equal(depth2_key_end(*bounds), lay.k_query_end)
         ptr, blocks = depth2_block_lists(*bounds, block_m, block_n)
-        tptr, tblocks = TreeLayout.from_shared_prefix(lay).block_lists(block_m, block_n)
+        depth2 = TreeLayout.from_shared_prefix(lay)  # its block_lists come from depth2_block_lists
+        host = TreeLayout.from_parents(depth2.lens, depth2.parents)  # the host-built lists of the same tree
+        tptr, tblocks = host.block_lists(block_m, block_n)
         assert torch.equal(ptr, tptr) and torch.equal(blocks[: int(ptr[-1])], tblocks)
+        dptr, dblocks = depth2.block_lists(block_m, block_n)
+        assert torch.equal(dptr, tptr) and torch.equal(dblocks[: int(dptr[-1])], tblocks)
 
 
 def test_csrc_launchers_match_oracle_float64(device):
