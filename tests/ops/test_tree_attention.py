@@ -106,6 +106,19 @@ def test_dkdv_items_by_hand():
     assert lay.dkdv_items(4, 16).tolist() == [[0, 0], [1, 0], [2, 0]]
 
 
+def test_dkdv_items_need_their_chunk():
+    from csrc_triton.tree_attention import tiles_for, tree_attention_bwd
+
+    lay = TreeLayout.from_parents([5], [-1])
+    t = tiles_for(lay.device)
+    q = torch.zeros(5, 2, 8)
+    items = lay.dkdv_items(t["dkdv"]["BLOCK_N"], t["q_chunk"])
+    for chunk in (None, 0, t["dkdv"]["BLOCK_M"] + 1):  # the kernel steps BLOCK_M queries at a time
+        with pytest.raises(ValueError, match="q_chunk"):
+            tree_attention_bwd(q, q, q, q, q, q[:, :, 0], lay.key_end, *lay.block_lists(16, 16), 1.0,
+                               dkdv_items=items, q_chunk=chunk)
+
+
 @pytest.mark.parametrize("block_n, q_chunk", [(4, 4), (16, 32), (8, 8), (5, 10)])
 def test_dkdv_items_cover_each_key_tiles_queries_once(block_n, q_chunk):
     for s in range(10):
