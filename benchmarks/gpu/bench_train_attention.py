@@ -27,8 +27,10 @@ reference on the same inputs (the per-segment SDPA path, ``backend="segments"``,
 for ``sdpa_repeated`` the output at each sequence's tokens), as ``||x - ref|| / ||ref||``. A failed
 check is reported and that implementation is not timed. Times are CUDA-event medians (and bests)
 over ``--repeats`` calls after a warm-up; the table gives each time, its ratio to ``flex`` (the
-issue's target: fastrl >= 1.2x flex) and the achieved attention TFLOP/s (FlashAttention's count:
-forward 4 * pairs * Hq * D, backward 2.5x that, pairs = the allowed (query, key) pairs).
+issue's target: fastrl >= 1.2x flex) and the attention TFLOP/s (FlashAttention's count:
+forward 4 * pairs * Hq * D, backward 2.5x that, pairs = the packed layout's allowed (query, key)
+pairs: the useful work, the same for every implementation, so ``sdpa_repeated``'s figure does not
+count the prompt copies it also computes).
 """
 
 from __future__ import annotations
