@@ -354,19 +354,51 @@ def cases_turn_advantages(rec: Recorder, full: bool) -> None:
 
 
 def cases_tree_attention(rec: Recorder, full: bool) -> None:
-    from csrc_triton.tree_attention import tree_attention_bwd, tree_attention_fwd
+    from csrc_triton.shared_prefix_attention import shared_prefix_attention_bwd, shared_prefix_attention_fwd
+    from csrc_triton.tree_attention import CUDA_TILES, tree_attention_bwd, tree_attention_fwd
+    from fastrl.ops.shared_prefix_attention import SharedPrefixLayout
+    from fastrl.ops.tree_attention import TreeLayout
 
-    # the prefix-tree training attention (forward + backward) at real head shapes; the
-    # block lists are runtime data, so one packed length stands for all
-    grid = (list(itertools.product(ATTN_HEADS, FLOATS)) if full
-            else [(ATTN_HEADS[1], torch.bfloat16), (ATTN_HEADS[0], torch.float16)])  # D = 128 and 64
-    for (hq, hkv, d), dtype in grid:
-        rec.label = f"tree_attention Hq={hq} Hkv={hkv} D={d} {str(dtype)[6:]}"
-        n = 4096
+    # The training attention (one kernel family: the shared prefix is the depth-2 tree) with its
+    # CUDA tiles. The block lists and dK/dV work items are runtime data; their lengths are those
+    # of the GRPO benchmark's group (G = 8 completions of P = L tokens) at 8K and 32K tokens per
+    # group on the Qwen2.5-1.5B heads (Hq 12, Hkv 2, D 128), where the dK/dV of a prompt key tile
+    # is split over programs (relaxed atomic adds: ATOMIC=True).
+    def tree_case(label, hq, hkv, d, dtype, tree: TreeLayout, split: bool = True, for_loops: bool | None = None):
+        rec.label = label
+        n = tree.num_tokens
         q, k, v = meta(n, hq, d, dtype=dtype), meta(n, hkv, d, dtype=dtype), meta(n, hkv, d, dtype=dtype)
-        key_end, ptr, blocks = meta(n, dtype=torch.int32), meta(n // 64 + 2, dtype=torch.int32), meta(999, dtype=torch.int32)
-        out, lse = tree_attention_fwd(q, k, v, key_end, ptr, blocks, d**-0.5)
-        tree_attention_bwd(meta(n, hq, d, dtype=dtype), q, k, v, out, lse, key_end, ptr, blocks, d**-0.5)
+        fwd, dq, kv = CUDA_TILES["fwd"], CUDA_TILES["dq"], CUDA_TILES["dkdv"]
+        ptr, blocks = tree.block_lists(fwd["BLOCK_M"], fwd["BLOCK_N"])
+        out, lse = tree_attention_fwd(q, k, v, meta(n, dtype=torch.int32), meta(*ptr.shape, dtype=torch.int32),
+                                      meta(*blocks.shape, dtype=torch.int32), d**-0.5, for_loops=for_loops)
+        ptr, blocks = tree.block_lists(dq["BLOCK_M"], dq["BLOCK_N"])
+        items = tree.dkdv_items(kv["BLOCK_N"], CUDA_TILES["q_chunk"]) if split else None
+        tree_attention_bwd(meta(n, hq, d, dtype=dtype), q, k, v, out, lse, meta(n, dtype=torch.int32),
+                           meta(*ptr.shape, dtype=torch.int32), meta(*blocks.shape, dtype=torch.int32), d**-0.5,
+                           dkdv_items=None if items is None else meta(*items.shape, dtype=torch.int32),
+                           q_chunk=CUDA_TILES["q_chunk"], for_loops=for_loops)
+
+    def group(tokens: int, G: int = 8) -> TreeLayout:
+        P = L = tokens // (2 * G)
+        return TreeLayout.from_shared_prefix(SharedPrefixLayout.from_lengths([P], [[L] * G]))
+
+    for tokens in (8192, 32768):
+        tree_case(f"tree_attention 1.5B group of {tokens} tokens bf16", 12, 2, 128, torch.bfloat16, group(tokens))
+    # one program per (key tile, kv head): multi-head attention without a split stores (ATOMIC=False)
+    tree_case("tree_attention Hq=Hkv=16 D=64 unsplit fp16", 16, 16, 64, torch.float16, group(2048), split=False)
+    # the while-loop form (FOR_LOOPS=False) that old CPU interpreters run: it compiles too
+    tree_case("tree_attention Hq=Hkv=16 D=64 while loops fp16", 16, 16, 64, torch.float16, group(2048), for_loops=False)
+    grid = list(itertools.product(ATTN_HEADS, FLOATS)) if full else [(ATTN_HEADS[0], torch.float16)]  # D = 64
+    for (hq, hkv, d), dtype in grid:
+        tree_case(f"tree_attention Hq={hq} Hkv={hkv} D={d} {str(dtype)[6:]}", hq, hkv, d, dtype, group(4096))
+    # the shared-prefix launchers (per-token bounds; lists and key_end derived on the device)
+    rec.label = "shared_prefix_attention 1.5B bf16"
+    n = 18432
+    q, k, v = meta(n, 12, 128, dtype=torch.bfloat16), meta(n, 2, 128, dtype=torch.bfloat16), meta(n, 2, 128, dtype=torch.bfloat16)
+    bounds = [meta(n, dtype=torch.int32) for _ in range(4)]
+    out, lse = shared_prefix_attention_fwd(q, k, v, *bounds[:3], 128**-0.5)
+    shared_prefix_attention_bwd(meta(n, 12, 128, dtype=torch.bfloat16), q, k, v, out, lse, *bounds, 128**-0.5)
 
 
 CASES = {

@@ -18,8 +18,9 @@ usual ``[B, T]`` padded rows.
 
 Backends of ``shared_prefix_attention`` (``backend=``):
 
-- ``triton``: ``csrc_triton.shared_prefix_attention`` (flash-attention style forward and
-  backward; default on CUDA).
+- ``triton``: the prefix-tree kernels of ``csrc_triton.tree_attention`` over this layout's
+  depth-2 tree (FlashAttention-2 shaped forward and backward; see ``triton_tree_attention``).
+  Not yet timed on a GPU: ``auto`` runs ``flex`` on CUDA until it is (``CUDA_AUTO_BACKEND``).
 - ``torch`` (default on CPU): ``sdpa`` up to ``DENSE_MAX_TOKENS`` tokens, ``segments``
   above (measured, see the constant).
 - ``sdpa``: one ``scaled_dot_product_attention`` call with the dense ``[N, N]`` boolean
@@ -512,37 +513,43 @@ def _flash_attn(q, k, v, layout: SharedPrefixLayout, scale: float) -> torch.Tens
 
 
 # ---------------------------------------------------------------------------------------
-# Triton backend
+# Triton backend: the prefix-tree kernels (this layout is the depth-2 tree)
 
 
-class _TritonSharedPrefixAttention(torch.autograd.Function):
-    @staticmethod
-    def forward(ctx, q, k, v, layout: SharedPrefixLayout, scale: float):
-        from csrc_triton.shared_prefix_attention import shared_prefix_attention_fwd
+def _triton(q, k, v, layout: SharedPrefixLayout, scale: float) -> torch.Tensor:
+    from fastrl.ops.tree_attention import TreeLayout, triton_tree_attention
 
-        out, lse = shared_prefix_attention_fwd(
-            q, k, v, layout.q_doc_start, layout.q_prefix_end, layout.q_seg_start, scale
-        )
-        ctx.save_for_backward(q, k, v, out, lse)
-        ctx.layout = layout
-        ctx.scale = scale
-        return out
+    tree = layout._cache.get("tree")
+    if tree is None:  # built once per layout; its block lists and dK/dV items are cached on it
+        tree = TreeLayout.from_shared_prefix(layout)
+        layout._cache["tree"] = tree
+    return triton_tree_attention(q, k, v, tree, scale)
 
-    @staticmethod
-    def backward(ctx, grad_out):
-        from csrc_triton.shared_prefix_attention import shared_prefix_attention_bwd
 
-        q, k, v, out, lse = ctx.saved_tensors
-        layout = ctx.layout
-        dq, dk, dv = shared_prefix_attention_bwd(
-            grad_out, q, k, v, out, lse,
-            layout.q_doc_start, layout.q_prefix_end, layout.q_seg_start, layout.k_query_end, ctx.scale,
-        )
-        return dq, dk, dv, None, None
+# ``auto`` on CUDA. The backend a measurement picked per shape belongs here; none has measured
+# the FlashAttention-2-shaped Triton kernels yet (benchmarks/gpu/bench_train_attention.py
+# times them beside FlexAttention and SDPA over the repeated prompt). Until it has, ``auto``
+# runs FlexAttention, the fastest measured: the 1.5B GRPO step at 32K tokens per group took
+# 1.25 s with it against 1.46 s with the previous (unpipelined) Triton kernels on an H200
+# (benchmarks/results/gpu_h200_20261204/). fp64 has no FlexAttention path worth the name: Triton.
+CUDA_AUTO_BACKEND = "flex"
+
+
+def cuda_auto_backend(q: torch.Tensor) -> str:
+    """What ``backend="auto"`` runs for CUDA inputs like ``q`` (see ``CUDA_AUTO_BACKEND``)."""
+    if q.dtype == torch.float64:
+        return "triton"
+    try:
+        from torch.nn.attention import flex_attention  # noqa: F401
+    except ImportError:  # torch < 2.5
+        return "triton"
+    return CUDA_AUTO_BACKEND
 
 
 def _resolve(backend: str, q: torch.Tensor, layout: SharedPrefixLayout) -> str:
     check_choice("backend", backend, BACKENDS)
+    if backend == "auto" and q.device.type == "cuda":
+        return cuda_auto_backend(q)
     if backend in ("auto", "triton"):
         backend = resolve_backend(backend, q.device)
     if backend == "torch":
@@ -550,7 +557,7 @@ def _resolve(backend: str, q: torch.Tensor, layout: SharedPrefixLayout) -> str:
     return backend
 
 
-_IMPLS = {"sdpa": _sdpa_dense, "segments": _sdpa_segments, "flex": _flex, "flash_attn": _flash_attn}
+_IMPLS = {"sdpa": _sdpa_dense, "segments": _sdpa_segments, "flex": _flex, "flash_attn": _flash_attn, "triton": _triton}
 
 
 def shared_prefix_attention(
@@ -571,7 +578,7 @@ def shared_prefix_attention(
         layout: where documents, prefixes and segments lie (``N = layout.num_tokens``),
             on q's device.
         scale: softmax scale (usually ``D ** -0.5``).
-        backend: ``auto`` (Triton on CUDA, ``torch`` otherwise) | ``triton`` | ``torch``
+        backend: ``auto`` (``CUDA_AUTO_BACKEND`` on CUDA, ``torch`` otherwise) | ``triton`` | ``torch``
             (``sdpa`` up to ``DENSE_MAX_TOKENS`` tokens, ``segments`` above) | ``sdpa`` |
             ``segments`` | ``flex`` | ``flash_attn`` (see the module docstring).
 
@@ -581,8 +588,6 @@ def shared_prefix_attention(
     """
     _check(q, k, v, layout, scale)
     impl = _resolve(backend, q, layout)
-    if impl == "triton":
-        return _TritonSharedPrefixAttention.apply(q, k, v, layout, float(scale))
     return _IMPLS[impl](q, k, v, layout, float(scale))
 
 

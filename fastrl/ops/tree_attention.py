@@ -19,9 +19,11 @@ and the maps between packed tokens and the sequences' scored tokens.
 
 Backends of ``tree_attention`` (``backend=``):
 
-- ``triton``: ``csrc_triton.tree_attention`` (flash-attention style forward and backward,
-  block-sparse over the key blocks each query tile needs; default on CUDA). Tested under
-  the CPU interpreter here; not yet run on a GPU.
+- ``triton``: ``csrc_triton.tree_attention`` (FlashAttention-2 shaped forward and backward,
+  block-sparse over the key blocks each query tile needs, dK/dV split over (key tile, query
+  chunk, query head)). Tested under the CPU interpreter and compiled for sm_90 here; not yet
+  timed on a GPU, so ``auto`` runs ``flex`` on CUDA until it is
+  (``fastrl.ops.shared_prefix_attention.CUDA_AUTO_BACKEND``).
 - ``torch`` (default on CPU): ``sdpa`` up to ``DENSE_MAX_TOKENS`` tokens, ``segments`` above.
 - ``sdpa``: one ``scaled_dot_product_attention`` with the dense ``[N, N]`` boolean mask.
 - ``segments``: per segment, SDPA over ``[ancestors ; segment]`` keys (the ancestors'
@@ -39,7 +41,13 @@ import torch
 import torch.nn.functional as F
 
 from fastrl._checks import check_choice, resolve_backend
-from fastrl.ops.shared_prefix_attention import DENSE_MAX_TOKENS, SharedPrefixLayout, check_packed_attention_inputs, run_flex
+from fastrl.ops.shared_prefix_attention import (
+    DENSE_MAX_TOKENS,
+    SharedPrefixLayout,
+    check_packed_attention_inputs,
+    cuda_auto_backend,
+    run_flex,
+)
 
 __all__ = ["TreeLayout", "PackedTree", "tree_attention", "trie_size"]
 
@@ -158,7 +166,10 @@ class TreeLayout:
             for n in segs:
                 lens.append(n)
                 parents.append(root if p else -1)
-        return cls.from_parents(lens, parents, device=layout.device if device is None else device)
+        tree = cls.from_parents(lens, parents, device=layout.device if device is None else device)
+        if tree.device == layout.device:  # block_lists can then build on the device, from these bounds
+            tree._cache["depth2_bounds"] = (layout.q_doc_start, layout.q_prefix_end, layout.q_seg_start)
+        return tree
 
     def to(self, device: torch.device | str) -> "TreeLayout":
         """The same layout with its tensors on ``device``."""
@@ -186,9 +197,18 @@ class TreeLayout:
         """For the Triton kernels: per query tile of ``block_m`` tokens, the key blocks of
         ``block_n`` tokens holding any key it attends (its segments' ancestors and the
         segments themselves, up to the tile's last token), ascending, as CSR int32
-        ``(ptr [tiles + 1], blocks)`` on the layout's device (cached per tile shape)."""
+        ``(ptr [tiles + 1], blocks)`` on the layout's device (cached per tile shape; entries
+        of ``blocks`` past ``ptr[-1]`` are unused)."""
         key = ("blocks", block_m, block_n)
         out = self._cache.get(key)
+        if out is None and "depth2_bounds" in self._cache:
+            # a shared-prefix layout's tree (from_shared_prefix): the same lists from its per-token
+            # bounds, on the device, without the Python loop below (~20 ms at 18K tokens); the
+            # blocks tensor may run past ptr[-1]
+            from csrc_triton.shared_prefix_attention import depth2_block_lists
+
+            out = depth2_block_lists(*self._cache["depth2_bounds"], block_m, block_n)
+            self._cache[key] = out
         if out is None:
             N, cu = self.num_tokens, self.host_seg_cu
             ptr, blocks = [0], []
@@ -210,6 +230,27 @@ class TreeLayout:
                 ptr.append(len(blocks))
             i32 = dict(dtype=torch.int32, device=self.device)
             out = (torch.tensor(ptr, **i32), torch.tensor(blocks, **i32))
+            self._cache[key] = out
+        return out
+
+    def dkdv_items(self, block_n: int, q_chunk: int) -> torch.Tensor:
+        """For the Triton dK/dV kernel: its work items, int32 ``[items, 2]`` (key tile, chunk)
+        on the layout's device (cached). The queries that attend key tile ``t`` of ``block_n``
+        keys are ``[t * block_n, max key_end)`` (its keys' subtrees); they are cut into
+        chunks of ``q_chunk``, one program each, so a prefix tile's long range (every
+        descendant's queries) spreads over programs instead of making the critical path."""
+        key = ("dkdv", block_n, q_chunk)
+        out = self._cache.get(key)
+        if out is None:
+            N, cu = self.num_tokens, self.host_seg_cu
+            tiles = -(-N // block_n)
+            q_hi = [0] * tiles  # max key_end over each tile's keys
+            for s, end in enumerate(self.host_subtree_end):
+                if cu[s + 1] > cu[s]:
+                    for t in range(cu[s] // block_n, (cu[s + 1] - 1) // block_n + 1):
+                        q_hi[t] = max(q_hi[t], end)
+            items = [(t, c) for t in range(tiles) for c in range(-(-(q_hi[t] - t * block_n) // q_chunk))]
+            out = torch.tensor(items, dtype=torch.int32, device=self.device).reshape(-1, 2)
             self._cache[key] = out
         return out
 
@@ -460,10 +501,19 @@ class _TritonTreeAttention(torch.autograd.Function):
         from csrc_triton.tree_attention import tiles_for, tree_attention_bwd
 
         q, k, v, out, lse = ctx.saved_tensors
-        t = tiles_for(q.device)["bwd"]
-        ptr, blocks = ctx.layout.block_lists(t["BLOCK_M"], t["BLOCK_N"])
-        dq, dk, dv = tree_attention_bwd(grad_out, q, k, v, out, lse, ctx.layout.key_end, ptr, blocks, ctx.scale)
+        layout = ctx.layout
+        tiles = tiles_for(q.device)
+        ptr, blocks = layout.block_lists(tiles["dq"]["BLOCK_M"], tiles["dq"]["BLOCK_N"])
+        items = layout.dkdv_items(tiles["dkdv"]["BLOCK_N"], tiles["q_chunk"])
+        dq, dk, dv = tree_attention_bwd(grad_out, q, k, v, out, lse, layout.key_end, ptr, blocks, ctx.scale,
+                                        dkdv_items=items, q_chunk=tiles["q_chunk"])
         return dq, dk, dv, None, None
+
+
+def triton_tree_attention(q, k, v, layout: TreeLayout, scale: float) -> torch.Tensor:
+    """The Triton kernels over ``layout`` (differentiable; no input checks: ``tree_attention``
+    and ``shared_prefix_attention`` make them)."""
+    return _TritonTreeAttention.apply(q, k, v, layout, float(scale))
 
 
 _IMPLS = {"sdpa": _sdpa_dense, "segments": _sdpa_segments, "flex": _flex}
@@ -471,6 +521,8 @@ _IMPLS = {"sdpa": _sdpa_dense, "segments": _sdpa_segments, "flex": _flex}
 
 def _resolve(backend: str, q: torch.Tensor, layout: TreeLayout) -> str:
     check_choice("backend", backend, BACKENDS)
+    if backend == "auto" and q.device.type == "cuda":
+        return cuda_auto_backend(q)
     if backend in ("auto", "triton"):
         backend = resolve_backend(backend, q.device)
     if backend == "torch":
@@ -494,7 +546,7 @@ def tree_attention(
         k, v: ``[N, Hkv, D]``; ``Hq`` a multiple of ``Hkv`` (GQA).
         layout: the segments (``N = layout.num_tokens``), on q's device.
         scale: softmax scale (usually ``D ** -0.5``).
-        backend: ``auto`` (Triton on CUDA, ``torch`` otherwise) | ``triton`` | ``torch``
+        backend: ``auto`` (``CUDA_AUTO_BACKEND`` on CUDA, ``torch`` otherwise) | ``triton`` | ``torch``
             (``sdpa`` up to ``DENSE_MAX_TOKENS`` tokens, ``segments`` above) | ``sdpa`` |
             ``segments`` | ``flex`` (see the module docstring).
 
@@ -505,7 +557,7 @@ def tree_attention(
     _check(q, k, v, layout, scale)
     impl = _resolve(backend, q, layout)
     if impl == "triton":
-        return _TritonTreeAttention.apply(q, k, v, layout, float(scale))
+        return triton_tree_attention(q, k, v, layout, scale)
     return _IMPLS[impl](q, k, v, layout, float(scale))
 
 

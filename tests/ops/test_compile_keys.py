@@ -20,9 +20,9 @@ lets masked loads vectorise) and turned off with ``do_not_specialize`` where it 
 (counts that only address partials or bound loops):
 - log-probs: ``_bwd_hidden_kernel`` has one flag that follows the token count (atomic adds
   when the vocabulary is split): 2 keys; the others 1.
-- decode, shared-prefix and tree attention: 1 key per (model, group size, dtype); the packed
-  token count of the training attention specialises 3 ways (its launcher takes ``meta``
-  for a CPU and picks its interpreter tiles: fixed, like the CUDA ones).
+- decode and training attention (the shared-prefix launchers run the tree kernels): 1 key per
+  (model, group size, dtype); the packed token count of the training attention specialises
+  3 ways (its launchers treat ``meta`` as CUDA: fixed CUDA tiles).
 - policy loss, scans, KL, value loss, whitening, advantages: the row length T (or the flat
   size N) specialises 3 ways; the finalize kernel and segment statistics: 1 key.
 """
@@ -44,9 +44,6 @@ KEY_BOUNDS = {
     "logprobs._bwd_weight_kernel": 1,
     "decode_attention._prefix_attn_kernel": 1,
     "decode_attention._suffix_merge_kernel": 1,
-    "shared_prefix_attention._fwd_kernel": 3,
-    "shared_prefix_attention._bwd_dq_kernel": 3,
-    "shared_prefix_attention._bwd_dkdv_kernel": 3,
     "tree_attention._fwd_kernel": 3,
     "tree_attention._bwd_dq_kernel": 3,
     "tree_attention._bwd_dkdv_kernel": 3,

@@ -188,6 +188,68 @@ def test_triton_head_dim_64_spans_tiles(device):
     _check_against_oracle([13, 0], [[1, 9, 6], [11]], "triton", torch.float32, Hq=2, Hkv=1, D=64, atol=5e-6, device=device)
 
 
+def _random_layout(rng):
+    pl = [rng.choice([0, 1, 3, 16, 17, 40]) for _ in range(rng.randint(1, 4))]
+    return pl, [[rng.choice([1, 2, 5, 15, 16, 33]) for _ in range(rng.randint(0 if p else 1, 4))] for p in pl]
+
+
+@pytest.mark.parametrize("block_m, block_n", [(16, 16), (16, 32), (32, 16), (128, 64)])
+def test_device_built_depth2_lists_equal_the_tree_lists(block_m, block_n):
+    # the launchers' sync-free key_end and block lists (from the per-token bounds; also what a
+    # shared-prefix layout's tree uses) are the host-built ones of the same tree (exactly the
+    # blocks holding an attended key)
+    import random
+
+    from csrc_triton.shared_prefix_attention import depth2_block_lists, depth2_key_end
+    from fastrl.ops.tree_attention import TreeLayout
+
+    rng = random.Random(5)
+    for _ in range(40):
+        lay = SharedPrefixLayout.from_lengths(*_random_layout(rng))
+        bounds = (lay.q_doc_start, lay.q_prefix_end, lay.q_seg_start)
+        assert torch.equal(depth2_key_end(*bounds), lay.k_query_end)
+        ptr, blocks = depth2_block_lists(*bounds, block_m, block_n)
+        depth2 = TreeLayout.from_shared_prefix(lay)  # its block_lists come from depth2_block_lists
+        host = TreeLayout.from_parents(depth2.lens, depth2.parents)  # the host-built lists of the same tree
+        tptr, tblocks = host.block_lists(block_m, block_n)
+        assert torch.equal(ptr, tptr) and torch.equal(blocks[: int(ptr[-1])], tblocks)
+        dptr, dblocks = depth2.block_lists(block_m, block_n)
+        assert torch.equal(dptr, tptr) and torch.equal(dblocks[: int(dptr[-1])], tblocks)
+
+
+def test_csrc_launchers_match_oracle_float64(device):
+    # the kernel-level entry points (per-token bounds, no host layout: one dK/dV program per key tile)
+    from csrc_triton.shared_prefix_attention import shared_prefix_attention_bwd, shared_prefix_attention_fwd
+
+    pl, sl = LAYOUTS["mixed"]
+    lay = SharedPrefixLayout.from_lengths(pl, sl, device=device)
+    q, k, v = (t.detach() for t in _qkv(lay.num_tokens, 4, 2, 8, torch.float64, device))
+    go = torch.randn_like(q)
+    bounds = (lay.q_doc_start, lay.q_prefix_end, lay.q_seg_start)
+    out, lse = shared_prefix_attention_fwd(q, k, v, *bounds, 0.3)
+    grads = shared_prefix_attention_bwd(go, q, k, v, out, lse, *bounds, lay.k_query_end, 0.3)
+    q64, k64, v64 = (t.clone().requires_grad_() for t in (q, k, v))
+    ref = shared_prefix_attention_reference(q64, k64, v64, prefix_lens=pl, segment_lens=sl, scale=0.3)
+    want = torch.autograd.grad(ref, (q64, k64, v64), go)
+    torch.testing.assert_close(out, ref, atol=1e-12, rtol=0)
+    for g, w in zip(grads, want):
+        torch.testing.assert_close(g, w, atol=1e-12, rtol=0)
+
+
+def test_triton_long_prompt_gqa_six(device):
+    # a 48-token prompt under 3 completions: the prompt's key tiles split their dK/dV over
+    # programs; Hq/Hkv = 6 as in Qwen2.5-1.5B; bf16 in, fp32 accumulation
+    _check_against_oracle([48], [[7, 20, 1]], "triton", torch.bfloat16, Hq=6, Hkv=1, D=16, atol=4e-2, device=device)
+
+
+def test_auto_on_cuda_runs_flex_until_the_kernels_are_measured():
+    from fastrl.ops.shared_prefix_attention import CUDA_AUTO_BACKEND, cuda_auto_backend
+
+    assert CUDA_AUTO_BACKEND == "flex"
+    assert cuda_auto_backend(torch.zeros(1, dtype=torch.bfloat16)) == "flex"
+    assert cuda_auto_backend(torch.zeros(1, dtype=torch.float64)) == "triton"
+
+
 def test_validation():
     lay = SharedPrefixLayout.packed([3])
     q, k, v = (t.detach() for t in _qkv(3, 4, 2, 8, torch.float32))

@@ -95,6 +95,47 @@ def test_block_lists_are_exactly_the_blocks_with_an_attended_key(block_m, block_
             assert blocks[ptr[t]:ptr[t + 1]].tolist() == want
 
 
+def test_dkdv_items_by_hand():
+    # key_end [8, 8, 5, 5, 5, 8, 8, 8, 9]; key tiles of 2: the queries seeing tile t are
+    # [2t, max key_end): 8, 3, 4, 2 and 1 of them, cut into chunks of 4
+    lay = TreeLayout.from_parents([2, 2, 1, 3, 1], [-1, 0, 1, 0, -1])
+    items = lay.dkdv_items(2, 4)
+    assert items.dtype == torch.int32
+    assert items.tolist() == [[0, 0], [0, 1], [1, 0], [2, 0], [3, 0], [4, 0]]
+    assert lay.dkdv_items(2, 4) is items  # cached per shape
+    assert lay.dkdv_items(4, 16).tolist() == [[0, 0], [1, 0], [2, 0]]
+
+
+def test_dkdv_items_need_their_chunk():
+    from csrc_triton.tree_attention import tiles_for, tree_attention_bwd
+
+    lay = TreeLayout.from_parents([5], [-1])
+    t = tiles_for(lay.device)
+    q = torch.zeros(5, 2, 8)
+    items = lay.dkdv_items(t["dkdv"]["BLOCK_N"], t["q_chunk"])
+    for chunk in (None, 0, t["dkdv"]["BLOCK_M"] + 1):  # the kernel steps BLOCK_M queries at a time
+        with pytest.raises(ValueError, match="q_chunk"):
+            tree_attention_bwd(q, q, q, q, q, q[:, :, 0], lay.key_end, *lay.block_lists(16, 16), 1.0,
+                               dkdv_items=items, q_chunk=chunk)
+
+
+@pytest.mark.parametrize("block_n, q_chunk", [(4, 4), (16, 32), (8, 8), (5, 10)])
+def test_dkdv_items_cover_each_key_tiles_queries_once(block_n, q_chunk):
+    for s in range(10):
+        lens, parents = _random_tree(random.Random(200 + s), 14)
+        lay = TreeLayout.from_parents(lens, parents)
+        mask = lay.dense_mask()
+        N = lay.num_tokens
+        chunks: dict[int, list[int]] = {}
+        for t, c in lay.dkdv_items(block_n, q_chunk).tolist():
+            chunks.setdefault(t, []).append(c)
+        for t, k0 in enumerate(range(0, N, block_n)):
+            rows = torch.nonzero(mask[:, k0:k0 + block_n].any(1)).flatten()
+            q_hi = int(rows.max()) + 1  # a key sees itself: rows is never empty
+            assert int(rows.min()) == k0
+            assert chunks[t] == list(range(-(-(q_hi - k0) // q_chunk)))
+
+
 def test_shared_prefix_layout_is_the_depth_two_tree():
     sp = SharedPrefixLayout.from_lengths([5, 0, 3], [[3, 1, 7], [6], [2, 2]])
     tree = TreeLayout.from_shared_prefix(sp)
@@ -163,6 +204,100 @@ def test_triton_random_tree_spans_tiles(device):
     # ~50 tokens over many 16-token tiles: tiles straddle siblings, parents and roots
     lens, parents = _random_tree(random.Random(7), 16)
     _check_against_oracle(lens, parents, "triton", torch.float32, Hq=2, Hkv=1, D=16, atol=5e-6, device=device)
+
+
+@pytest.mark.parametrize("Hq, Hkv", [(6, 2), (2, 2)])
+def test_triton_dkdv_split_over_programs(Hq, Hkv, device):
+    # a 40-token root under 4 children: the root's key tiles see ~90 queries, more than
+    # the interpreter's q_chunk (32), so their dK/dV is summed over several programs (and
+    # over the R query heads at Hq/Hkv = 3); Hq == Hkv with splits still adds atomically
+    from csrc_triton.tree_attention import tiles_for
+
+    lens, parents = [40, 9, 17, 1, 23], [-1, 0, 0, 0, 0]
+    lay = TreeLayout.from_parents(lens, parents, device=device)
+    t = tiles_for(lay.device)
+    tiles = -(-lay.num_tokens // t["dkdv"]["BLOCK_N"])
+    assert lay.dkdv_items(t["dkdv"]["BLOCK_N"], t["q_chunk"]).shape[0] > tiles
+    _check_against_oracle(lens, parents, "triton", torch.float64, Hq=Hq, Hkv=Hkv, atol=1e-12, device=device)
+
+
+def test_triton_dkdv_plain_stores_when_one_program_per_tile(device):
+    # Hq == Hkv and every key tile's queries within one chunk: no atomics, exact bitwise repeats
+    lens, parents = TREES["empty_segments"]
+    lay = TreeLayout.from_parents(lens, parents, device=device)
+    q, k, v = _qkv(lay.num_tokens, 2, 2, 8, torch.float32, device)
+    go = torch.randn(lay.num_tokens, 2, 8, device=device)
+    runs = [torch.autograd.grad(tree_attention(q, k, v, lay, scale=0.3, backend="triton"), (q, k, v), go) for _ in range(2)]
+    for a, b in zip(*runs):
+        assert torch.equal(a, b)
+    _check_against_oracle(lens, parents, "triton", torch.float64, Hq=2, Hkv=2, atol=1e-12, device=device)
+
+
+def test_triton_never_reads_outside_the_views(device):
+    # q/k/v/grad_out as views into buffers whose other rows (past N) and lanes (past D,
+    # which the kernels' power-of-two head tiles cover) hold NaN: nothing may leak in
+    lens, parents = TREES["forest_mixed"]
+    lay = TreeLayout.from_parents(lens, parents, device=device)
+    N, D = lay.num_tokens, 12
+    def view(H, pad_rows=5, pad_d=4):
+        buf = torch.full((N + pad_rows, H, D + pad_d), float("nan"), dtype=torch.float64, device=device)
+        buf[:N, :, :D] = torch.randn(N, H, D, dtype=torch.float64, device=device)
+        return buf[:N, :, :D]
+    q, k, v, go = view(4), view(2), view(2), view(4)
+    q, k, v = (x.requires_grad_() for x in (q, k, v))
+    out = tree_attention(q, k, v, lay, scale=0.3, backend="triton")
+    got = torch.autograd.grad(out, (q, k, v), go)
+    q64, k64, v64 = (x.detach().clone().requires_grad_() for x in (q, k, v))
+    ref = tree_attention_reference(q64, k64, v64, lens=lens, parents=parents, scale=0.3)
+    want = torch.autograd.grad(ref, (q64, k64, v64), go.clone())
+    torch.testing.assert_close(out, ref, atol=1e-12, rtol=0)
+    for g, w in zip(got, want):
+        torch.testing.assert_close(g, w, atol=1e-12, rtol=0)
+
+
+def test_kernel_loops_are_for_loops_on_the_gpu():
+    # Triton software-pipelines `for` loops (also over bounds loaded from memory), not `while`
+    # loops (the audit found every KV loop of the previous kernels to be an unpipelined while):
+    # each kernel has one `for`, under `if FOR_LOOPS:`, and a `while` only in its else branch
+    # (the interpreters that cannot range() over loaded bounds)
+    import ast
+    import inspect
+
+    import csrc_triton.tree_attention as mod
+
+    tree = ast.parse(inspect.getsource(mod))
+    kernels = {f.name: f for f in ast.walk(tree) if isinstance(f, ast.FunctionDef) and f.name.endswith("_kernel")}
+    assert set(kernels) == {"_fwd_kernel", "_bwd_dq_kernel", "_bwd_dkdv_kernel"}
+    for name, f in kernels.items():
+        fors = [n for n in ast.walk(f) if isinstance(n, ast.For)]
+        whiles = [n for n in ast.walk(f) if isinstance(n, ast.While)]
+        gates = [n for n in ast.walk(f) if isinstance(n, ast.If) and ast.unparse(n.test) == "FOR_LOOPS"]
+        assert len(fors) == len(whiles) == len(gates) == 1, name
+        assert fors[0] in gates[0].body and whiles[0] in gates[0].orelse, name
+    helpers = [f for f in ast.walk(tree) if isinstance(f, ast.FunctionDef) and not f.name.endswith("_kernel")]
+    assert not any(isinstance(n, (ast.For, ast.While)) for f in helpers for n in ast.walk(f))
+
+
+@pytest.mark.parametrize("Hq, Hkv", [(4, 2), (2, 2)])
+def test_while_loop_form_computes_the_same(Hq, Hkv, device):
+    # FOR_LOOPS=False (an older interpreter's form) runs the same steps: bitwise the same results
+    from csrc_triton.tree_attention import tiles_for, tree_attention_bwd, tree_attention_fwd
+
+    lay = TreeLayout.from_parents([20, 9, 17, 1, 3], [-1, 0, 0, 2, 0], device=device)
+    t = tiles_for(lay.device)
+    q, k, v = (x.detach() for x in _qkv(lay.num_tokens, Hq, Hkv, 8, torch.float64, device))
+    go = torch.randn_like(q)
+    ptr, blocks = lay.block_lists(t["fwd"]["BLOCK_M"], t["fwd"]["BLOCK_N"])
+    dptr, dblocks = lay.block_lists(t["dq"]["BLOCK_M"], t["dq"]["BLOCK_N"])
+    items = lay.dkdv_items(t["dkdv"]["BLOCK_N"], t["q_chunk"])
+    runs = []
+    for form in (True, False):
+        out, lse = tree_attention_fwd(q, k, v, lay.key_end, ptr, blocks, 0.3, for_loops=form)
+        grads = tree_attention_bwd(go, q, k, v, out, lse, lay.key_end, dptr, dblocks, 0.3, dkdv_items=items,
+                                   q_chunk=t["q_chunk"], for_loops=form)
+        runs.append((out, lse, *grads))
+    for a, b in zip(*runs):
+        assert torch.equal(a, b)
 
 
 @pytest.mark.parametrize("backend", ["segments", "triton"])
