@@ -19,7 +19,7 @@ MODULE_TESTS = {
     "scans": ("tests/ops/test_scans.py", "tests/reference/test_scans_reference.py"),
     "logprobs": ("tests/ops/test_logprobs.py", "tests/ops/test_fused_linear_policy_loss.py"),
     "rollout": ("tests/rollout/test_decode_attention.py", "tests/rollout/test_decode_attention_precision.py"),
-    "tree_attention": ("tests/ops/test_tree_attention.py", "tests/ops/test_hf_tree.py"),
+    "tree_attention": ("tests/ops/test_tree_attention.py", "tests/ops/test_hf_tree.py", "tests/ops/test_shared_prefix_attention.py"),
 }
 
 
