@@ -8,7 +8,8 @@ A ``ToolEnv`` subclass provides ``tools`` (typed functions, see ``fastrl.agents.
   counted by kind); the observation is the tool messages; not done;
 - the same call ``max_repeated_calls`` times in a row -> done, reward 0,
   ``info["stop_reason"] = "repeated_call"``;
-- no call -> the action is the final answer: done, reward ``score(answer)``.
+- no call -> the action is the final answer: done, reward ``score(answer)``, where the answer
+  is the turn without its ``<think>...</think>`` reasoning (``tools.strip_reasoning``).
 
 ``info`` of every step: ``tool_calls`` (calls attempted this turn), ``tool_failures``
 (``{kind: count}``, kinds from ``FAILURE_KINDS``), ``stop_reason`` on the last step
@@ -27,6 +28,7 @@ from fastrl.agents.tools import (
     ToolCall,
     call_tool,
     parse_tool_calls,
+    strip_reasoning,
     tool_schemas,
 )
 from fastrl.errors import InputError
@@ -64,7 +66,7 @@ class ToolEnv:
         raise NotImplementedError
 
     def score(self, answer: str) -> float:
-        """Reward of a final answer (the turn's text without a tool call)."""
+        """Reward of a final answer (the turn's text without a tool call, without its reasoning)."""
         raise NotImplementedError
 
     def close(self) -> None:
@@ -87,7 +89,7 @@ class ToolEnv:
         calls = parse_tool_calls(action, call_format=self.call_format, schemas=self.schemas,
                                  calls_in_reasoning=getattr(self, "calls_in_reasoning", False))
         if not calls:
-            return StepResult([], reward=float(self.score(action)), done=True, info={"tool_calls": 0, "tool_failures": {}, "stop_reason": STOP_ANSWER})
+            return StepResult([], reward=float(self.score(strip_reasoning(action))), done=True, info={"tool_calls": 0, "tool_failures": {}, "stop_reason": STOP_ANSWER})
         failures: dict[str, int] = {}
         observation: list[Message] = []
         repeated = False
