@@ -152,9 +152,18 @@ def real_tokenizer(style: str = "qwen2.5"):
     )
 
 
-def tiny_model(style: str = "qwen2.5", *, hidden: int = TINY_HIDDEN, layers: int = 1, seed: int = 0) -> torch.nn.Module:
+def tiny_model(style: str = "qwen2.5", *, hidden: int = TINY_HIDDEN, layers: int = 1, seed: int = 0,
+               stop_logit: float | None = None) -> torch.nn.Module:
     """A random tiny Qwen2 (ChatML styles) or Llama (``llama3``) with the real vocabulary size;
-    ``generation_config.eos_token_id`` as the real models list it (``GENERATION_EOS``)."""
+    ``generation_config.eos_token_id`` as the real models list it (``GENERATION_EOS``).
+
+    ``stop_logit``: the model's end tokens get about that much more logit than the others
+    (whose logits stay nearly equal), so that sampled turns end after a few random tokens
+    (11: about one token in three is an end token, against 151,936 others) instead of
+    almost never: a random model whose turns stop, as an agent test needs. Residual
+    dimension 0 is made a constant (1 in every token's embedding, the attention and MLP
+    outputs zeroed there), and the tied embedding rows of the end tokens get the extra
+    logit on it (divided by what the final norm makes of that constant)."""
     from transformers import LlamaConfig, LlamaForCausalLM, Qwen2Config, Qwen2ForCausalLM
 
     tokenizer = real_tokenizer(style)
@@ -169,6 +178,15 @@ def tiny_model(style: str = "qwen2.5", *, hidden: int = TINY_HIDDEN, layers: int
         model = Qwen2ForCausalLM(Qwen2Config(**common))
     model.generation_config.eos_token_id = eos
     model.generation_config.pad_token_id = tokenizer.pad_token_id
+    if stop_logit is not None:
+        with torch.no_grad():
+            embedding = model.get_input_embeddings().weight
+            embedding[:, 0] = 1.0
+            for layer in model.model.layers:
+                layer.self_attn.o_proj.weight[0].zero_()
+                layer.mlp.down_proj.weight[0].zero_()
+            rms = embedding[:, 1:].pow(2).mean().mul(hidden - 1).add(1.0).div(hidden).sqrt()
+            embedding[eos, 0] += stop_logit * float(rms)  # the final norm turns the constant 1 into 1 / rms
     return model.eval()
 
 
