@@ -30,6 +30,7 @@ working directory, plain and TRL-shaped.
     python benchmarks/agent_real_tokenizer.py --label after --out benchmarks/results/agent_real_tokenizer_cpu.json
     PYTHONPATH=/path/to/old/worktree python benchmarks/agent_real_tokenizer.py --label before \\
         --out benchmarks/results/agent_real_tokenizer_cpu.json     # adds its section to the same file
+    python benchmarks/agent_real_tokenizer.py --table before_4d84e71 after   # docs/agents.md's table, from the file
 """
 
 from __future__ import annotations
@@ -286,13 +287,41 @@ def env_spec():
     return out
 
 
+STYLE_NAMES = {"qwen2.5": "Qwen2.5 style", "qwen3": "Qwen3 style", "llama3": "Llama 3 style"}
+
+
+def table(results, before, after):
+    """Markdown: per perturbation and template, ``mismatched/checked (samples per trajectory,
+    outcome reward)`` before -> after."""
+    styles = list(results[after]["calculator"])
+    lines = ["| policy turns | " + " | ".join(STYLE_NAMES.get(s, s) for s in styles) + " |",
+             "|---|" + "---|" * len(styles)]
+
+    def cell(run):
+        return f"{run['mismatched_turns']:g}/{run['checked_turns']:g} ({run['samples_per_trajectory']:.2f}, {run['outcome_reward_mean']:.2f})"
+
+    for perturbation in results[after]["calculator"][styles[0]]:
+        cells = [f"{cell(results[before]['calculator'][s][perturbation])} -> {cell(results[after]['calculator'][s][perturbation])}"
+                 for s in styles]
+        lines.append(f"| {perturbation} | " + " | ".join(cells) + " |")
+    return "\n".join(lines)
+
+
 def main():
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--label", required=True, help="the section of --out to write (e.g. before, after)")
+    parser.add_argument("--table", nargs=2, metavar=("BEFORE", "AFTER"),
+                        help="print the markdown table of two sections of --out and exit")
+    parser.add_argument("--label", help="the section of --out to write (e.g. before, after)")
     parser.add_argument("--out", default=os.path.join(HERE, "results", "agent_real_tokenizer_cpu.json"))
     parser.add_argument("--rows", type=int, default=16, help="calculator rows (trajectories) per run")
     parser.add_argument("--seed", type=int, default=0)
     args = parser.parse_args()
+    if args.table:
+        with open(args.out) as f:
+            print(table(json.load(f), *args.table))
+        return
+    if not args.label:
+        parser.error("--label is required (or --table)")
     started = time.perf_counter()
     import fastrl
 
