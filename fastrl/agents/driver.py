@@ -316,16 +316,16 @@ def run_episodes(
                     t.outcome_reward = result.reward
                     _finish(t, str(result.info.get("stop_reason", "done")), config)
                     continue
-                observation = [
-                    {**m, "content": truncate_text(renderer.tokenizer, m["content"], config.max_observation_tokens, config.truncate_side)}
-                    for m in result.observation
-                ]
-                try:
-                    observation = renderer.guard_messages(observation, config.control_text)
+                try:  # control-token text escaped (or refused) first, so the cut counts what the model will see
+                    observation = renderer.guard_messages(result.observation, config.control_text)
                 except ControlTextError as error:
                     t.state_keys.append(None)
                     _finish(t, STOP_CONTROL_TEXT, config, error=str(error))
                     continue
+                observation = [
+                    {**m, "content": truncate_text(renderer.tokenizer, m["content"], config.max_observation_tokens, config.truncate_side)}
+                    for m in observation
+                ]
                 if turn + 1 >= config.max_turns:
                     t.state_keys.append(_state_key(result.info, renderer, observation))
                     _finish(t, STOP_MAX_TURNS, config)

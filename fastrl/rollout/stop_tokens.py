@@ -12,7 +12,7 @@ from __future__ import annotations
 
 from typing import Any, Iterable
 
-__all__ = ["model_eos_ids", "stop_token_ids"]
+__all__ = ["eos_ids", "model_eos_ids", "stop_token_ids"]
 
 
 def _ids(value: Any) -> list[int]:
@@ -21,13 +21,17 @@ def _ids(value: Any) -> list[int]:
     return [int(value)] if isinstance(value, int) else [int(v) for v in value]
 
 
+def eos_ids(*values: Any) -> tuple[int, ...]:
+    """The end tokens that ``eos_token_id`` values name (each an id, a list of ids or None), in
+    order, without repeats: what a model's configs say (vLLM reads them from the model's files)."""
+    return tuple(dict.fromkeys(i for value in values for i in _ids(value)))
+
+
 def model_eos_ids(model: Any) -> tuple[int, ...]:
     """The model's end tokens: its ``generation_config.eos_token_id`` (an id or a list), then its
-    ``config.eos_token_id``, in that order, without repeats."""
-    ids: list[int] = []
-    for source in (getattr(model, "generation_config", None), getattr(model, "config", None)):
-        ids.extend(_ids(getattr(source, "eos_token_id", None)) if source is not None else [])
-    return tuple(dict.fromkeys(ids))
+    ``config.eos_token_id`` (``eos_ids``)."""
+    sources = (getattr(model, "generation_config", None), getattr(model, "config", None))
+    return eos_ids(*(getattr(source, "eos_token_id", None) for source in sources if source is not None))
 
 
 def stop_token_ids(tokenizer: Any, model: Any = None, *, extra: Iterable[int] = ()) -> tuple[int, ...]:
