@@ -144,7 +144,7 @@ class ChatRenderer:
         user_only = self.render_text(list(BASE_CONVERSATION[:1]), add_generation_prompt=True)
         base = self._base_text
         assistant = base[len(user_only):] if base.startswith(user_only) else base
-        texts = {self.tokenizer.convert_ids_to_tokens(t) for t in self.stop_token_ids}
+        texts = {self.decode([t]) for t in self.stop_token_ids}
         best = max(((assistant.rfind(text), text) for text in texts if text), default=(-1, ""))
         if best[0] < 0:
             return "", ""
