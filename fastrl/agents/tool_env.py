@@ -8,7 +8,8 @@ A ``ToolEnv`` subclass provides ``tools`` (typed functions, see ``fastrl.agents.
   counted by kind); the observation is the tool messages; not done;
 - the same call ``max_repeated_calls`` times in a row -> done, reward 0,
   ``info["stop_reason"] = "repeated_call"``;
-- no call -> the action is the final answer: done, reward ``score(answer)``.
+- no call -> the action is the final answer: done, reward ``score(answer)``, where the answer
+  is the turn without its ``<think>...</think>`` reasoning (``tools.strip_reasoning``).
 
 ``info`` of every step: ``tool_calls`` (calls attempted this turn), ``tool_failures``
 (``{kind: count}``, kinds from ``FAILURE_KINDS``), ``stop_reason`` on the last step
@@ -27,6 +28,7 @@ from fastrl.agents.tools import (
     ToolCall,
     call_tool,
     parse_tool_calls,
+    strip_reasoning,
     tool_schemas,
 )
 from fastrl.errors import InputError
@@ -43,14 +45,18 @@ class ToolEnv:
     Args:
         call_format: how calls are written, one of ``CALL_FORMATS``.
         max_repeated_calls: identical consecutive calls that end the trajectory (None: no limit).
+        calls_in_reasoning: run calls written inside ``<think>...</think>`` too (default: a
+            call in the reasoning is not a call; see ``fastrl.agents.tools``).
     """
 
     tools: list[Callable] = []
 
-    def __init__(self, *, call_format: str = "compact", max_repeated_calls: int | None = 3) -> None:
+    def __init__(self, *, call_format: str = "compact", max_repeated_calls: int | None = 3,
+                 calls_in_reasoning: bool = False) -> None:
         if call_format not in CALL_FORMATS:
             raise InputError(f"call_format must be one of {CALL_FORMATS}, got {call_format!r}")
         self.call_format = call_format
+        self.calls_in_reasoning = bool(calls_in_reasoning)
         self._repeats = RepeatDetector(max_repeated_calls)
         self._schemas_list: list[dict] | None = None
         self._label = f"environment {type(self).__name__!r}"
@@ -60,7 +66,7 @@ class ToolEnv:
         raise NotImplementedError
 
     def score(self, answer: str) -> float:
-        """Reward of a final answer (the turn's text without a tool call)."""
+        """Reward of a final answer (the turn's text without a tool call, without its reasoning)."""
         raise NotImplementedError
 
     def close(self) -> None:
@@ -80,9 +86,10 @@ class ToolEnv:
     def step(self, action: str) -> StepResult:
         schemas = {s["function"]["name"]: s for s in self.schemas}
         tools = {s["function"]["name"]: tool for s, tool in zip(self.schemas, self.tools)}
-        calls = parse_tool_calls(action, call_format=self.call_format, schemas=self.schemas)
+        calls = parse_tool_calls(action, call_format=self.call_format, schemas=self.schemas,
+                                 calls_in_reasoning=getattr(self, "calls_in_reasoning", False))
         if not calls:
-            return StepResult([], reward=float(self.score(action)), done=True, info={"tool_calls": 0, "tool_failures": {}, "stop_reason": STOP_ANSWER})
+            return StepResult([], reward=float(self.score(strip_reasoning(action))), done=True, info={"tool_calls": 0, "tool_failures": {}, "stop_reason": STOP_ANSWER})
         failures: dict[str, int] = {}
         observation: list[Message] = []
         repeated = False
@@ -118,8 +125,9 @@ class TRLEnvironment(ToolEnv):
         call_format, max_repeated_calls: as for :class:`ToolEnv`.
     """
 
-    def __init__(self, factory: Callable[[], Any], *, call_format: str = "hermes", max_repeated_calls: int | None = 3) -> None:
-        super().__init__(call_format=call_format, max_repeated_calls=max_repeated_calls)
+    def __init__(self, factory: Callable[[], Any], *, call_format: str = "hermes", max_repeated_calls: int | None = 3,
+                 calls_in_reasoning: bool = False) -> None:
+        super().__init__(call_format=call_format, max_repeated_calls=max_repeated_calls, calls_in_reasoning=calls_in_reasoning)
         if not callable(factory):
             raise InputError(f"environment_factory must be a class or a callable, got {type(factory).__name__}")
         self.factory = factory

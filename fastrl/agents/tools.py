@@ -27,6 +27,17 @@ becomes an error observation of kind ``bad_result`` -- never an exception in the
   (``calc(2+3)``; converted to ``p``'s type: ``int``/``float`` parsed, ``str`` as written).
   One call per turn; the result is a ``{"role": "tool", "name": ..., "content": ...}`` message.
 
+**Reasoning.** A call written inside ``<think>...</think>`` (an unclosed ``<think>`` runs to
+the end of the turn) is the model thinking about a call, not making one: it is not parsed,
+not run, not counted (``parse_tool_calls(..., calls_in_reasoning=False)``, the default; the
+environments' ``calls_in_reasoning`` option runs them too). A turn whose only calls are
+inside its reasoning is a final answer.
+
+**Non-ASCII results.** A JSON result is sent as ``json.dumps(result, ensure_ascii=False)``,
+as TRL sends it: ``{"city": "東京"}`` reaches the model as those characters (7 tokens of
+Qwen's BPE), not as ``\u6771\u4eac`` escapes (three times as many tokens and a spelling no
+text in pre-training used).
+
 A turn without a call is the final answer. A malformed call, an unknown tool, or wrong /
 missing arguments are *error observations* (a tool message starting ``error:``), counted by
 kind in ``FAILURE_KINDS``; a tool that raises returns ``error: <Type>: <message>`` (kind
@@ -54,6 +65,7 @@ __all__ = [
     "tool_schemas",
     "check_template_supports_tools",
     "parse_tool_calls",
+    "strip_reasoning",
     "format_tool_call",
     "check_arguments",
     "call_tool",
@@ -68,6 +80,8 @@ FAILURE_KINDS = ("bad_format", "unknown_tool", "bad_arguments", "exception", "ba
 
 _JSON_RESULT_TYPES = (str, int, float, bool, list, dict, tuple, type(None))
 _HERMES_CALL = re.compile(r"<tool_call>(.*?)</tool_call>", re.DOTALL)
+_REASONING = re.compile(r"<think>.*?(?:</think>|\Z)", re.DOTALL)
+"""A reasoning block (an unclosed ``<think>`` runs to the end of the turn)."""
 _COMPACT_CALL_START = re.compile(r"^\s*([A-Za-z_][A-Za-z0-9_]*)\(")
 _COMPACT_CALL = re.compile(r"^\s*([A-Za-z_][A-Za-z0-9_]*)\((.*)\)\s*$", re.DOTALL)
 ERROR_PREFIX = "error: "
@@ -237,10 +251,19 @@ def _parse_compact(text: str, schemas: dict[str, dict]) -> list[ToolCall | ToolF
     return [ToolCall(name, {parameter: value})]
 
 
-def parse_tool_calls(text: str, *, call_format: str, schemas: Sequence[dict] = ()) -> list[ToolCall | ToolFailure]:
-    """The calls in one policy turn, in order (empty: the turn is a final answer)."""
+def strip_reasoning(text: str) -> str:
+    """``text`` without its ``<think>...</think>`` blocks (an unclosed one to the end)."""
+    return _REASONING.sub("", text)
+
+
+def parse_tool_calls(text: str, *, call_format: str, schemas: Sequence[dict] = (),
+                     calls_in_reasoning: bool = False) -> list[ToolCall | ToolFailure]:
+    """The calls in one policy turn, in order (empty: the turn is a final answer); calls
+    inside reasoning blocks only with ``calls_in_reasoning`` (see the module docstring)."""
     if call_format not in CALL_FORMATS:
         raise InputError(f"call_format must be one of {CALL_FORMATS}, got {call_format!r}")
+    if not calls_in_reasoning:
+        text = strip_reasoning(text)
     if call_format == "hermes":
         return _parse_hermes(text)
     return _parse_compact(text, {s["function"]["name"]: s for s in schemas})
@@ -328,7 +351,7 @@ def call_tool(call: ToolCall | ToolFailure, tools: dict[str, Callable], schemas:
     if isinstance(result, str):
         return result, None
     try:
-        return json.dumps(result), None
+        return json.dumps(result, ensure_ascii=False), None
     except (TypeError, ValueError) as error:
         return ERROR_PREFIX + f"the tool returned a {type(result).__name__}, which is not a string or JSON ({error})", "bad_result"
 

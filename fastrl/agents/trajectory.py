@@ -125,6 +125,10 @@ class Trajectory:
     tool_failures: dict[str, int] = field(default_factory=dict)
     mismatched_turns: int = 0
     checked_turns: int = 0
+    context_text: str = ""
+    """The template text the current sample stands for (prompt, policy turns as their
+    content and the template's end of turn, deltas): what ``ChatRenderer.matches_template``
+    compares with the template's rendering of ``messages``."""
     env_seconds: float = 0.0
     excluded: bool = False
     """Masked out of training (a failed environment with ``failed_trajectories="mask"``)."""

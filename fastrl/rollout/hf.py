@@ -503,13 +503,9 @@ def _register() -> None:
 
 
 def _eos_ids(model: torch.nn.Module) -> tuple[int, ...]:
-    ids: list[int] = []
-    for src in (getattr(model, "generation_config", None), model.config):
-        eos = getattr(src, "eos_token_id", None) if src is not None else None
-        if eos is None:
-            continue
-        ids.extend([eos] if isinstance(eos, int) else list(eos))
-    return tuple(dict.fromkeys(int(e) for e in ids))
+    from fastrl.rollout.stop_tokens import model_eos_ids  # one stop set for the sampler and the agent renderer
+
+    return model_eos_ids(model)
 
 
 def process_logits(logits: torch.Tensor, sampling: SamplingConfig) -> torch.Tensor:

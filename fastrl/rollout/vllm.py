@@ -207,12 +207,9 @@ class VLLMGroupSampler:
         self.prefix_caching: bool = bool(engine.vllm_config.cache_config.enable_prefix_caching)
         # the model's eos: config.json and generation_config.json (chat models often list
         # several there); without a tokenizer vLLM would not stop on them by itself
-        eos: set[int] = set()
-        for value in (getattr(hf, "eos_token_id", None), mc.try_get_generation_config().get("eos_token_id")):
-            if isinstance(value, (list, tuple)):
-                eos.update(int(e) for e in value)
-            elif value is not None:
-                eos.add(int(value))
+        from fastrl.rollout.stop_tokens import eos_ids  # one stop set for the samplers and the agent renderer
+
+        eos = eos_ids(getattr(hf, "eos_token_id", None), mc.try_get_generation_config().get("eos_token_id"))
         self.eos_token_ids: tuple[int, ...] = tuple(sorted(eos))
         pad = getattr(hf, "pad_token_id", None)
         self.pad_token_id: int = int(pad) if pad is not None else (self.eos_token_ids[0] if self.eos_token_ids else 0)

@@ -47,7 +47,7 @@ from fastrl.train.config import TrainConfig
 from fastrl.train.experience import Experience
 from fastrl.train.metrics import histogram
 
-__all__ = ["AgentRollout", "AgentCollector", "play_episodes", "token_sampler", "turn_sampling"]
+__all__ = ["AgentRollout", "AgentCollector", "play_episodes", "sampler_renderer", "token_sampler", "turn_sampling"]
 
 
 def token_sampler(sampler: Any, sampling: SamplingConfig) -> Any:
@@ -60,6 +60,13 @@ def token_sampler(sampler: Any, sampling: SamplingConfig) -> Any:
     return GroupSamplerTokens(sampler, sampling)
 
 
+def sampler_renderer(renderer: ChatRenderer, sampler: Any) -> ChatRenderer:
+    """``renderer`` knowing every token ``sampler`` stops on as a stop token (its
+    ``eos_token_ids``: the model's ``generation_config`` end tokens, ``fastrl.rollout.stop_tokens``),
+    so that a turn the sampler ended on any of them is stripped and re-rendered the same way."""
+    return renderer.with_stop_tokens(getattr(sampler, "eos_token_ids", ()) or ())
+
+
 def turn_sampling(sampling: SamplingConfig, *, agent: AgentConfig, renderer: ChatRenderer) -> SamplingConfig:
     """``sampling`` for policy turns: at most ``max_turn_tokens``, ending on the renderer's stop tokens."""
     return replace(sampling, max_new_tokens=agent.max_turn_tokens, stop_token_ids=tuple(renderer.stop_token_ids))
@@ -68,6 +75,7 @@ def turn_sampling(sampling: SamplingConfig, *, agent: AgentConfig, renderer: Cha
 def play_episodes(rows: Sequence[dict], *, group_size: int, sampler: Any, sampling: SamplingConfig, runtime: Any,
                   renderer: ChatRenderer, agent: AgentConfig, env_seeds: Sequence[int]) -> tuple[list[Trajectory], dict[str, float]]:
     """``run_episodes`` with the run's sampler (``token_sampler``), its session closed after."""
+    renderer = sampler_renderer(renderer, sampler)
     tokens = token_sampler(sampler, turn_sampling(sampling, agent=agent, renderer=renderer))
     try:
         return run_episodes(rows, group_size=group_size, runtime=runtime, renderer=renderer, sampler=tokens, config=agent,

@@ -35,7 +35,7 @@ from fastrl.agents.branching import TurnTree, tree_token_sampler
 from fastrl.agents.driver import run_episodes
 from fastrl.agents.trajectory import Trajectory
 from fastrl.rollout.base import SamplingConfig
-from fastrl.train.agent_collect import AgentCollector, AgentRollout, turn_sampling
+from fastrl.train.agent_collect import AgentCollector, AgentRollout, sampler_renderer, turn_sampling
 from fastrl.train.experience import Experience
 
 __all__ = ["AgentTreeCollector", "TREE_SUMMED_METRICS"]
@@ -55,10 +55,11 @@ class AgentTreeCollector(AgentCollector):
     def play(self, rows: list[dict], *, sampler: Any, sampling: SamplingConfig,
              env_seeds: Sequence[int]) -> tuple[list[Trajectory], dict[str, float], TurnTree]:
         tree = TurnTree(self.schedule, group_size=self.cfg.group_size)
-        tokens = tree_token_sampler(sampler, turn_sampling(sampling, agent=self.agent, renderer=self.renderer))
+        renderer = sampler_renderer(self.renderer, sampler)
+        tokens = tree_token_sampler(sampler, turn_sampling(sampling, agent=self.agent, renderer=renderer))
         try:
             trajectories, metrics = run_episodes(rows, group_size=self.cfg.group_size, runtime=self.runtime,
-                                                 renderer=self.renderer, sampler=tokens, config=self.agent,
+                                                 renderer=renderer, sampler=tokens, config=self.agent,
                                                  seeds=list(env_seeds), tree=tree)
         finally:
             close = getattr(tokens, "close", None)

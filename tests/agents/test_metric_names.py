@@ -18,8 +18,11 @@ PUBLISHED = {
     "rollout/generated_tokens", "rollout/tree_leaf_tokens", "rollout/tree_branch_points", "rollout/tree_copies",
     "agent/tree_leaf_env_calls", "env/forks_native", "env/forks_replayed", "env/fork_failures", "rollout/kv_forks",
     "rollout/prefix_cache_hit_rate",
+    # issue 38: the turns the template check counted (the rate is absent when it counted none)
+    "tokenization/checked_turns", "tokenization/mismatched_turns",
 }
-"""Written out once, by hand: what runs before this list existed logged under these names."""
+"""Written out once, by hand: what runs before this list existed logged under these names
+(and, marked, what was added since)."""
 
 
 def declared() -> set[str]:

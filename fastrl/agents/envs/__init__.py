@@ -5,11 +5,21 @@ seeded train / held-out rows and its oracle (for synthetic warm-up transcripts).
 ``resolve_environment(spec)`` accepts a built-in name or ``module:Class`` (a user class,
 imported; any zero-argument callable returning an environment works) and returns a
 zero-argument factory; a spec that names nothing importable is an ``InputError``.
+
+``module`` is imported as ``python -m`` and ``uvicorn main:app`` would: the current working
+directory comes first on the import path, so ``fastrl train --env my_env:MyEnv`` finds
+``./my_env.py`` whichever way ``fastrl`` was started (the console script's path holds its own
+directory, not the working one). A class in TRL's ``environment_factory`` shape -- ``reset(**row)``
+returning the prompt's addition, public methods as tools, ``get_reward()``, and no ``step()`` --
+is recognised and run as it is, through ``fastrl.agents.tool_env.TRLEnvironment``.
 """
 
 from __future__ import annotations
 
 import importlib
+import inspect
+import os
+import sys
 from dataclasses import dataclass
 from typing import Any, Callable
 
@@ -17,10 +27,11 @@ from fastrl.agents.env import Message, validate_environment
 from fastrl.agents.envs.calculator import CalculatorEnv, calculator_rows
 from fastrl.agents.envs.frozenlake import FrozenLakeEnv, frozenlake_rows
 from fastrl.agents.envs.sql import SqlEnv, sql_rows
+from fastrl.agents.tool_env import TRLEnvironment
 from fastrl.agents.tools import ToolCall, format_tool_call
 from fastrl.errors import InputError
 
-__all__ = ["BuiltinEnv", "BUILTIN_ENVS", "resolve_environment", "synthetic_transcripts"]
+__all__ = ["BuiltinEnv", "BUILTIN_ENVS", "is_trl_environment", "resolve_environment", "synthetic_transcripts"]
 
 
 @dataclass(frozen=True)
@@ -59,6 +70,7 @@ def resolve_environment(spec: str | Callable[[], Any], **options: Any) -> Callab
         label = spec
     elif isinstance(spec, str) and spec.count(":") == 1 and all(spec.split(":")):
         module_name, attribute = spec.split(":")
+        _working_directory_first()
         try:
             module = importlib.import_module(module_name)
         except Exception as error:
@@ -66,6 +78,8 @@ def resolve_environment(spec: str | Callable[[], Any], **options: Any) -> Callab
         factory = getattr(module, attribute, None)
         if factory is None or not callable(factory):
             raise InputError(f"--env {spec!r}: module {module_name!r} has no class or callable {attribute!r}")
+        if is_trl_environment(factory):
+            factory = _Factory(TRLEnvironment, {"factory": factory})
         label = spec
     else:
         raise InputError(f"--env {spec!r} is neither a built-in environment ({', '.join(BUILTIN_ENVS)}) nor 'module:Class'")
@@ -80,6 +94,33 @@ def resolve_environment(spec: str | Callable[[], Any], **options: Any) -> Callab
     if callable(close):
         close()
     return factory
+
+
+def _working_directory_first() -> None:
+    """The current working directory at the front of ``sys.path``, as ``python -m`` puts it."""
+    cwd = os.getcwd()
+    if not sys.path or os.path.abspath(sys.path[0] or ".") != cwd:
+        if cwd in sys.path:
+            sys.path.remove(cwd)
+        sys.path.insert(0, cwd)
+
+
+def is_trl_environment(factory: Any) -> bool:
+    """Whether ``factory`` is a class in TRL's ``environment_factory`` shape: a ``reset`` that
+    takes the row's columns as keyword arguments (``reset(**row)``, or named ones), and no
+    ``step`` (its public methods are the tools). An object with ``step`` is an environment of
+    fastrl's own contract."""
+    if not inspect.isclass(factory) or callable(getattr(factory, "step", None)):
+        return False
+    reset = getattr(factory, "reset", None)
+    if not callable(reset):
+        return False
+    try:
+        parameters = list(inspect.signature(reset).parameters.values())[1:]  # without self
+    except (TypeError, ValueError):
+        return False
+    return all(p.kind in (p.KEYWORD_ONLY, p.VAR_KEYWORD) or p.default is not p.empty for p in parameters) or any(
+        p.kind == p.VAR_KEYWORD for p in parameters)
 
 
 class _Factory:

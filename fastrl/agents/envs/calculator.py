@@ -119,8 +119,9 @@ class CalculatorEnv(ToolEnv):
 
     tools = [calc]
 
-    def __init__(self, *, call_format: str = "compact", max_repeated_calls: int | None = 3) -> None:
-        super().__init__(call_format=call_format, max_repeated_calls=max_repeated_calls)
+    def __init__(self, *, call_format: str = "compact", max_repeated_calls: int | None = 3,
+                 calls_in_reasoning: bool = False) -> None:
+        super().__init__(call_format=call_format, max_repeated_calls=max_repeated_calls, calls_in_reasoning=calls_in_reasoning)
         self.row: dict = {}
 
     def reset(self, row: dict, seed: int) -> list[Message]:

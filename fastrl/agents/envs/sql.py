@@ -108,12 +108,13 @@ class SqlEnv(ToolEnv):
         query_timeout_s: wall-clock limit of one query (a watchdog thread interrupts it).
         max_rows: rows shown of a result.
         max_chars: characters shown of a result.
-        call_format, max_repeated_calls: as for ``ToolEnv``.
+        call_format, max_repeated_calls, calls_in_reasoning: as for ``ToolEnv``.
     """
 
     def __init__(self, *, query_timeout_s: float = 1.0, max_rows: int = 10, max_chars: int = 400,
-                 call_format: str = "compact", max_repeated_calls: int | None = 3) -> None:
-        super().__init__(call_format=call_format, max_repeated_calls=max_repeated_calls)
+                 call_format: str = "compact", max_repeated_calls: int | None = 3,
+                 calls_in_reasoning: bool = False) -> None:
+        super().__init__(call_format=call_format, max_repeated_calls=max_repeated_calls, calls_in_reasoning=calls_in_reasoning)
         self.query_timeout_s = query_timeout_s
         self.max_rows = max_rows
         self.max_chars = max_chars
