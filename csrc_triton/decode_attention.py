@@ -82,8 +82,6 @@ def _prefix_attn_kernel(
     stride_qb, stride_qh,
     stride_kh, stride_kn,
     stride_vh, stride_vn,
-    stride_pc, stride_pb, stride_ph,
-    stride_lc, stride_lb,
     scale,
     G: tl.constexpr, R: tl.constexpr, D: tl.constexpr, M_TILES: tl.constexpr,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_D: tl.constexpr,
@@ -93,6 +91,12 @@ def _prefix_attn_kernel(
     h = tl.program_id(1)  # kv head
     c = tl.program_id(2) // M_TILES  # chunk of the group's prompt
     mt = tl.program_id(2) % M_TILES  # tile of the group's G*R query rows
+    # the partials' workspace is the plan's, contiguous [n_chunks, B, Hq, D] and [n_chunks, B, Hq]
+    q_heads = tl.num_programs(1) * R
+    stride_lb = q_heads
+    stride_lc = tl.num_programs(0) * G * q_heads
+    stride_pb = q_heads * D
+    stride_pc = stride_lc * D
 
     rows = mt * BLOCK_M + tl.arange(0, BLOCK_M)
     row_ok = rows < G * R
@@ -137,7 +141,7 @@ def _prefix_attn_kernel(
 
     o = tl.where(l_i[:, None] > 0, acc / l_i[:, None], 0.0)  # an empty chunk contributes nothing (lse -inf)
     lse = tl.where(l_i > 0, m_i + tl.log(l_i), float("-inf"))
-    tl.store(OP + c * stride_pc + b[:, None] * stride_pb + hq[:, None] * stride_ph + offs_d[None, :], o,
+    tl.store(OP + c * stride_pc + b[:, None] * stride_pb + hq[:, None] * D + offs_d[None, :], o,
              mask=row_ok[:, None] & d_ok[None, :])
     tl.store(LSEP + c * stride_lc + b * stride_lb + hq, lse, mask=row_ok)
 
@@ -149,9 +153,6 @@ def _suffix_merge_kernel(
     stride_qb, stride_qh,
     stride_kb, stride_kh, stride_kn,
     stride_vb, stride_vh, stride_vn,
-    stride_pc, stride_pb, stride_ph,
-    stride_lc, stride_lb,
-    stride_ob, stride_oh,
     scale,
     R: tl.constexpr, D: tl.constexpr,
     BLOCK_R: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_D: tl.constexpr,
@@ -159,6 +160,12 @@ def _suffix_merge_kernel(
 ):
     b = tl.program_id(0)  # sample
     h = tl.program_id(1)  # kv head
+    # the plan's buffers are contiguous: partials [n_chunks, B, Hq, D] and [n_chunks, B, Hq], output [B, Hq, D]
+    q_heads = tl.num_programs(1) * R
+    stride_lb = q_heads
+    stride_lc = tl.num_programs(0) * q_heads
+    stride_pb = q_heads * D
+    stride_pc = stride_lc * D
     rows = tl.arange(0, BLOCK_R)
     row_ok = rows < R
     hq = h * R + rows  # the R query heads reading kv head h
@@ -197,7 +204,7 @@ def _suffix_merge_kernel(
 
     # Merge: (m_i, l_i, acc) is the suffix's state (acc un-normalised, scaled to e^{m_i});
     # each prefix chunk adds e^{lse_c} o_c to it. Empty parts have lse -inf and weigh 0.
-    p_rows = b * stride_pb + hq * stride_ph
+    p_rows = b * stride_pb + hq * D
     l_rows = b * stride_lb + hq
     for c in range(n_chunks):
         lse_c = tl.load(LSEP + c * stride_lc + l_rows, mask=row_ok, other=float("-inf"))
@@ -210,7 +217,7 @@ def _suffix_merge_kernel(
         acc = acc * alpha[:, None] + w_c[:, None] * o_c
         m_i = m_new
     out = tl.where(l_i[:, None] > 0, acc / l_i[:, None], 0.0)
-    tl.store(OUT + b * stride_ob + hq[:, None] * stride_oh + offs_d[None, :], out.to(OUT.dtype.element_ty), mask=rd_mask)
+    tl.store(OUT + b * stride_pb + hq[:, None] * D + offs_d[None, :], out.to(OUT.dtype.element_ty), mask=rd_mask)
 
 
 def prefix_tiles(block_d: int, rows: int, dtype: torch.dtype) -> dict[str, int]:
@@ -286,9 +293,6 @@ class CascadePlan:
         common = dict(D=head_dim, BLOCK_D=BLOCK_D, UPCAST=upcast, LOOP_FOR=loop_for)
         self.prefix_meta = dict(G=G, R=R, M_TILES=m_tiles, **common, **pcfg)
         self.suffix_meta = dict(R=R, **common, **scfg)
-        op, lp = self.o_p.stride(), self.lse_p.stride()
-        self._partials = (op[0], op[1], op[2], lp[0], lp[1])
-        self._out_strides = self.out.stride()[:2]
 
     def run(self, q: torch.Tensor, prefix_k: torch.Tensor, prefix_v: torch.Tensor, prefix_start: torch.Tensor,
             prefix_len: torch.Tensor, suffix_k: torch.Tensor, suffix_v: torch.Tensor, suffix_len: torch.Tensor,
@@ -296,15 +300,14 @@ class CascadePlan:
         """``q [B, Hq, D]`` -> the plan's ``[B, Hq, D]`` output buffer. Unchecked: the tensors
         must match the plan (``fastrl.ops.decode_attention`` validates them once)."""
         qs, pk, pv, sk, sv = q.stride(), prefix_k.stride(), prefix_v.stride(), suffix_k.stride(), suffix_v.stride()
-        o_p, lse_p, splits, part = self.o_p, self.lse_p, self.splits, self._partials
+        o_p, lse_p, splits = self.o_p, self.lse_p, self.splits
         _prefix_attn_kernel[self.prefix_grid](
             q, prefix_k, prefix_v, prefix_start, prefix_len, o_p, lse_p, splits,
-            qs[0], qs[1], pk[0], pk[1], pv[0], pv[1], *part, scale, **self.prefix_meta,
+            qs[0], qs[1], pk[0], pk[1], pv[0], pv[1], scale, **self.prefix_meta,
         )
         _suffix_merge_kernel[self.suffix_grid](
             q, suffix_k, suffix_v, suffix_len, o_p, lse_p, self.out, splits,
-            qs[0], qs[1], sk[0], sk[1], sk[2], sv[0], sv[1], sv[2], *part, *self._out_strides, scale,
-            **self.suffix_meta,
+            qs[0], qs[1], sk[0], sk[1], sk[2], sv[0], sv[1], sv[2], scale, **self.suffix_meta,
         )
         return self.out
 
