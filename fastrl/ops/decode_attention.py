@@ -150,8 +150,8 @@ def prepare_decode_attention(
     """Check one step's tensors (as :func:`shared_prefix_decode_attention` documents them) and
     build the plan that runs every later step like them.
 
-    ``max_prefix_len``: an upper bound on ``prefix_len`` (the store's padded prompt length),
-    which caps the prefix split at the prompt's key blocks; ``splits``: the number of prefix
+    ``max_prefix_len``: an upper bound on ``prefix_len`` (the store's padded prompt length;
+    default: the store's whole length ``N``), which caps the prefix split at the prompt's key blocks; ``splits``: the number of prefix
     chunks per group (default: enough programs to fill the device's SMs twice). A rollout
     that narrows its batch passes the split of its full batch, so a row's result does not
     depend on which other rows run.
@@ -166,7 +166,7 @@ def prepare_decode_attention(
     kv_dtypes = {prefix_k.dtype, prefix_v.dtype, suffix_k.dtype, suffix_v.dtype}
     plan = CascadePlan(batch=B, q_heads=Hq, kv_heads=prefix_k.shape[0], head_dim=D, group_size=group_size, dtype=q.dtype,
                        kv_dtype=kv_dtypes.pop() if len(kv_dtypes) == 1 else torch.float64, device=q.device,
-                       max_prefix_len=max_prefix_len, splits=splits)
+                       max_prefix_len=prefix_k.shape[1] if max_prefix_len is None else max_prefix_len, splits=splits)
     return DecodeAttentionPlan(backend, group_size, float(scale), plan)
 
 
