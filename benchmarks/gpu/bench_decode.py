@@ -28,7 +28,8 @@ device-to-device copy.
 ``--host-cost`` times the Python path of one call on ``meta`` tensors at the issue's shape, with
 Triton's launch replaced by what its JIT does on a cache hit before the C launcher (the sm_90
 binder, the cache key, the cache lookup): the prepared plan (the sampler's path) and the
-checked one-shot op. The C launcher itself (a few microseconds per launch) is not counted.
+checked one-shot op, and the plan's call with the launches replaced by a no-op (fastrl's own
+Python). The C launcher itself (a few microseconds per launch) is not counted.
 """
 
 from __future__ import annotations
@@ -239,7 +240,10 @@ def main_host_cost(args) -> int:
                 **inp, group_size=s["G"], scale=scale, backend="triton"),
         }
         res = {}
-        for name, fn in calls.items():
+        no_launch = {"prepared_plan, launches replaced by a no-op (fastrl's own Python)": lambda: plan(**inp)}
+        for name, fn in [*calls.items(), *no_launch.items()]:
+            if name in no_launch:
+                triton_jit.JITFunction.run = lambda kernel, *a, grid, warmup, **kw: None
             for _ in range(200):
                 fn()
             best = float("inf")
