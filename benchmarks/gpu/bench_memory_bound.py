@@ -12,8 +12,9 @@ on the loss and the gradient; the others forward.
 Bytes: each input read once plus each output (gradients included) written once -- the
 compulsory traffic; ``achieved_GBps`` = those bytes / the median time, ``share_of_copy`` = that
 over the copy's bandwidth (issue 37's target: >= 0.6 at the large shapes, and never slower
-than the ``torch.compile`` twin). Times: CUDA-event medians, the L2 flushed before each call
-(``device_timer.py``).
+than the ``torch.compile`` twin; the twins are compiled at the largest shape only, unless
+``--compile-all-shapes``: each compile takes seconds). Times: CUDA-event medians, the L2 flushed
+before each call (``device_timer.py``).
 
     python benchmarks/gpu/bench_memory_bound.py --out $OUT/memory_bound_gpu.json         # on the device
     python benchmarks/gpu/bench_memory_bound.py --dry-run --out /tmp/memory_bound.json   # CPU: tiny shapes, interpreter
@@ -295,6 +296,8 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--dry-run", action="store_true", help="CPU, tiny shapes, Triton in the interpreter")
     ap.add_argument("--device", default=None, help="cuda (default when available) or cpu")
     ap.add_argument("--no-compile", action="store_true", help="leave out the torch.compile twins")
+    ap.add_argument("--compile-all-shapes", action="store_true",
+                    help="compile the twins at every shape (default: the largest only, where the target applies)")
     ap.add_argument("--ops", default="", help="comma-separated substrings of op names to run (default: all)")
     ap.add_argument("--repeats", type=int, default=20)
     ap.add_argument("--out", required=True)
@@ -321,7 +324,8 @@ def main(argv: list[str] | None = None) -> int:
             continue
         for i, (B, T) in enumerate(shapes):
             try:
-                case = op_case(op, B, T, device, timer, against_reference=i == 0, compile_=not args.no_compile)
+                compile_ = not args.no_compile and (args.compile_all_shapes or i == len(shapes) - 1)
+                case = op_case(op, B, T, device, timer, against_reference=i == 0, compile_=compile_)
             except Exception:
                 case = {"op": op.name, "B": B, "T": T, "error": traceback.format_exc()[-2000:]}
             copy_bw = out["copy"]["GBps"]
