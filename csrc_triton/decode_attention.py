@@ -225,8 +225,10 @@ def prefix_tiles(block_d: int, rows: int, dtype: torch.dtype) -> dict[str, int]:
     ``rows = G * R`` query rows of a group and the input dtype (fp32 = the exact-dot path)."""
     if dtype == torch.float32:  # exact fp32 dots run on the FMA units and hold whole tiles in registers
         return dict(BLOCK_M=16, BLOCK_N=32 if block_d <= 64 else 16, num_warps=8)
-    block_m = max(16, min(64, triton.next_power_of_2(rows)))
-    return dict(BLOCK_M=block_m, BLOCK_N=64 if block_d <= 128 else 32, num_warps=4 if block_d <= 64 else 8)
+    # up to 128 rows in one tile (a group's rows past a tile re-read the prompt); 8 warps for
+    # 128 rows or D > 64 (4 warps at 128 x 64 need 253 registers on sm_90)
+    block_m = max(16, min(128, triton.next_power_of_2(rows)))
+    return dict(BLOCK_M=block_m, BLOCK_N=64 if block_d <= 128 else 32, num_warps=4 if block_d <= 64 and block_m <= 64 else 8)
 
 
 def suffix_tiles(block_d: int, r: int, dtype: torch.dtype) -> dict[str, int]:
