@@ -358,7 +358,9 @@ class CascadeKV:
                  scaling: float) -> torch.Tensor:
         """One query per row through the Triton cascade (``[B, Hq, 1, D]`` -> ``[B, 1, Hq, D]``). The
         plan is checked and built at the layout's first step and reused by every layer and step
-        after it (no checks or allocation per call); its prefix split is the full batch's."""
+        after it (no checks or allocation per call); its prefix split is the full batch's. The
+        result is the plan's output buffer: the layer's output projection reads it before the
+        next layer's call overwrites it."""
         pk, pv = self.prefix_k[layer], self.prefix_v[layer]
         Hkv, U, P, D = pk.shape
         args = (query[:, :, 0], pk.view(Hkv, U * P, D), pv.view(Hkv, U * P, D), self._tri_start, self._tri_len, sk, sv, slen)
