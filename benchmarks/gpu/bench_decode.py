@@ -9,6 +9,8 @@ shape of ``kernels.py`` (Hq/Hkv 14/2, D=64, P=2048, S=512), bf16. Implementation
 - ``fastrl_graph``: the same plan captured in a CUDA graph and replayed (the sampler's
   ``decode="cuda_graph"``): the kernels' time without launch gaps.
 - ``fastrl_call``: ``shared_prefix_decode_attention`` (checks and a fresh plan every call).
+- ``fastrl_plan_splitsN`` (CUDA): the plan with N prompt chunks instead of ``prefix_splits``'
+  choice, for tuning it.
 - ``sdpa_expanded``: ``scaled_dot_product_attention`` over per-sample K/V = [prompt ; suffix]
   (a cache without prefix sharing; built before timing).
 - ``flash_attn_cascade`` (where ``flash_attn`` is installed): ``flash_attn_with_kvcache`` over
@@ -59,6 +61,8 @@ TOLERANCE = {torch.float32: 1e-5, torch.bfloat16: 2e-2, torch.float16: 1e-2}
 """Max abs error vs the fp32 reference: one rounding of the output and of the probabilities in 16 bits."""
 TARGET_VS_SDPA = 2.0
 """Issue 37: the cascade at least this much faster than SDPA over the expanded prefix."""
+SPLIT_SWEEP = (1, 2, 4, 8, 16)
+"""On CUDA the plan is also timed with these prefix splits (chunks per prompt), to tune ``prefix_splits``."""
 HOST_BUDGET_US = 20.0
 """Issue 37: the per-call host path where the sampler calls it."""
 
@@ -123,6 +127,10 @@ def decode_case(shape: dict, device: torch.device, dtype: torch.dtype, timer) ->
     }
     case: dict = {"shape": shape, "dtype": str(dtype), "splits": plan.splits, "checks": {}, "times": {}}
     if device.type == "cuda":
+        for n in SPLIT_SWEEP:  # the prefix split as a tuning knob (the default is prefix_splits')
+            if n != plan.splits:
+                other = prepare_decode_attention(**inp, group_size=G, scale=scale, backend="triton", max_prefix_len=P, splits=n)
+                impls[f"fastrl_plan_splits{n}"] = lambda other=other: other(**inp)
         side = torch.cuda.Stream()
         side.wait_stream(torch.cuda.current_stream())
         with torch.cuda.stream(side):
