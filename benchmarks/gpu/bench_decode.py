@@ -265,7 +265,7 @@ def main_host_cost(args) -> int:
         triton_jit.JITFunction.run = original
     out = {"benchmark": "decode_attention_host_cost", "command": "python benchmarks/gpu/bench_decode.py " + " ".join(sys.argv[1:]),
            "shape": s, "dtype": "bfloat16 (meta tensors)", "triton": triton.__version__, "torch": torch.__version__,
-           "cpu": _cpu_name(), "created": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime()),
+           "cpu": _cpu_name(), "cpu_count": os.cpu_count(), "load_average_1min": round(os.getloadavg()[0], 2), "created": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime()),
            "us_per_call_best_of_rounds": res, "budget_us": HOST_BUDGET_US, "compile_keys": len(cache),
            "not_counted": "Triton's C launcher (cuLaunchKernel and argument packing), a few us per launch, two launches a call"}
     print(json.dumps(out, indent=2), flush=True)
