@@ -13,6 +13,17 @@ completion of eager, static or CUDA-graph decode equalled ``generate``'s, so onl
 CUDA synchronised around each call.
 The JSON is rewritten after every case, so a timeout keeps what finished.
 
+Why the first run's static and CUDA-graph modes failed (``benchmarks/results/gpu_h200_20261204``):
+on CUDA the eager step ran attention through the Triton cascade kernels and the static step
+(the one a graph captures) through the PyTorch attention over the whole suffix capacity; in
+bf16 their roundings differ, and on a random model's near-flat logits greedy paths split.
+The static step now runs the eager step's kernels (lengths from the device), so the modes
+compute the same numbers. If a mode's completions still differ, the check records where
+(``divergence``): the first differing (row, step), the largest log-prob difference before it,
+and the top-2 logit gap of the eager path at that step from a teacher-forced fp32 forward --
+a gap within rounding (``NEAR_TIE``) says rounding at a near-tie, a wide gap or log-probs
+that drifted before it say the step computes something else.
+
     python benchmarks/gpu/bench_sampler.py --out $OUT/sampler_gpu.json            # on the device
     python benchmarks/gpu/bench_sampler.py --dry-run --out /tmp/sampler_cpu.json  # CPU: tiny shape, checks only
 """
@@ -36,6 +47,31 @@ REAL = dict(vocab=151_936, hidden=256, layers=4, prompts=2, G=8, P=256, L=128)
 DRY = dict(vocab=512, hidden=64, layers=2, prompts=2, G=4, P=16, L=8)
 CHECK_DTYPE = torch.float32
 """The greedy checks' dtype (the timings' is bf16 on CUDA)."""
+NEAR_TIE = 1e-3
+"""A top-2 logit gap (fp32 forward) below this is a near-tie: rounding can flip a greedy pick there."""
+
+
+def divergence(model, prompts: list[list[int]], G: int, ref, got) -> dict | None:
+    """Where two greedy rollouts of the same prompts first differ, and whether that step is a near-tie."""
+    first = None
+    for b, (x, y) in enumerate(zip(ref.completion_ids, got.completion_ids)):
+        t = next((i for i, (u, v) in enumerate(zip(x, y)) if u != v), None if len(x) == len(y) else min(len(x), len(y)))
+        if t is not None and (first is None or t < first[1]):
+            first = (b, t)
+    if first is None:
+        return None
+    b, t = first
+    before = [float((ref.completion_logp[r][:t] - got.completion_logp[r][:t]).abs().max()) if t else 0.0
+              for r in range(len(ref.completion_ids))]
+    ids = torch.tensor([prompts[b // G] + ref.completion_ids[b][:t]], device=next(model.parameters()).device)
+    with torch.no_grad():
+        logits = model(input_ids=ids).logits[0, -1].float()
+    top = torch.topk(logits, 2).values
+    gap = float(top[0] - top[1])
+    return {"row": b, "step": t, "eager_token": ref.completion_ids[b][t] if t < len(ref.completion_ids[b]) else None,
+            "mode_token": got.completion_ids[b][t] if t < len(got.completion_ids[b]) else None,
+            "max_logp_diff_before": max(before), "top2_logit_gap_fp32": gap,
+            "cause": "rounding at a near-tie" if gap < NEAR_TIE else "the modes compute different logits (not a near-tie)"}
 
 
 def _sync(device: torch.device) -> None:
@@ -89,10 +125,13 @@ def main(argv: list[str] | None = None) -> int:
     ok: dict[str, bool] = {}
     ref = None
     for m, s in samplers.items():
-        got = s.generate(prompts, group_size=G, sampling=greedy).completion_ids
-        ref = got if ref is None else ref
-        ok[m] = got == ref
+        batch = s.generate(prompts, group_size=G, sampling=greedy)
+        got = batch.completion_ids
+        ref = batch if ref is None else ref
+        ok[m] = got == ref.completion_ids
         out["checks"][m] = {"equals_eager": ok[m], "share_equal_to_hf_generate": sum(a == b for a, b in zip(got, hf_greedy)) / len(got)}
+        if not ok[m]:
+            out["checks"][m]["divergence"] = divergence(model, prompts, G, ref, batch)
         save()
     print(json.dumps(out["checks"]), flush=True)
     if args.dry_run:

@@ -193,17 +193,31 @@ def cases_logprobs(rec: Recorder, full: bool) -> None:
 
 
 def _attn_call(rec: Recorder, hq: int, hkv: int, d: int, g: int, dtype, n_groups: int = 4, prefix: int = 512,
-               suffix: int = 256) -> None:
-    from csrc_triton.decode_attention import shared_prefix_decode_attention_triton as attn
+               suffix: int = 256, loop_for: bool = True) -> None:
+    """One decode step as the sampler runs it: a plan prepared for the store (the padded prompt
+    length bounds the prefix split), then its call -- the cascade's two kernels, CUDA tiles.
+    ``loop_for=False``: the while-loop form (for interpreters older than Triton 3.8)."""
+    from csrc_triton.decode_attention import CascadePlan
 
     b = n_groups * g
-    attn(meta(b, hq, d, dtype=dtype), meta(hkv, n_groups * prefix, d, dtype=dtype),
-         meta(hkv, n_groups * prefix, d, dtype=dtype), meta(n_groups, dtype=torch.int32),
-         meta(n_groups, dtype=torch.int32), meta(b, hkv, suffix, d, dtype=dtype),
-         meta(b, hkv, suffix, d, dtype=dtype), meta(b, dtype=torch.int32), g, d**-0.5)
+    plan = CascadePlan(batch=b, q_heads=hq, kv_heads=hkv, head_dim=d, group_size=g, dtype=dtype, device=META,
+                       max_prefix_len=prefix, sm_count=H200_SM_COUNT, loop_for=loop_for)
+    # the prompts' [N, Hkv, D] storage seen as [Hkv, N, D] (the model's key projection layout)
+    plan.run(meta(b, hq, d, dtype=dtype), meta(n_groups * prefix, hkv, d, dtype=dtype).transpose(0, 1),
+             meta(n_groups * prefix, hkv, d, dtype=dtype).transpose(0, 1), meta(n_groups, dtype=torch.int32),
+             meta(n_groups, dtype=torch.int32), meta(b, hkv, suffix, d, dtype=dtype),
+             meta(b, hkv, suffix, d, dtype=dtype), meta(b, dtype=torch.int32), d**-0.5)
+
+
+# Issue 37's decode shapes (B = 16 prompts x G = 8): Hq/Hkv 28/4 at D=128, P=1024, S=256, and 14/2 at D=64, P=2048, S=512.
+DECODE_BENCH_SHAPES = (((28, 4, 128), 8, 16, 1024, 256), ((14, 2, 64), 8, 16, 2048, 512))
 
 
 def cases_decode_attention(rec: Recorder, full: bool) -> None:
+    for (hq, hkv, d), g, groups, prefix, suffix in DECODE_BENCH_SHAPES:
+        for dtype in LOW:
+            rec.label = f"strict:decode_attention bench Hq={hq} Hkv={hkv} D={d} G={g} P={prefix} S={suffix} {str(dtype)[6:]}"
+            _attn_call(rec, hq, hkv, d, g, dtype, n_groups=groups, prefix=prefix, suffix=suffix)
     if full:
         grid = list(itertools.product(ATTN_HEADS, (1, 4, 8, 16, 64), FLOATS))
     else:  # D = 64 and 128, one and many query rows per tile, every dtype
@@ -214,6 +228,8 @@ def cases_decode_attention(rec: Recorder, full: bool) -> None:
         strict = "strict:" if dtype in LOW and d in (64, 128) else ""
         rec.label = f"{strict}decode_attention Hq={hq} Hkv={hkv} D={d} G={g} {str(dtype)[6:]}"
         _attn_call(rec, hq, hkv, d, g, dtype)
+    rec.label = "decode_attention while-loop form Hq=28 Hkv=4 D=128 G=8 bfloat16"
+    _attn_call(rec, 28, 4, 128, 8, torch.bfloat16, loop_for=False)
 
 
 def _policy_call(rec: Recorder, B: int, T: int, dtype, *, seq_ratio=False, seq_is=False, dual=None, lr_clamp=None,

@@ -9,8 +9,16 @@ with their log-sum-exps, which equals full attention over ``[prefix ; suffix]``
     out = (e^{lse_p} o_p + e^{lse_s} o_s) / (e^{lse_p} + e^{lse_s})
 
 Backends: ``triton`` (``csrc_triton.decode_attention``: the prefix of a group is read once
-for all its samples and heads) and ``torch`` (the same cascade with batched matmuls, one
-per group for the prefix). No autograd: rollouts run under ``torch.no_grad``.
+for all its samples and heads, split into chunks over the GPU's SMs; each suffix once per kv
+head; one merge) and ``torch`` (the same cascade with batched matmuls, one per group for the
+prefix). ``auto`` is Triton on CUDA (not yet measured against FlashInfer's cascade or
+FlashAttention's ``flash_attn_with_kvcache``; ``benchmarks/gpu/bench_decode.py`` times them
+where installed) and torch elsewhere. No autograd: rollouts run under ``torch.no_grad``.
+
+A decode loop calls this once per layer and token: :func:`prepare_decode_attention` checks
+the tensors and builds a :class:`DecodeAttentionPlan` once per rollout (tiles, grids, the
+partials' workspace and the output buffer), whose call is two kernel launches with no checks,
+no allocation and no host sync (a CUDA graph can capture it).
 """
 
 from __future__ import annotations
@@ -21,7 +29,7 @@ from dataclasses import dataclass
 
 from fastrl._checks import check_float, check_int, check_same_device, resolve_backend
 
-__all__ = ["shared_prefix_decode_attention", "padded_prefix_attention", "PrefixRows"]
+__all__ = ["shared_prefix_decode_attention", "prepare_decode_attention", "DecodeAttentionPlan", "padded_prefix_attention", "PrefixRows"]
 
 
 def _check(q, prefix_k, prefix_v, prefix_start, prefix_len, suffix_k, suffix_v, suffix_len, group_size, scale):
@@ -100,6 +108,68 @@ def _torch_impl(q, prefix_k, prefix_v, prefix_start, prefix_len, suffix_k, suffi
     return out.view(B, Hq, D).to(q.dtype)
 
 
+class DecodeAttentionPlan:
+    """One rollout's decode attention, prepared once (:func:`prepare_decode_attention`) and
+    called per layer and step with tensors laid out like the ones it was prepared with
+    (same shapes, dtypes, device and last-dim contiguity; other strides and the lengths'
+    values are free). Nothing is checked per call.
+
+    On the Triton backend a call launches the two cascade kernels and returns the plan's
+    output buffer, overwritten by the next call (consume or copy it first); on the torch
+    backend it returns a fresh tensor.
+    """
+
+    def __init__(self, backend: str, group_size: int, scale: float, cascade=None):
+        self.backend, self.group_size, self.scale = backend, group_size, scale
+        self.splits: int | None = None if cascade is None else cascade.splits  # prefix chunks per group (Triton)
+        self._launch = None if cascade is None else cascade.run  # csrc_triton CascadePlan.run; None: torch
+
+    def __call__(self, q, prefix_k, prefix_v, prefix_start, prefix_len, suffix_k, suffix_v, suffix_len, host_lengths=None):
+        if self._launch is not None:
+            return self._launch(q, prefix_k, prefix_v, prefix_start, prefix_len, suffix_k, suffix_v, suffix_len, self.scale)
+        return _torch_impl(q, prefix_k, prefix_v, prefix_start, prefix_len, suffix_k, suffix_v, suffix_len, self.group_size,
+                           self.scale, host_lengths)
+
+
+def prepare_decode_attention(
+    q: torch.Tensor,
+    prefix_k: torch.Tensor,
+    prefix_v: torch.Tensor,
+    prefix_start: torch.Tensor,
+    prefix_len: torch.Tensor,
+    suffix_k: torch.Tensor,
+    suffix_v: torch.Tensor,
+    suffix_len: torch.Tensor,
+    *,
+    group_size: int,
+    scale: float,
+    backend: str = "auto",
+    max_prefix_len: int | None = None,
+    splits: int | None = None,
+) -> DecodeAttentionPlan:
+    """Check one step's tensors (as :func:`shared_prefix_decode_attention` documents them) and
+    build the plan that runs every later step like them.
+
+    ``max_prefix_len``: an upper bound on ``prefix_len`` (the store's padded prompt length;
+    default: the store's whole length ``N``), which caps the prefix split at the prompt's key blocks; ``splits``: the number of prefix
+    chunks per group (default: enough programs to fill the device's SMs twice). A rollout
+    that narrows its batch passes the split of its full batch, so a row's result does not
+    depend on which other rows run.
+    """
+    _check(q, prefix_k, prefix_v, prefix_start, prefix_len, suffix_k, suffix_v, suffix_len, group_size, scale)
+    backend = resolve_backend(backend, q.device)
+    if backend != "triton":
+        return DecodeAttentionPlan(backend, group_size, float(scale))
+    from csrc_triton.decode_attention import CascadePlan
+
+    B, Hq, D = q.shape
+    kv_dtypes = {prefix_k.dtype, prefix_v.dtype, suffix_k.dtype, suffix_v.dtype}
+    plan = CascadePlan(batch=B, q_heads=Hq, kv_heads=prefix_k.shape[0], head_dim=D, group_size=group_size, dtype=q.dtype,
+                       kv_dtype=kv_dtypes.pop() if len(kv_dtypes) == 1 else torch.float64, device=q.device,
+                       max_prefix_len=prefix_k.shape[1] if max_prefix_len is None else max_prefix_len, splits=splits)
+    return DecodeAttentionPlan(backend, group_size, float(scale), plan)
+
+
 def shared_prefix_decode_attention(
     q: torch.Tensor,
     prefix_k: torch.Tensor,
@@ -113,9 +183,10 @@ def shared_prefix_decode_attention(
     group_size: int,
     scale: float,
     backend: str = "auto",
-    validate: bool = True,
+    max_prefix_len: int | None = None,
 ) -> torch.Tensor:
-    """One decode step of attention for groups of samples sharing a prompt.
+    """One decode step of attention for groups of samples sharing a prompt (checked, then run
+    by a fresh :class:`DecodeAttentionPlan`; a decode loop prepares its plan once instead).
 
     Args:
         q: ``[B, Hq, D]`` queries of the current token; samples in group order
@@ -130,28 +201,15 @@ def shared_prefix_decode_attention(
         group_size: samples per group.
         scale: softmax scale (usually ``D ** -0.5``).
         backend: ``auto`` | ``triton`` | ``torch``.
-        validate: check shapes, dtypes and devices first. A decode loop that checked its
-            tensors once per rollout passes ``False`` for every layer and step after that.
+        max_prefix_len: optional upper bound on ``prefix_len`` (see :func:`prepare_decode_attention`).
 
     Returns:
-        ``[B, Hq, D]`` in ``q.dtype`` (fp32 accumulation). The torch backend reads
-        ``prefix_start``/``prefix_len`` on the host (a sync on CUDA); the Triton one does not.
+        ``[B, Hq, D]`` in ``q.dtype`` (fp32 accumulation; a fresh tensor). The torch backend
+        reads ``prefix_start``/``prefix_len`` on the host (a sync on CUDA); the Triton one does not.
     """
-    if validate:
-        _check(q, prefix_k, prefix_v, prefix_start, prefix_len, suffix_k, suffix_v, suffix_len, group_size, scale)
-    return _dispatch(q, prefix_k, prefix_v, prefix_start, prefix_len, suffix_k, suffix_v, suffix_len, group_size, scale, resolve_backend(backend, q.device))
-
-
-def _dispatch(q, prefix_k, prefix_v, prefix_start, prefix_len, suffix_k, suffix_v, suffix_len, group_size, scale, backend, host_lengths=None):
-    """Run a resolved backend without re-validating (the sampler's decode loop checks its
-    tensors once per rollout, then calls this for every layer and step)."""
-    if backend == "triton":
-        from csrc_triton.decode_attention import shared_prefix_decode_attention_triton
-
-        return shared_prefix_decode_attention_triton(
-            q, prefix_k, prefix_v, prefix_start, prefix_len, suffix_k, suffix_v, suffix_len, group_size, float(scale)
-        )
-    return _torch_impl(q, prefix_k, prefix_v, prefix_start, prefix_len, suffix_k, suffix_v, suffix_len, group_size, float(scale), host_lengths)
+    plan = prepare_decode_attention(q, prefix_k, prefix_v, prefix_start, prefix_len, suffix_k, suffix_v, suffix_len,
+                                    group_size=group_size, scale=scale, backend=backend, max_prefix_len=max_prefix_len)
+    return plan(q, prefix_k, prefix_v, prefix_start, prefix_len, suffix_k, suffix_v, suffix_len)
 
 
 @dataclass(frozen=True)

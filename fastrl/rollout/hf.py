@@ -81,7 +81,7 @@ import torch.nn.functional as F
 
 from fastrl._checks import check_choice, resolve_backend
 from fastrl.errors import InputError
-from fastrl.ops.decode_attention import PrefixRows, padded_prefix_attention, shared_prefix_decode_attention
+from fastrl.ops.decode_attention import DecodeAttentionPlan, PrefixRows, padded_prefix_attention, prepare_decode_attention
 from fastrl.rollout.lean_decode import lean_decoder
 from fastrl.rollout.base import RolloutBatch, RolloutStats, SamplingConfig, validate_prompt_seeds, validate_prompts
 
@@ -189,6 +189,7 @@ class CascadeKV:
         self.full_prefix_of = list(prefix_of)
         self.full_group_size = group_size
         self.order = None
+        self._splits: int | None = None  # the Triton prefix split of the full batch, kept when narrowed
         self._layout(self.full_prefix_of, group_size)
         self.suffix_len = [0] * self.batch
 
@@ -202,6 +203,7 @@ class CascadeKV:
         first = self.prefix_of[:: self.group_size]
         self._tri_start = torch.tensor([u * self.P for u in first], dtype=torch.int32, device=self.device)
         self._tri_len = torch.tensor([self.prompt_lens[u] for u in first], dtype=torch.int32, device=self.device)
+        self._plan: DecodeAttentionPlan | None = None  # made at the layout's first one-token Triton step
         self.prompt_len_rows = torch.tensor([self.prompt_lens[u] for u in self.prefix_of], dtype=torch.long, device=self.device)
 
     def _permute(self, index: list[int]) -> None:
@@ -327,14 +329,18 @@ class CascadeKV:
         changes from step to step."""
         dev = self.device
         self.static_slot = torch.tensor(self.suffix_len, dtype=torch.long, device=dev)
+        self._static_slen = torch.empty_like(self.static_slot)  # suffix lengths the Triton kernels read
         self._brange = torch.arange(self.batch, device=dev)
         self._slots = torch.arange(self.capacity, device=dev)
 
     def static_step_begin(self) -> torch.Tensor:
         """Device ops of a static step before the forward; returns the ``[B, 1]`` positions."""
         self.mode = "static"
-        see = self._slots[None, :] <= self.static_slot[:, None]  # slots written so far plus this one
-        self.static_bias = torch.zeros(see.shape, device=self.device).masked_fill_(~see, float("-inf"))[:, None, :]
+        if self.backend == "triton":  # the eager step's kernels, lengths from the device
+            torch.add(self.static_slot, 1, out=self._static_slen)
+        else:
+            see = self._slots[None, :] <= self.static_slot[:, None]  # slots written so far plus this one
+            self.static_bias = torch.zeros(see.shape, device=self.device).masked_fill_(~see, float("-inf"))[:, None, :]
         return (self.prompt_len_rows + self.static_slot)[:, None]
 
     def static_step_end(self) -> None:
@@ -347,6 +353,22 @@ class CascadeKV:
                 if t is not None:
                     total += t.numel() * t.element_size()
         return total
+
+    def _cascade(self, layer: int, query: torch.Tensor, sk: torch.Tensor, sv: torch.Tensor, slen: torch.Tensor,
+                 scaling: float) -> torch.Tensor:
+        """One query per row through the Triton cascade (``[B, Hq, 1, D]`` -> ``[B, 1, Hq, D]``). The
+        plan is checked and built at the layout's first step and reused by every layer and step
+        after it (no checks or allocation per call); its prefix split is the full batch's. The
+        result is the plan's output buffer: the layer's output projection reads it before the
+        next layer's call overwrites it."""
+        pk, pv = self.prefix_k[layer], self.prefix_v[layer]
+        Hkv, U, P, D = pk.shape
+        args = (query[:, :, 0], pk.view(Hkv, U * P, D), pv.view(Hkv, U * P, D), self._tri_start, self._tri_len, sk, sv, slen)
+        if self._plan is None:
+            self._plan = prepare_decode_attention(*args, group_size=self.group_size, scale=scaling, backend="triton",
+                                                  max_prefix_len=P, splits=self._splits)
+            self._splits = self._plan.splits
+        return self._plan(*args).unsqueeze(1)
 
     def attend(self, module: torch.nn.Module, query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, scaling: float) -> torch.Tensor:
         layer = module.layer_idx
@@ -393,6 +415,8 @@ class CascadeKV:
         if self.mode == "static":  # T == 1, slots and mask from device tensors, the full capacity
             sk[self._brange, :, self.static_slot] = key[:, :, 0]
             sv[self._brange, :, self.static_slot] = value[:, :, 0]
+            if self.backend == "triton":  # the same kernels as the eager step, so the same numbers
+                return self._cascade(layer, query, sk, sv, self._static_slen, scaling)
             return padded_prefix_attention(
                 query, self.prefix_k[layer], self.prefix_v[layer], self.prefix_bias, self.rows, sk, sv, self.static_bias, scale=scaling,
             )
@@ -405,13 +429,7 @@ class CascadeKV:
             sk[rows, :, slots] = key.transpose(1, 2)
             sv[rows, :, slots] = value.transpose(1, 2)
         if self._tri_slen is not None:  # one query per row: the Triton cascade kernels
-            pk, pv = self.prefix_k[layer], self.prefix_v[layer]
-            Hkv, U, P, D = pk.shape
-            out = shared_prefix_decode_attention(
-                query[:, :, 0], pk.view(Hkv, U * P, D), pv.view(Hkv, U * P, D), self._tri_start, self._tri_len,
-                sk, sv, self._tri_slen, group_size=self.group_size, scale=scaling, backend="triton", validate=False,
-            )
-            return out.unsqueeze(1)
+            return self._cascade(layer, query, sk, sv, self._tri_slen, scaling)
         return padded_prefix_attention(
             query, self.prefix_k[layer], self.prefix_v[layer], self.prefix_bias, self.rows,
             sk[:, :, : self.S], sv[:, :, : self.S], self.suffix_bias, scale=scaling,

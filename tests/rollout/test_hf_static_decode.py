@@ -68,6 +68,33 @@ def test_static_step_equals_the_eager_step_in_generate_and_across_turns():
         torch.testing.assert_close(torch.tensor(la), torch.tensor(lb), rtol=0, atol=1e-5)
 
 
+def test_static_step_runs_the_eager_steps_triton_kernels_through_one_plan(monkeypatch):
+    # backend "triton" (the interpreter on CPU): the static step's attention is the eager step's
+    # cascade kernels with the lengths read from the device, so both modes pick the same tokens
+    # (the first H200 run's static mode ran the torch attention over the whole capacity beside
+    # eager's Triton kernels: in bf16 their rounding differed and greedy paths split). One plan
+    # is prepared per rollout layout and reused by every layer and step.
+    from csrc_triton import decode_attention as kernels
+
+    made = []
+    original = kernels.CascadePlan.__init__
+    monkeypatch.setattr(kernels.CascadePlan, "__init__", lambda self, **kw: (made.append(kw["batch"]), original(self, **kw))[1])
+    model = tiny(Qwen2ForCausalLM, Qwen2Config)
+    eager, static = HFGroupSampler(model, backend="triton"), HFGroupSampler(model, decode="static", backend="triton")
+    n = 6
+    for cfg, seeds in ((SamplingConfig(greedy=True, max_new_tokens=n), None), (SamplingConfig(temperature=1.0, max_new_tokens=n), [1, 2, 3])):
+        made.clear()
+        a = eager.generate(PROMPTS, group_size=2, sampling=cfg, prompt_seeds=seeds)
+        assert made == [6]  # one plan for 2 layers x 5 one-token steps
+        made.clear()
+        b = static.generate(PROMPTS, group_size=2, sampling=cfg, prompt_seeds=seeds)
+        assert made == [6]
+        assert a.completion_ids == b.completion_ids
+        torch.testing.assert_close(a.sampler_logp, b.sampler_logp, rtol=0, atol=1e-6)
+        torch_ids = HFGroupSampler(model, backend="torch").generate(PROMPTS, group_size=2, sampling=cfg, prompt_seeds=seeds)
+        assert torch_ids.completion_ids == a.completion_ids  # fp32: the two attention paths agree
+
+
 def test_cuda_graph_decode_needs_a_cuda_model():
     with pytest.raises(InputError, match="cuda_graph"):
         HFGroupSampler(tiny(LlamaForCausalLM, LlamaConfig), decode="cuda_graph")
