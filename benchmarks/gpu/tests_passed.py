@@ -18,7 +18,7 @@ MODULE_TESTS = {
     "advantages": ("tests/ops/test_advantages.py", "tests/ops/test_whiten.py", "tests/reference/test_advantages_reference.py"),
     "scans": ("tests/ops/test_scans.py", "tests/reference/test_scans_reference.py"),
     "logprobs": ("tests/ops/test_logprobs.py", "tests/ops/test_fused_linear_policy_loss.py"),
-    "rollout": ("tests/rollout/test_decode_attention.py", "tests/rollout/test_decode_attention_precision.py"),
+    "rollout": ("tests/rollout/test_decode_attention.py", "tests/rollout/test_decode_attention_precision.py", "tests/rollout/test_decode_cascade.py"),
     "tree_attention": ("tests/ops/test_tree_attention.py", "tests/ops/test_hf_tree.py", "tests/ops/test_shared_prefix_attention.py"),
 }
 

@@ -6,7 +6,7 @@ CUDA tensors and the PyTorch path otherwise.
 
 from fastrl.ops.aggregation import GlobalCounts, aggregate_loss
 from fastrl.ops.advantages import group_advantages, step_advantages
-from fastrl.ops.decode_attention import shared_prefix_decode_attention
+from fastrl.ops.decode_attention import DecodeAttentionPlan, prepare_decode_attention, shared_prefix_decode_attention
 from fastrl.ops.fused_policy_loss import fused_linear_policy_loss
 from fastrl.ops.kl import kl_penalty
 from fastrl.ops.logprobs import linear_logprobs
@@ -40,3 +40,4 @@ __all__ = [
 ]
 __all__ += ["PackedLayout", "PackedGroups", "SharedPrefixLayout", "shared_prefix_attention"]
 __all__ += ["PackedTree", "TreeLayout", "tree_attention"]
+__all__ += ["DecodeAttentionPlan", "prepare_decode_attention"]
