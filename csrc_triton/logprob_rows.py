@@ -3,7 +3,8 @@ cuBLAS logits GEMM.
 
 The chunked path (``fastrl.ops.logprobs`` / ``fastrl.ops.fused_policy_loss``) computes a
 chunk of ``C`` tokens' raw logits ``z = h @ W.T`` in fp32 with one GEMM, then these kernels
-make one pass each over ``z``, one program per row, ``BLOCK_V`` vocabulary entries per step
+make one pass each over ``z``, row by row (one wave of programs, each the same number of
+rows: ``row_grid``), ``BLOCK_V`` vocabulary entries per step
 (``u = (z + bias) / temperature`` is formed in registers, never stored):
 
 1. ``row_stats``: running max ``m``, ``s = sum exp(u - m)``, the entropy term
@@ -41,16 +42,52 @@ import triton.language as tl
 BLOCK_V = 2048
 """Vocabulary entries per step of a row (fp32: 8 KB per step, 8 per thread at 8 warps)."""
 NUM_WARPS = 8
-_NEG_INF = float("-inf")
+PROGRAMS_PER_SM = 4
+"""Resident programs per SM the grid plans for (8 warps each: 32 warps an SM, enough loads in
+flight for these memory-bound passes; the kernels use <= 64 registers, so 4 fit)."""
+INTERPRETER_PROGRAMS = 3  # on CPU: a few programs, so the tests run programs of several rows
+ASSUMED_SM_COUNT = 132  # H100 / H200: what a launch on a device without properties (meta) plans for
+
+
+def row_grid(n_rows: int, device: torch.device) -> tuple[int, int]:
+    """(programs, rows per program): at most one wave of ``PROGRAMS_PER_SM`` programs per
+    SM, every program the same number of rows (``ceil(n / ceil(n / max_programs))``
+    programs), so no last wave runs part-empty: one program per row gave 2,048 one-row
+    programs at 5 per SM = 3.1 waves, the last 10% full (``hopper_checks`` caught it)."""
+    if device.type == "cuda":
+        cap = torch.cuda.get_device_properties(device).multi_processor_count * PROGRAMS_PER_SM
+    elif device.type == "cpu":
+        cap = INTERPRETER_PROGRAMS
+    else:
+        cap = ASSUMED_SM_COUNT * PROGRAMS_PER_SM
+    per = -(-max(n_rows, 1) // cap)
+    return -(-max(n_rows, 1) // per), per
+_NEG_INF = tl.constexpr(float("-inf"))  # a global a compiled kernel may read: a constexpr
 
 
 @triton.jit
 def _row_stats_kernel(
     z_ptr, b_ptr, y_ptr, m_ptr, s_ptr, w_ptr, t_ptr,
-    stride_z, inv_temp,
+    n_rows, rows_per_prog, stride_z, inv_temp,
     V: tl.constexpr, HAS_BIAS: tl.constexpr, WITH_ENT: tl.constexpr, BLOCK_V: tl.constexpr,
 ):
-    row = tl.program_id(0).to(tl.int64)
+    # rows [pid * rows_per_prog, ...) of this program, one after the other (a while loop: a
+    # runtime bound; no MMA in it, so nothing to software-pipeline across rows)
+    first = tl.program_id(0).to(tl.int64) * rows_per_prog
+    i = rows_per_prog * 0
+    while i < rows_per_prog:
+        row = first + i
+        if row < n_rows:
+            _stats_row(z_ptr, b_ptr, y_ptr, m_ptr, s_ptr, w_ptr, t_ptr, row, stride_z, inv_temp,
+                       V, HAS_BIAS, WITH_ENT, BLOCK_V)
+        i += 1
+
+
+@triton.jit
+def _stats_row(
+    z_ptr, b_ptr, y_ptr, m_ptr, s_ptr, w_ptr, t_ptr, row, stride_z, inv_temp,
+    V: tl.constexpr, HAS_BIAS: tl.constexpr, WITH_ENT: tl.constexpr, BLOCK_V: tl.constexpr,
+):
     base = z_ptr + row * stride_z
     cols = tl.arange(0, BLOCK_V)
     # per-lane running statistics, reduced across lanes once at the end
@@ -97,10 +134,24 @@ def _row_stats_kernel(
 @triton.jit
 def _row_grad_kernel(
     z_ptr, g_ptr, b_ptr, y_ptr, lse_ptr, ent_ptr, gl_ptr, ge_ptr,
-    stride_z, stride_g, inv_temp,
+    n_rows, rows_per_prog, stride_z, stride_g, inv_temp,
     V: tl.constexpr, HAS_BIAS: tl.constexpr, HAS_GE: tl.constexpr, BLOCK_V: tl.constexpr,
 ):
-    row = tl.program_id(0).to(tl.int64)
+    first = tl.program_id(0).to(tl.int64) * rows_per_prog
+    i = rows_per_prog * 0
+    while i < rows_per_prog:
+        row = first + i
+        if row < n_rows:
+            _grad_row(z_ptr, g_ptr, b_ptr, y_ptr, lse_ptr, ent_ptr, gl_ptr, ge_ptr, row, stride_z, stride_g, inv_temp,
+                      V, HAS_BIAS, HAS_GE, BLOCK_V)
+        i += 1
+
+
+@triton.jit
+def _grad_row(
+    z_ptr, g_ptr, b_ptr, y_ptr, lse_ptr, ent_ptr, gl_ptr, ge_ptr, row, stride_z, stride_g, inv_temp,
+    V: tl.constexpr, HAS_BIAS: tl.constexpr, HAS_GE: tl.constexpr, BLOCK_V: tl.constexpr,
+):
     zb = z_ptr + row * stride_z
     gb = g_ptr + row * stride_g
     cols = tl.arange(0, BLOCK_V)
@@ -150,8 +201,9 @@ def row_stats(
     m, s, t = torch.empty(n, **f32), torch.empty(n, **f32), torch.empty(n, **f32)
     w = torch.empty(n, **f32) if with_entropy else m
     if n:
-        _row_stats_kernel[(n,)](
-            z, bias if bias is not None else z, y, m, s, w, t, z.stride(0), float(inv_temp),
+        progs, per = row_grid(n, z.device)
+        _row_stats_kernel[(progs,)](
+            z, bias if bias is not None else z, y, m, s, w, t, n, per, z.stride(0), float(inv_temp),
             V=v, HAS_BIAS=bias is not None, WITH_ENT=bool(with_entropy), BLOCK_V=block_v, num_warps=NUM_WARPS,
         )
     return m, s, (w if with_entropy else None), t
@@ -175,9 +227,10 @@ def row_grad(
         if x is not None and (x.shape != (n,) or x.dtype != torch.float32 or not x.is_contiguous()):
             raise ValueError(f"{name} must be a contiguous fp32 [rows] tensor")
     if n:
-        _row_grad_kernel[(n,)](
+        progs, per = row_grid(n, z.device)
+        _row_grad_kernel[(progs,)](
             z, out, bias if bias is not None else z, y, lse, ent if ge is not None else lse, gl,
-            ge if ge is not None else gl, z.stride(0), out.stride(0), float(inv_temp),
+            ge if ge is not None else gl, n, per, z.stride(0), out.stride(0), float(inv_temp),
             V=v, HAS_BIAS=bias is not None, HAS_GE=ge is not None, BLOCK_V=block_v, num_warps=NUM_WARPS,
         )
     return out
