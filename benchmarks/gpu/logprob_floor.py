@@ -159,15 +159,20 @@ def table(shapes, dtype="bfloat16", gpu="h200", scored_share=SCORED_SHARE) -> li
     for n, h, v in shapes:
         ns = int(round(n * scored_share))
         row = {"N": n, "scored": ns, "H": h, "V": v, "dtype": dtype, "gpu": gpu,
-               "floor_ms": round(floor_ms(n, h, v, scored=ns, gpu=gpu), 2),
-               "floor_fwd_ms": round(floor_ms(n, h, v, scored=ns, gpu=gpu, forward_only=True), 2),
+               "floor_ms": _sig(floor_ms(n, h, v, scored=ns, gpu=gpu)),
+               "floor_fwd_ms": _sig(floor_ms(n, h, v, scored=ns, gpu=gpu, forward_only=True)),
                "chunk": default_chunk(v, ns), "predicted": True}
         for p in ("chunked_one_pass", "chunked_two_pass", "chunked_forward", "triton", "naive", "naive_forward"):
             ls = launches(p, n, h, v, dtype, scored=None if p.startswith("naive") else ns)
-            row[f"{p}_ms"] = round(predict_ms(ls, gpu), 2)
+            row[f"{p}_ms"] = _sig(predict_ms(ls, gpu))
             row[f"{p}_peak_gib"] = round(peak_extra_bytes(p, n, h, v, dtype, scored=ns) / 2**30, 2)
         rows.append(row)
     return rows
+
+
+def _sig(x: float, digits: int = 4) -> float:
+    """``x`` to ``digits`` significant digits (a tiny dry-run share stays non-zero)."""
+    return float(f"{x:.{digits}g}")
 
 
 def achieved(results: dict, gpu: str | None = None) -> list[dict]:
@@ -184,8 +189,8 @@ def achieved(results: dict, gpu: str | None = None) -> list[dict]:
         useful = (1 if fwd else 3) * _gemm(r["scored"], r["H"], r["V"])
         fl = floor_ms(r["N"], r["H"], r["V"], scored=r["scored"], gpu=gpu, forward_only=fwd)
         out.append({**{k: r[k] for k in ("N", "H", "V", "impl", "mode", "median_ms")},
-                    "achieved_tflops": round(useful / (r["median_ms"] * 1e-3) / 1e12, 1),
-                    "share_of_floor": round(fl / r["median_ms"], 3), "floor_ms": round(fl, 2)})
+                    "achieved_tflops": _sig(useful / (r["median_ms"] * 1e-3) / 1e12),
+                    "share_of_floor": _sig(fl / r["median_ms"]), "floor_ms": _sig(fl)})
     return out
 
 
