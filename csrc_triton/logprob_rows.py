@@ -26,11 +26,31 @@ the chunk's log-probs, one home for every surrogate formula): a fused stats+grad
 would make the same two passes over each row (the gradient needs the row's log-sum-exp
 before its first entry can be written), so splitting them costs launches, not bytes.
 
-Budget (bf16, V = 151,936, per token): stats reads 0.61 MB, grad reads 0.61 MB and writes
-0.30 MB: 1.52 MB per token, 12.5 GB at N = 8,192 tokens, ~3.8 ms at 3.3 TB/s (H100) and
-~2.6 ms at 4.8 TB/s (H200); no FLOPs worth counting against the GEMMs' 2 N V H per GEMM.
-These are memory-bound kernels: the Hopper GEMM checks (``benchmarks/gpu/hopper_checks.py``)
-do not apply to them.
+Budget of every launch of the chunked path (bf16; N tokens of which 7/8 scored; chunks of
+``fastrl.ops.logprobs.chunked_rows`` tokens; TFLOP of the scored tokens; bytes: device memory,
+the GEMMs' operands and outputs once per chunk, the fp32 grad_weight read and written by each
+chunk's addmm; predicted times serialise FLOPs at 790 TFLOP/s and bytes at 4.8 TB/s (H200);
+``python benchmarks/gpu/logprob_floor.py`` prints it for any shape). At N = 8,192, H = 3,584,
+V = 151,936 (4 chunks of 2,048):
+
+    launch (per call)                 TFLOP   GB     in which pass
+    logits GEMM (fp32 out)            7.81    8.8    forward; the two-pass backward again
+    row_stats                         0       4.4    forward (and the no-grad pass)
+    row_grad (bf16 g)                 0       6.5    one pass: forward; two pass: backward
+    g @ W (grad_hidden)               7.81    6.6
+    g.T @ h (fp32 grad_weight addmm)  7.81    19.7
+
+    one pass (token-level losses)  23.4 TFLOP, 46 GB: predicted 39.2 ms (floor 29.6: 1.32x)
+    two pass (sequence-level, linear_logprobs, vocab shards)  31.2 TFLOP, 55 GB: 50.9 ms
+    no-grad pass (old / reference log-probs)  7.81 TFLOP, 13 GB: 12.6 ms (one GEMM 9.9: 1.28x)
+
+The other shapes of the issue (one pass / no-grad, predicted, H200): N = 8,192, H = 1,536,
+V = 151,936: 19.1 / 6.4 ms (floor 12.7 / 4.2); N = 8,192, H = 4,096, V = 128,256: 36.0 / 11.7
+ms (floor 28.6 / 9.5); N = 32,768, H = 1,536, V = 151,936: 75.4 / 25.6 ms (floor 50.8 / 16.9:
+the fp32 grad_weight re-accumulation, 14 chunks x 1.9 GB, is what a small H pays). The
+measurement is pending a GPU (``benchmarks/gpu/bench_logprob_loss.py``). These are
+memory-bound kernels: of the Hopper checks (``benchmarks/gpu/hopper_checks.py``) they take
+the fence, waves and spill rules, which they pass.
 """
 
 from __future__ import annotations

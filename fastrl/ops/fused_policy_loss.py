@@ -2,16 +2,26 @@
 
 ``fused_linear_policy_loss(hidden, weight, targets, old_logp, advantages, mask, ...)`` is
 ``policy_loss(linear_logprobs(hidden, weight, targets', ...), old_logp, advantages, mask,
-...)`` without the ``[tokens, vocab]`` logits. Two paths:
+...)`` without the ``[tokens, vocab]`` logits. Two paths (``which_path`` names the one a call
+takes; ``fastrl bench`` and ``benchmarks/gpu/bench_logprob_loss.py`` report it):
 
-- composed (Triton, CUDA, tensor parallelism, sequence-level ratios or importance
-  weights): ``linear_logprobs`` then ``policy_loss``; the backward recomputes the logits.
-- one pass (PyTorch on CPU, token-level ratio and importance weight): each token chunk's
-  logits are computed once and turned into ``grad_hidden`` / ``grad_weight`` in the same
-  pass (3 GEMMs per chunk instead of 4), which works because then the loss gradient of a
-  token depends only on that token: ``d loss / d logp_t = c_t * d l_t / d logp_t`` with
-  ``l_t`` the per-token loss (from ``policy_loss`` itself, on each chunk) and ``c_t`` the
-  aggregation weight of token ``t`` (``fastrl.ops.aggregation``, the rule every loss uses).
+- one pass (the ``chunked`` backend, the CUDA default, on any device; the ``torch`` backend
+  on CPU), for token-level ratio and importance weight (PPO, GRPO, DAPO, Dr. GRPO, CISPO,
+  SAPO; with KL and entropy terms): each token chunk's logits are computed once (a GEMM),
+  turned into log-probs, the per-token loss gradients and ``d loss / d logits`` (the row
+  kernels of ``csrc_triton.logprob_rows``, or PyTorch ops), then ``grad_hidden`` (``g @ W``)
+  and the fp32 ``grad_weight`` (``g.T @ h``): three GEMMs, no recompute. It works because
+  then the loss gradient of a token depends only on that token:
+  ``d loss / d logp_t = c_t * d l_t / d logp_t`` with ``l_t`` the per-token loss (from
+  ``policy_loss`` itself, on each chunk: one home for every surrogate formula) and ``c_t``
+  the aggregation weight of token ``t`` (``fastrl.ops.aggregation``, the rule every loss
+  uses). The backward only scales the saved gradients by ``grad_output``.
+- composed (sequence-level ratios or importance weights: GSPO and the like; VESPO, whose
+  weight depends on the whole row; tensor-parallel vocabulary shards; no gradient needed;
+  the ``triton`` backend; ``one_pass=False``): ``linear_logprobs`` then ``policy_loss``. With
+  the ``chunked`` backend that is the cheapest exact second pass: logits GEMM + stats in the
+  forward ([N] statistics saved), logits GEMM again + gradient row kernel + the two gradient
+  GEMMs in the backward (4 GEMM-equivalents); without a gradient, one GEMM + stats.
 """
 
 from __future__ import annotations

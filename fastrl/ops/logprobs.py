@@ -8,6 +8,18 @@ target logit) and the backward recomputes the logits tile by tile (Triton; PyTor
 ``backward_tile`` tokens x vocabulary entries at a time, the forward ``chunk_rows(V)`` tokens
 at a time) to form the gradients of ``hidden``, ``weight`` and ``bias``.
 
+Backends (``LOGPROB_BACKENDS``; ``auto``: ``chunked`` on CUDA, ``torch`` elsewhere):
+
+- ``chunked``: per token chunk a cuBLAS logits GEMM (fp32 out) and the Triton row kernels
+  of ``csrc_triton.logprob_rows`` (stats; the logits gradient written in place). Here (log-probs
+  alone, and whatever needs the gradient after the forward: sequence-level ratios, vocabulary
+  shards) the backward recomputes each chunk's logits: 4 GEMM-equivalents, only [N] statistics
+  saved. Token-level policy losses take the one pass of ``fused_policy_loss`` (3). Budget per
+  launch: ``csrc_triton/logprob_rows.py``; any shape: ``benchmarks/gpu/logprob_floor.py``.
+- ``triton``: the fully fused kernels of ``csrc_triton.logprobs`` (5 GEMM-equivalents; slow on
+  Hopper, see its docstring): kept selectable by name.
+- ``torch``: plain PyTorch chunks (the CPU default).
+
 The policy loss from hidden states, ``fused_linear_policy_loss``, lives in
 ``fastrl.ops.fused_policy_loss`` (import it from there or from ``fastrl.ops``: this module
 does not import it, so the dependency runs one way).
