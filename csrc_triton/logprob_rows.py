@@ -85,7 +85,9 @@ def row_grid(n_rows: int, device: torch.device) -> tuple[int, int]:
 _NEG_INF = tl.constexpr(float("-inf"))  # a global a compiled kernel may read: a constexpr
 
 
-@triton.jit
+# the row counts only bound loops: exempt from the JIT's integer specialisation (one compile
+# per vocabulary and flags, whatever the chunk's token count)
+@triton.jit(do_not_specialize=["n_rows", "rows_per_prog"])
 def _row_stats_kernel(
     z_ptr, b_ptr, y_ptr, m_ptr, s_ptr, w_ptr, t_ptr,
     n_rows, rows_per_prog, stride_z, inv_temp,
@@ -151,7 +153,7 @@ def _stats_row(
     tl.store(t_ptr + row, tl.where(has_y, zt * inv_temp, 0.0))
 
 
-@triton.jit
+@triton.jit(do_not_specialize=["n_rows", "rows_per_prog"])
 def _row_grad_kernel(
     z_ptr, g_ptr, b_ptr, y_ptr, lse_ptr, ent_ptr, gl_ptr, ge_ptr,
     n_rows, rows_per_prog, stride_z, stride_g, inv_temp,
