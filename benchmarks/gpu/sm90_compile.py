@@ -681,6 +681,8 @@ def main(argv=None) -> int:
                          "not in FP64_LAUNCH_FP32_SCALARS")
     ap.add_argument("--probes", action="store_true",
                     help="compile the hopper_probes.py kernels and print (JSON) the Hopper rules each breaks")
+    ap.add_argument("--with-probes", action="store_true",
+                    help="also compile the probes and put their broken rules in the report (\"probes\")")
     args = ap.parse_args(argv)
 
     if args.probes:
@@ -693,7 +695,12 @@ def main(argv=None) -> int:
             cases_fp64_attention(rec)
         found = fp32_scalars_in_fp64_launches(rec)
         problems = fp64_scalar_problems(found)
-        print(json.dumps({"found": found, "problems": problems}))
+        # the tiles the shared-prefix attention launches were recorded with (launchers_see_cuda)
+        tiles = {f"{launch.name} {launch.kernel.fn.__module__.rsplit('.', 1)[-1]}":
+                 {k: v for k, v in launch.constexpr_values().items() if k.startswith("BLOCK_")}
+                 | {"num_warps": launch.options["num_warps"]}
+                 for launch in rec.launches if launch.kernel.fn.__module__.endswith("shared_prefix_attention")}
+        print(json.dumps({"found": found, "problems": problems, "shared_prefix_tiles": tiles}))
         return 1 if problems else 0
 
     rec = record(full=not args.subset, families=args.only)
@@ -738,7 +745,12 @@ def main(argv=None) -> int:
         return failures
 
     reports = compile_all(rec, jobs=args.jobs, progress=progress)
+    probes = run_probes(args.jobs) if args.with_probes else None
     failures = write(reports)
+    if probes is not None and args.report:  # one process for both: CI pays the imports once
+        summary = json.loads(args.report.read_text())
+        summary["probes"] = probes
+        args.report.write_text(json.dumps(summary, indent=1) + "\n")
     print(f"compiled {len(reports)} variants in {round(time.perf_counter() - t0, 1)} s; {len(failures)} failures")
     for f in failures:
         print("FAILURE", f)
