@@ -167,7 +167,7 @@ def _loss_backend(backend: str) -> str:
 
 
 def which_path(backend: str, device: torch.device | str, *, config: PolicyLossConfig = PolicyLossConfig(),
-               needs_grad: bool = True, tensor_parallel: bool = False, rollout_logp: bool = False,
+               needs_grad: bool = True, tensor_parallel: bool = False, has_rollout_logp: bool = False,
                hidden: int = 0, vocab: int = 0, dtype: torch.dtype = torch.bfloat16, one_pass: bool = True) -> str:
     """The path ``fused_linear_policy_loss`` takes, in words (what ``fastrl bench`` and the
     benchmarks report): ``"<backend>/one-pass"`` (3 GEMM-equivalents), ``"<backend>/two-pass"``
@@ -177,7 +177,7 @@ def which_path(backend: str, device: torch.device | str, *, config: PolicyLossCo
     impl = _lp.resolve_logprob_backend(backend, device, hidden=hidden, vocab=vocab, dtype=dtype)
     if not needs_grad:
         return f"{impl}/forward"
-    token_level = _token_level(config, rollout_logp)
+    token_level = _token_level(config, has_rollout_logp)
     one = one_pass and not tensor_parallel and token_level and (impl == "chunked" or (impl == "torch" and device.type == "cpu"))
     return f"{impl}/{'one-pass' if one else 'two-pass'}"
 
@@ -234,12 +234,11 @@ class _PrecomputedGrads(torch.autograd.Function):
         gh, gw, gb = ctx.saved_tensors
         dh, dw, db = ctx.dtypes
         out = [None] * 7
-        if gh is not None and ctx.needs_input_grad[1]:
-            out[1] = (gh * grad_out).to(dh)
-        if gw is not None and ctx.needs_input_grad[2]:
-            out[2] = (gw * grad_out).to(dw)
-        if gb is not None and ctx.needs_input_grad[3]:
-            out[3] = (gb * grad_out).to(db)
+        for i, (g, dt) in enumerate(((gh, dh), (gw, dw), (gb, db)), start=1):
+            if g is not None and ctx.needs_input_grad[i]:
+                # scaled in the saved dtype and written once in the parameter's: no temporary of the
+                # saved gradient's size (the fp32 [V, H] weight gradient is the op's largest buffer)
+                out[i] = torch.mul(g, grad_out, out=torch.empty(g.shape, dtype=dt, device=g.device))
         return tuple(out)
 
 

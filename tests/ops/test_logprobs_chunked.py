@@ -119,7 +119,7 @@ def test_fused_chunked_matches_float64_reference(name):
     assert (hh.grad[mask == 0] == 0).all()
     for got, want in ((hh.grad, gh), (ww.grad, gw), (bb.grad, gb)):
         assert _rel(got, want) < 1e-4
-    path = which_path("chunked", "cpu", config=cfg, rollout_logp="rollout_logp" in kw)
+    path = which_path("chunked", "cpu", config=cfg, has_rollout_logp="rollout_logp" in kw)
     assert path == ("chunked/two-pass" if name in ("gspo_sequence_ratio", "seq_is_global_seqs") else "chunked/one-pass")
 
 
