@@ -174,3 +174,42 @@ def test_auto_backend_and_chunk_rows(monkeypatch):
     assert chunked_rows(70, 13, 5) == 5
     with pytest.raises(ValueError, match="backend"):
         resolve_logprob_backend("cublas", torch.device("cpu"))
+
+
+@pytest.mark.filterwarnings("ignore:invalid value:RuntimeWarning")  # the NaN row, in the interpreter's numpy
+def test_row_kernels_against_float64_formulas():
+    """The row kernels alone: several blocks per row (a short last one), several rows per
+    program, bias and temperature, a row without a target in this shard (-1), a dead row
+    (gl = ge = 0) full of NaN that must write zeros, fp32 in place and a bf16 output."""
+    from csrc_triton.logprob_rows import row_grad, row_grid, row_stats
+
+    g = torch.Generator().manual_seed(3)
+    n, v, t = 7, 150, 0.8
+    z = torch.randn(n, v, generator=g) * 3
+    bias = torch.randn(v, generator=g)
+    y = torch.randint(0, v, (n,), generator=g)
+    y[2] = -1
+    gl, ge = torch.randn(n, generator=g), torch.randn(n, generator=g)
+    gl[5] = ge[5] = 0.0
+    z[5] = float("nan")
+    assert row_grid(n, z.device) == (3, 3)  # 3 programs of 3 rows (the last one 1)
+    m, s, w, tt = row_stats(z, bias, y, 1 / t, True, block_v=64)
+    u = ((z.double() + bias.double()) / t)
+    lse = torch.logsumexp(u, 1)
+    p = torch.softmax(u, 1)
+    ent = -(p * torch.log_softmax(u, 1)).sum(1)
+    live = torch.arange(n) != 5
+    torch.testing.assert_close((m + s.log())[live].double(), lse[live], atol=1e-5, rtol=1e-6)
+    torch.testing.assert_close((s.log() - w / s)[live].double(), ent[live], atol=1e-5, rtol=1e-5)
+    want_t = torch.where(y >= 0, u.gather(1, y.clamp(min=0)[:, None])[:, 0], 0.0)
+    torch.testing.assert_close(tt[live].double(), want_t[live], atol=1e-5, rtol=1e-6)
+    lse32, ent32 = lse.float().nan_to_num(), ent.float().nan_to_num()
+    onehot = torch.zeros(n, v, dtype=torch.float64).scatter_(1, y.clamp(min=0)[:, None], (y >= 0).double()[:, None])
+    want = (gl.double()[:, None] * (onehot - p) - ge.double()[:, None] * p * (torch.log_softmax(u, 1) + ent[:, None])) / t
+    want[5] = 0.0
+    out_bf16 = row_grad(z, torch.empty(n, v, dtype=torch.bfloat16), bias, y, lse32, ent32, gl, ge, 1 / t, block_v=64)
+    zz = z.clone()
+    got = row_grad(zz, zz, bias, y, lse32, ent32, gl, ge, 1 / t, block_v=64)  # in place over the logits
+    assert got.data_ptr() == zz.data_ptr() and (got[5] == 0).all()
+    torch.testing.assert_close(got.double(), want, atol=1e-5, rtol=1e-4)
+    torch.testing.assert_close(out_bf16.double(), want, atol=1e-2, rtol=1e-2)
