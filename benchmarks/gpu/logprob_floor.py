@@ -146,7 +146,12 @@ def peak_extra_bytes(path: str, n: int, h: int, v: int, dtype: str = "bfloat16",
         work = 4.0 * c * v + (0 if e == 4 else e * c * v)
         if path == "chunked_forward":
             return 4.0 * c * v
-        return work + 4.0 * v * h + grads  # + the fp32 weight-gradient accumulator
+        acc = 4.0 * v * h  # the fp32 weight-gradient accumulator
+        if path == "chunked_one_pass":
+            # chunks: logits + g + accumulator + grad_hidden; then the accumulator rounded to the
+            # weight dtype (both alive a moment); backward: the saved gradients and their scaled copies
+            return max(work + acc + n * h * e, acc + v * h * e + n * h * e, 2.0 * grads)
+        return work + acc + grads
     if path.startswith("naive"):
         return (e + 4 + 4) * n * v + grads
     if path.startswith("triton"):

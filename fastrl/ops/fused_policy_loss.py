@@ -105,14 +105,17 @@ def fused_linear_policy_loss(
         ``(loss, metrics)`` as ``policy_loss``; ``loss`` is differentiable wrt ``hidden``,
         ``weight`` and ``bias``.
 
-    Memory: the [B*T, V] logits are never held. Triton (and PyTorch on CUDA, with
-    tensor parallelism, or for sequence-level ratios / importance weights): the forward
-    keeps O(B*T) statistics and the backward recomputes the logits in tiles / token chunks
-    once the loss has given d loss / d logp and d loss / d entropy per token (4 GEMM passes).
-    PyTorch on CPU with token-level ratios: each token chunk's logits are computed once and
-    turned into grad_hidden / grad_weight in the same pass (3 GEMM passes, like the logits
-    path); those gradients are held until backward (``one_pass=False`` switches it off).
-    The PyTorch token chunks hold at most ``fastrl.ops.logprobs.chunk_rows(V, weight_grad_hidden=H)`` rows.
+    Memory: the [B*T, V] logits are never held. The composed path (Triton; PyTorch on CUDA;
+    tensor parallelism; sequence-level ratios / importance weights): the forward keeps O(B*T)
+    statistics and the backward recomputes the logits in tiles / token chunks once the loss
+    has given d loss / d logp and d loss / d entropy per token (4 GEMM passes; the fused
+    Triton kernels 5). The one pass ("chunked" anywhere, PyTorch on CPU; token-level ratios):
+    each token chunk's logits are computed once and turned into grad_hidden / grad_weight in
+    the same pass (3 GEMM passes); those gradients are held until backward (the "chunked"
+    weight gradient accumulated in fp32 and held in the weight's dtype; ``one_pass=False``
+    switches it off). Chunks: ``fastrl.ops.logprobs.chunked_rows(V, N)`` tokens for
+    "chunked" (one fp32 [chunk, V] logits buffer of ~1.25 GiB, and a bf16/fp16 gradient
+    buffer beside it for such inputs), ``chunk_rows(V, weight_grad_hidden=H)`` for PyTorch.
     """
     check_float("hidden", hidden, ndim=3)
     check_int("targets", targets, ndim=2)
@@ -218,7 +221,9 @@ def _token_agg_weights(
 
 
 class _PrecomputedGrads(torch.autograd.Function):
-    """Returns ``loss``; its backward hands out gradients computed in the forward pass.
+    """Returns ``loss``; its backward hands out gradients computed in the forward pass,
+    scaled by ``grad_output`` (in fp32 arithmetic, rounded once to the parameter's dtype: a
+    gradient held in bf16/fp16 is then rounded twice unless ``grad_output`` is a power of two).
 
     They are saved tensors (freed by autograd after a backward without ``retain_graph``)
     and never modified, so a retained graph can be differentiated again."""
@@ -348,6 +353,11 @@ def _fused_one_pass(
                                     **counts)
     if gh_full is not None:
         gh_full = gh_full.reshape(B, T, hd)
+    if chunked and gw is not None and weight.dtype in (torch.bfloat16, torch.float16):
+        # accumulated in fp32, held until backward in the weight's dtype: the fp32 [V, H] buffer
+        # (2 GiB at V = 151,936, H = 3,584) is not alive beside the chunk buffers' successors
+        # nor beside the gradient handed to autograd
+        gw = gw.to(weight.dtype)
     loss = _PrecomputedGrads.apply(loss, hidden, weight, bias, gh_full, gw, gb)
     return loss, metrics
 
