@@ -30,6 +30,24 @@ g @ W into grad_hidden; ``logprobs_bwd_weight`` (one program per vocab tile) acc
 g^T @ hidden into grad_weight and the column sums into grad_bias. Both accumulate in
 fp32 in their own output rows (grad_hidden with fp32 atomics when the vocabulary is
 split): no workspace bigger than a tile, no [tokens, vocab] buffer.
+
+Budget and standing (``backend="triton"``, selectable by name; ``auto`` on CUDA takes the
+token-chunked cuBLAS path of ``csrc_triton/logprob_rows.py`` instead). Per launch at the
+issue's shape (N = 8,192 tokens of which 7,168 scored, H = 3,584, V = 151,936, bf16; one
+N V H GEMM = 7.81 TFLOP; counts from the loop structure, ``benchmarks/gpu/logprob_floor.py``):
+
+    launch                        TFLOP (x GEMM)   bytes outside the MMA operands
+    _fwd_kernel (no-grad pass)    7.81  (1.0)      operand tiles L2 -> SM: 183 GB
+    _bwd_hidden_kernel            15.61 (2.0)      fp32 atomics into grad_hidden: 122 GB
+    _bwd_weight_kernel            15.61 (2.0)      fp32 grad_weight tile RMW every K step: 488 GB
+    total fwd + bwd               39.0  (5.0)      vs a floor of 3 GEMMs (23.4 TFLOP, 29.6 ms at 790 TFLOP/s)
+
+Measured on the first H200 run: 673 ms forward + backward (``benchmarks/results/
+gpu_h200_20261204/kernels.json``). The sm_90 compile shows why (``benchmarks/gpu/
+hopper_checks.py`` checks it in CI, ``KNOWN_FAILING``): the backward kernels load/store or
+atomically add their fp32 accumulators in the MMA loop (acq_rel atomics: a MEMBAR.GPU each),
+every kernel issues 64- or 32-wide wgmma, and the logits are recomputed in each backward
+kernel (5 GEMM-equivalents for 3).
 """
 
 from __future__ import annotations

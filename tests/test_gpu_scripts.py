@@ -8,6 +8,7 @@ results or on the outcomes ``stream_outcomes.py`` writes test by test. (The Trit
 from __future__ import annotations
 
 import importlib.util
+import json
 import os
 import subprocess
 import sys
@@ -46,18 +47,47 @@ def test_a_wrong_kernel_is_not_timed(monkeypatch):
     case, check = kernels.attention_case(SHAPE, torch.device("cpu"), torch.float32, flex=False, repeats=1)
     assert case is None and not check["passed"]
 
+
+
+def _load_loss_bench():
+    import sys
+
+    sys.path.insert(0, str(ROOT / "benchmarks" / "gpu"))  # its sibling logprob_floor.py
+    return _load("bench_logprob_loss")
+
+
+def test_a_wrong_loss_is_not_timed(monkeypatch, tmp_path):
+    bench = _load_loss_bench()
+    import fastrl.ops as ops
+
     real_loss = ops.fused_linear_policy_loss
     monkeypatch.setattr(ops, "fused_linear_policy_loss", lambda *a, **kw: (real_loss(*a, **kw)[0] * 1.01, {}))
-    check = kernels.check_grpo_loss(16, 8, 40, torch.device("cpu"), torch.float32)
-    assert not check["passed"] and check["rel_err_vs_fp32_formula"]["loss"] > 5e-3
+    check = bench.check("fastrl_torch", "fwd_bwd", 8, 40, torch.float32, torch.device("cpu"))
+    assert not check["passed"] and check["rel_err_vs_fp32_logits"]["loss"] > 5e-3
+    out = tmp_path / "loss.json"
+    assert bench.main(["--dry-run", "--impls", "fastrl_torch", "--shapes", "32:8:40", "--out", str(out)]) == 1
+    rows = json.loads(out.read_text())["rows"]
+    fwd_bwd = [r for r in rows if r["mode"] == "fwd_bwd"]
+    assert fwd_bwd and all(r["median_ms"] is None and not r["check"]["passed"] for r in fwd_bwd)
 
 
-def test_grpo_loss_check_passes_and_compares_liger():
-    kernels = _load("kernels")
-    check = kernels.check_grpo_loss(16, 8, 40, torch.device("cpu"), torch.float32)
-    assert check["passed"], check
-    if "liger_error" not in check:  # Liger computes the same loss
-        assert max(check["rel_err_liger_vs_fastrl"].values()) < 1e-4, check
+def test_loss_stage_checks_then_times_each_path_and_writes_the_floor(tmp_path):
+    """The loss stage's dry run: the chunked path (row kernels in the interpreter) and the naive
+    baseline, both modes, each checked then timed; the rows carry the path, the floor and the
+    share of it, and the JSON the model's predictions."""
+    bench = _load_loss_bench()
+    out = tmp_path / "loss.json"
+    rc = bench.main(["--dry-run", "--impls", "fastrl_chunked,naive,cce", "--shapes", "32:8:40", "--out", str(out)])
+    assert rc == 0
+    payload = json.loads(out.read_text())
+    rows = {(r["impl"], r["mode"]): r for r in payload["rows"]}
+    assert rows["fastrl_chunked", "fwd_bwd"]["path"] == "chunked/one-pass"
+    assert rows["fastrl_chunked", "no_grad"]["path"] == "chunked/forward"
+    for key in (("fastrl_chunked", "fwd_bwd"), ("fastrl_chunked", "no_grad"), ("naive", "fwd_bwd"), ("naive", "no_grad")):
+        r = rows[key]
+        assert r["check"]["passed"] and r["median_ms"] > 0 and r["share_of_floor"] > 0, r
+    assert rows["cce", "fwd_bwd"]["skipped"] == "CUDA only"
+    assert payload["predicted"][0]["N"] == 32 and payload["predicted"][0]["floor_ms"] > 0
 
 
 JUNIT = """<?xml version="1.0" encoding="utf-8"?><testsuites><testsuite name="pytest">

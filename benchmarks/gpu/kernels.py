@@ -1,4 +1,4 @@
-"""Check, then time: decode attention and the fused log-prob loss on the GPU against their baselines.
+"""Check, then time: decode attention on the GPU against its baselines.
 
 Run by benchmarks/gpu/run.sh on the device (``python benchmarks/gpu/kernels.py --out $OUT/kernels.json``);
 ``--dry-run`` does the same on CPU with tiny shapes (Triton in the interpreter) so the script
@@ -13,10 +13,9 @@ baseline are timed side by side (best-of-n and median; CUDA synchronised around 
   ``sdpa_expanded`` (``scaled_dot_product_attention`` over per-sample K/V = [prompt ; suffix],
   the layout a cache without prefix sharing holds; built before timing) and
   ``flex_expanded`` (``flex_attention`` under ``torch.compile`` on the same expanded K/V).
-- the GRPO loss from LM-head hidden states, forward + backward: ``fastrl``
-  (``fused_linear_policy_loss``, the Triton kernels; ``fastrl_torch``: its chunked PyTorch path) vs ``liger`` (Liger-Kernel's ``LigerFusedLinearGRPOLoss``,
-  compiled on CUDA) and ``naive`` (full logits), with the inputs of
-  ``fastrl.bench.cases_logprobs.build_grpo``.
+The GRPO loss from LM-head hidden states (fastrl's paths, naive, torch.compile, Liger, Cut
+Cross-Entropy; forward + backward and the no-grad pass) has its own stage:
+``bench_logprob_loss.py``.
 """
 
 from __future__ import annotations
@@ -119,83 +118,6 @@ def attention_case(shape: dict, device: torch.device, dtype: torch.dtype, *, fle
                      note="prefix K/V expanded per sample for the baselines (built before timing)"), check
 
 
-# ----------------------------------------------------------------------------- log-prob loss
-
-
-def logprob_case(tokens, hidden, vocab, device, dtype: str, *, repeats: int) -> tuple[BenchCase | None, dict]:
-    from fastrl.bench.cases_logprobs import available_impls, build_grpo
-
-    check = check_grpo_loss(tokens, hidden, vocab, device, getattr(torch, dtype))
-    if not check["passed"]:
-        return None, check
-    impls = {name: build_grpo(name, tokens, hidden, vocab, dtype=dtype, device=str(device),
-                              backend="triton" if name == "fastrl" else "auto")
-             for name in ("fastrl", "liger", "naive") if name in available_impls()}
-    # fastrl's chunked PyTorch path (the CPU default) beside its kernel: on the first H200 run the
-    # kernel took 13x the naive GEMMs' time, so the GPU's choice between the two is measured here
-    impls["fastrl_torch"] = build_grpo("fastrl", tokens, hidden, vocab, dtype=dtype, device=str(device), backend="torch")
-    if "liger_error" in check:
-        impls.pop("liger", None)
-    return BenchCase(op="grpo_loss_fwd_bwd", shape=f"N={tokens} H={hidden} V={vocab} {dtype}", impls=impls,
-                     repeats=repeats, note="liger compiled on CUDA, eager on CPU"), check
-
-
-def check_grpo_loss(tokens, hidden, vocab, device, dtype, seq_len=512) -> dict:
-    """fastrl's fused GRPO loss (values and gradients) vs the full-logits formula in fp32 on the
-    same (rounded) inputs; Liger's loss on the same inputs is reported alongside."""
-    from fastrl.bench.cases_logprobs import BETA, EPS, _grpo_from_logp
-    from fastrl.config import PolicyLossConfig
-    from fastrl.ops import fused_linear_policy_loss
-
-    g = torch.Generator().manual_seed(1)
-    T = min(seq_len, tokens)
-    B = max(1, tokens // T)
-    h0 = torch.randn(B, T, hidden, generator=g).to(device, dtype)
-    w0 = (torch.randn(vocab, hidden, generator=g) * hidden**-0.5).to(device, dtype)
-    y = torch.randint(0, vocab, (B, T), generator=g).to(device)
-    mask = torch.ones(B, T, device=device)
-    mask[:, T - T // 8:] = 0
-    old = (-torch.rand(B, T, generator=g) * 8 - 8).to(device)
-    ref = old + 0.05 * torch.randn(B, T, generator=g).to(device)
-    adv = torch.randn(B, generator=g).to(device)
-
-    def grads(fn, h, w):
-        h, w = h.detach().clone().requires_grad_(), w.detach().clone().requires_grad_()
-        loss = fn(h, w)
-        loss.backward()
-        return {"loss": loss.detach().float(), "grad_hidden": h.grad.float(), "grad_weight": w.grad.float()}
-
-    def naive_fp32(h, w):
-        logp = torch.log_softmax(h @ w.T, dim=-1).gather(-1, y[..., None]).squeeze(-1)
-        return _grpo_from_logp(logp, old, ref, adv, mask)
-
-    cfg = PolicyLossConfig.preset("grpo")
-    got = grads(lambda h, w: fused_linear_policy_loss(h, w, y, old, adv, mask, ref_logp=ref, config=cfg,
-                                                      backend="triton")[0], h0, w0)
-    want = grads(naive_fp32, h0.float(), w0.float())
-    low = dtype != torch.float32
-    err = {k: _rel(got[k], want[k]) for k in got}
-    tol = {"loss": 1e-2 if low else 1e-5, "grad_hidden": 3e-2 if low else 1e-4, "grad_weight": 3e-2 if low else 1e-4}
-    check = {"rel_err_vs_fp32_formula": err, "tolerance": tol,
-             "passed": all(err[k] <= tol[k] and math.isfinite(err[k]) for k in err)}
-    del want
-    try:
-        from liger_kernel.chunked_loss import LigerFusedLinearGRPOLoss
-
-        liger = LigerFusedLinearGRPOLoss(beta=BETA, epsilon_low=EPS, epsilon_high=EPS, loss_type="grpo",
-                                         use_ref_model=True, compiled=device.type == "cuda")
-        lg = grads(lambda h, w: liger(h, w, y, mask, adv, ref_per_token_logps=ref, old_per_token_logps=old)[0], h0, w0)
-        check["rel_err_liger_vs_fastrl"] = {k: _rel(lg[k], got[k]) for k in got}
-    except Exception as exc:  # an optional baseline: reported, not fatal
-        check["liger_error"] = f"{type(exc).__name__}: {str(exc)[:300]}"
-    return check
-
-
-def _rel(a: torch.Tensor, b: torch.Tensor) -> float:
-    a, b = a.double().cpu(), b.double().cpu()
-    return ((a - b).abs().max() / b.abs().max().clamp_min(1e-30)).item()
-
-
 # ----------------------------------------------------------------------------- main
 
 
@@ -208,14 +130,12 @@ def main(argv=None) -> int:
     device = torch.device("cpu" if args.dry_run else "cuda")
     if args.dry_run:
         attn_shapes = [dict(groups=2, G=2, Hq=4, Hkv=2, D=16, prefix=24, suffix=5)]
-        lp_shapes = [(64, 32, 300)]
-        attn_dtypes, lp_dtype, repeats = (torch.float32, torch.bfloat16), "float32", 1
+        attn_dtypes, repeats = (torch.float32, torch.bfloat16), 1
     else:
         # Qwen2.5-7B heads (Hq=28, Hkv=4, D=128) and a D=64 model; 16 prompts x 8 samples
         attn_shapes = [dict(groups=16, G=8, Hq=28, Hkv=4, D=128, prefix=1024, suffix=256),
                        dict(groups=16, G=8, Hq=14, Hkv=2, D=64, prefix=2048, suffix=512)]
-        lp_shapes = [(8192, 3584, 151936)]  # Qwen2.5-7B head
-        attn_dtypes, lp_dtype, repeats = (torch.bfloat16,), "bfloat16", 10
+        attn_dtypes, repeats = (torch.bfloat16,), 10
     results, checks = [], []
     _log(format_header())
 
@@ -231,10 +151,6 @@ def main(argv=None) -> int:
             _run(lambda: attention_case(shape, device, dtype, flex=i == 0, repeats=repeats), device, results, checks,
                  f"decode_attention {shape} {dtype}")
             save()
-    for n, h, v in lp_shapes:
-        _run(lambda: logprob_case(n, h, v, device, lp_dtype, repeats=repeats), device, results, checks,
-             f"grpo_loss N={n} H={h} V={v} {lp_dtype}")
-        save()
     failed = [c["case"] for c in checks if not c.get("passed")]
     _log(f"wrote {args.out}; {len(checks)} cases checked, {len(failed)} failed: {failed}")
     return 1 if failed else 0

@@ -20,6 +20,16 @@ registers, spills and stack, the compiled metadata the shared memory. A record f
 compile error, on shared memory above the H200's per-block limit (227 KB), or on spills
 when a case that must be spill-free produced it (``strict`` cases: decode attention at
 D in {64, 128} and the log-prob kernels at real model shapes, bf16/fp16).
+
+The kernels declared in ``hopper_checks.CHECKED`` also get the Hopper checks of
+``hopper_checks.py`` over the same compile (TTGIR, PTX, SASS, resources, the recorded grid):
+a rule broken outside ``hopper_checks.KNOWN_FAILING`` is a failure, and so is a listed
+failure that no variant shows. ``--probes`` compiles the small probe kernels of
+``hopper_probes.py`` instead and prints each one's broken rules (JSON).
+
+Launchers see ``meta`` tensors as CUDA tensors where they pick tiles by device
+(``launchers_see_cuda``): the shared-prefix attention launcher tests ``!= "cuda"`` and would
+otherwise hand its interpreter tiles to the compiler.
 """
 
 from __future__ import annotations
@@ -51,6 +61,10 @@ from triton.backends.compiler import GPUTarget  # noqa: E402
 from triton.compiler import ASTSource  # noqa: E402
 from triton.compiler.compiler import make_backend  # noqa: E402
 from triton.runtime import jit as triton_jit  # noqa: E402
+
+if str(Path(__file__).resolve().parent) not in sys.path:
+    sys.path.insert(0, str(Path(__file__).resolve().parent))
+import hopper_checks  # noqa: E402
 
 SM90 = GPUTarget("cuda", 90, 32)
 H200_SM_COUNT = 132
@@ -211,6 +225,26 @@ def _attn_call(rec: Recorder, hq: int, hkv: int, d: int, g: int, dtype, n_groups
 
 # Issue 37's decode shapes (B = 16 prompts x G = 8): Hq/Hkv 28/4 at D=128, P=1024, S=256, and 14/2 at D=64, P=2048, S=512.
 DECODE_BENCH_SHAPES = (((28, 4, 128), 8, 16, 1024, 256), ((14, 2, 64), 8, 16, 2048, 512))
+
+
+def cases_logprob_rows(rec: Recorder, full: bool) -> None:
+    # the chunked path's row kernels at the default chunk (fastrl.ops.logprobs.chunked_rows): V is
+    # a constexpr (one compile per vocabulary), the gradient is written in fp32 (in place) or bf16/fp16
+    from csrc_triton.logprob_rows import row_grad, row_stats
+    from fastrl.ops.logprobs import chunked_rows
+
+    vocabs = LOGPROB_VOCAB if full else (151936,)
+    combos = list(itertools.product((False, True), (False, True), FLOATS)) if full else \
+        [(False, False, torch.bfloat16), (True, True, torch.float32), (True, True, torch.float16)]
+    for v in vocabs:
+        rows = chunked_rows(v, 1 << 20)
+        for bias, ent, out_dtype in combos:
+            rec.label = f"strict:logprob_rows V={v} rows={rows} bias={bias} entropy={ent} g={str(out_dtype)[6:]}"
+            z, y, b = meta(rows, v), meta(rows, dtype=torch.int64), (meta(v, dtype=out_dtype) if bias else None)
+            m, s, w, t = row_stats(z, b, y, 1.0, ent)
+            e = meta(rows) if ent else None
+            row_grad(z, z if out_dtype == torch.float32 else meta(rows, v, dtype=out_dtype), b, y, m, e, meta(rows),
+                     meta(rows) if ent else None, 1.0)
 
 
 def cases_decode_attention(rec: Recorder, full: bool) -> None:
@@ -419,6 +453,7 @@ def cases_tree_attention(rec: Recorder, full: bool) -> None:
 
 CASES = {
     "logprobs": cases_logprobs,
+    "logprob_rows": cases_logprob_rows,
     "decode_attention": cases_decode_attention,
     "policy_loss": cases_policy_loss,
     "kl": cases_kl,
@@ -444,9 +479,24 @@ def all_kernels() -> list[triton_jit.JITFunction]:
     return kernels
 
 
+@contextlib.contextmanager
+def launchers_see_cuda() -> Iterator[None]:
+    """While recording: launchers that choose tiles by ``device.type != "cuda"`` get their CUDA
+    tiles for ``meta`` tensors (``shared_prefix_attention._config``; the others test
+    ``== "cpu"``)."""
+    import csrc_triton.shared_prefix_attention as spa
+
+    before = spa.INTERPRETER_TILES
+    spa.INTERPRETER_TILES = spa.CUDA_TILES
+    try:
+        yield
+    finally:
+        spa.INTERPRETER_TILES = before
+
+
 def record(full: bool, families=None) -> Recorder:
     rec = Recorder()
-    with rec.active():
+    with rec.active(), launchers_see_cuda():
         for family, fn in CASES.items():
             if families is None or family in families:
                 fn(rec, full)
@@ -537,7 +587,21 @@ def compile_launch(launch: Launch) -> dict:
     out["registers"] = int(used.group(1))
     out["stack_bytes"], out["spill_store_bytes"], out["spill_load_bytes"] = (int(x) for x in frame.groups())
     out["shared_bytes"] = int(kernel.metadata.shared) + (int(smem.group(1)) if smem else 0)
+    qualname = f"{launch.kernel.fn.__module__}.{launch.name}"
+    kind = hopper_checks.CHECKED.get(qualname) or _probe_kinds().get(qualname)
+    if kind:
+        compiled = hopper_checks.Compiled(
+            name=qualname, ttgir=kernel.asm["ttgir"], ptx=kernel.asm["ptx"], sass=hopper_checks.sass_of(kernel.asm["cubin"]),
+            registers=out["registers"], spill_bytes=out["spill_store_bytes"] + out["spill_load_bytes"],
+            shared_bytes=out["shared_bytes"], num_warps=out["num_warps"], grid=launch.grid)
+        out["hopper"] = {"qualname": qualname, "kind": kind, "grid": list(launch.grid),
+                         "problems": hopper_checks.check_kernel(compiled, kind)}
     return out
+
+
+def _probe_kinds() -> dict[str, str]:
+    mod = sys.modules.get("hopper_probes")
+    return mod.PROBES if mod is not None else {}
 
 
 def _jsonable(v):
@@ -556,7 +620,37 @@ def check(report: dict) -> list[str]:
     if report["strict"] and (report["spill_store_bytes"] or report["spill_load_bytes"]):
         problems.append(f"spills {report['spill_store_bytes']}/{report['spill_load_bytes']} B store/load "
                         f"in a configuration that must not spill")
+    hop = report.get("hopper")
+    if hop and hop["qualname"] in hopper_checks.CHECKED:
+        problems += [f"hopper {p}" for p in hopper_checks.verdict(hop["qualname"], hop["problems"])]
     return problems
+
+
+def hopper_stale(reports: list[dict]) -> list[str]:
+    """``hopper_checks.KNOWN_FAILING`` entries that no compiled variant bears out."""
+    seen: dict[str, set[str]] = {}
+    for r in reports:
+        hop = r.get("hopper")
+        if hop:
+            seen.setdefault(hop["qualname"], set()).update(hop["problems"])
+    return hopper_checks.stale_known_failures(seen)
+
+
+def run_probes(jobs: int) -> dict[str, dict[str, str]]:
+    """Compile the probe kernels of ``hopper_probes.py``; probe (with its flags) -> broken rules."""
+    import hopper_probes
+
+    rec = Recorder()
+    with rec.active():
+        hopper_probes.launch_all(meta)
+    out = {}
+    for r in compile_all(rec, jobs=jobs):
+        if "error" in r:
+            raise SystemExit(f"probe {r['kernel']} failed to compile: {r['error'][:500]}")
+        flags = {k: v for k, v in r["constexprs"].items() if isinstance(v, bool)}
+        tag = r["hopper"]["qualname"].split(".", 1)[1] + "".join(f" {k}={v}" for k, v in sorted(flags.items()))
+        out[tag] = r["hopper"]["problems"]
+    return out
 
 
 def _compile_index(i: int) -> dict:
@@ -633,15 +727,28 @@ def main(argv=None) -> int:
     ap.add_argument("--fp64-scalars", action="store_true",
                     help="compile nothing: print (JSON) the fp32 scalar arguments of float64 launches; exit 1 on any "
                          "not in FP64_LAUNCH_FP32_SCALARS")
+    ap.add_argument("--probes", action="store_true",
+                    help="compile the hopper_probes.py kernels and print (JSON) the Hopper rules each breaks")
+    ap.add_argument("--with-probes", action="store_true",
+                    help="also compile the probes and put their broken rules in the report (\"probes\")")
     args = ap.parse_args(argv)
+
+    if args.probes:
+        print(json.dumps(run_probes(args.jobs), indent=1))
+        return 0
 
     if args.fp64_scalars:
         rec = record(full=True)
-        with rec.active():
+        with rec.active(), launchers_see_cuda():
             cases_fp64_attention(rec)
         found = fp32_scalars_in_fp64_launches(rec)
         problems = fp64_scalar_problems(found)
-        print(json.dumps({"found": found, "problems": problems}))
+        # the tiles the shared-prefix attention launches were recorded with (launchers_see_cuda)
+        tiles = {f"{launch.name} {launch.kernel.fn.__module__.rsplit('.', 1)[-1]}":
+                 {k: v for k, v in launch.constexpr_values().items() if k.startswith("BLOCK_")}
+                 | {"num_warps": launch.options["num_warps"]}
+                 for launch in rec.launches if launch.kernel.fn.__module__.endswith("shared_prefix_attention")}
+        print(json.dumps({"found": found, "problems": problems, "shared_prefix_tiles": tiles}))
         return 1 if problems else 0
 
     rec = record(full=not args.subset, families=args.only)
@@ -668,6 +775,8 @@ def main(argv=None) -> int:
 
     def write(reports: list[dict], partial: bool = False) -> list[str]:
         failures = [f"{r['kernel']} {r['constexprs']}: {p}" for r in reports for p in r["problems"]] + coverage
+        if not partial:
+            failures += hopper_stale(reports)
         summary = {
             "target": "cuda sm_90 (H200), Triton's bundled ptxas, no GPU",
             "set": "subset" if args.subset else "full",
@@ -684,7 +793,12 @@ def main(argv=None) -> int:
         return failures
 
     reports = compile_all(rec, jobs=args.jobs, progress=progress)
+    probes = run_probes(args.jobs) if args.with_probes else None
     failures = write(reports)
+    if probes is not None and args.report:  # one process for both: CI pays the imports once
+        summary = json.loads(args.report.read_text())
+        summary["probes"] = probes
+        args.report.write_text(json.dumps(summary, indent=1) + "\n")
     print(f"compiled {len(reports)} variants in {round(time.perf_counter() - t0, 1)} s; {len(failures)} failures")
     for f in failures:
         print("FAILURE", f)

@@ -3,7 +3,9 @@
 Implementations (same inputs, same loss: token ratio, clip 0.2, k3 KL with beta 0.04,
 per-sequence token mean):
 
-- ``fastrl``: ``fastrl.ops.fused_linear_policy_loss`` (no [tokens, V] logits).
+- ``fastrl``: ``fastrl.ops.fused_linear_policy_loss`` (no [tokens, V] logits; backend "auto":
+  the token-chunked cuBLAS one pass on CUDA, the PyTorch one pass on CPU -- the case's note
+  says which ran).
 - ``naive``: ``hidden @ weight.T``, fp32 ``log_softmax``, ``gather`` (TRL's default path),
   then the loss in plain PyTorch.
 - ``trl_selective``: the same logits with TRL's ``selective_log_softmax``.
@@ -143,6 +145,16 @@ def available_impls() -> tuple[str, ...]:
     return tuple(i for i in IMPLS if i not in missing)
 
 
+def _path_note(device: torch.device, hidden: int, vocab: int, dtype: str) -> str:
+    """Which path ``fastrl`` (backend "auto") takes here, in the words of ``which_path``."""
+    from fastrl.config import PolicyLossConfig
+    from fastrl.ops.fused_policy_loss import which_path
+
+    path = which_path("auto", device, config=PolicyLossConfig.preset("grpo"), hidden=hidden, vocab=vocab,
+                      dtype=getattr(torch, dtype))
+    return f"fastrl path: {path}"
+
+
 def cases(device: torch.device, quick: bool) -> list[BenchCase]:
     dtype = "bfloat16" if device.type == "cuda" else "float32"
     out = []
@@ -155,7 +167,7 @@ def cases(device: torch.device, quick: bool) -> list[BenchCase]:
                 op="grpo_loss_fwd_bwd",
                 shape=f"N={n} H={hd} V={v} {dtype}",
                 impls=impls,
-                note="liger eager (compiled=False) on CPU" if device.type != "cuda" else "",
+                note=_path_note(device, hd, v, dtype) + ("; liger eager (compiled=False) on CPU" if device.type != "cuda" else ""),
                 repeats=3 if quick else (2 if device.type != "cuda" else 5),
                 # Peak memory is the point of the fused path: on CPU it is measured per
                 # implementation in a fresh process (on CUDA the harness measures it in place).

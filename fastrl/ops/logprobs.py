@@ -8,6 +8,18 @@ target logit) and the backward recomputes the logits tile by tile (Triton; PyTor
 ``backward_tile`` tokens x vocabulary entries at a time, the forward ``chunk_rows(V)`` tokens
 at a time) to form the gradients of ``hidden``, ``weight`` and ``bias``.
 
+Backends (``LOGPROB_BACKENDS``; ``auto``: ``chunked`` on CUDA, ``torch`` elsewhere):
+
+- ``chunked``: per token chunk a cuBLAS logits GEMM (fp32 out) and the Triton row kernels
+  of ``csrc_triton.logprob_rows`` (stats; the logits gradient written in place). Here (log-probs
+  alone, and whatever needs the gradient after the forward: sequence-level ratios, vocabulary
+  shards) the backward recomputes each chunk's logits: 4 GEMM-equivalents, only [N] statistics
+  saved. Token-level policy losses take the one pass of ``fused_policy_loss`` (3). Budget per
+  launch: ``csrc_triton/logprob_rows.py``; any shape: ``benchmarks/gpu/logprob_floor.py``.
+- ``triton``: the fully fused kernels of ``csrc_triton.logprobs`` (5 GEMM-equivalents; slow on
+  Hopper, see its docstring): kept selectable by name.
+- ``torch``: plain PyTorch chunks (the CPU default).
+
 The policy loss from hidden states, ``fused_linear_policy_loss``, lives in
 ``fastrl.ops.fused_policy_loss`` (import it from there or from ``fastrl.ops``: this module
 does not import it, so the dependency runs one way).
@@ -31,7 +43,7 @@ from fastrl._checks import (
     resolve_backend,
 )
 
-__all__ = ["backward_tile", "chunk_rows", "linear_logprobs"]
+__all__ = ["LOGPROB_BACKENDS", "backward_tile", "chunk_rows", "chunked_rows", "linear_logprobs", "resolve_logprob_backend"]
 
 # PyTorch path: the byte budget of one fp32 [chunk_tokens, V] logits buffer (at most two
 # are live at a time, with the entropy). A fixed number of bytes, so the token chunk
@@ -65,6 +77,66 @@ def chunk_rows(vocab: int, *, weight_grad_hidden: int = 0) -> int:
     O(N V)). Forward-only passes (no weight gradient) keep the budget's rows.
     Before/after: benchmarks/bench_logprobs_chunk.py."""
     return max(1, TORCH_CHUNK_BYTES // (4 * max(vocab, 1)), int(weight_grad_hidden))
+
+
+# The chunked path (``backend="chunked"``, the default on CUDA): the byte budget of one fp32
+# [chunk_tokens, V] raw-logits buffer. Larger chunks re-read the LM head and re-accumulate
+# the fp32 [V, H] weight gradient fewer times (each accumulation reads and writes 8 V H
+# bytes: 4.4 GB at V = 151,936, H = 3,584, ~1 ms on an H200), smaller ones hold less: 1.25
+# GiB gives 2,048 tokens at V = 151,936 (the audit's design-A chunk; benchmarks/gpu/
+# logprob_floor.py prints the memory and time this predicts). Override with
+# FASTRL_CHUNKED_LOGITS_MB or pass ``chunk_tokens`` to the op.
+DEFAULT_CHUNKED_LOGITS_MB = 1280
+CHUNKED_LOGITS_BYTES = int(float(os.environ.get("FASTRL_CHUNKED_LOGITS_MB", str(DEFAULT_CHUNKED_LOGITS_MB))) * 2**20)
+CHUNK_ALIGN = 256  # tokens: chunk sizes are multiples of it (whole GEMM tiles, a few distinct shapes)
+
+LOGPROB_BACKENDS = ("auto", "chunked", "triton", "torch")
+"""Backends of ``linear_logprobs`` / ``fused_linear_policy_loss``: ``chunked`` is the
+token-chunked cuBLAS path (GEMMs in PyTorch + the Triton row kernels of
+``csrc_triton.logprob_rows``); ``triton`` the fully fused Triton kernels of
+``csrc_triton.logprobs``; ``torch`` plain PyTorch. ``auto``: ``chunked`` on CUDA (until a
+GPU run measures a shape where another path wins, see ``MEASURED_FASTEST``), ``torch``
+elsewhere."""
+
+MEASURED_FASTEST: dict[tuple[int, int, str], str] = {}
+"""(H, V, dtype name) -> backend a GPU run measured fastest (``benchmarks/gpu/
+bench_logprob_loss.py`` writes the rows to put here). Empty: no GPU has measured yet, so
+``auto`` takes ``chunked`` on CUDA, whose speed rests on cuBLAS rather than Triton tuning."""
+
+
+def resolve_logprob_backend(backend: str, device: torch.device, *, hidden: int = 0, vocab: int = 0,
+                            dtype: torch.dtype | None = None) -> str:
+    """``backend`` (one of ``LOGPROB_BACKENDS``) resolved for tensors on ``device``:
+    ``auto`` is ``MEASURED_FASTEST`` for the shape when a GPU run filled it, else ``chunked``
+    on CUDA and ``torch`` elsewhere. ``chunked`` on CPU needs ``TRITON_INTERPRET=1`` (its row
+    kernels run in the interpreter, how CI tests the path)."""
+    from fastrl._checks import check_choice, triton_available, triton_interpreter_enabled
+
+    check_choice("backend", backend, LOGPROB_BACKENDS)
+    if backend == "auto":
+        if device.type != "cuda" or not triton_available():
+            return "torch"
+        return MEASURED_FASTEST.get((int(hidden), int(vocab), str(dtype).replace("torch.", "")), "chunked")
+    if backend == "chunked":
+        if not triton_available():
+            raise ValueError("backend='chunked' requested but triton is not importable (its row kernels are Triton)")
+        if device.type != "cuda" and not triton_interpreter_enabled():
+            raise ValueError(f"backend='chunked' needs CUDA tensors (got {device.type}); on CPU set TRITON_INTERPRET=1")
+        return "chunked"
+    return resolve_backend(backend, device)
+
+
+def chunked_rows(vocab: int, tokens: int, chunk_tokens: int | None = None) -> int:
+    """Tokens per chunk of the chunked path: ``chunk_tokens`` when given (a test seam),
+    else ``CHUNKED_LOGITS_BYTES // (4 V)`` rounded down to a multiple of ``CHUNK_ALIGN``
+    (at least ``CHUNK_ALIGN``); never more than ``tokens``."""
+    if chunk_tokens is not None:
+        if isinstance(chunk_tokens, bool) or not isinstance(chunk_tokens, int) or chunk_tokens < 1:
+            raise ValueError(f"chunk_tokens must be a positive int, got {chunk_tokens!r}")
+        rows = chunk_tokens
+    else:
+        rows = max(CHUNK_ALIGN, CHUNKED_LOGITS_BYTES // (4 * max(vocab, 1)) // CHUNK_ALIGN * CHUNK_ALIGN)
+    return max(1, min(rows, int(tokens)))
 
 
 # --------------------------------------------------------------------------- helpers
@@ -262,13 +334,86 @@ def _torch_grads(h, weight, bias, y, lse, ent, gl, ge, inv_temp, need_h, need_w,
     return gh, gw, gb  # gh in fp32: the caller all-reduces it (vocab shards) and casts it to the hidden dtype
 
 
+# --------------------------------------------------------------------------- chunked path (cuBLAS GEMMs + Triton row kernels)
+
+
+def _mm_f32(a: torch.Tensor, b: torch.Tensor) -> torch.Tensor:
+    """``a @ b`` accumulated and returned in fp32 (a bf16/fp16 GEMM writes fp32 directly)."""
+    if a.dtype in _LOW_PRECISION:
+        return torch.mm(a, b, out_dtype=torch.float32)
+    return torch.mm(a, b)
+
+
+def _addmm_f32_(acc: torch.Tensor, a: torch.Tensor, b: torch.Tensor) -> None:
+    """``acc += a @ b`` into the fp32 ``acc`` (one GEMM with beta = 1; bf16/fp16 operands
+    through cuBLAS's fp32-output addmm, so no product is rounded before it is added)."""
+    if a.dtype in _LOW_PRECISION:
+        torch.addmm(acc, a, b, out_dtype=torch.float32, out=acc)
+    else:
+        acc.addmm_(a, b)
+
+
+def _chunked_stats(h, weight, bias, y, inv_temp, with_entropy, rows):
+    """(m, s, w, t) of every row of ``h``: per token chunk one logits GEMM and one
+    ``row_stats`` pass (``csrc_triton.logprob_rows``). Extra memory: one fp32 [rows, V]."""
+    from csrc_triton.logprob_rows import row_stats
+
+    n = h.shape[0]
+    f32 = dict(dtype=torch.float32, device=h.device)
+    m, s, t = torch.empty(n, **f32), torch.empty(n, **f32), torch.empty(n, **f32)
+    w = torch.empty(n, **f32) if with_entropy else None
+    w_logits = _logits_weight(weight)
+    for i in range(0, n, rows):
+        sl = slice(i, min(i + rows, n))
+        z = _torch_logits(h[sl], w_logits, None, 1.0)
+        mc, sc, wc, tc = row_stats(z, bias, y[sl].contiguous(), inv_temp, with_entropy)
+        m[sl], s[sl], t[sl] = mc, sc, tc
+        if w is not None:
+            w[sl] = wc
+        del z
+    return m, s, w, t
+
+
+def _chunked_grads(h, weight, bias, y, lse, ent, gl, ge, inv_temp, need_h, need_w, need_b, rows):
+    """Gradients wrt hidden (fp32) / weight (fp32) / bias (fp32) from per-token ``gl``/``ge``:
+    per token chunk the logits GEMM again, ``row_grad`` writing ``d loss / d logits``
+    (in place in fp32; bf16/fp16 inputs on CUDA: a buffer of their dtype), then
+    ``g @ W`` and ``g.T @ h`` (cuBLAS, fp32 accumulation)."""
+    from csrc_triton.logprob_rows import row_grad
+
+    n, hd = h.shape
+    v = weight.shape[0]
+    f32 = dict(dtype=torch.float32, device=h.device)
+    gh = torch.zeros(n, hd, **f32) if need_h else None
+    gw = torch.zeros(v, hd, **f32) if need_w else None
+    gb = torch.zeros(v, **f32) if need_b else None
+    w_logits = _logits_weight(weight)
+    gdt = w_logits.dtype  # the gradient GEMMs' operand dtype
+    for i in range(0, n, rows):
+        sl = slice(i, min(i + rows, n))
+        z = _torch_logits(h[sl], w_logits, None, 1.0)
+        out = z if gdt == torch.float32 else torch.empty(z.shape, dtype=gdt, device=z.device)
+        g = row_grad(z, out, bias, y[sl].contiguous(), lse[sl].contiguous(),
+                     ent[sl].contiguous() if ge is not None else None, gl[sl].contiguous(),
+                     ge[sl].contiguous() if ge is not None else None, inv_temp)
+        del z, out
+        if gb is not None:
+            gb += g.sum(0, dtype=torch.float32)
+        if gh is not None:
+            gh[sl] = _mm_f32(g, w_logits)
+        if gw is not None:
+            _addmm_f32_(gw, g.T, h[sl].to(gdt))
+        del g
+    return gh, gw, gb
+
+
 # --------------------------------------------------------------------------- autograd
 
 
 class _LinearLogprobs(torch.autograd.Function):
     @staticmethod
     def forward(ctx, hidden, weight, bias, targets, offset, temperature, with_entropy, ignore_index, group, impl, tiles,
-                entropy_rows):
+                entropy_rows, chunk_tokens):
         # hidden [N, H], weight [V_local, H], bias [V_local] | None, targets [N] int64 (global ids)
         ctx.set_materialize_grads(False)
         n = hidden.shape[0]
@@ -290,6 +435,14 @@ class _LinearLogprobs(torch.autograd.Function):
             y_w = y_local.index_select(0, idx).contiguous()
             m, s, w, t = logprobs_fwd(h_w, weight, bias, y_w, n_work, inv_temp=inv_temp, with_entropy=with_entropy, tiles=tiles)
             row_ok = torch.arange(n, device=hidden.device) < n_work
+        elif impl == "chunked":
+            # compaction: one host sync on CUDA (the scored-token count sizes the chunks), so
+            # no GEMM runs on an ignored row and garbage there (NaN/inf) is never read
+            idx = valid.nonzero().squeeze(1)
+            h_w, y_w = hidden.index_select(0, idx), y_local.index_select(0, idx)
+            row_ok, n_work = None, None
+            rows = chunked_rows(weight.shape[0], idx.shape[0], chunk_tokens)
+            m, s, w, t = _chunked_stats(h_w, weight, bias, y_w, inv_temp, with_entropy, rows)
         else:
             if hidden.device.type == "cpu":
                 idx = valid.nonzero().squeeze(1)  # free on CPU: no device to sync with
@@ -324,7 +477,7 @@ class _LinearLogprobs(torch.autograd.Function):
             ent_w = None
 
         ctx.save_for_backward(h_w, weight, bias, y_w, lse, ent_w, idx, n_work, row_ok if idx is None else None)
-        ctx.cfg = (n, inv_temp, group, impl, tiles, with_entropy and sampled is None)
+        ctx.cfg = (n, inv_temp, group, impl, tiles, with_entropy and sampled is None, chunk_tokens)
         if with_entropy:
             return logp, ent
         return logp, None
@@ -332,10 +485,10 @@ class _LinearLogprobs(torch.autograd.Function):
     @staticmethod
     def backward(ctx, grad_logp, grad_ent):
         h_w, weight, bias, y_w, lse, ent_w, idx, n_work, row_ok = ctx.saved_tensors
-        n, inv_temp, group, impl, tiles, with_entropy = ctx.cfg
+        n, inv_temp, group, impl, tiles, with_entropy, chunk_tokens = ctx.cfg
         need_h, need_w, need_b = ctx.needs_input_grad[0], ctx.needs_input_grad[1], bias is not None and ctx.needs_input_grad[2]
         if grad_logp is None and grad_ent is None:
-            return (None,) * 12
+            return (None,) * 13
         dev = h_w.device
         if grad_logp is None:
             grad_logp = torch.zeros(n, dtype=torch.float32, device=dev)
@@ -356,6 +509,9 @@ class _LinearLogprobs(torch.autograd.Function):
                 h_w, weight, bias, y_w, n_work, lse, ent_w if ge is not None else None, gl, ge,
                 inv_temp=inv_temp, need_hidden=need_h, need_weight=need_w or need_b, tiles=tiles,
             )
+        elif impl == "chunked":
+            rows = chunked_rows(weight.shape[0], h_w.shape[0], chunk_tokens)
+            gh, gw, gb = _chunked_grads(h_w, weight, bias, y_w, lse, ent_w, gl, ge, inv_temp, need_h, need_w, need_b, rows)
         else:
             gh, gw, gb = _torch_grads(h_w, weight, bias, y_w, lse, ent_w, gl, ge, inv_temp, need_h, need_w, need_b)
         grad_hidden = grad_weight = grad_bias = None
@@ -372,7 +528,7 @@ class _LinearLogprobs(torch.autograd.Function):
             grad_weight = gw.to(weight.dtype)
         if need_b:
             grad_bias = gb.to(bias.dtype)
-        return grad_hidden, grad_weight, grad_bias, None, None, None, None, None, None, None, None, None
+        return grad_hidden, grad_weight, grad_bias, None, None, None, None, None, None, None, None, None, None
 
 
 # --------------------------------------------------------------------------- public op
@@ -429,6 +585,7 @@ def linear_logprobs(
     process_group: Any = None,
     backend: str = "auto",
     tiles: dict[str, dict[str, int]] | None = None,
+    chunk_tokens: int | None = None,
 ) -> torch.Tensor | tuple[torch.Tensor, torch.Tensor]:
     """Log-prob of each target token under ``softmax((hidden @ weight.T + bias) / temperature)``.
 
@@ -455,8 +612,15 @@ def linear_logprobs(
             The op all-reduces the max, the sum of exponentials, the target logit and the
             entropy term, and in backward sums ``grad_hidden`` over ranks, so every rank
             gets the result of the unsplit op; ``grad_weight`` is this rank's slice.
-        backend: "auto" (Triton on CUDA, PyTorch otherwise), "triton" or "torch".
+        backend: "auto", "chunked", "triton" or "torch" (``LOGPROB_BACKENDS``; "auto":
+            "chunked" on CUDA, "torch" otherwise). "chunked": per token chunk one cuBLAS
+            logits GEMM and a Triton row pass; the backward recomputes each chunk's logits
+            (GEMM + row kernel writing the logits gradient) and runs the two gradient GEMMs
+            (4 GEMM-equivalents with the forward's). "triton": the fully fused kernels of
+            ``csrc_triton.logprobs`` (5 GEMM-equivalents, slow on Hopper: kept by name).
         tiles: optional Triton tile sizes (see ``csrc_triton.logprobs.HOPPER_TILES``).
+        chunk_tokens: tokens per chunk of the "chunked" backend (default ``chunked_rows``);
+            results do not depend on it beyond fp32 rounding (the tests compare chunkings).
 
     Returns:
         ``logp`` with the shape of ``targets`` in fp32, or ``(logp, entropy)`` when
@@ -472,7 +636,8 @@ def linear_logprobs(
     CPU a bf16/fp16 LM head is widened to an fp32 copy for the duration of the call.
     """
     device = _validate(hidden, weight, targets, bias, temperature, ignore_index)
-    impl = resolve_backend(backend, device)
+    impl = resolve_logprob_backend(backend, device, hidden=hidden.shape[-1], vocab=weight.shape[0],
+                                   dtype=torch.promote_types(hidden.dtype, weight.dtype))
     if process_group is not None and not dist.is_initialized():
         raise ValueError("process_group was given but torch.distributed is not initialised")
     hdim = hidden.shape[-1]
@@ -497,7 +662,7 @@ def linear_logprobs(
 
     logp, ent = _LinearLogprobs.apply(
         h2, w2, b, y, offset, float(temperature), bool(return_entropy), ignore_index, process_group, impl, tiles,
-        rows,
+        rows, chunk_tokens,
     )
     logp = logp.reshape(targets.shape)
     if return_entropy:

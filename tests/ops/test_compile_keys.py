@@ -19,7 +19,8 @@ keys for one length argument), which is kept where it pays (the divisibility of 
 lets masked loads vectorise) and turned off with ``do_not_specialize`` where it does not
 (counts that only address partials or bound loops):
 - log-probs: ``_bwd_hidden_kernel`` has one flag that follows the token count (atomic adds
-  when the vocabulary is split): 2 keys; the others 1.
+  when the vocabulary is split): 2 keys; the others 1, and so do the chunked path's row
+  kernels (their row counts are not specialised; V is a constexpr of the model).
 - decode and training attention (the shared-prefix launchers run the tree kernels): 1 key per
   (model, group size, dtype); the packed token count of the training attention specialises
   3 ways (its launchers treat ``meta`` as CUDA: fixed CUDA tiles).
@@ -42,6 +43,8 @@ KEY_BOUNDS = {
     "logprobs._fwd_kernel": 1,
     "logprobs._bwd_hidden_kernel": 2,
     "logprobs._bwd_weight_kernel": 1,
+    "logprob_rows._row_stats_kernel": 1,
+    "logprob_rows._row_grad_kernel": 1,
     "decode_attention._prefix_attn_kernel": 1,
     "decode_attention._suffix_merge_kernel": 1,
     "tree_attention._fwd_kernel": 3,
@@ -112,6 +115,7 @@ def walk(rec) -> None:
     from benchmarks.gpu.sm90_compile import _attn_call, _logprob_call, _policy_call, meta
     from csrc_triton.advantages import group_advantages_elementwise, segment_stats, step_advantages_tokens
     from csrc_triton.kl import kl_bwd, kl_fwd
+    from csrc_triton.logprob_rows import row_grad, row_stats
     from csrc_triton.scans import discounted_returns_fwd, gae_fwd
     from csrc_triton.shared_prefix_attention import shared_prefix_attention_bwd, shared_prefix_attention_fwd
     from csrc_triton.tree_attention import tree_attention_bwd, tree_attention_fwd
@@ -125,6 +129,10 @@ def walk(rec) -> None:
         # Qwen2.5-0.5B head, bf16, entropy and bias on: n tokens of a packed batch
         rec.label = "logprobs"
         _logprob_call(rec, n, 896, 151936, bf16, bias=True, entropy=True)
+        rec.label = "logprob_rows"  # the chunked path's row kernels over a chunk of n tokens
+        z, y = meta(n, 151936), meta(n, dtype=i64)
+        m, _, _, _ = row_stats(z, meta(151936, dtype=bf16), y, 1.0, True)
+        row_grad(z, meta(n, 151936, dtype=bf16), meta(151936, dtype=bf16), y, m, m, m, m, 1.0)
         for i, (B, T) in enumerate(batch_shapes(n)):  # [B, T] token-level ops: B rows padded to T
             rec.label = "ppo"
             _policy_call(rec, B, T, bf16, ref=True, ent=True)

@@ -103,7 +103,7 @@ def _worker(rank, world, port, backend, errfile):
         raise
 
 
-@pytest.mark.parametrize("backend", ["torch", "triton"])
+@pytest.mark.parametrize("backend", ["torch", "triton", "chunked"])
 def test_vocab_parallel_matches_unsplit_op(backend):
     with tempfile.NamedTemporaryFile("r", suffix=".err") as err:
         try:
