@@ -11,9 +11,13 @@
 # Cut Cross-Entropy, forward + backward and no-grad, the issue's four shapes) 150 s
 # + 4 bench modules x 40 s; then, each only with time left: the sampler's decode modes vs
 # generate/vLLM (at most 100 s), the step-wise tree case (at most 90 s), and the long GRPO step.
-# FASTRL_GPU_STAGES=loss (a comma list of tests,kernels,loss,bench,sampler,tree,long) runs only
-# those stages, e.g. a session that measures the log-prob loss alone:
+# + the decode cascade (bench_decode.py, at most 60 s) and the training attention
+# (bench_train_attention.py, at most 90 s) after the loss; the memory-bound kernels last.
+# FASTRL_GPU_STAGES=loss (a comma list of tests,kernels,loss,decode,trainattn,bench,sampler,tree,long,memory)
+# runs only those stages, e.g. a session that measures the log-prob loss alone (issue 36), or the
+# attention and the step (issue 37: tests gate the attention benches):
 #   FASTRL_GPU_STAGES=loss bash benchmarks/gpu/run.sh
+#   FASTRL_GPU_STAGES=tests,decode,trainattn,long,sampler,memory bash benchmarks/gpu/run.sh
 # The baselines' wheels come in .whl/ (bash benchmarks/gpu/fetch_wheels.sh; gitignored, carried).
 set -uo pipefail
 OUT=${OUT:-/tmp/fastrl-gpu-out}
@@ -63,7 +67,7 @@ else
   # tests/ops/test_no_host_sync.py (CUDA's sync debug mode on every op). The sm_90
   # compile checks (test_compile_*.py) are CPU-side CI checks.
   test_args=(-q tests/ops tests/reference tests/rollout/test_decode_attention.py tests/rollout/test_decode_attention_precision.py
-             tests/rollout/test_hf_static_decode.py
+             tests/rollout/test_hf_static_decode.py tests/rollout/test_decode_cascade.py
              --ignore=tests/ops/test_compile_sm90.py --ignore=tests/ops/test_compile_keys.py)
   # ~1280 tests, each kernel specialisation compiled on first use: across 15 processes (Triton's
   # on-disk cache is shared; 8 reached 95% in 170 s, 14 reached 99% in 250 s on the first H200
@@ -100,6 +104,27 @@ if want loss; then
     --out "$RESULTS/logprob_loss.json" 2>&1 | tee "$RESULTS/logprob_loss.log" | tail -40
   echo "loss exit: ${PIPESTATUS[0]}"
   python3 benchmarks/gpu/logprob_floor.py --results "$RESULTS/logprob_loss.json" 2>&1 | tee "$RESULTS/logprob_floor.txt" | tail -40
+fi
+
+if want decode; then
+  echo "== decode attention: cascade (plan, CUDA graph, checked call, split sweep) vs SDPA over the expanded prefix (and flash_attn), each timed after its check"
+  if python3 benchmarks/gpu/tests_passed.py "$RESULTS/tests_outcomes.tsv" rollout; then
+    if [ -n "${FASTRL_GPU_DRY_RUN:-}" ]; then decode_args=(--dry-run); else decode_args=(); fi
+    timeout "$(stage_timeout 60)" python3 benchmarks/gpu/bench_decode.py "${decode_args[@]}" --out "$RESULTS/decode_gpu.json" 2>&1 | tee "$RESULTS/decode.log" | tail -8
+    echo "decode exit: ${PIPESTATUS[0]}"
+  else
+    echo "decode skipped: its correctness tests failed"
+  fi
+fi
+if want trainattn; then
+  echo "== training attention: shared-prefix and tree fwd+bwd, Triton vs Flex vs SDPA over the repeated prompt (each timed after its check)"
+  if python3 benchmarks/gpu/tests_passed.py "$RESULTS/tests_outcomes.tsv" tree_attention; then
+    if [ -n "${FASTRL_GPU_DRY_RUN:-}" ]; then ta_args=(--dry-run); else ta_args=(); fi
+    timeout "$(stage_timeout 90)" python3 benchmarks/gpu/bench_train_attention.py "${ta_args[@]}" --out "$RESULTS/train_attention.json" 2>&1 | tee "$RESULTS/train_attention.log" | tail -16
+    echo "train attention exit: ${PIPESTATUS[0]}"
+  else
+    echo "train attention skipped: its correctness tests failed"
+  fi
 fi
 
 : > "$RESULTS/bench.log"
@@ -144,5 +169,11 @@ if want long; then
   else
     echo "long grpo skipped: ${left}s left of the budget"
   fi
+fi
+if want memory; then
+  echo "== memory-bound kernels vs the PyTorch path and torch.compile, bandwidth vs a copy (each timed after its check)"
+  if [ -n "${FASTRL_GPU_DRY_RUN:-}" ]; then mb_args=(--dry-run --no-compile); else mb_args=(); fi
+  timeout "$(stage_timeout 120)" python3 benchmarks/gpu/bench_memory_bound.py "${mb_args[@]}" --out "$RESULTS/memory_bound_gpu.json" 2>&1 | tee "$RESULTS/memory_bound.log" | tail -16
+  echo "memory bound exit: ${PIPESTATUS[0]}"
 fi
 ls -la "$RESULTS"

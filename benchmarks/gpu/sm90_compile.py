@@ -27,9 +27,9 @@ a rule broken outside ``hopper_checks.KNOWN_FAILING`` is a failure, and so is a 
 failure that no variant shows. ``--probes`` compiles the small probe kernels of
 ``hopper_probes.py`` instead and prints each one's broken rules (JSON).
 
-Launchers see ``meta`` tensors as CUDA tensors where they pick tiles by device
-(``launchers_see_cuda``): the shared-prefix attention launcher tests ``!= "cuda"`` and would
-otherwise hand its interpreter tiles to the compiler.
+Launchers see ``meta`` tensors as CUDA tensors: every launcher picks its interpreter tiles for
+``cpu`` only (the shared-prefix attention launcher once tested ``!= "cuda"`` and handed its
+interpreter tiles to the compiler; ``--fp64-scalars`` reports the tiles its launches recorded).
 """
 
 from __future__ import annotations
@@ -70,8 +70,10 @@ SM90 = GPUTarget("cuda", 90, 32)
 H200_SM_COUNT = 132
 H200_SMEM_PER_BLOCK = 227 * 1024  # bytes: cudaDevAttrMaxSharedMemoryPerBlockOptin on sm_90
 META = torch.device("meta")
-# constexprs that are True only in the CPU interpreter (bf16 tiles upcast before tl.dot)
-INTERPRETER_ONLY_FLAGS = {"UPCAST"}
+# constexprs whose other value only the CPU interpreter runs (bf16 tiles upcast before tl.dot;
+# the while-loop forms of the attention kernels' loops, for interpreters older than Triton 3.8):
+# the sm_90 compile takes the CUDA value only
+INTERPRETER_ONLY_FLAGS = {"UPCAST", "LOOP_FOR", "FOR_LOOPS"}
 
 # Real model shapes (hidden size, vocabulary): Qwen2.5-0.5B/1.5B/7B, Llama-3.2-1B, Llama-2/3-8B.
 LOGPROB_HIDDEN = (896, 1536, 2048, 3584, 4096)
@@ -262,8 +264,6 @@ def cases_decode_attention(rec: Recorder, full: bool) -> None:
         strict = "strict:" if dtype in LOW and d in (64, 128) else ""
         rec.label = f"{strict}decode_attention Hq={hq} Hkv={hkv} D={d} G={g} {str(dtype)[6:]}"
         _attn_call(rec, hq, hkv, d, g, dtype)
-    rec.label = "decode_attention while-loop form Hq=28 Hkv=4 D=128 G=8 bfloat16"
-    _attn_call(rec, 28, 4, 128, 8, torch.bfloat16, loop_for=False)
 
 
 def _policy_call(rec: Recorder, B: int, T: int, dtype, *, seq_ratio=False, seq_is=False, dual=None, lr_clamp=None,
@@ -437,8 +437,6 @@ def cases_tree_attention(rec: Recorder, full: bool) -> None:
         tree_case(f"tree_attention 1.5B group of {tokens} tokens bf16", 12, 2, 128, torch.bfloat16, group(tokens))
     # one program per (key tile, kv head): multi-head attention without a split stores (ATOMIC=False)
     tree_case("tree_attention Hq=Hkv=16 D=64 unsplit fp16", 16, 16, 64, torch.float16, group(2048), split=False)
-    # the while-loop form (FOR_LOOPS=False) that old CPU interpreters run: it compiles too
-    tree_case("tree_attention Hq=Hkv=16 D=64 while loops fp16", 16, 16, 64, torch.float16, group(2048), for_loops=False)
     grid = list(itertools.product(ATTN_HEADS, FLOATS)) if full else [(ATTN_HEADS[0], torch.float16)]  # D = 64
     for (hq, hkv, d), dtype in grid:
         tree_case(f"tree_attention Hq={hq} Hkv={hkv} D={d} {str(dtype)[6:]}", hq, hkv, d, dtype, group(4096))
@@ -479,24 +477,9 @@ def all_kernels() -> list[triton_jit.JITFunction]:
     return kernels
 
 
-@contextlib.contextmanager
-def launchers_see_cuda() -> Iterator[None]:
-    """While recording: launchers that choose tiles by ``device.type != "cuda"`` get their CUDA
-    tiles for ``meta`` tensors (``shared_prefix_attention._config``; the others test
-    ``== "cpu"``)."""
-    import csrc_triton.shared_prefix_attention as spa
-
-    before = spa.INTERPRETER_TILES
-    spa.INTERPRETER_TILES = spa.CUDA_TILES
-    try:
-        yield
-    finally:
-        spa.INTERPRETER_TILES = before
-
-
 def record(full: bool, families=None) -> Recorder:
     rec = Recorder()
-    with rec.active(), launchers_see_cuda():
+    with rec.active():
         for family, fn in CASES.items():
             if families is None or family in families:
                 fn(rec, full)
@@ -739,15 +722,15 @@ def main(argv=None) -> int:
 
     if args.fp64_scalars:
         rec = record(full=True)
-        with rec.active(), launchers_see_cuda():
+        with rec.active():
             cases_fp64_attention(rec)
         found = fp32_scalars_in_fp64_launches(rec)
         problems = fp64_scalar_problems(found)
-        # the tiles the shared-prefix attention launches were recorded with (launchers_see_cuda)
-        tiles = {f"{launch.name} {launch.kernel.fn.__module__.rsplit('.', 1)[-1]}":
-                 {k: v for k, v in launch.constexpr_values().items() if k.startswith("BLOCK_")}
+        # the tiles the shared-prefix attention launchers' launches (the tree kernels) were recorded with
+        tiles = {launch.name: {k: v for k, v in launch.constexpr_values().items() if k.startswith("BLOCK_")}
                  | {"num_warps": launch.options["num_warps"]}
-                 for launch in rec.launches if launch.kernel.fn.__module__.endswith("shared_prefix_attention")}
+                 for launch in rec.launches
+                 if any(label.startswith("shared_prefix_attention") for label in rec.labels[(launch.name, launch.key)])}
         print(json.dumps({"found": found, "problems": problems, "shared_prefix_tiles": tiles}))
         return 1 if problems else 0
 
