@@ -26,6 +26,7 @@ comes back.
 
 from __future__ import annotations
 
+import sys
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Callable, Sequence
@@ -103,6 +104,18 @@ def open_run(cfg: TrainConfig, *, run_files: Sequence[str]) -> RunSite:
     return RunSite(ranks=ranks, out=out, run_lock=run_lock, resume_dir=resume_dir, autocast_dtype=autocast_dtype)
 
 
+def set_threads(cfg: TrainConfig, site: RunSite, *, parameters: int) -> None:
+    """torch's intra-op threads: ``--threads`` when given (set in ``open_run``), else the rule
+    of ``fastrl.train.threads`` for this policy's size on this machine; said on rank 0."""
+    from fastrl.train.threads import machine_threads
+
+    choice = machine_threads(parameters=parameters, device_type=site.device.type)
+    if cfg.threads is None and choice.threads is not None:
+        torch.set_num_threads(choice.threads)
+    if site.is_main:
+        print(f"fastrl train: {choice.describe(given=cfg.threads)}", file=sys.stderr, flush=True)
+
+
 # ---------------------------------------------------------------------------- 2. the policy
 @dataclass
 class LoadedPolicy:
@@ -123,6 +136,7 @@ def load_policy(cfg: TrainConfig, site: RunSite, *, model: torch.nn.Module | Non
 
     tok, policy = build.load_policy(cfg, model=model, tokenizer=tokenizer, resume_dir=site.resume_dir, device=site.device)
     check_tokenizer_matches_model(tok, policy)
+    set_threads(cfg, site, parameters=sum(p.numel() for p in policy.parameters()))
     if cfg.shared_prefix or cfg.prefix_tree is True:
         build.check_shared_prefix_support(policy)
     parameter_bytes = sum(p.numel() * p.element_size() for p in policy.parameters())
