@@ -54,7 +54,7 @@ HELP_GROUPS: dict[str, tuple[str, ...]] = {
                      "prefix_tree", "activation_checkpointing", "offload_activations", "reference_offload", "micro_batch_tokens", "lr", "weight_decay",
                      "adam_betas", "warmup_steps", "min_lr_ratio", "grad_clip", "seed"),
     "logging and evaluation": ("eval_every", "eval_prompts", "pass_k", "tensorboard", "progress"),
-    "output and checkpoints": ("output_dir", "save_every", "keep_checkpoints", "overwrite", "resume"),
+    "output and checkpoints": ("output_dir", "save_every", "save_every_minutes", "keep_checkpoints", "overwrite", "resume"),
     "agents (--env)": ("env", "env_workers", "env_step_timeout", "env_trajectory_timeout", "env_call_format",
                        "env_max_repeated_calls", "env_reward_weight", *AGENT_FIELDS),
 }
@@ -239,9 +239,18 @@ def run_train(argv: list[str]) -> int:
     from fastrl.rollout.remote import ServerError, ServerTimeout, ServerUnavailable
     from fastrl.train.trainer import Trainer, TrainingDivergedError, WeightSyncError
 
+    from fastrl.train.interrupt import RunInterrupted, StopRequests, exit_status, interrupted_message
+
+    trainer = None
     try:
-        with Trainer(config) as trainer:
-            result = trainer.train()
+        with StopRequests() as stop:
+            with Trainer(config) as trainer:
+                result = trainer.train(stop=stop)
+    except RunInterrupted as e:  # Ctrl-C or SIGTERM: one line, the shell's status, no traceback
+        if os.environ.get("RANK", "0") == "0":
+            last = trainer.last_checkpoint if trainer is not None else None
+            print(interrupted_message(e, output_dir=config.output_dir, last_checkpoint=last), file=sys.stderr, flush=True)
+        return exit_status(e.signum)
     except (TrainingDivergedError, WeightSyncError) as e:
         print(f"fastrl train: stopped: {e}", file=sys.stderr)
         return 3

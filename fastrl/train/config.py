@@ -109,6 +109,10 @@ the same name and meaning (``None``: the environment's default), derived from th
 # a 79K-parameter Llama's first evaluation (greedy + 4 samples of up to 256 tokens) took 31 s
 # on the project's loaded 2-core CPU, 84 s at 200 prompts (20 s per training step of 16 x 8).
 DATASET_EVAL_PROMPTS = 64
+DEFAULT_SAVE_EVERY_MINUTES = 10.0
+"""``save_every_minutes`` of a run that sets none: a checkpoint at least every 10 minutes of
+training (the embedded default's whole run is ~2 minutes on a CPU: its checkpoints are the one
+after the warm-up and the last)."""
 DEFAULT_RL_STEPS = 150
 """RL steps of a run that sets none (``TrainConfig.steps=None``), the built-in environments' too."""
 
@@ -473,7 +477,11 @@ class TrainConfig:
     output_dir: str = "runs/fastrl"
     """Where metrics, samples, checkpoints and the final model go."""
     save_every: int = 0
-    """Checkpoint every N steps (0: only at the end)."""
+    """Checkpoint every N steps (0: by wall time only, ``save_every_minutes``). A run also
+    checkpoints after its warm-up and at the end; ``--resume latest`` continues from the newest."""
+    save_every_minutes: float = DEFAULT_SAVE_EVERY_MINUTES
+    """Checkpoint at the end of the first step this many minutes after the last checkpoint, so a
+    crash or a kill loses minutes, not the run (0: off)."""
     keep_checkpoints: int = 2
     """Checkpoints kept on disk (oldest deleted first)."""
     overwrite: bool = False
@@ -636,6 +644,7 @@ class TrainConfig:
                 positive_int(name)
         if self.max_seconds is not None:
             number("max_seconds", low=0.0, low_open=True)
+        number("save_every_minutes", low=0.0)
         if self.advantage_mode not in (*GROUP_MODES, "gae", *TURN_MODES):
             raise InputError(f"advantage_mode must be one of {(*GROUP_MODES, 'gae', *TURN_MODES)}, "
                              f"got {self.advantage_mode!r}")
