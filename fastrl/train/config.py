@@ -474,8 +474,10 @@ class TrainConfig:
     max_new_tokens each, stays well under a minute on a CPU)."""
     pass_k: int = 4
     """pass@k of the evaluation (k samples at the training temperature); 1: greedy accuracy only."""
-    output_dir: str = "runs/fastrl"
-    """Where metrics, samples, checkpoints and the final model go."""
+    output_dir: Optional[str] = None
+    """Where metrics, samples, checkpoints and the final model go. None: ``runs/<task>`` (``runs/default``,
+    ``runs/calculator``, a dataset's name), or ``runs/<task>-2``, ``-3``, ... when it already holds a run;
+    with ``--resume latest``, the newest of these with checkpoints."""
     save_every: int = 0
     """Checkpoint every N steps (0: by wall time only, ``save_every_minutes``). A run also
     checkpoints after its warm-up and at the end; ``--resume latest`` continues from the newest."""
@@ -556,6 +558,11 @@ class TrainConfig:
             c.sft_target_accuracy = default.sft_target_accuracy
         if c.lr is None:
             c.lr = default.grpo_lr if builtin_model else 1e-6
+        if c.output_dir is None:
+            from fastrl.train.rundir import default_output_dir, default_run_name
+
+            c.output_dir = default_output_dir(default_run_name(env=c.env, dataset=c.dataset), resume=c.resume,
+                                              overwrite=c.overwrite, numbered=int(os.environ.get("WORLD_SIZE", "1")) == 1)
         c.validate()
         return c
 
