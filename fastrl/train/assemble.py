@@ -86,7 +86,12 @@ class RunSite:
 def open_run(cfg: TrainConfig, *, run_files: Sequence[str]) -> RunSite:
     """Join the process group (torchrun; refusing on every rank what data parallel cannot
     run), lock and claim ``output_dir`` (``run_files``: what an earlier run's outputs are),
-    seed the global RNG. Every rank waits until rank 0 has claimed the folder."""
+    seed the global RNG. Every rank waits until rank 0 has claimed the folder. First, a model
+    or dataset named by a hub id that is not here and cannot be fetched is refused in one line
+    (``fastrl.train.hub``)."""
+    from fastrl.train.hub import check_run_sources
+
+    check_run_sources(cfg)
     if cfg.threads:
         torch.set_num_threads(cfg.threads)
     ranks = Ranks.join(cfg.device, local_device=build.device_of)

@@ -561,7 +561,7 @@ class TrainConfig:
         if c.output_dir is None:
             from fastrl.train.rundir import default_output_dir, default_run_name
 
-            c.output_dir = default_output_dir(default_run_name(env=c.env, dataset=c.dataset), resume=c.resume,
+            c.output_dir = default_output_dir(default_run_name(env=c.env, dataset=c.dataset, model=c.model), resume=c.resume,
                                               overwrite=c.overwrite, numbered=int(os.environ.get("WORLD_SIZE", "1")) == 1)
         c.validate()
         return c

@@ -134,14 +134,21 @@ DEFAULT_RUNS_ROOT = Path("runs")
 """Where runs go when ``output_dir`` is not given: ``runs/<task>``, relative to the working directory."""
 
 
-def default_run_name(*, env: str | None, dataset: str | None) -> str:
+DATA_SUFFIXES = (".jsonl", ".json", ".parquet")
+"""File suffixes left out of a run's folder name (``train.jsonl`` -> ``runs/train``)."""
+
+
+def default_run_name(*, env: str | None, dataset: str | None, model: str | None = None) -> str:
     """The folder name of a run's task: its environment (``calculator``; a user's
-    ``module:Class`` as ``class``), its dataset's name (``train.jsonl`` -> ``train``), else
-    ``default`` (the built-in task)."""
+    ``module:Class`` as ``class``), its dataset's name (``train.jsonl`` -> ``train``), its
+    model's (the built-in task on ``./my-model``: ``my-model``), else ``default`` (the
+    built-in task and model)."""
     if env is not None:
         name = env.rsplit(":", 1)[-1].rsplit(".", 1)[-1]
-    elif dataset is not None:
-        name = Path(dataset.rstrip("/\\")).name.split(".")[0]
+    elif dataset is not None or model is not None:
+        name = Path((dataset or model).rstrip("/\\")).name
+        for suffix in DATA_SUFFIXES:
+            name = name.removesuffix(suffix)
     else:
         name = "default"
     name = "".join(ch if ch.isalnum() or ch in "-_" else "-" for ch in name.lower()).strip("-")

@@ -243,6 +243,8 @@ def test_default_output_folders_are_one_per_task_and_never_collide(tmp_path):
     assert default_run_name(env="my_envs.shop:ShopEnv", dataset=None) == "shopenv"
     assert default_run_name(env=None, dataset="data/train.jsonl") == "train"
     assert default_run_name(env=None, dataset="org/gsm8k") == "gsm8k"
+    assert default_run_name(env=None, dataset=None, model="Qwen/Qwen2.5-0.5B") == "qwen2-5-0-5b"
+    assert default_run_name(env=None, dataset=None, model="./my-model/") == "my-model"
     root = tmp_path / "runs"
 
     def new(name="default"):
