@@ -13,6 +13,7 @@ keys; the resolved configuration is written beside every run as ``config.yaml``.
 from __future__ import annotations
 
 import dataclasses
+import difflib
 import math
 import os
 import typing
@@ -643,6 +644,14 @@ class TrainConfig:
                      "top_k", "seed", "async_steps"):
             positive_int(name, allow_zero=True)
         self._validate_agent(positive_int, number)
+        if self.env is not None:
+            from fastrl.train.agent_task import ENV_TASKS
+
+            if self.env not in ENV_TASKS and ":" not in self.env:
+                close = difflib.get_close_matches(self.env, list(ENV_TASKS), n=1, cutoff=0.6)
+                hint = f" (did you mean {close[0]}?)" if close else ""
+                raise InputError(f"--env {self.env!r} is neither a built-in environment ({', '.join(ENV_TASKS)}) nor "
+                                 f"'module:Class'{hint}")
         if self.seed > _MAX_SEED:
             raise InputError(f"seed must be an int in [0, {_MAX_SEED}] (it seeds Python, NumPy and torch), got {self.seed!r}")
         positive_int("sft_steps", allow_zero=True)
