@@ -182,7 +182,20 @@ def environment_report() -> dict:
         "TRITON_INTERPRET": os.environ.get("TRITON_INTERPRET"),
         "bench_results_dir": str(bench_results_dir()),
     }
+    report["threads"].update(train_thread_rule(device.type))
     return report
+
+
+def train_thread_rule(device_type: str) -> dict:
+    """What `fastrl train`'s thread rule (fastrl/train/threads.py) picks on this machine now:
+    for the built-in model and for a model of unknown (large) size."""
+    from fastrl.train.threads import available_cores, builtin_model_parameters, load_average, machine_threads
+
+    builtin = machine_threads(parameters=builtin_model_parameters(), device_type=device_type)
+    large = machine_threads(parameters=None, device_type=device_type)
+    return {"usable_cores": available_cores(), "load_average": round(load_average(), 2),
+            "train_builtin_model": builtin.threads, "train_large_model": large.threads,
+            "train_rule": f"built-in model: {builtin.describe()}; a model of 2M+ parameters: {large.describe()}"}
 
 
 def tested_triton_range() -> str | None:
@@ -237,8 +250,12 @@ def cmd_env(args: argparse.Namespace) -> int:
     print(f"device        {report['device']}" + (f"  ({report['gpu']})" if report["gpu"] else ""))
     print(f"backend auto  {report['backend_auto']}")
     t = report["threads"]
-    print(f"threads       intra-op {t['intra_op']}, inter-op {t['inter_op']}, cores {t['cpu_cores']}, "
-          f"OMP_NUM_THREADS={t['OMP_NUM_THREADS'] or 'unset'}")
+    print(f"threads       intra-op {t['intra_op']}, inter-op {t['inter_op']}, cores {t['cpu_cores']} "
+          f"({t['usable_cores']} usable), load {t['load_average']}, OMP_NUM_THREADS={t['OMP_NUM_THREADS'] or 'unset'}")
+    count = {None: "torch's default"}
+    print(f"train threads {count.get(t['train_builtin_model'], t['train_builtin_model'])} for the built-in model, "
+          f"{count.get(t['train_large_model'], t['train_large_model'])} for a model of 2M+ parameters now "
+          "(fastrl train's rule: small models one thread, larger ones the cores the load leaves free; --threads N overrides)")
     if report["TRITON_INTERPRET"]:
         print(f"TRITON_INTERPRET={report['TRITON_INTERPRET']}  (kernels run in the Triton interpreter: tests only, slow)")
     print(f"bench results {report['bench_results_dir']}")

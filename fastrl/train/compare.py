@@ -123,9 +123,11 @@ ENV_COMPARE_DEFAULTS: dict[str, EnvCompareDefaults] = {
 DEFAULT_EVALUATIONS = 6
 """Held-out evaluations along a steps budget after the start's (``--eval_every`` = budget / this)."""
 DEFAULT_JOBS = 1
-"""``--jobs`` without a built-in ``--env``: runs one after another. A single-turn run's
-``--threads`` defaults to torch's (every core), so two at once would share the cores and
-each wait at its parallel regions for the other's threads; not measured to pay off."""
+"""``--jobs`` for runs of a user's model without ``--threads``: one after another. Such a run's
+threads are ``fastrl train``'s rule's for its size (the free cores for a model of 2M parameters
+or more), so two at once would share the cores and each wait at its parallel regions for the
+other's threads; not measured to pay off. The built-in model's runs take the rule's one
+thread (``fastrl.train.threads``) and go ``cores`` at a time."""
 INTERRUPTED_STATUS = 128 + signal.SIGINT
 """Exit status of a comparison stopped by Ctrl-C (the shell's convention for SIGINT)."""
 STOP_SIGNALS = (signal.SIGTERM, signal.SIGHUP)
@@ -965,10 +967,15 @@ def plan_compare(argv: Sequence[str]) -> ComparePlan:
         raise CompareError(f"--steps and --budget {budget.text!r} both set the number of steps; give one")
     if env_defaults is not None and "threads" not in user_fields:
         user_fields["threads"] = env_defaults.threads
+    elif "threads" not in user_fields and "model" not in user_fields:
+        # the built-in model: fastrl train's thread rule (one thread for a model this small), so runs go side by side
+        from fastrl.train.threads import builtin_model_parameters, machine_threads
+
+        sizes = {k: user_fields[k] for k in ("model_hidden_size", "model_layers") if k in user_fields}
+        user_fields["threads"] = machine_threads(parameters=builtin_model_parameters(**sizes)).threads
     if args.jobs is not None and args.jobs < 1:
         raise CompareError(f"--jobs must be >= 1, got {args.jobs}")
-    jobs = args.jobs if args.jobs is not None else default_jobs(
-        threads=user_fields["threads"] if env_defaults is not None else None, cores=available_cores())
+    jobs = args.jobs if args.jobs is not None else default_jobs(threads=user_fields.get("threads"), cores=available_cores())
 
     def resolve(algorithm: str, overrides: dict[str, Any] | None = None) -> TrainConfig:
         try:

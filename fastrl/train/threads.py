@@ -21,7 +21,7 @@ import os
 from dataclasses import dataclass
 
 __all__ = ["ThreadChoice", "SMALL_MODEL_PARAMETERS", "choose_threads", "machine_threads", "available_cores",
-           "load_average"]
+           "load_average", "builtin_model_parameters"]
 
 SMALL_MODEL_PARAMETERS = 2_000_000
 """Policies with fewer parameters run one intra-op thread on a CPU, whatever the machine: the
@@ -78,3 +78,14 @@ def load_average() -> float:
 def machine_threads(*, parameters: int | None, device_type: str = "cpu") -> ThreadChoice:
     """``choose_threads`` with this machine's cores and load."""
     return choose_threads(parameters=parameters, cores=available_cores(), load=load_average(), device_type=device_type)
+
+
+def builtin_model_parameters(model_hidden_size: int | None = None, model_layers: int | None = None) -> int:
+    """The parameter count of the built-in tiny model (the embedded default's unless sizes are
+    given), counted on the model itself (built from its config: a fraction of a second)."""
+    from fastrl.train.task import DefaultTask, char_tokenizer, tiny_model
+
+    default = DefaultTask()
+    model = tiny_model(char_tokenizer(), hidden_size=model_hidden_size or default.hidden_size,
+                       layers=model_layers or default.layers, heads=default.heads, arch=default.arch)
+    return sum(p.numel() for p in model.parameters())
