@@ -1,7 +1,8 @@
-"""The tables of README.md and docs/ written from benchmarks/results/*.json (never by hand).
+"""The tables and prose figures of README.md and docs/ written from benchmarks/results/*.json (never by hand).
 
-A page holds each table between ``<!-- table:NAME -->`` and ``<!-- /table -->``; this script
-replaces what is between the markers with the table rendered from the JSON:
+A page holds each table between ``<!-- table:NAME -->`` and ``<!-- /table -->``, and each
+sentence of figures between ``<!-- figure:NAME -->`` and ``<!-- /figure -->``; this script
+replaces what is between the markers with what it renders from the JSON:
 
     python benchmarks/render_tables.py          # rewrite the tables in README.md and docs/*.md
     python benchmarks/render_tables.py --check  # exit 1 when a page and the JSON disagree
@@ -25,6 +26,8 @@ ROOT = Path(__file__).resolve().parents[1]
 RESULTS = ROOT / "benchmarks" / "results"
 PAGES = ("README.md", "docs")
 MARKER = re.compile(r"(<!-- table:(?P<name>[a-z_]+) -->\n)(?P<body>.*?)(<!-- /table -->)", re.S)
+FIGURE = re.compile(r"(<!-- figure:(?P<name>[a-z_0-9]+) -->)(?P<body>.*?)(<!-- /figure -->)", re.S)
+"""Figures in prose: ``<!-- figure:NAME -->text<!-- /figure -->``, the text rendered by ``FIGURES[NAME]``."""
 
 
 SAMPLER_VS_GENERATE = "rollout-vs-generate-cpu-20261202-060143.json"
@@ -511,6 +514,58 @@ TABLES: dict[str, Callable[[], str]] = {"default_train_seeds": default_train_see
                                         "sql_levers": sql_levers}
 
 
+def calculator_seed0() -> str:
+    """docs/agents.md's account of `fastrl train --env calculator`, seed 0: the README table's run."""
+    data = _load(ENV_SEED_FILES[0])
+    run = data["runs"]["0"]
+    acc = {int(e["step"]): e["accuracy"] for e in run["eval"]}
+    last = max(acc)
+    tools = run["eval"][0]["tool_call_rate"], run["eval"][-1]["tool_call_rate"]
+    paired = run["heldout_first_last_paired"]
+    load = "/".join(f"{x:.1f}" for x in run["load_average_before_after"])
+    return (f"`fastrl train --env calculator` (seed 0, nothing else; `{data['command']}`, {data['date']}, code {run['commit']}, "
+            f"{data['machine']}; the README table's first row): the warm-up stopped after {run['sft_steps']:.0f} steps "
+            f"({run['sft_seconds']:.0f} s; probe success {run['sft_probe_accuracy']:.2f} on 100 training rows), then "
+            f"{run['rl_steps']} GRPO steps of 16 rows x 8 trajectories ({run['rl_step_seconds_median']:.2f} s each, median). "
+            f"Held-out success ({paired['rows']} rows, greedy episodes): **{acc[0]:.2f} after the warm-up -> {acc[25]:.2f} at "
+            f"step 25 -> {acc[50]:.2f} at step 50**, {acc[last]:.2f} at step {last} (+{paired['gained']} / -{paired['lost']} "
+            f"rows, {_p_value(paired['p_value'])}); tool-call rate {tools[0]:.2f} before and {tools[1]:.2f} after (the warm-up "
+            f"teaches the call; RL teaches copying the expression and the result exactly). {run['wall_seconds']:.0f} s wall "
+            f"({run['cpu_seconds']:.0f} s CPU), load average {load} before/after. Results: "
+            f"`benchmarks/results/{ENV_SEED_FILES[0]}`.")
+
+
+OPS_QUICK = "bench-cpu-quick-policy_loss-advantages.json"
+"""`fastrl bench --quick --only policy_loss advantages` on this project's CPU: every op beside every baseline."""
+
+
+def ops_quick_cpu() -> str:
+    """Every op of `fastrl bench --quick --only policy_loss advantages` beside each of its
+    baselines, the ones fastrl loses to included (ratio < 1)."""
+    data = _load(OPS_QUICK)
+    rows = []
+    by_case: dict[tuple[str, str], list[dict]] = {}
+    for r in data["results"]:
+        by_case.setdefault((r["op"], r["shape"]), []).append(r)
+    for (op, shape), impls in by_case.items():
+        fastrl = next(r for r in impls if r["impl"] == "fastrl")
+        for i, base in enumerate(r for r in impls if r["impl"] != "fastrl"):
+            ratio = base["best_ms"] / fastrl["best_ms"]
+            verdict = " ~" if base.get("within_noise") else "" if ratio >= 1.0 else " (slower)"
+            rows.append([f"`{op}`" if i == 0 else "", shape if i == 0 else "", f"{fastrl['best_ms']:.3f} ms" if i == 0 else "",
+                         f"{base['impl']}: {base['best_ms']:.3f} ms", f"{ratio:.2f}x{verdict}"])
+    env = data["environment"]
+    table = _rows(["op (fwd+bwd where it has a gradient)", "shape", "fastrl (best)", "baseline (best)", "ratio"], rows)
+    return table + (f"\n`fastrl bench --quick --only policy_loss advantages --out benchmarks/results/{OPS_QUICK}` "
+                    f"({data['created'][:10]}; torch {env['torch']}, one intra-op thread, the project's 2-core CPU shared with "
+                    "other sessions' work); ratio = baseline time / fastrl time, best of n; ~: inside the run's noise "
+                    "(the spread, median / best, of the two rows), too noisy to rank.\n")
+
+
+TABLES["ops_quick_cpu"] = ops_quick_cpu
+FIGURES: dict[str, Callable[[], str]] = {"calculator_seed0": calculator_seed0}
+
+
 def pages() -> list[Path]:
     out = []
     for entry in PAGES:
@@ -527,7 +582,13 @@ def render(text: str) -> str:
             raise KeyError(f"no table named {name!r} (known: {', '.join(TABLES)})")
         return match.group(1) + TABLES[name]() + match.group(4)
 
-    return MARKER.sub(replace, text)
+    def figure(match: re.Match) -> str:
+        name = match.group("name")
+        if name not in FIGURES:
+            raise KeyError(f"no figure named {name!r} (known: {', '.join(FIGURES)})")
+        return match.group(1) + FIGURES[name]() + match.group(4)
+
+    return FIGURE.sub(figure, MARKER.sub(replace, text))
 
 
 def main(argv: list[str] | None = None) -> int:
