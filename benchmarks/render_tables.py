@@ -562,8 +562,39 @@ def ops_quick_cpu() -> str:
                     "(the spread, median / best, of the two rows), too noisy to rank.\n")
 
 
+SQL_PADDED_WARMUP = "env_train_sql_width128_default_threads_paired_cpu.json"
+"""sql's seed study before its warm-up's batches ran as tries (the same defaults otherwise)."""
+SQL_FRESH_SEEDS = "env_train_sql_fresh_seeds_default_threads_cpu.json"
+"""sql's defaults on seeds never used to choose them."""
+
+
+def _wall_range(name: str) -> str:
+    walls = [run["wall_seconds"] for run in _load(name)["runs"].values()]
+    return f"{min(walls):.0f}-{max(walls):.0f} s"
+
+
+def _gains(name: str) -> str:
+    runs = sorted(_load(name)["runs"].items(), key=lambda kv: int(kv[0]))
+    return ", ".join(f"+{r['heldout_first_last_paired']['gained']} / -{r['heldout_first_last_paired']['lost']}" for _, r in runs)
+
+
+def sql_readme() -> str:
+    """The README's sentence on sql's rows of the seed table, its slower first seed and its fresh seeds."""
+    study = ENV_SEED_FILES[2]
+    seed0 = _load(study)["runs"]["0"]
+    first, last = seed0["eval"][0]["accuracy"], seed0["eval"][-1]["accuracy"]
+    paired = seed0["heldout_first_last_paired"]
+    fresh = sorted(_load(SQL_FRESH_SEEDS)["runs"], key=int)
+    return (f"sql's rows are its command as typed (two threads; warm-up target 0.5 since these runs), **within the 10 minutes** "
+            f"({_wall_range(study)}; {_wall_range(SQL_PADDED_WARMUP)} before its warm-up ran as a trie); seed 0 starts at "
+            f"{first:.2f} and gains least ({last:.2f} at the end, +{paired['gained']} / -{paired['lost']}, "
+            f"{_p_value(paired['p_value'])}). On three fresh seeds ({fresh[0]}-{fresh[-1]}, never used to choose) each rise is "
+            f"clear: {_gains(SQL_FRESH_SEEDS)} in {_wall_range(SQL_FRESH_SEEDS)} "
+            "([Agents](docs/agents.md#the-sql-defaults-and-how-they-were-chosen)).")
+
+
 TABLES["ops_quick_cpu"] = ops_quick_cpu
-FIGURES: dict[str, Callable[[], str]] = {"calculator_seed0": calculator_seed0}
+FIGURES: dict[str, Callable[[], str]] = {"calculator_seed0": calculator_seed0, "sql_readme": sql_readme}
 
 
 def pages() -> list[Path]:

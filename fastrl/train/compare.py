@@ -124,7 +124,7 @@ DEFAULT_EVALUATIONS = 6
 """Held-out evaluations along a steps budget after the start's (``--eval_every`` = budget / this)."""
 DEFAULT_JOBS = 1
 """``--jobs`` for runs of a user's model without ``--threads``: one after another. Such a run's
-threads are ``fastrl train``'s rule's for its size (the free cores for a model of 2M parameters
+threads are ``fastrl train``'s rule's for its size (the free cores for a model of 0.5M parameters
 or more), so two at once would share the cores and each wait at its parallel regions for the
 other's threads; not measured to pay off. The built-in model's runs take the rule's one
 thread (``fastrl.train.threads``) and go ``cores`` at a time."""

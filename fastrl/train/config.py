@@ -504,8 +504,8 @@ class TrainConfig:
     progress: bool = True
     """Show a progress bar."""
     threads: Optional[int] = None
-    """torch intra-op threads (None: the rule of ``fastrl.train.threads``: one for a model under 2M
-    parameters on a CPU, else the cores the load average leaves free; said at the start of a run)."""
+    """torch intra-op threads (None: the rule of ``fastrl.train.threads``: one for a model under 0.5M
+    parameters on a CPU, else the cores no other process is running on; said at the start of a run)."""
 
     # ------------------------------------------------------------------ resolution
     def resolved(self, *, model_given: bool = False) -> "TrainConfig":

@@ -1,32 +1,44 @@
 """How many intra-op threads ``fastrl train`` gives torch on a CPU when ``--threads`` is not set.
 
 The rule is a pure function of what it is told (``choose_threads``): the policy's parameter
-count, the cores this process may run on (``os.sched_getaffinity``) and the load beside it
-(the 1-minute load average); ``machine_threads`` reads those two from the machine.
+count, the cores this process may run on (``os.sched_getaffinity``) and how many other
+processes are running beside it; ``machine_threads`` reads those two from the machine (the
+runnable processes counted a few times over a quarter of a second, ``other_runnable``: the
+1-minute load average lags by a minute, so a run started right after another would see the
+finished run's load).
 
-Why: torch's default is one thread per core. A model as small as the built-in ones (0.28M
-parameters for the embedded default and ``--env calculator``/``frozenlake``, 1.1M for ``sql``)
-does too little per operation to share it, and every parallel region ends at a barrier where
-the threads spin-wait for each other: on a loaded CPU a descheduled partner stalls every op.
-``benchmarks/thread_rule.py`` (``benchmarks/results/thread_rule_cpu.json``) measured the
-embedded default and ``--env calculator`` with 1 and 2 threads, idle and beside a busy-loop
-process; one thread was never slower than the best beyond the noise, two collapsed when loaded.
-A larger model gets the cores nobody else is using: the cores minus the load (rounded), at
-least one. On CUDA the rule leaves torch's default (the CPU side only launches kernels).
+Why: torch's default is one thread per core. A model as small as the embedded default's and
+the calculator's and frozenlake's (0.28M parameters) does too little per operation to share
+it, and every parallel region ends at a barrier where the threads spin-wait for each other:
+on a loaded CPU a descheduled partner stalls every op. ``benchmarks/thread_rule.py``
+(``benchmarks/results/thread_rule_cpu.json``) measured the embedded default and ``--env
+calculator`` with 1 and 2 threads, alone and beside a busy-loop process: two threads
+collapsed whenever the CPU was busy. sql's 1.1M-parameter model is big enough to gain: on the
+idle 2-core CPU its runs took 552-598 s wall with two threads against 933-1156 s of CPU on
+one (``benchmarks/results/env_train_sql_width128_default_threads_cpu.json``,
+``env_train_sql_width128_3seeds_cpu.json``). So a model below ``SMALL_MODEL_PARAMETERS`` gets
+one thread; a larger one the cores nobody else is running on, at least one. On CUDA the rule
+leaves torch's default (the CPU side only launches kernels).
 """
 
 from __future__ import annotations
 
 import os
+import statistics
+import time
 from dataclasses import dataclass
 
 __all__ = ["ThreadChoice", "SMALL_MODEL_PARAMETERS", "choose_threads", "machine_threads", "available_cores",
-           "load_average", "builtin_model_parameters"]
+           "other_runnable", "builtin_model_parameters"]
 
-SMALL_MODEL_PARAMETERS = 2_000_000
+SMALL_MODEL_PARAMETERS = 500_000
 """Policies with fewer parameters run one intra-op thread on a CPU, whatever the machine: the
-built-in models (0.28M and 1.1M parameters) and anything of their size. The measured cases are
-the 0.28M models (``benchmarks/thread_rule.py``); above this bound the rule counts free cores."""
+0.28M-parameter built-in model ran its warm-up at 16-21 steps/s on one thread and 9.4 on two on
+an idle 2-core CPU (issue 39), and far slower on two when the CPU was busy
+(``thread_rule_cpu.json``); sql's 1.1M model gains from a second core (module docstring).
+Between the two the bound is a choice, not a measurement."""
+RUNNABLE_SAMPLES = 5
+"""Samples of the running-process count ``other_runnable`` takes (50 ms apart; the median)."""
 
 
 @dataclass(frozen=True)
@@ -46,8 +58,8 @@ class ThreadChoice:
 
 def choose_threads(*, parameters: int | None, cores: int, load: float, device_type: str = "cpu") -> ThreadChoice:
     """The intra-op thread count for a policy of ``parameters`` on ``cores`` usable cores
-    beside a 1-minute load average of ``load``. ``parameters`` None: unknown (counted as
-    large). Pure: the caller reads the machine (``machine_threads``)."""
+    beside ``load`` other running processes. ``parameters`` None: unknown (counted as large).
+    Pure: the caller reads the machine (``machine_threads``)."""
     if device_type != "cpu":
         return ThreadChoice(None, f"on {device_type} the CPU threads only launch kernels")
     cores = max(1, int(cores))
@@ -56,7 +68,8 @@ def choose_threads(*, parameters: int | None, cores: int, load: float, device_ty
                                "to spin-waits on a busy CPU")
     busy = min(cores, max(0, round(load)))
     free = max(1, cores - busy)
-    return ThreadChoice(free, f"{cores} core(s), load {load:.1f}: the cores not in use")
+    size = "a model of unknown size" if parameters is None else f"a {parameters / 1e6:.1f}M-parameter model"
+    return ThreadChoice(free, f"{size} on {cores} core(s) with {load:g} other process(es) running: the free cores")
 
 
 def available_cores() -> int:
@@ -67,17 +80,30 @@ def available_cores() -> int:
         return os.cpu_count() or 1
 
 
-def load_average() -> float:
-    """The 1-minute load average (0.0 where the platform has none)."""
-    try:
-        return os.getloadavg()[0]
-    except (AttributeError, OSError):
-        return 0.0
+def other_runnable(*, samples: int = RUNNABLE_SAMPLES, interval: float = 0.05) -> float:
+    """How many other processes are running now: the kernel's count of runnable tasks
+    (``/proc/loadavg``'s fourth field) less this one, the median of ``samples`` reads
+    ``interval`` seconds apart. Where there is no ``/proc``, the 1-minute load average."""
+    counts = []
+    for i in range(samples):
+        try:
+            with open("/proc/loadavg") as handle:
+                counts.append(max(0, int(handle.read().split()[3].split("/")[0]) - 1))
+        except (OSError, IndexError, ValueError):
+            try:
+                return os.getloadavg()[0]
+            except (AttributeError, OSError):
+                return 0.0
+        if i + 1 < samples:
+            time.sleep(interval)
+    return float(statistics.median(counts))
 
 
 def machine_threads(*, parameters: int | None, device_type: str = "cpu") -> ThreadChoice:
     """``choose_threads`` with this machine's cores and load."""
-    return choose_threads(parameters=parameters, cores=available_cores(), load=load_average(), device_type=device_type)
+    if device_type != "cpu" or (parameters is not None and parameters < SMALL_MODEL_PARAMETERS):
+        return choose_threads(parameters=parameters, cores=available_cores(), load=0.0, device_type=device_type)
+    return choose_threads(parameters=parameters, cores=available_cores(), load=other_runnable(), device_type=device_type)
 
 
 def builtin_model_parameters(model_hidden_size: int | None = None, model_layers: int | None = None) -> int:
