@@ -62,47 +62,19 @@ def test_a_first_signal_is_deferred_in_the_loop_and_a_second_raises():
     assert signal.getsignal(signal.SIGINT) is signal.default_int_handler  # the handlers come back
 
 
-@pytest.mark.parametrize("signum", [signal.SIGINT, signal.SIGTERM])
-def test_a_signal_during_rl_checkpoints_says_resume_latest_and_the_run_resumes(tmp_path, signum):
-    """The signal arrives once the checkpoint after the warm-up exists (RL is starting): the
-    step in progress ends, a checkpoint is written, one line, 130/143; `--resume latest`
+def test_ctrl_c_during_rl_checkpoints_says_resume_latest_and_the_run_resumes(tmp_path):
+    """SIGINT once the checkpoint after the warm-up exists (RL is starting): the step in
+    progress ends, a checkpoint is written, one line, 130; `--resume latest` (in this process)
     finishes the run with one metrics record per step."""
+    from fastrl.cli import main
+
     out = tmp_path / "run"
-    run = ["--steps", "400", "--sft_steps", "5", "--progress", "false"]
-    proc = _start(out, *run)
+    proc = _start(out, "--steps", "400", "--sft_steps", "5", "--progress", "false")
     try:
         deadline = time.time() + WAIT_SECONDS
         while time.time() < deadline and proc.poll() is None and not list((out / "checkpoints").glob("step-*/manifest.json")):
             time.sleep(0.05)
         assert proc.poll() is None, "the run ended before the signal"
-        proc.send_signal(signum)
-        output, _ = proc.communicate(timeout=WAIT_SECONDS)
-    finally:
-        if proc.poll() is None:
-            proc.kill()
-    assert proc.returncode == 128 + signum, output[-3000:]
-    assert "Traceback" not in output and "KeyboardInterrupt" not in output, output[-3000:]
-    last = output.strip().splitlines()[-1]
-    assert last.startswith(f"fastrl train: stopped by {signal.Signals(signum).name}; checkpoint ") and "--resume latest" in last
-    stopped = json.loads(sorted((out / "checkpoints").glob("step-*/trainer_state.json"))[-1].read_text())["step"]
-    assert 1 <= stopped < 400 and not (out / "final").exists()
-    if signum != signal.SIGINT:
-        return  # resuming is the same whichever signal stopped it
-    resumed = subprocess.run([sys.executable, "-m", "fastrl.cli", "train", "--output_dir", str(out), *TINY, *run[:-2],
-                              "--steps", str(stopped + 2), "--resume", "latest", "--progress", "false"],
-                             env={**os.environ, "PYTHONPATH": str(REPO)}, capture_output=True, text=True, timeout=WAIT_SECONDS)
-    assert resumed.returncode == 0, resumed.stderr[-3000:]
-    steps = [json.loads(line)["step"] for line in (out / "metrics.jsonl").read_text().splitlines() if '"event"' not in line]
-    assert steps == list(range(1, stopped + 3))
-
-
-def test_ctrl_c_during_the_warm_up_is_one_line_and_130(tmp_path):
-    """SIGINT once the warm-up has printed its first step: no traceback, one line saying there
-    is no checkpoint yet and how to start again, exit 130; starting again as it says works."""
-    out = tmp_path / "run"
-    proc = _start(out, "--steps", "2", "--sft_steps", "100000", "--progress", "true")
-    try:
-        _wait_for(proc, lambda line: line.startswith("warm-up (SFT): step 1/"))
         proc.send_signal(signal.SIGINT)
         output, _ = proc.communicate(timeout=WAIT_SECONDS)
     finally:
@@ -111,8 +83,32 @@ def test_ctrl_c_during_the_warm_up_is_one_line_and_130(tmp_path):
     assert proc.returncode == 130, output[-3000:]
     assert "Traceback" not in output and "KeyboardInterrupt" not in output, output[-3000:]
     last = output.strip().splitlines()[-1]
-    assert last.startswith("fastrl train: stopped by SIGINT before the first checkpoint") and "--overwrite true" in last
-    again = subprocess.run([sys.executable, "-m", "fastrl.cli", "train", "--output_dir", str(out), *TINY, "--steps", "1",
-                            "--sft_steps", "2", "--progress", "false", "--overwrite", "true"],
-                           env={**os.environ, "PYTHONPATH": str(REPO)}, capture_output=True, text=True, timeout=WAIT_SECONDS)
-    assert again.returncode == 0, again.stderr[-3000:]
+    assert last.startswith("fastrl train: stopped by SIGINT; checkpoint ") and f"--output_dir {out} --resume latest" in last
+    stopped = json.loads(sorted((out / "checkpoints").glob("step-*/trainer_state.json"))[-1].read_text())["step"]
+    assert 1 <= stopped < 400 and not (out / "final").exists()
+    assert main(["train", "--output_dir", str(out), *TINY, "--sft_steps", "5", "--steps", str(stopped + 2), "--resume", "latest",
+                 "--progress", "false"]) == 0
+    steps = [json.loads(line)["step"] for line in (out / "metrics.jsonl").read_text().splitlines() if '"event"' not in line]
+    assert steps == list(range(1, stopped + 3))
+
+
+def test_sigterm_during_the_warm_up_is_one_line_and_143(tmp_path):
+    """SIGTERM once the warm-up has printed its first step: no traceback, one line saying there
+    is no checkpoint yet and how to start again, exit 143; starting again as it says works."""
+    from fastrl.cli import main
+
+    out = tmp_path / "run"
+    proc = _start(out, "--steps", "2", "--sft_steps", "100000", "--progress", "true")
+    try:
+        _wait_for(proc, lambda line: line.startswith("warm-up (SFT): step 1/"))
+        proc.send_signal(signal.SIGTERM)
+        output, _ = proc.communicate(timeout=WAIT_SECONDS)
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+    assert proc.returncode == 143, output[-3000:]
+    assert "Traceback" not in output, output[-3000:]
+    last = output.strip().splitlines()[-1]
+    assert last.startswith("fastrl train: stopped by SIGTERM before the first checkpoint") and "--overwrite true" in last
+    assert main(["train", "--output_dir", str(out), *TINY, "--steps", "1", "--sft_steps", "2", "--progress", "false",
+                 "--overwrite", "true"]) == 0
