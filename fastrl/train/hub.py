@@ -94,7 +94,8 @@ def check_hub_source(name: str, source: str | None, *, repo_type: str = "model",
 
 
 def check_run_sources(cfg: Any, **hooks: Any) -> None:
-    """``check_hub_source`` on a run's model, tokenizer, critic and datasets."""
-    for name, repo_type in (("model", "model"), ("tokenizer", "model"), ("critic_init", "model"), ("dataset", "dataset"),
-                            ("eval_dataset", "dataset")):
+    """``check_hub_source`` on a run's model, tokenizer, critic and datasets (a resumed run's
+    checkpoint holds the policy, its tokenizer and the critic: only its datasets are read)."""
+    models = () if getattr(cfg, "resume", None) else (("model", "model"), ("tokenizer", "model"), ("critic_init", "model"))
+    for name, repo_type in (*models, ("dataset", "dataset"), ("eval_dataset", "dataset")):
         check_hub_source(name, getattr(cfg, name, None), repo_type=repo_type, **hooks)

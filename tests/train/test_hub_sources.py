@@ -55,3 +55,22 @@ def test_fastrl_train_with_a_bare_name_offline_is_one_line(tmp_path, monkeypatch
     err = capsys.readouterr().err.strip().splitlines()
     assert err[-1].startswith("fastrl train: error: model 'my-model' is not a local path") and "Traceback" not in "\n".join(err)
     assert not (tmp_path / "runs").exists()  # refused before the output folder is made
+
+
+def test_a_resumed_run_reads_its_model_from_the_checkpoint_and_only_its_datasets_are_checked():
+    from types import SimpleNamespace
+
+    from fastrl.train.hub import check_run_sources
+
+    asked = []
+
+    def probe(repo_id, repo_type, timeout):
+        asked.append(repo_id)
+        return None
+
+    cfg = SimpleNamespace(model="org/model", tokenizer=None, critic_init=None, dataset="org/data", eval_dataset=None, resume="latest")
+    check_run_sources(cfg, environ={}, probe=probe, cached=lambda *a: False)
+    assert asked == ["org/data"]
+    cfg.resume = None
+    check_run_sources(cfg, environ={}, probe=probe, cached=lambda *a: False)
+    assert asked == ["org/data", "org/model", "org/data"]
