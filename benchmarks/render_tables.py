@@ -593,7 +593,34 @@ def sql_readme() -> str:
             "([Agents](docs/agents.md#the-sql-defaults-and-how-they-were-chosen)).")
 
 
+def thread_rule() -> str:
+    """`benchmarks/thread_rule.py`: fastrl train's thread rule vs 1 and 2 threads, alone and beside a busy loop."""
+    data = _load("thread_rule_cpu.json")
+    rows = []
+    for verdict in data["verdicts"]:
+        task, neighbour = verdict["task"], verdict["neighbour"]
+        for setting in ("rule", "1", "2"):
+            runs = [r for r in data["runs"] if r["task"] == task and r["neighbour"] == neighbour and r["setting"] == setting]
+            best = min(runs, key=lambda r: r["wall_seconds"])
+            walls = ", ".join(f"{r['wall_seconds']:.0f}" + ("" if r["finished"] else "+") for r in runs)
+            threads = "rule: " + best["threads_line"].split("threads: ", 1)[1].split(" ", 1)[0] if setting == "rule" else setting
+            rate = f"{best['warmup_steps_per_s']:.1f}" if best.get("warmup_steps_per_s") else "-"
+            step = f"{best['rl_step_seconds_median']:.2f} s" if best.get("rl_step_seconds_median") else "-"
+            loads = "; ".join(f"{r['load_before']:.1f}/{r['load_after']:.1f}" for r in runs)
+            ratio = f"{verdict['rule_over_best']:.2f}x the best" if setting == "rule" else ""
+            rows.append([task if setting == "rule" else "", ("busy loop" if neighbour else "none") if setting == "rule" else "",
+                         threads, walls, rate, step, loads, ratio])
+    table = _rows(["task", "neighbour", "threads", "wall s per run (+: stopped at the limit)", "warm-up steps/s (best run)",
+                   "RL step (best run)", "load before/after", "rule vs best"], rows)
+    return table + (f"\n`{data['command']}` ({data['date']}; code {data['code']}; {data['machine']}; each run cut short: "
+                    f"`{' '.join(data['tasks']['default'])}` and `{' '.join(data['tasks']['calculator'])}`, so the per-step "
+                    f"rates are what counts; {data['repeats']} runs per setting, interleaved; a run still going after "
+                    f"{data['limit_seconds']:.0f} s was stopped). The load average is the machine's, other sessions' work "
+                    "included: an idle CPU could not be had.\n")
+
+
 TABLES["ops_quick_cpu"] = ops_quick_cpu
+TABLES["thread_rule"] = thread_rule
 FIGURES: dict[str, Callable[[], str]] = {"calculator_seed0": calculator_seed0, "sql_readme": sql_readme}
 
 
