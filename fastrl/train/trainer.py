@@ -204,6 +204,11 @@ class Trainer:
                     self.save_checkpoint()  # the warm-up's policy: what --resume latest starts RL from
             if cfg.eval_every and self.step == 0:
                 self._run_eval()
+            early = self._stop_or_overdue(stop)[0] if self.last_checkpoint is not None else 0
+            if early:  # a signal during the first evaluation: the checkpoint of this step exists, stop here
+                from fastrl.train.interrupt import RunInterrupted
+
+                raise RunInterrupted(early, checkpoint=self.last_checkpoint, step=self.step)
             while self.step < end:
                 metrics = self.train_step()
                 self.logger.log(self.step, metrics, extra={"reward/histogram": self._reward_histogram})
@@ -221,7 +226,7 @@ class Trainer:
                 if self.step < cfg.steps and ((cfg.save_every and self.step % cfg.save_every == 0) or overdue or stop_signal):
                     self.save_checkpoint()
                     saved = True
-                if stop_signal:
+                if stop_signal and self.step < end:  # (a signal during the last step lets the run finish)
                     from fastrl.train.interrupt import RunInterrupted
 
                     raise RunInterrupted(stop_signal, checkpoint=self.last_checkpoint if saved else None, step=self.step)
