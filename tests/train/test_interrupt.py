@@ -112,3 +112,31 @@ def test_sigterm_during_the_warm_up_is_one_line_and_143(tmp_path):
     assert last.startswith("fastrl train: stopped by SIGTERM before the first checkpoint") and "--overwrite true" in last
     assert main(["train", "--output_dir", str(out), *TINY, "--steps", "1", "--sft_steps", "2", "--progress", "false",
                  "--overwrite", "true"]) == 0
+
+
+def test_the_checkpoint_after_the_warm_up_resumes_the_run_exactly(tmp_path):
+    """What a stop before step 1 leaves (the step-0 checkpoint written once the warm-up ends)
+    continues to bitwise the parameters of the uninterrupted run."""
+    import torch
+
+    from fastrl.train.config import TrainConfig
+    from fastrl.train.trainer import Trainer
+
+    def cfg(out, **changes):
+        return TrainConfig(output_dir=str(out), steps=2, sft_steps=3, eval_every=0, model_hidden_size=32, model_layers=1,
+                           task_digits=1, task_train_size=60, task_eval_size=8, prompts_per_step=4, group_size=4,
+                           max_new_tokens=3, reward_workers=0, progress=False, tensorboard=False, lr=1e-3, **changes)
+
+    def digits(prompts, completions, **kwargs):
+        return [sum(ch.isdigit() for ch in c) / max(1, len(c)) for c in completions]
+
+    with Trainer(cfg(tmp_path / "a"), reward_functions=[digits]) as trainer:
+        trainer.train()
+        straight = {k: v.clone() for k, v in trainer.policy.state_dict().items()}
+    with Trainer(cfg(tmp_path / "b"), reward_functions=[digits]) as trainer:
+        trainer.train(stop_after=0)
+    assert [p.name for p in sorted((tmp_path / "b" / "checkpoints").iterdir())] == ["step-000000"]
+    with Trainer(cfg(tmp_path / "b", resume="latest"), reward_functions=[digits]) as trainer:
+        trainer.train()
+        for k, v in trainer.policy.state_dict().items():
+            assert torch.equal(v, straight[k]), k
