@@ -612,11 +612,13 @@ def thread_rule() -> str:
                          threads, walls, rate, step, loads, ratio])
     table = _rows(["task", "neighbour", "threads", "wall s per run (+: stopped at the limit)", "warm-up steps/s (best run)",
                    "RL step (best run)", "load before/after", "rule vs best"], rows)
-    return table + (f"\n`{data['command']}` ({data['date']}; code {data['code']}; {data['machine']}; each run cut short: "
+    return table + (f"\n`{data['command']}` ({data['date']}; code {data['code']}: {data.get('code_note', '')}; {data['machine']}; "
+                    "each run cut short: "
                     f"`{' '.join(data['tasks']['default'])}` and `{' '.join(data['tasks']['calculator'])}`, so the per-step "
                     f"rates are what counts; {data['repeats']} runs per setting, interleaved; a run still going after "
                     f"{data['limit_seconds']:.0f} s was stopped). The load average is the machine's, other sessions' work "
-                    "included: an idle CPU could not be had.\n")
+                    "included: an idle CPU could not be had. The rule chose one thread, so its rows and the 1-thread rows are "
+                    "the same setting: their difference is the machine's noise.\n")
 
 
 TABLES["ops_quick_cpu"] = ops_quick_cpu

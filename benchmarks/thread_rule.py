@@ -2,10 +2,11 @@
 embedded default and `--env calculator`, with nothing of ours beside it and beside a busy-loop
 neighbour this script starts itself.
 
-    python benchmarks/thread_rule.py --out benchmarks/results/thread_rule_cpu.json
+    python benchmarks/thread_rule.py --repeats 2 --out benchmarks/results/thread_rule_cpu.json
 
-Each run is a fresh `fastrl train` process cut short (a fixed warm-up of `--sft_steps` steps
-without probes, then a few RL steps, no evaluation): the per-step rates are what the thread
+Each run is a fresh `fastrl train` process cut short (a warm-up of at most `--sft_steps` steps --
+`--sft_target_accuracy null` leaves the built-in task's target, so it may stop at a probe, the
+same step in every setting: the seed is fixed -- then a few RL steps, no evaluation): the per-step rates are what the thread
 count changes, and short runs keep the study to minutes on a shared machine. A run that has
 not finished after `--limit` seconds is stopped and recorded as such (a lower bound). Each
 setting runs `--repeats` times, interleaved; the verdict compares each setting's best run. The
@@ -119,7 +120,7 @@ def main() -> int:
                              "rule_over_best": round(ratio, 2), "within_bound": ratio <= SLOWER_BOUND})
     payload = {"what": "fastrl train cut short (fixed warm-up, few RL steps, no evaluation): the thread rule vs 1 and 2 threads, "
                        "without and with a busy-loop neighbour",
-               "command": "python benchmarks/thread_rule.py --out " + str(args.out), "tasks": {k: TASKS[k] + COMMON for k in args.tasks},
+               "command": f"python benchmarks/thread_rule.py --repeats {args.repeats} --limit {args.limit:g} --out {args.out}", "tasks": {k: TASKS[k] + COMMON for k in args.tasks},
                "machine": args.machine, "cores": len(os.sched_getaffinity(0)), "date": time.strftime("%Y-%m-%d %H:%M UTC", time.gmtime()),
                "code": code_version(results=args.out), "limit_seconds": args.limit, "repeats": args.repeats, "slower_bound": SLOWER_BOUND,
                "runs": runs, "verdicts": verdicts}
