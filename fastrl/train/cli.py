@@ -312,40 +312,42 @@ def parse_train_args(argv: list[str]) -> TrainConfig:
 
 
 def run_train(argv: list[str]) -> int:
-    from fastrl.train.progress import describe_run, quiet_hf_progress_bars
-
-    config = parse_train_args(argv)
-    if os.environ.get("RANK", "0") == "0":
-        print(describe_run(config), file=sys.stderr, flush=True)
-    quiet_hf_progress_bars()  # transformers' shard-writing bars would interleave with fastrl's lines
-    from fastrl.rollout.process import SamplerProcessError
-    from fastrl.rollout.remote import ServerError, ServerTimeout, ServerUnavailable
-    from fastrl.train.trainer import Trainer, TrainingDivergedError, WeightSyncError
-
     from fastrl.train.interrupt import RunInterrupted, StopRequests, exit_status, interrupted_message
 
-    trainer = None
+    config = trainer = None
     try:
-        with StopRequests() as stop:
-            with Trainer(config) as trainer:
-                result = trainer.train(stop=stop)
+        with StopRequests() as stop:  # from the first import on: a Ctrl-C anywhere is one line, never a traceback
+            from fastrl.train.progress import describe_run, quiet_hf_progress_bars
+
+            config = parse_train_args(argv)
+            if os.environ.get("RANK", "0") == "0":
+                print(describe_run(config), file=sys.stderr, flush=True)
+            quiet_hf_progress_bars()  # transformers' shard-writing bars would interleave with fastrl's lines
+            from fastrl.rollout.process import SamplerProcessError
+            from fastrl.rollout.remote import ServerError, ServerTimeout, ServerUnavailable
+            from fastrl.train.trainer import Trainer, TrainingDivergedError, WeightSyncError
+
+            try:
+                with Trainer(config) as trainer:
+                    result = trainer.train(stop=stop)
+            except (TrainingDivergedError, WeightSyncError) as e:
+                print(f"fastrl train: stopped: {e}", file=sys.stderr)
+                return 3
+            except (ServerError, ServerTimeout, ServerUnavailable) as e:
+                # the shared vLLM server failed, stopped or restarted: the run's checkpoints are intact
+                print(f"fastrl train: stopped: {e}\nStart the server again and continue the run with --resume latest "
+                      f"(from the last checkpoint in {config.output_dir}).", file=sys.stderr)
+                return 4
+            except SamplerProcessError as e:  # async_steps: the sampler process failed or timed out
+                print(f"fastrl train: stopped: {e}\nContinue the run with --resume latest (from the last checkpoint in "
+                      f"{config.output_dir}).", file=sys.stderr)
+                return 4
     except RunInterrupted as e:  # Ctrl-C or SIGTERM: one line, the shell's status, no traceback
         if os.environ.get("RANK", "0") == "0":
             last = trainer.last_checkpoint if trainer is not None else None
-            print(interrupted_message(e, output_dir=config.output_dir, last_checkpoint=last), file=sys.stderr, flush=True)
+            where = config.output_dir if config is not None else "the output folder"
+            print(interrupted_message(e, output_dir=where, last_checkpoint=last), file=sys.stderr, flush=True)
         return exit_status(e.signum)
-    except (TrainingDivergedError, WeightSyncError) as e:
-        print(f"fastrl train: stopped: {e}", file=sys.stderr)
-        return 3
-    except (ServerError, ServerTimeout, ServerUnavailable) as e:
-        # the shared vLLM server failed, stopped or restarted: the run's checkpoints are intact
-        print(f"fastrl train: stopped: {e}\nStart the server again and continue the run with --resume latest "
-              f"(from the last checkpoint in {config.output_dir}).", file=sys.stderr)
-        return 4
-    except SamplerProcessError as e:  # async_steps: the sampler process failed or timed out
-        print(f"fastrl train: stopped: {e}\nContinue the run with --resume latest (from the last checkpoint in "
-              f"{config.output_dir}).", file=sys.stderr)
-        return 4
     if os.environ.get("RANK", "0") != "0":  # torchrun: rank 0 reports
         return 0
     first, last = result.first_eval, result.last_eval
