@@ -901,9 +901,9 @@ def build_compare_parser() -> argparse.ArgumentParser:
     parser.add_argument("--jobs", type=int, default=None, metavar="N",
                         help="runs at once after the shared warm-up, each a `fastrl train` process of its own (a "
                              f"{HYBRID} run's PPO phase still waits for its GRPO phase). Runs are seeded, so results "
-                             "do not depend on N. Default: with a built-in --env, the cores this process may use divided "
-                             "by --threads (its runs are single-threaded); otherwise 1, since a single-turn run's "
-                             "--threads defaults to every core and runs at once would contend for them")
+                             "do not depend on N. Default: the cores this process may use divided by --threads, which is 1 "
+                             "with a built-in --env and on the built-in model (fastrl train's thread rule); 1 for a user's "
+                             "model without --threads, whose runs take the free cores and would contend for them")
     parser.add_argument("--warmup_seed", type=int, default=1,
                         help="seed of the shared warm-up (model init and SFT data order; default 1, which reaches the built-in "
                              "task's probe target in fewer SFT steps than seed 0)")
