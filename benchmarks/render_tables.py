@@ -557,7 +557,8 @@ def ops_quick_cpu() -> str:
     env = data["environment"]
     table = _rows(["op (fwd+bwd where it has a gradient)", "shape", "fastrl (best)", "baseline (best)", "ratio"], rows)
     return table + (f"\n`fastrl bench --quick --only policy_loss advantages --out benchmarks/results/{OPS_QUICK}` "
-                    f"({data['created'][:10]}; torch {env['torch']}, one intra-op thread, the project's 2-core CPU shared with "
+                    f"({data['created'][:10]}; code {data.get('code', 'not recorded')}; torch {env['torch']}, one intra-op thread, "
+                    "the project's 2-core CPU shared with "
                     "other sessions' work); ratio = baseline time / fastrl time, best of n; ~: inside the run's noise "
                     "(the spread, median / best, of the two rows), too noisy to rank.\n")
 
