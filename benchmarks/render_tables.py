@@ -622,9 +622,27 @@ def thread_rule() -> str:
                     "the same setting: their difference is the machine's noise.\n")
 
 
+def compare_env_readme() -> str:
+    """The README's sentence on the three `fastrl compare --env` runs: load, jobs, wall minutes, sql's warm-up."""
+    data = {env: json.loads((RESULTS / f"compare_env_{env}" / "compare.json").read_text()) for env in ("sql", "frozenlake", "calculator")}
+    loads = [x for d in data.values() for x in (d["load_average"]["start"][0], d["load_average"]["end"][0])]
+    jobs = {d["jobs"] for d in data.values()}
+    minutes = {env: d["total_seconds"] / 60 for env, d in data.items()}
+    start = data["sql"]["summary"][data["sql"]["algorithms"][0]]["initial_accuracy"]["mean"]
+    separated = any(v["distinguishable"] for d in data.values() for v in d["verdicts"])
+    seeds = "the seeds separate some algorithms (the reports' verdicts)" if separated else \
+        "the seeds separate no algorithm on any axis"
+    return (f"load average {min(loads):.1f}-{max(loads):.1f}: the comparison's own two runs), with the default "
+            f"`--jobs {'/'.join(map(str, sorted(jobs)))}` (two single-threaded runs at once): {minutes['sql']:.1f} min wall (sql, its "
+            f"warm-up {data['sql']['start']['seconds'] / 60:.1f} of it), {minutes['frozenlake']:.1f} (frozenlake) and "
+            f"{minutes['calculator']:.1f} (calculator), each within the 15 minutes the defaults are sized for. At these budgets "
+            f"{seeds}; on sql PPO and grpo_then_ppo fall from the warm-up's {start:.2f}")
+
+
 TABLES["ops_quick_cpu"] = ops_quick_cpu
 TABLES["thread_rule"] = thread_rule
-FIGURES: dict[str, Callable[[], str]] = {"calculator_seed0": calculator_seed0, "sql_readme": sql_readme}
+FIGURES: dict[str, Callable[[], str]] = {"calculator_seed0": calculator_seed0, "sql_readme": sql_readme,
+                                         "compare_env_readme": compare_env_readme}
 
 
 def pages() -> list[Path]:
