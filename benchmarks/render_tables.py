@@ -629,9 +629,9 @@ def compare_env_readme() -> str:
     jobs = {d["jobs"] for d in data.values()}
     minutes = {env: d["total_seconds"] / 60 for env, d in data.items()}
     start = data["sql"]["summary"][data["sql"]["algorithms"][0]]["initial_accuracy"]["mean"]
-    separated = any(v["distinguishable"] for d in data.values() for v in d["verdicts"])
-    seeds = "the seeds separate some algorithms (the reports' verdicts)" if separated else \
-        "the seeds separate no algorithm on any axis"
+    separated = [f"{v['winner']} on {v['axis']} in {env}" for env, d in data.items() for v in d["verdicts"] if v["distinguishable"]]
+    seeds = ("the seeds separate no algorithm on any axis but " + ", ".join(separated) if separated
+             else "the seeds separate no algorithm on any axis")
     return (f"load average {min(loads):.1f}-{max(loads):.1f}: the comparison's own two runs), with the default "
             f"`--jobs {'/'.join(map(str, sorted(jobs)))}` (two single-threaded runs at once): {minutes['sql']:.1f} min wall (sql, its "
             f"warm-up {data['sql']['start']['seconds'] / 60:.1f} of it), {minutes['frozenlake']:.1f} (frozenlake) and "
