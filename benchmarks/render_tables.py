@@ -1,7 +1,8 @@
-"""The tables of README.md and docs/ written from benchmarks/results/*.json (never by hand).
+"""The tables and prose figures of README.md and docs/ written from benchmarks/results/*.json (never by hand).
 
-A page holds each table between ``<!-- table:NAME -->`` and ``<!-- /table -->``; this script
-replaces what is between the markers with the table rendered from the JSON:
+A page holds each table between ``<!-- table:NAME -->`` and ``<!-- /table -->``, and each
+sentence of figures between ``<!-- figure:NAME -->`` and ``<!-- /figure -->``; this script
+replaces what is between the markers with what it renders from the JSON:
 
     python benchmarks/render_tables.py          # rewrite the tables in README.md and docs/*.md
     python benchmarks/render_tables.py --check  # exit 1 when a page and the JSON disagree
@@ -25,6 +26,8 @@ ROOT = Path(__file__).resolve().parents[1]
 RESULTS = ROOT / "benchmarks" / "results"
 PAGES = ("README.md", "docs")
 MARKER = re.compile(r"(<!-- table:(?P<name>[a-z_]+) -->\n)(?P<body>.*?)(<!-- /table -->)", re.S)
+FIGURE = re.compile(r"(<!-- figure:(?P<name>[a-z_0-9]+) -->)(?P<body>.*?)(<!-- /figure -->)", re.S)
+"""Figures in prose: ``<!-- figure:NAME -->text<!-- /figure -->``, the text rendered by ``FIGURES[NAME]``."""
 
 
 SAMPLER_VS_GENERATE = "rollout-vs-generate-cpu-20261202-060143.json"
@@ -511,6 +514,137 @@ TABLES: dict[str, Callable[[], str]] = {"default_train_seeds": default_train_see
                                         "sql_levers": sql_levers}
 
 
+def calculator_seed0() -> str:
+    """docs/agents.md's account of `fastrl train --env calculator`, seed 0: the README table's run."""
+    data = _load(ENV_SEED_FILES[0])
+    run = data["runs"]["0"]
+    acc = {int(e["step"]): e["accuracy"] for e in run["eval"]}
+    last = max(acc)
+    tools = run["eval"][0]["tool_call_rate"], run["eval"][-1]["tool_call_rate"]
+    paired = run["heldout_first_last_paired"]
+    load = "/".join(f"{x:.1f}" for x in run["load_average_before_after"])
+    return (f"`fastrl train --env calculator` (seed 0, nothing else; `{data['command']}`, {data['date']}, code {run['commit']}, "
+            f"{data['machine']}; the README table's first row): the warm-up stopped after {run['sft_steps']:.0f} steps "
+            f"({run['sft_seconds']:.0f} s; probe success {run['sft_probe_accuracy']:.2f} on 100 training rows), then "
+            f"{run['rl_steps']} GRPO steps of 16 rows x 8 trajectories ({run['rl_step_seconds_median']:.2f} s each, median). "
+            f"Held-out success ({paired['rows']} rows, greedy episodes): **{acc[0]:.2f} after the warm-up -> {acc[25]:.2f} at "
+            f"step 25 -> {acc[50]:.2f} at step 50**, {acc[last]:.2f} at step {last} (+{paired['gained']} / -{paired['lost']} "
+            f"rows, {_p_value(paired['p_value'])}); tool-call rate {tools[0]:.2f} before and {tools[1]:.2f} after (the warm-up "
+            f"teaches the call; RL teaches copying the expression and the result exactly). {run['wall_seconds']:.0f} s wall "
+            f"({run['cpu_seconds']:.0f} s CPU), load average {load} before/after. Results: "
+            f"`benchmarks/results/{ENV_SEED_FILES[0]}`.")
+
+
+OPS_QUICK = "bench-cpu-quick-policy_loss-advantages.json"
+"""`fastrl bench --quick --only policy_loss advantages` on this project's CPU: every op beside every baseline."""
+
+
+def ops_quick_cpu() -> str:
+    """Every op of `fastrl bench --quick --only policy_loss advantages` beside each of its
+    baselines, the ones fastrl loses to included (ratio < 1)."""
+    data = _load(OPS_QUICK)
+    rows = []
+    by_case: dict[tuple[str, str], list[dict]] = {}
+    for r in data["results"]:
+        by_case.setdefault((r["op"], r["shape"]), []).append(r)
+    for (op, shape), impls in by_case.items():
+        fastrl = next(r for r in impls if r["impl"] == "fastrl")
+        for i, base in enumerate(r for r in impls if r["impl"] != "fastrl"):
+            ratio = base["best_ms"] / fastrl["best_ms"]
+            verdict = " ~" if base.get("within_noise") else "" if ratio >= 1.0 else " (slower)"
+            rows.append([f"`{op}`" if i == 0 else "", shape if i == 0 else "", f"{fastrl['best_ms']:.3f} ms" if i == 0 else "",
+                         f"{base['impl']}: {base['best_ms']:.3f} ms", f"{ratio:.2f}x{verdict}"])
+    env = data["environment"]
+    table = _rows(["op (fwd+bwd where it has a gradient)", "shape", "fastrl (best)", "baseline (best)", "ratio"], rows)
+    return table + (f"\n`fastrl bench --quick --only policy_loss advantages --out benchmarks/results/{OPS_QUICK}` "
+                    f"({data['created'][:10]}; code {data.get('code', 'not recorded')}; torch {env['torch']}, one intra-op thread, "
+                    "the project's 2-core CPU shared with "
+                    "other sessions' work); ratio = baseline time / fastrl time, best of n; ~: inside the run's noise "
+                    "(the spread, median / best, of the two rows), too noisy to rank.\n")
+
+
+SQL_PADDED_WARMUP = "env_train_sql_width128_default_threads_paired_cpu.json"
+"""sql's seed study before its warm-up's batches ran as tries (the same defaults otherwise)."""
+SQL_FRESH_SEEDS = "env_train_sql_fresh_seeds_default_threads_cpu.json"
+"""sql's defaults on seeds never used to choose them."""
+
+
+def _wall_range(name: str) -> str:
+    walls = [run["wall_seconds"] for run in _load(name)["runs"].values()]
+    return f"{min(walls):.0f}-{max(walls):.0f} s"
+
+
+def _gains(name: str) -> str:
+    runs = sorted(_load(name)["runs"].items(), key=lambda kv: int(kv[0]))
+    return ", ".join(f"+{r['heldout_first_last_paired']['gained']} / -{r['heldout_first_last_paired']['lost']}" for _, r in runs)
+
+
+def sql_readme() -> str:
+    """The README's sentence on sql's rows of the seed table, its slower first seed and its fresh seeds."""
+    study = ENV_SEED_FILES[2]
+    seed0 = _load(study)["runs"]["0"]
+    first, last = seed0["eval"][0]["accuracy"], seed0["eval"][-1]["accuracy"]
+    paired = seed0["heldout_first_last_paired"]
+    fresh = sorted(_load(SQL_FRESH_SEEDS)["runs"], key=int)
+    return (f"sql's rows are its command as typed (two threads; warm-up target 0.5 since these runs), **within the 10 minutes** "
+            f"({_wall_range(study)}; {_wall_range(SQL_PADDED_WARMUP)} before its warm-up ran as a trie); seed 0 starts at "
+            f"{first:.2f} and gains least ({last:.2f} at the end, +{paired['gained']} / -{paired['lost']}, "
+            f"{_p_value(paired['p_value'])}). On three fresh seeds ({fresh[0]}-{fresh[-1]}, never used to choose) each rise is "
+            f"clear: {_gains(SQL_FRESH_SEEDS)} in {_wall_range(SQL_FRESH_SEEDS)} "
+            "([Agents](docs/agents.md#the-sql-defaults-and-how-they-were-chosen)).")
+
+
+def thread_rule() -> str:
+    """`benchmarks/thread_rule.py`: fastrl train's thread rule vs 1 and 2 threads, alone and beside a busy loop."""
+    data = _load("thread_rule_cpu.json")
+    rows = []
+    for verdict in data["verdicts"]:
+        task, neighbour = verdict["task"], verdict["neighbour"]
+        for setting in ("rule", "1", "2"):
+            runs = [r for r in data["runs"] if r["task"] == task and r["neighbour"] == neighbour and r["setting"] == setting]
+            best = min(runs, key=lambda r: r["wall_seconds"])
+            walls = ", ".join(f"{r['wall_seconds']:.0f}" + ("" if r["finished"] else "+") for r in runs)
+            threads = "rule: " + best["threads_line"].split("threads: ", 1)[1].split(" ", 1)[0] if setting == "rule" else setting
+            rate = f"{best['warmup_steps_per_s']:.1f}" if best.get("warmup_steps_per_s") else "-"
+            step = f"{best['rl_step_seconds_median']:.2f} s" if best.get("rl_step_seconds_median") else "-"
+            loads = "; ".join(f"{r['load_before']:.1f}/{r['load_after']:.1f}" for r in runs)
+            ratio = f"{verdict['rule_over_best']:.2f}x the best" if setting == "rule" else ""
+            rows.append([task if setting == "rule" else "", ("busy loop" if neighbour else "none") if setting == "rule" else "",
+                         threads, walls, rate, step, loads, ratio])
+    table = _rows(["task", "neighbour", "threads", "wall s per run (+: stopped at the limit)", "warm-up steps/s (best run)",
+                   "RL step (best run)", "load before/after", "rule vs best"], rows)
+    return table + (f"\n`{data['command']}` ({data['date']}; code {data['code']}: {data.get('code_note', '')}; {data['machine']}; "
+                    "each run cut short: "
+                    f"`{' '.join(data['tasks']['default'])}` and `{' '.join(data['tasks']['calculator'])}`, so the per-step "
+                    f"rates are what counts; {data['repeats']} runs per setting, interleaved; a run still going after "
+                    f"{data['limit_seconds']:.0f} s was stopped). The load average is the machine's, other sessions' work "
+                    "included: an idle CPU could not be had. The rule chose one thread, so its rows and the 1-thread rows are "
+                    "the same setting: their difference is the machine's noise.\n")
+
+
+def compare_env_readme() -> str:
+    """The README's sentence on the three `fastrl compare --env` runs: load, jobs, wall minutes, sql's warm-up."""
+    data = {env: json.loads((RESULTS / f"compare_env_{env}" / "compare.json").read_text()) for env in ("sql", "frozenlake", "calculator")}
+    loads = [x for d in data.values() for x in (d["load_average"]["start"][0], d["load_average"]["end"][0])]
+    jobs = {d["jobs"] for d in data.values()}
+    minutes = {env: d["total_seconds"] / 60 for env, d in data.items()}
+    start = data["sql"]["summary"][data["sql"]["algorithms"][0]]["initial_accuracy"]["mean"]
+    separated = [f"{v['winner']} on {v['axis']} in {env}" for env, d in data.items() for v in d["verdicts"] if v["distinguishable"]]
+    seeds = ("the seeds separate no algorithm on any axis but " + ", ".join(separated) if separated
+             else "the seeds separate no algorithm on any axis")
+    return (f"load average {min(loads):.1f}-{max(loads):.1f}: the comparison's own two runs), with the default "
+            f"`--jobs {'/'.join(map(str, sorted(jobs)))}` (two single-threaded runs at once): {minutes['sql']:.1f} min wall (sql, its "
+            f"warm-up {data['sql']['start']['seconds'] / 60:.1f} of it), {minutes['frozenlake']:.1f} (frozenlake) and "
+            f"{minutes['calculator']:.1f} (calculator), each within the 15 minutes the defaults are sized for. At these budgets "
+            f"{seeds}; on sql PPO and grpo_then_ppo fall from the warm-up's {start:.2f}")
+
+
+TABLES["ops_quick_cpu"] = ops_quick_cpu
+TABLES["thread_rule"] = thread_rule
+FIGURES: dict[str, Callable[[], str]] = {"calculator_seed0": calculator_seed0, "sql_readme": sql_readme,
+                                         "compare_env_readme": compare_env_readme}
+
+
 def pages() -> list[Path]:
     out = []
     for entry in PAGES:
@@ -527,7 +661,13 @@ def render(text: str) -> str:
             raise KeyError(f"no table named {name!r} (known: {', '.join(TABLES)})")
         return match.group(1) + TABLES[name]() + match.group(4)
 
-    return MARKER.sub(replace, text)
+    def figure(match: re.Match) -> str:
+        name = match.group("name")
+        if name not in FIGURES:
+            raise KeyError(f"no figure named {name!r} (known: {', '.join(FIGURES)})")
+        return match.group(1) + FIGURES[name]() + match.group(4)
+
+    return FIGURE.sub(figure, MARKER.sub(replace, text))
 
 
 def main(argv: list[str] | None = None) -> int:

@@ -108,3 +108,33 @@ def test_every_documented_command_line_parses(page, index, argv, tmp_path, monke
         build_compare_parser().parse_known_args(argv[1:])
     else:
         build_parser().parse_args(argv)
+
+
+# The README's `fastrl train` commands run in the order it shows them, each made tiny by the
+# same overrides (a 1-layer, 32-wide model, a 2-step warm-up, 1 RL step of 2 prompts, no
+# evaluation, small row sets: the sequence is about where each run writes, not what it learns).
+# Skipped: the lines that need the user's own files (--model ./my-model, --config run.yaml)
+# and --help (checked above).
+README_SEQUENCE_OVERRIDES = ["--model_hidden_size", "32", "--model_layers", "1", "--sft_steps", "2", "--steps", "1",
+                             "--eval_every", "0", "--prompts_per_step", "2", "--task_train_size", "40", "--task_eval_size", "8",
+                             "--progress", "false", "--tensorboard", "false", "--reward_workers", "0"]
+
+
+def _readme_train_sequence() -> list[list[str]]:
+    lines = [argv for page, _, argv in COMMANDS if page == "README.md" and argv[:1] == ["train"]]
+    return [argv for argv in lines if not {"--help", "--model", "--config"} & set(argv)]
+
+
+def test_the_readme_train_commands_run_one_after_another(tmp_path, monkeypatch):
+    """Each README `fastrl train` command, in order, from one working directory: none collides
+    with the output folder of one before it (issue 39: `fastrl train --env calculator` after
+    `fastrl train` used to find runs/fastrl taken)."""
+    from fastrl.cli import main
+
+    monkeypatch.chdir(tmp_path)
+    sequence = _readme_train_sequence()
+    assert ["train"] in sequence and ["train", "--env", "calculator"] in sequence, sequence
+    for argv in sequence:
+        assert main([*argv, *README_SEQUENCE_OVERRIDES]) == 0, argv
+    folders = sorted(p.name for p in (tmp_path / "runs").iterdir())
+    assert "default" in folders and "calculator" in folders, folders

@@ -6,6 +6,7 @@ import torch
 
 from fastrl._checks import check_float, check_mask, check_nonempty, check_same_device, check_scalar, resolve_backend
 from fastrl.ops._segments import kernel_mask
+from fastrl.ops.policy_loss import zero_masked
 
 __all__ = ["masked_whiten"]
 
@@ -32,10 +33,33 @@ class _MaskedWhitenTriton(torch.autograd.Function):
         return gx.reshape(ctx.x_shape).to(ctx.x_dtype), None, None, None
 
 
+class _ZeroMasked(torch.autograd.Function):
+    """``zero_masked`` with its gradient: the incoming gradient where the mask is set, 0
+    elsewhere (what ``torch.where(mask, x, 0.0)`` passes back, bit for bit)."""
+
+    @staticmethod
+    def forward(ctx, x: torch.Tensor, bits: torch.Tensor) -> torch.Tensor:
+        ctx.save_for_backward(bits)
+        return zero_masked(x, bits)
+
+    @staticmethod
+    def backward(ctx, grad: torch.Tensor):
+        (bits,) = ctx.saved_tensors
+        return zero_masked(grad, bits), None
+
+
 def _masked_whiten_torch(x: torch.Tensor, mask: torch.Tensor, shift_mean: bool, eps: float) -> torch.Tensor:
-    keep = (mask if mask.dtype == torch.bool else mask != 0).reshape(-1)
-    xf = torch.where(keep, x.to(torch.float32).reshape(-1), 0.0)  # a select: NaN/inf padding cannot leak
-    mf = keep.to(torch.float32)
+    # the masked-in entries, +0.0 elsewhere whatever sits there (a select: NaN/inf padding cannot
+    # leak); on a CPU as integer bit masks (zero_masked), several times faster than a bool
+    # select and a bool -> float conversion, with the same values
+    keep = (mask if mask.dtype == torch.bool else mask.bool()).reshape(-1)
+    if x.device.type == "cpu":
+        bits = keep.to(torch.int32).neg_()
+        xf = _ZeroMasked.apply(x.to(torch.float32).reshape(-1), bits)
+        mf = keep.to(torch.uint8).to(torch.float32)
+    else:
+        xf = torch.where(keep, x.to(torch.float32).reshape(-1), 0.0)
+        mf = keep.to(torch.float32)
     n = mf.sum()
     mu = (xf * mf).sum() / n.clamp(min=1.0)  # not torch.dot: BLAS threading stalls on busy CPUs
     d = (xf - mu) * mf  # zero on masked-out entries

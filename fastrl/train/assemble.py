@@ -26,6 +26,7 @@ comes back.
 
 from __future__ import annotations
 
+import sys
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Callable, Sequence
@@ -85,7 +86,12 @@ class RunSite:
 def open_run(cfg: TrainConfig, *, run_files: Sequence[str]) -> RunSite:
     """Join the process group (torchrun; refusing on every rank what data parallel cannot
     run), lock and claim ``output_dir`` (``run_files``: what an earlier run's outputs are),
-    seed the global RNG. Every rank waits until rank 0 has claimed the folder."""
+    seed the global RNG. Every rank waits until rank 0 has claimed the folder. First, a model
+    or dataset named by a hub id that is not here and cannot be fetched is refused in one line
+    (``fastrl.train.hub``)."""
+    from fastrl.train.hub import check_run_sources
+
+    check_run_sources(cfg)
     if cfg.threads:
         torch.set_num_threads(cfg.threads)
     ranks = Ranks.join(cfg.device, local_device=build.device_of)
@@ -101,6 +107,18 @@ def open_run(cfg: TrainConfig, *, run_files: Sequence[str]) -> RunSite:
         claim_output_dir(out, names=run_files, overwrite=cfg.overwrite)
     ranks.barrier()  # no rank writes into output_dir before rank 0 has claimed it
     return RunSite(ranks=ranks, out=out, run_lock=run_lock, resume_dir=resume_dir, autocast_dtype=autocast_dtype)
+
+
+def set_threads(cfg: TrainConfig, site: RunSite, *, parameters: int) -> None:
+    """torch's intra-op threads: ``--threads`` when given (set in ``open_run``), else the rule
+    of ``fastrl.train.threads`` for this policy's size on this machine; said on rank 0."""
+    from fastrl.train.threads import machine_threads
+
+    choice = machine_threads(parameters=parameters, device_type=site.device.type)
+    if cfg.threads is None and choice.threads is not None:
+        torch.set_num_threads(choice.threads)
+    if site.is_main:
+        print(f"fastrl train: {choice.describe(given=cfg.threads)}", file=sys.stderr, flush=True)
 
 
 # ---------------------------------------------------------------------------- 2. the policy
@@ -123,6 +141,7 @@ def load_policy(cfg: TrainConfig, site: RunSite, *, model: torch.nn.Module | Non
 
     tok, policy = build.load_policy(cfg, model=model, tokenizer=tokenizer, resume_dir=site.resume_dir, device=site.device)
     check_tokenizer_matches_model(tok, policy)
+    set_threads(cfg, site, parameters=sum(p.numel() for p in policy.parameters()))
     if cfg.shared_prefix or cfg.prefix_tree is True:
         build.check_shared_prefix_support(policy)
     parameter_bytes = sum(p.numel() * p.element_size() for p in policy.parameters())

@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import dataclasses
 import difflib
+import json
 import os
 import re
 import sys
@@ -54,7 +55,7 @@ HELP_GROUPS: dict[str, tuple[str, ...]] = {
                      "prefix_tree", "activation_checkpointing", "offload_activations", "reference_offload", "micro_batch_tokens", "lr", "weight_decay",
                      "adam_betas", "warmup_steps", "min_lr_ratio", "grad_clip", "seed"),
     "logging and evaluation": ("eval_every", "eval_prompts", "pass_k", "tensorboard", "progress"),
-    "output and checkpoints": ("output_dir", "save_every", "keep_checkpoints", "overwrite", "resume"),
+    "output and checkpoints": ("output_dir", "save_every", "save_every_minutes", "keep_checkpoints", "overwrite", "resume"),
     "agents (--env)": ("env", "env_workers", "env_step_timeout", "env_trajectory_timeout", "env_call_format",
                        "env_max_repeated_calls", "env_reward_weight", *AGENT_FIELDS),
 }
@@ -108,6 +109,42 @@ def explain_type_error(message: str, argv: list[str], field_types: dict) -> str 
     return f"{option}: expected {describe_type(field_types[key])}{got}{hint}"
 
 
+_UNKNOWN_KEY = re.compile(r"Option '(?P<key>[^']+)' is not accepted")
+
+
+def config_files(argv: list[str]) -> list[str]:
+    """The ``--config`` files of a command line, in order."""
+    files = []
+    for i, token in enumerate(argv):
+        name, eq, rest = token.partition("=")
+        if name == "--config":
+            files.append(rest if eq else (argv[i + 1] if i + 1 < len(argv) else ""))
+    return files
+
+
+def explain_config_key(message: str, argv: list[str]) -> str | None:
+    """jsonargparse's "Option 'group_sizes' is not accepted" from a ``--config`` file as one
+    line naming the file, the key and the closest option; ``None`` for any other message."""
+    match = _UNKNOWN_KEY.search(message)
+    files = config_files(argv)
+    if not match or not files:
+        return None
+    key = match.group("key")
+    fields = [f.name for f in dataclasses.fields(TrainConfig)]
+    close = difflib.get_close_matches(key, fields, n=1, cutoff=0.6)
+    hint = f" (did you mean {close[0]}?)" if close else " (fastrl train --help lists the options)"
+    where = next((f for f in files if _file_has_key(f, key)), files[-1])
+    return f"--config {where}: unknown key {key!r}{hint}"
+
+
+def _file_has_key(path: str, key: str) -> bool:
+    try:
+        with open(path) as handle:
+            return re.search(rf"^\s*{re.escape(key)}\s*:", handle.read(), flags=re.M) is not None
+    except OSError:
+        return False
+
+
 def _literal_choices(tp) -> tuple:
     """The values of the ``Literal`` in ``tp`` (``Optional[Literal[...]]`` included), else ``()``."""
     if typing.get_origin(tp) is typing.Literal:
@@ -130,7 +167,8 @@ def _parser_class():
 
         def error(self, message, ex=None):
             field_types = typing.get_type_hints(TrainConfig)
-            message = explain_type_error(message, getattr(self, "_fastrl_argv", []), field_types) or message
+            argv = getattr(self, "_fastrl_argv", [])
+            message = explain_type_error(message, argv, field_types) or explain_config_key(message, argv) or message
             cli_style.print_usage_error(self.prog, message, self._option_string_actions)
             self.exit(cli_style.USAGE_ERROR_STATUS)
 
@@ -211,13 +249,58 @@ def expand_sampler_url(argv: list[str]) -> list[str]:
     return out
 
 
+def _list_fields() -> dict[str, type]:
+    """TrainConfig's list options (``Optional[list[X]]`` included) -> their item type."""
+    out = {}
+    for name, tp in typing.get_type_hints(TrainConfig).items():
+        for candidate in (tp, *typing.get_args(tp)):
+            if typing.get_origin(candidate) is list:
+                out[name] = (typing.get_args(candidate) or (str,))[0]
+    return out
+
+
+def _is_value(token: str) -> bool:
+    """A command-line word that is a value, not an option (``-1.5`` is a value)."""
+    return not token.startswith("-") or re.fullmatch(r"-\d[\d.e+-]*|-inf|-\.\d+", token) is not None
+
+
+def expand_list_values(argv: list[str]) -> list[str]:
+    """A list option given as plain words, ``--rewards f1 f2`` or ``--rewards probe.py:record``,
+    as the list jsonargparse parses (``--rewards ["f1", "f2"]``); a value already written as a
+    list (``'[f1, f2]'``) or ``null`` is left as it is."""
+    fields = _list_fields()
+    out: list[str] = []
+    i = 0
+    while i < len(argv):
+        token = argv[i]
+        name, eq, inline = token.partition("=")
+        key = name[2:].replace("-", "_") if name.startswith("--") else None
+        if key not in fields:
+            out.append(token)
+            i += 1
+            continue
+        values = [inline] if eq else []
+        j = i + 1
+        if not eq:
+            while j < len(argv) and _is_value(argv[j]):
+                values.append(argv[j])
+                j += 1
+        if not values or values[0].lstrip().startswith("[") or (len(values) == 1 and values[0] in ("null", "None")):
+            out.extend([token] if eq else argv[i:j])
+        else:
+            items = [json.dumps(v) for v in values] if fields[key] is str else values
+            out.extend([f"--{key}", "[" + ", ".join(items) + "]"])
+        i = j
+    return out
+
+
 def parse_train_args(argv: list[str]) -> TrainConfig:
     """The resolved ``TrainConfig`` of a ``fastrl train`` command line. A parse error exits
     with status 2 (usage line + error); an invalid combination raises ``InputError``."""
     from fastrl.errors import InputError
 
     parser = build_train_parser()
-    ns = parser.parse_args(expand_sampler_url(argv))
+    ns = parser.parse_args(expand_list_values(expand_sampler_url(argv)))
     values = {f.name: getattr(ns, f.name) for f in dataclasses.fields(TrainConfig)}
     config = TrainConfig(**values)
     try:
@@ -229,31 +312,42 @@ def parse_train_args(argv: list[str]) -> TrainConfig:
 
 
 def run_train(argv: list[str]) -> int:
-    from fastrl.train.progress import describe_run, quiet_hf_progress_bars
+    from fastrl.train.interrupt import RunInterrupted, StopRequests, exit_status, interrupted_message
 
-    config = parse_train_args(argv)
-    if os.environ.get("RANK", "0") == "0":
-        print(describe_run(config), file=sys.stderr, flush=True)
-    quiet_hf_progress_bars()  # transformers' shard-writing bars would interleave with fastrl's lines
-    from fastrl.rollout.process import SamplerProcessError
-    from fastrl.rollout.remote import ServerError, ServerTimeout, ServerUnavailable
-    from fastrl.train.trainer import Trainer, TrainingDivergedError, WeightSyncError
-
+    config = trainer = None
     try:
-        with Trainer(config) as trainer:
-            result = trainer.train()
-    except (TrainingDivergedError, WeightSyncError) as e:
-        print(f"fastrl train: stopped: {e}", file=sys.stderr)
-        return 3
-    except (ServerError, ServerTimeout, ServerUnavailable) as e:
-        # the shared vLLM server failed, stopped or restarted: the run's checkpoints are intact
-        print(f"fastrl train: stopped: {e}\nStart the server again and continue the run with --resume latest "
-              f"(from the last checkpoint in {config.output_dir}).", file=sys.stderr)
-        return 4
-    except SamplerProcessError as e:  # async_steps: the sampler process failed or timed out
-        print(f"fastrl train: stopped: {e}\nContinue the run with --resume latest (from the last checkpoint in "
-              f"{config.output_dir}).", file=sys.stderr)
-        return 4
+        with StopRequests() as stop:  # from the first import on: a Ctrl-C anywhere is one line, never a traceback
+            from fastrl.train.progress import describe_run, quiet_hf_progress_bars
+
+            config = parse_train_args(argv)
+            if os.environ.get("RANK", "0") == "0":
+                print(describe_run(config), file=sys.stderr, flush=True)
+            quiet_hf_progress_bars()  # transformers' shard-writing bars would interleave with fastrl's lines
+            from fastrl.rollout.process import SamplerProcessError
+            from fastrl.rollout.remote import ServerError, ServerTimeout, ServerUnavailable
+            from fastrl.train.trainer import Trainer, TrainingDivergedError, WeightSyncError
+
+            try:
+                with Trainer(config) as trainer:
+                    result = trainer.train(stop=stop)
+            except (TrainingDivergedError, WeightSyncError) as e:
+                print(f"fastrl train: stopped: {e}", file=sys.stderr)
+                return 3
+            except (ServerError, ServerTimeout, ServerUnavailable) as e:
+                # the shared vLLM server failed, stopped or restarted: the run's checkpoints are intact
+                print(f"fastrl train: stopped: {e}\nStart the server again and continue the run with --resume latest "
+                      f"(from the last checkpoint in {config.output_dir}).", file=sys.stderr)
+                return 4
+            except SamplerProcessError as e:  # async_steps: the sampler process failed or timed out
+                print(f"fastrl train: stopped: {e}\nContinue the run with --resume latest (from the last checkpoint in "
+                      f"{config.output_dir}).", file=sys.stderr)
+                return 4
+    except RunInterrupted as e:  # Ctrl-C or SIGTERM: one line, the shell's status, no traceback
+        if os.environ.get("RANK", "0") == "0":
+            last = trainer.last_checkpoint if trainer is not None else None
+            where = config.output_dir if config is not None else "the output folder"
+            print(interrupted_message(e, output_dir=where, last_checkpoint=last), file=sys.stderr, flush=True)
+        return exit_status(e.signum)
     if os.environ.get("RANK", "0") != "0":  # torchrun: rank 0 reports
         return 0
     first, last = result.first_eval, result.last_eval

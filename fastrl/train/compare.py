@@ -123,9 +123,11 @@ ENV_COMPARE_DEFAULTS: dict[str, EnvCompareDefaults] = {
 DEFAULT_EVALUATIONS = 6
 """Held-out evaluations along a steps budget after the start's (``--eval_every`` = budget / this)."""
 DEFAULT_JOBS = 1
-"""``--jobs`` without a built-in ``--env``: runs one after another. A single-turn run's
-``--threads`` defaults to torch's (every core), so two at once would share the cores and
-each wait at its parallel regions for the other's threads; not measured to pay off."""
+"""``--jobs`` for runs of a user's model without ``--threads``: one after another. Such a run's
+threads are ``fastrl train``'s rule's for its size (the free cores for a model of 0.5M parameters
+or more), so two at once would share the cores and each wait at its parallel regions for the
+other's threads; not measured to pay off. The built-in model's runs take the rule's one
+thread (``fastrl.train.threads``) and go ``cores`` at a time."""
 INTERRUPTED_STATUS = 128 + signal.SIGINT
 """Exit status of a comparison stopped by Ctrl-C (the shell's convention for SIGINT)."""
 STOP_SIGNALS = (signal.SIGTERM, signal.SIGHUP)
@@ -899,9 +901,9 @@ def build_compare_parser() -> argparse.ArgumentParser:
     parser.add_argument("--jobs", type=int, default=None, metavar="N",
                         help="runs at once after the shared warm-up, each a `fastrl train` process of its own (a "
                              f"{HYBRID} run's PPO phase still waits for its GRPO phase). Runs are seeded, so results "
-                             "do not depend on N. Default: with a built-in --env, the cores this process may use divided "
-                             "by --threads (its runs are single-threaded); otherwise 1, since a single-turn run's "
-                             "--threads defaults to every core and runs at once would contend for them")
+                             "do not depend on N. Default: the cores this process may use divided by --threads, which is 1 "
+                             "with a built-in --env and on the built-in model (fastrl train's thread rule); 1 for a user's "
+                             "model without --threads, whose runs take the free cores and would contend for them")
     parser.add_argument("--warmup_seed", type=int, default=1,
                         help="seed of the shared warm-up (model init and SFT data order; default 1, which reaches the built-in "
                              "task's probe target in fewer SFT steps than seed 0)")
@@ -965,10 +967,15 @@ def plan_compare(argv: Sequence[str]) -> ComparePlan:
         raise CompareError(f"--steps and --budget {budget.text!r} both set the number of steps; give one")
     if env_defaults is not None and "threads" not in user_fields:
         user_fields["threads"] = env_defaults.threads
+    elif "threads" not in user_fields and "model" not in user_fields:
+        # the built-in model: fastrl train's thread rule (one thread for a model this small), so runs go side by side
+        from fastrl.train.threads import builtin_model_parameters, machine_threads
+
+        sizes = {k: user_fields[k] for k in ("model_hidden_size", "model_layers") if k in user_fields}
+        user_fields["threads"] = machine_threads(parameters=builtin_model_parameters(**sizes)).threads
     if args.jobs is not None and args.jobs < 1:
         raise CompareError(f"--jobs must be >= 1, got {args.jobs}")
-    jobs = args.jobs if args.jobs is not None else default_jobs(
-        threads=user_fields["threads"] if env_defaults is not None else None, cores=available_cores())
+    jobs = args.jobs if args.jobs is not None else default_jobs(threads=user_fields.get("threads"), cores=available_cores())
 
     def resolve(algorithm: str, overrides: dict[str, Any] | None = None) -> TrainConfig:
         try:

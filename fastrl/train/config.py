@@ -13,6 +13,7 @@ keys; the resolved configuration is written beside every run as ``config.yaml``.
 from __future__ import annotations
 
 import dataclasses
+import difflib
 import math
 import os
 import typing
@@ -109,6 +110,10 @@ the same name and meaning (``None``: the environment's default), derived from th
 # a 79K-parameter Llama's first evaluation (greedy + 4 samples of up to 256 tokens) took 31 s
 # on the project's loaded 2-core CPU, 84 s at 200 prompts (20 s per training step of 16 x 8).
 DATASET_EVAL_PROMPTS = 64
+DEFAULT_SAVE_EVERY_MINUTES = 10.0
+"""``save_every_minutes`` of a run that sets none: a checkpoint at least every 10 minutes of
+training (the embedded default's whole run is ~2 minutes on a CPU: its checkpoints are the one
+after the warm-up and the last)."""
 DEFAULT_RL_STEPS = 150
 """RL steps of a run that sets none (``TrainConfig.steps=None``), the built-in environments' too."""
 
@@ -470,10 +475,16 @@ class TrainConfig:
     max_new_tokens each, stays well under a minute on a CPU)."""
     pass_k: int = 4
     """pass@k of the evaluation (k samples at the training temperature); 1: greedy accuracy only."""
-    output_dir: str = "runs/fastrl"
-    """Where metrics, samples, checkpoints and the final model go."""
+    output_dir: Optional[str] = None
+    """Where metrics, samples, checkpoints and the final model go. None: ``runs/<task>`` (``runs/default``,
+    ``runs/calculator``, a dataset's name), or ``runs/<task>-2``, ``-3``, ... when it already holds a run;
+    with ``--resume latest``, the newest of these with checkpoints."""
     save_every: int = 0
-    """Checkpoint every N steps (0: only at the end)."""
+    """Checkpoint every N steps (0: by wall time only, ``save_every_minutes``). A run also
+    checkpoints after its warm-up and at the end; ``--resume latest`` continues from the newest."""
+    save_every_minutes: float = DEFAULT_SAVE_EVERY_MINUTES
+    """Checkpoint at the end of the first step this many minutes after the last checkpoint, so a
+    crash or a kill loses minutes, not the run (0: off)."""
     keep_checkpoints: int = 2
     """Checkpoints kept on disk (oldest deleted first)."""
     overwrite: bool = False
@@ -493,7 +504,8 @@ class TrainConfig:
     progress: bool = True
     """Show a progress bar."""
     threads: Optional[int] = None
-    """torch intra-op threads (None: torch's default)."""
+    """torch intra-op threads (None: the rule of ``fastrl.train.threads``: one for a model under 0.5M
+    parameters on a CPU, else the cores no other process is running on; said at the start of a run)."""
 
     # ------------------------------------------------------------------ resolution
     def resolved(self, *, model_given: bool = False) -> "TrainConfig":
@@ -547,6 +559,11 @@ class TrainConfig:
             c.sft_target_accuracy = default.sft_target_accuracy
         if c.lr is None:
             c.lr = default.grpo_lr if builtin_model else 1e-6
+        if c.output_dir is None:
+            from fastrl.train.rundir import default_output_dir, default_run_name
+
+            c.output_dir = default_output_dir(default_run_name(env=c.env, dataset=c.dataset, model=c.model), resume=c.resume,
+                                              overwrite=c.overwrite, numbered=int(os.environ.get("WORLD_SIZE", "1")) == 1)
         c.validate()
         return c
 
@@ -627,6 +644,14 @@ class TrainConfig:
                      "top_k", "seed", "async_steps"):
             positive_int(name, allow_zero=True)
         self._validate_agent(positive_int, number)
+        if self.env is not None:
+            from fastrl.train.agent_task import ENV_TASKS
+
+            if self.env not in ENV_TASKS and ":" not in self.env:
+                close = difflib.get_close_matches(self.env, list(ENV_TASKS), n=1, cutoff=0.6)
+                hint = f" (did you mean {close[0]}?)" if close else ""
+                raise InputError(f"--env {self.env!r} is neither a built-in environment ({', '.join(ENV_TASKS)}) nor "
+                                 f"'module:Class'{hint}")
         if self.seed > _MAX_SEED:
             raise InputError(f"seed must be an int in [0, {_MAX_SEED}] (it seeds Python, NumPy and torch), got {self.seed!r}")
         positive_int("sft_steps", allow_zero=True)
@@ -635,6 +660,7 @@ class TrainConfig:
                 positive_int(name)
         if self.max_seconds is not None:
             number("max_seconds", low=0.0, low_open=True)
+        number("save_every_minutes", low=0.0)
         if self.advantage_mode not in (*GROUP_MODES, "gae", *TURN_MODES):
             raise InputError(f"advantage_mode must be one of {(*GROUP_MODES, 'gae', *TURN_MODES)}, "
                              f"got {self.advantage_mode!r}")

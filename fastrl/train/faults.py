@@ -55,7 +55,8 @@ def divergence_message(
     elif save_every:
         resume = f"last good checkpoint: none yet (save_every={save_every}: the first is written at step {save_every})"
     else:
-        resume = "last good checkpoint: none (save_every=0: checkpoints only at the end of the run)"
+        resume = ("last good checkpoint: none (save_every=0: checkpoints after a warm-up, every save_every_minutes "
+                  "of training and at the end of the run)")
     return (
         f"step {step}: non-finite {what} (loss {loss}, grad norm {grad_norm}); the optimizer step was not taken. "
         f"Batch saved to {batch_path}; {resume}"

@@ -128,3 +128,57 @@ def _read_holder(descriptor: int) -> str:
     except (OSError, UnicodeDecodeError):
         return ""
     return f" (pid {pid})" if pid.isdigit() else ""
+
+
+DEFAULT_RUNS_ROOT = Path("runs")
+"""Where runs go when ``output_dir`` is not given: ``runs/<task>``, relative to the working directory."""
+
+
+DATA_SUFFIXES = (".jsonl", ".json", ".parquet")
+"""File suffixes left out of a run's folder name (``train.jsonl`` -> ``runs/train``)."""
+
+
+def default_run_name(*, env: str | None, dataset: str | None, model: str | None = None) -> str:
+    """The folder name of a run's task: its environment (``calculator``; a user's
+    ``module:Class`` as ``class``), its dataset's name (``train.jsonl`` -> ``train``), its
+    model's (the built-in task on ``./my-model``: ``my-model``), else ``default`` (the
+    built-in task and model)."""
+    if env is not None:
+        name = env.rsplit(":", 1)[-1].rsplit(".", 1)[-1]
+    elif dataset is not None or model is not None:
+        name = Path((dataset or model).rstrip("/\\")).name
+        for suffix in DATA_SUFFIXES:
+            name = name.removesuffix(suffix)
+    else:
+        name = "default"
+    name = "".join(ch if ch.isalnum() or ch in "-_" else "-" for ch in name.lower()).strip("-")
+    return name or "run"
+
+
+def _holds_a_run(folder: Path) -> bool:
+    """Anything in ``folder`` besides the lock file (which a run leaves behind)."""
+    return folder.is_dir() and any(entry.name != LOCK_FILE for entry in folder.iterdir())
+
+
+def default_output_dir(name: str, *, resume: str | None, overwrite: bool, numbered: bool = True,
+                       root: Path = DEFAULT_RUNS_ROOT) -> str:
+    """``output_dir`` when none is given: ``root/name`` for a new run, or ``root/name-2``,
+    ``-3``, ... when the earlier ones hold runs (so commands run one after another never
+    collide); with ``resume="latest"``, the newest of them that holds checkpoints (where
+    ``--resume latest`` finds them); with a checkpoint directory ``.../checkpoints/step-N``,
+    its run's folder; with ``overwrite``, ``root/name`` itself. ``numbered`` False (torchrun:
+    every rank must name the same folder, whenever it starts): ``root/name``."""
+    def candidate(k: int) -> Path:
+        return root / (name if k == 1 else f"{name}-{k}")
+
+    if resume is not None and resume != "latest" and Path(resume).parent.name == "checkpoints":
+        return str(Path(resume).parent.parent)
+    if overwrite or not numbered:
+        return str(candidate(1))
+    k = 1
+    while _holds_a_run(candidate(k)):
+        k += 1
+    if resume == "latest":
+        with_checkpoints = [j for j in range(1, k) if (candidate(j) / "checkpoints").is_dir()]
+        return str(candidate(with_checkpoints[-1] if with_checkpoints else 1))
+    return str(candidate(k))

@@ -171,13 +171,19 @@ class Trainer:
     optimizer = _part("models.optimizers.optimizer")
 
     # ================================================================== the run
-    def train(self, *, stop_after: int | None = None) -> TrainResult:
+    def train(self, *, stop_after: int | None = None, stop: Any = None) -> TrainResult:
         """Run to ``config.steps``; evaluate, log and checkpoint on the way; save the final model.
 
         ``stop_after=n`` pauses after step ``n`` instead (a checkpoint is written, no final
         model): the run continues from there with ``resume``, exactly as if uninterrupted.
         A budget (``max_seconds``, ``max_generated_tokens``) ends the run early instead: final
         evaluation, model and summary as at the last step; ``summary.json`` says what stopped it.
+
+        Checkpoints: after the warm-up (step 0, so an interruption never loses it), every
+        ``save_every`` steps, and at the end of the first step ``save_every_minutes`` after the
+        last one. ``stop``: a ``fastrl.train.interrupt.StopRequests`` (the command line's
+        signal handlers): once it is ``requested``, the loop ends the step in progress,
+        checkpoints and raises ``RunInterrupted`` naming the checkpoint.
         """
         cfg = self.cfg
         end = cfg.steps if stop_after is None else min(cfg.steps, stop_after)
@@ -188,11 +194,21 @@ class Trainer:
                                         start_step=self.step, progress_desc=rl_progress_label(cfg))
         else:  # under torchrun rank 0 writes the logs (its metrics are already over every rank)
             self.logger = SilentLogger()
+        if stop is not None:
+            stop.deferring = True  # a signal from now on ends the step in progress, then checkpoints
+        self._last_save_time = time.monotonic()
         try:
             if self.warmup.metrics:
                 self.logger.log_eval(self.step, self.warmup.metrics, probes=self.warmup.probes)
+                if self.step == 0 and self.resume_dir is None:
+                    self.save_checkpoint()  # the warm-up's policy: what --resume latest starts RL from
             if cfg.eval_every and self.step == 0:
                 self._run_eval()
+            early = self._stop_or_overdue(stop)[0] if self.last_checkpoint is not None else 0
+            if early:  # a signal during the first evaluation: the checkpoint of this step exists, stop here
+                from fastrl.train.interrupt import RunInterrupted
+
+                raise RunInterrupted(early, checkpoint=self.last_checkpoint, step=self.step)
             while self.step < end:
                 metrics = self.train_step()
                 self.logger.log(self.step, metrics, extra={"reward/histogram": self._reward_histogram})
@@ -205,8 +221,15 @@ class Trainer:
                     self._run_eval()
                 if out_of_budget:
                     break
-                if cfg.save_every and self.step % cfg.save_every == 0 and self.step < cfg.steps:
+                stop_signal, overdue = self._stop_or_overdue(stop)
+                saved = False
+                if self.step < cfg.steps and ((cfg.save_every and self.step % cfg.save_every == 0) or overdue or stop_signal):
                     self.save_checkpoint()
+                    saved = True
+                if stop_signal and self.step < end:  # (a signal during the last step lets the run finish)
+                    from fastrl.train.interrupt import RunInterrupted
+
+                    raise RunInterrupted(stop_signal, checkpoint=self.last_checkpoint if saved else None, step=self.step)
             self.save_checkpoint()
             if self.step < cfg.steps and not out_of_budget:
                 return TrainResult(self.out, self.step, list(self.eval_history), None)
@@ -219,7 +242,19 @@ class Trainer:
             self.ranks.barrier()
             return TrainResult(self.out, self.step, list(self.eval_history), final)
         finally:
+            if stop is not None:
+                stop.deferring = False
             self.logger.close()
+
+    def _stop_or_overdue(self, stop: Any) -> tuple[int, bool]:
+        """After a step: the signal that asks the run to stop (0: none) and whether a
+        wall-time checkpoint is due (``save_every_minutes``); under torchrun every rank takes
+        the largest of each, so all stop and save at the same step."""
+        minutes = self.cfg.save_every_minutes
+        elapsed = time.monotonic() - self._last_save_time
+        signum = float(stop.signum or 0) if stop is not None else 0.0
+        agreed = self.ranks.max(torch.tensor([signum, elapsed], dtype=torch.float64)) if self.ranks.sharded else (signum, elapsed)
+        return int(agreed[0]), bool(minutes) and float(agreed[1]) >= minutes * 60.0
 
     def train_step(self) -> dict[str, float]:
         """One RL step; returns its metrics."""
@@ -510,6 +545,7 @@ class Trainer:
             sharded=self.ranks.sharded, full_policy=self.models.full_copy, rank=self.ranks.rank, world_size=self.ranks.world_size,
             barrier=self.ranks.barrier, extra=self.collector.checkpoint_extra(),
         )
+        self._last_save_time = time.monotonic()
         return self.last_checkpoint
 
     def _load_checkpoint(self, directory: Path) -> None:

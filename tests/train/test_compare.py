@@ -428,7 +428,7 @@ def test_a_builtin_environment_brings_its_own_default_budget_seeds_and_evaluatio
     assert plan_compare(["--env", "frozenlake", *algos, "--threads", "2"]).user_fields["threads"] == 2
     plan = plan_compare(["--algorithms", "grpo", "ppo"])
     assert plan.budget == parse_budget(DEFAULT_BUDGET) and len(plan.seeds) == DEFAULT_SEEDS
-    assert "threads" not in plan.user_fields
+    assert plan.user_fields["threads"] == 1  # the built-in model: fastrl train's thread rule gives it one thread
     with pytest.raises(CompareError, match="both set the number of steps"):
         plan_compare(["--env", "frozenlake", "--steps", "5"])
     help_text = " ".join(build_compare_parser().format_help().split())  # argparse wraps lines

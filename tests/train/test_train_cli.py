@@ -362,3 +362,35 @@ def test_progress_on_a_terminal_is_a_labelled_bar():
     text = stream.getvalue()
     assert "\r" in text and "GRPO (RL)" in text and "3/3" in text and "reward=0.25" in text and "heldout_acc=0.5" in text
     assert "a line between bars\n" in text
+
+
+def test_a_list_option_takes_one_value_or_plain_words():
+    """`--rewards probe.py:record` (one value) and `--rewards f1 f2` parse as lists, as the
+    bracketed form does; other options after them are untouched."""
+    from fastrl.train.cli import build_train_parser, expand_list_values
+
+    parser = build_train_parser()
+    for argv, rewards in ((["--rewards", "probe.py:record"], ["probe.py:record"]), (["--rewards", "f1", "f2"], ["f1", "f2"]),
+                          (["--rewards=probe.py:record"], ["probe.py:record"]), (["--rewards", "[a, b]"], ["a", "b"])):
+        ns = parser.parse_args(expand_list_values([*argv, "--lr", "1e-3"]))
+        assert ns.rewards == rewards and ns.lr == 1e-3, argv
+    ns = parser.parse_args(expand_list_values(["--tree_branches", "2", "4", "--adam_betas", "0.9", "-0.5"]))
+    assert ns.tree_branches == [2, 4] and ns.adam_betas == [0.9, -0.5]
+
+
+def test_an_unknown_key_in_a_config_file_names_the_file_and_the_closest_option(tmp_path, capsys):
+    config = tmp_path / "run.yaml"
+    config.write_text("steps: 3\ngroup_sizes: 4\n")
+    with pytest.raises(SystemExit) as exited:  # a parse error: usage line, error line, status 2
+        main(["train", "--config", str(config), "--output_dir", str(tmp_path / "run")])
+    assert exited.value.code == 2
+    assert capsys.readouterr().err.strip().splitlines()[-1] == (
+        f"fastrl train: error: --config {config}: unknown key 'group_sizes' (did you mean group_size?)")
+
+
+def test_a_misspelt_env_is_refused_before_the_plan_is_printed(tmp_path, capsys):
+    assert main(["train", "--env", "calculater", "--output_dir", str(tmp_path / "run")]) == 2
+    err = capsys.readouterr().err.strip().splitlines()
+    assert err == ["fastrl train: error: --env 'calculater' is neither a built-in environment (calculator, sql, frozenlake) "
+                   "nor 'module:Class' (did you mean calculator?)"], err
+    assert not (tmp_path / "run").exists()

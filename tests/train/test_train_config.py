@@ -1,6 +1,7 @@
 """TrainConfig presets, validation and the generated command line."""
 
 import dataclasses
+from pathlib import Path
 
 import torch
 
@@ -232,3 +233,44 @@ def test_the_built_in_models_heads_are_an_option_that_must_divide_its_width():
         TrainConfig(model_heads=3).resolved().validate()
     with pytest.raises(InputError, match="model_heads"):
         TrainConfig(model_heads=0).resolved().validate()
+
+
+def test_default_output_folders_are_one_per_task_and_never_collide(tmp_path):
+    from fastrl.train.rundir import LOCK_FILE, default_output_dir, default_run_name
+
+    assert default_run_name(env=None, dataset=None) == "default"
+    assert default_run_name(env="calculator", dataset=None) == "calculator"
+    assert default_run_name(env="my_envs.shop:ShopEnv", dataset=None) == "shopenv"
+    assert default_run_name(env=None, dataset="data/train.jsonl") == "train"
+    assert default_run_name(env=None, dataset="org/gsm8k") == "gsm8k"
+    assert default_run_name(env=None, dataset=None, model="Qwen/Qwen2.5-0.5B") == "qwen2-5-0-5b"
+    assert default_run_name(env=None, dataset=None, model="./my-model/") == "my-model"
+    root = tmp_path / "runs"
+
+    def new(name="default"):
+        return default_output_dir(name, resume=None, overwrite=False, root=root)
+
+    assert new() == str(root / "default")
+    (root / "default").mkdir(parents=True)
+    (root / "default" / LOCK_FILE).write_text("")  # what a run interrupted before writing anything leaves
+    assert new() == str(root / "default")
+    (root / "default" / "checkpoints").mkdir()
+    assert new() == str(root / "default-2") and new("calculator") == str(root / "calculator")
+    (root / "default-2").mkdir()
+    (root / "default-2" / "metrics.jsonl").write_text("")  # a run without checkpoints yet
+    assert new() == str(root / "default-3")
+    # resume latest: the newest folder of the task that holds checkpoints
+    assert default_output_dir("default", resume="latest", overwrite=False, root=root) == str(root / "default")
+    (root / "default-2" / "checkpoints").mkdir()
+    assert default_output_dir("default", resume="latest", overwrite=False, root=root) == str(root / "default-2")
+    step = root / "default" / "checkpoints" / "step-000003"
+    assert default_output_dir("default", resume=str(step), overwrite=False, root=root) == str(root / "default")
+    assert default_output_dir("default", resume=None, overwrite=True, root=root) == str(root / "default")
+    assert default_output_dir("default", resume=None, overwrite=False, numbered=False, root=root) == str(root / "default")
+
+
+def test_a_given_output_dir_is_kept_and_none_resolves_per_task(tmp_path, monkeypatch):
+    monkeypatch.chdir(tmp_path)
+    assert TrainConfig(output_dir="somewhere").resolved().output_dir == "somewhere"
+    assert TrainConfig().resolved().output_dir == str(Path("runs") / "default")
+    assert TrainConfig(env="calculator").resolved().output_dir == str(Path("runs") / "calculator")
