@@ -210,7 +210,8 @@ def agent_warm_up(cfg: TrainConfig, policy: torch.nn.Module, tokenizer: Any, set
                              f"{setup.agent.max_trajectory_tokens} (the longest has {longest} tokens)")
     pad = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else tokenizer.eos_token_id
     probe_rows = setup.train_rows[: cfg.sft_probe_rows]
-    warm = WarmupProgress(cfg.sft_steps, target_accuracy=cfg.sft_target_accuracy, enabled=progress)
+    warm = WarmupProgress(cfg.sft_steps, target_accuracy=cfg.sft_target_accuracy, enabled=progress,
+                          initial=resume.steps_done if resume is not None else 0)
     if schedule is None and cfg.sft_target_accuracy is not None:
         schedule = ProbeSchedule(cfg.sft_check_every, cfg.sft_target_accuracy, sooner_near_target=cfg.sft_probe_sooner)
 

@@ -373,7 +373,8 @@ def warm_up(cfg: TrainConfig, policy: torch.nn.Module, tokenizer: Any, rows: Seq
 
     if not all("answer" in r for r in rows):
         raise InputError("sft_steps > 0 needs an 'answer' column in the dataset (the warm-up targets)")
-    warm = WarmupProgress(cfg.sft_steps, target_accuracy=cfg.sft_target_accuracy, enabled=progress)
+    warm = WarmupProgress(cfg.sft_steps, target_accuracy=cfg.sft_target_accuracy, enabled=progress,
+                          initial=resume.steps_done if resume is not None else 0)
     common = dict(steps=cfg.sft_steps, lr=cfg.sft_lr, batch_size=cfg.sft_batch_size, seed=cfg.seed, warmup_steps=cfg.sft_warmup_steps,
                   prompt_column=cfg.prompt_column, chat_template=cfg.chat_template, on_step=warm.on_step, layout=cfg.sft_layout,
                   resume=resume, pause=pause)

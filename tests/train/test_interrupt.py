@@ -114,45 +114,55 @@ def _stop_during_the_warm_up(out: Path, signum: int, *extra: str) -> tuple[str, 
     return output, saved
 
 
-def _resume_finishes(out: Path, saved: Path, *extra: str) -> None:
-    """``--resume latest`` continues the warm-up from ``saved`` (here to the steps it had done: its
-    settings are checked, its step count may change) and runs RL; the step-0 checkpoint then
-    replaces the warm-up's."""
+def _resume_finishes(out: Path, saved: Path, capsys, *extra: str) -> None:
+    """``--resume latest`` continues the warm-up from ``saved`` one step further (its settings are
+    checked, its step count may change: its bar counts on from the steps done) and runs RL; the
+    step-0 checkpoint then replaces the warm-up's."""
     from fastrl.cli import main
 
     done = json.loads((saved / "warmup_state.json").read_text())["steps_done"]
     assert done >= 1
-    assert main(["train", "--output_dir", str(out), *TINY, "--steps", "1", "--sft_steps", str(done), "--progress", "false",
+    capsys.readouterr()
+    assert main(["train", "--output_dir", str(out), *TINY, "--steps", "1", "--sft_steps", str(done + 1), "--progress", "true",
                  "--resume", "latest", *extra]) == 0
+    err = capsys.readouterr().err
+    assert f"warm-up (SFT): step {done + 1}/{done + 1}" in err and "warm-up (SFT): step 1/" not in err, err[-3000:]
     assert sorted(p.name for p in (out / "checkpoints").iterdir()) == ["step-000000", "step-000001"]
     assert (out / "final").is_dir()
     warmup = [json.loads(line) for line in (out / "metrics.jsonl").read_text().splitlines() if '"sft/steps"' in line]
-    assert [m["sft/steps"] for m in warmup] == [done]  # the warm-up's metrics count the steps before the stop
+    assert [m["sft/steps"] for m in warmup] == [done + 1]  # the steps before the stop count
 
 
-def test_sigterm_during_the_warm_up_saves_it_and_resume_latest_continues_it(tmp_path):
+def test_sigterm_during_the_warm_up_saves_it_and_resume_latest_continues_it(tmp_path, capsys):
     """SIGTERM once the warm-up has printed its first step: the warm-up's state is saved at its
     next step boundary, one line names it and `--resume latest`, exit 143; resuming finishes."""
     out = tmp_path / "run"
     _, saved = _stop_during_the_warm_up(out, signal.SIGTERM)
-    _resume_finishes(out, saved)
+    _resume_finishes(out, saved, capsys)
 
 
-def test_ctrl_c_during_an_env_warm_up_saves_it_and_resume_latest_continues_it(tmp_path):
+def test_ctrl_c_during_an_env_warm_up_saves_it_and_resume_latest_continues_it(tmp_path, capsys):
     """The same for the agent warm-up of `--env calculator` (SIGINT: exit 130)."""
     env = ["--env", "calculator", "--max_turns", "2", "--max_turn_tokens", "8", "--env_workers", "1", "--task_train_size", "16"]
     out = tmp_path / "run"
     _, saved = _stop_during_the_warm_up(out, signal.SIGINT, *env)
-    _resume_finishes(out, saved, *env)
+    _resume_finishes(out, saved, capsys, *env)
 
 
 def test_a_damaged_or_partial_warm_up_checkpoint_is_refused_in_one_line(tmp_path, capsys):
     """Adversarial: a truncated file of the warm-up checkpoint, then one never completely
     written (only its ``.tmp``): `--resume latest` refuses each in one line, naming the problem."""
     from fastrl.cli import main
+    from fastrl.train.cli import parse_train_args
+    from fastrl.train.trainer import Trainer
 
     out = tmp_path / "run"
-    _, saved = _stop_during_the_warm_up(out, signal.SIGTERM)
+    stop = StopRequests()  # not entered: what its handler records when a signal arrives during the warm-up
+    stop.signum = signal.SIGTERM
+    with pytest.raises(RunInterrupted) as stopped:
+        Trainer(parse_train_args(["--output_dir", str(out), *TINY, "--sft_steps", "5", "--progress", "false"]), stop=stop)
+    saved = stopped.value.checkpoint
+    assert saved == out / "checkpoints" / "warmup-000001" and saved.is_dir()
     weights = saved / "warmup.pt"
     weights.write_bytes(weights.read_bytes()[: weights.stat().st_size // 2])
     args = ["train", "--output_dir", str(out), *TINY, "--steps", "1", "--sft_steps", "1", "--progress", "false",
