@@ -133,7 +133,16 @@ class Trainer:
         self.task = task = assemble.build_task(cfg, site, loaded, train_rows=train_rows, eval_rows=eval_rows)
         connected = assemble.connect_sampler(cfg, self.spec, loaded, task)
         self.scoring = scoring = assemble.build_scoring(cfg, loaded, task, reward_functions)
-        self.warmup = assemble.warm_up(cfg, site, loaded, task, scoring, stop=stop)
+        try:
+            self.warmup = assemble.warm_up(cfg, site, loaded, task, scoring, stop=stop)
+        except BaseException:  # a stopped (or failed) warm-up: its worker processes and the folder's lock go now
+            if site.run_lock is not None:
+                site.run_lock.release()
+            if scoring.rewards is not None:
+                scoring.rewards.close()
+            if task.agent is not None:
+                task.agent.close()
+            raise
         self.models = models = assemble.build_models(cfg, site, loaded, task)
         self.kl_ctl = AdaptiveKLController(float(cfg.kl_coef or 0.0), target=cfg.kl_target, horizon=cfg.kl_horizon)
         self.layout = make_layout(shared_prefix=cfg.shared_prefix, prefix_tree=cfg.prefix_tree,
