@@ -33,6 +33,7 @@ from typing import Any, Callable, Sequence
 
 import torch
 
+from fastrl.errors import InputError
 from fastrl.rollout.base import GroupSampler, SamplingConfig
 from fastrl.train import agent_build, build, seeds
 from fastrl.train import distributed as dist_mod
@@ -251,13 +252,18 @@ def warm_up(cfg: TrainConfig, site: RunSite, policy: LoadedPolicy, task: Task, s
     from fastrl.train.interrupt import RunInterrupted
 
     result = WarmupResult(metrics={})
-    if not cfg.sft_steps or site.resume_dir is not None:
-        return result
+    if site.resume_dir is not None or (not cfg.sft_steps and site.warmup_dir is None):
+        return result  # (a stopped warm-up resumed with sft_steps=0 ends at once, with its weights)
     progress = cfg.progress and site.is_main
     resume = None
     if site.warmup_dir is not None:
         resume = load_warmup_checkpoint(site.warmup_dir)
-        policy.module.load_state_dict(resume.model)
+        try:
+            policy.module.load_state_dict(resume.model)
+        except RuntimeError as error:  # another model than the one whose warm-up stopped
+            first = str(error).strip().splitlines()[-1].strip()
+            raise InputError(f"resume: {site.warmup_dir}'s weights do not fit this run's model ({first}); resume with the "
+                             "run's own --model, or start again with --overwrite true") from None
         if resume.global_rng is not None:
             set_rng_state(resume.global_rng)
 

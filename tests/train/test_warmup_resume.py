@@ -45,11 +45,11 @@ def _cfg(out, **changes):
     # 60 rows in batches of 40: the second shuffled epoch starts during step 2, the third during step 3, so the
     # stop after step 2 is mid-epoch with the shuffler advanced (both its position and its generator must
     # come back); a probe every 2 steps, short of 1.0 here
-    return TrainConfig(output_dir=str(out), steps=1, sft_steps=6, sft_batch_size=40, sft_target_accuracy=1.0, sft_check_every=2,
-                       sft_probe_rows=4, eval_every=0, model_hidden_size=32, model_layers=1, task_digits=1, task_train_size=60,
-                       task_eval_size=8, prompts_per_step=4, group_size=4, max_new_tokens=3, reward_workers=0, progress=False,
-                       tensorboard=False, lr=1e-3, threads=1, sft_layout="padded", shared_prefix=False, prefix_tree=False,
-                       **changes)
+    base = dict(output_dir=str(out), steps=1, sft_steps=6, sft_batch_size=40, sft_target_accuracy=1.0, sft_check_every=2,
+                sft_probe_rows=4, eval_every=0, model_hidden_size=32, model_layers=1, task_digits=1, task_train_size=60,
+                task_eval_size=8, prompts_per_step=4, group_size=4, max_new_tokens=3, reward_workers=0, progress=False,
+                tensorboard=False, lr=1e-3, threads=1, sft_layout="padded", shared_prefix=False, prefix_tree=False)
+    return TrainConfig(**{**base, **changes})
 
 
 def _requested() -> StopRequests:
@@ -89,12 +89,21 @@ def test_a_warm_up_stopped_twice_and_resumed_is_bitwise_the_uninterrupted_one(tm
         assert resumed_warmup.metrics[key] == straight_warmup.metrics[key], key
 
 
-def test_a_warm_up_resumed_under_other_settings_is_refused(tmp_path):
+def test_a_warm_up_resumed_under_other_settings_or_another_model_is_refused_and_sft_steps_0_ends_it(tmp_path):
+    from fastrl.errors import InputError
+
     out = tmp_path / "run"
-    with pytest.raises(RunInterrupted):
+    with pytest.raises(RunInterrupted) as stopped:
         Trainer(_cfg(out, sft_lr=1e-3), stop=_requested())
-    with pytest.raises(ValueError, match=r"other settings: lr=0\.001 \(now 0\.002\)"):
+    with pytest.raises(InputError, match=r"other settings: lr=0\.001 \(now 0\.002\)"):
         Trainer(_cfg(out, resume="latest", sft_lr=2e-3))
+    with pytest.raises(InputError, match=r"warmup-000001's weights do not fit this run's model"):
+        Trainer(_cfg(out, resume="latest", sft_lr=1e-3, model_hidden_size=16))
+    # sft_steps=0: the warm-up ends where it stopped (its weights, its one step), then RL
+    saved = torch.load(stopped.value.checkpoint / "warmup.pt", weights_only=False)["model"]
+    with Trainer(_cfg(out, resume="latest", sft_lr=1e-3, sft_steps=0, sft_target_accuracy=None)) as trainer:
+        assert trainer.warmup.metrics["sft/steps"] == 1
+        assert all(torch.equal(v, saved[k]) for k, v in trainer.policy.state_dict().items())
 
 
 def test_a_warm_up_state_round_trips_through_its_checkpoint(tmp_path):
