@@ -267,9 +267,12 @@ def warm_up(cfg: TrainConfig, site: RunSite, policy: LoadedPolicy, task: Task, s
         if resume.global_rng is not None:
             set_rng_state(resume.global_rng)
 
-    def pause() -> bool:  # every rank stops at the same step (the largest signal number any rank saw)
+    agreed = [0]  # the signal the warm-up stops for: under torchrun the largest any rank saw, so every rank stops at one step
+
+    def pause() -> bool:
         signum = torch.tensor([float(stop.signum or 0)], dtype=torch.float64)
-        return bool(float(site.ranks.max(signum)[0]) if site.ranks.sharded else signum[0])
+        agreed[0] = int(site.ranks.max(signum)[0]) if site.ranks.sharded else int(signum[0])
+        return agreed[0] != 0
 
     run = dict(progress=progress, resume=resume, pause=pause if stop is not None else None)
     if stop is not None:
@@ -284,7 +287,7 @@ def warm_up(cfg: TrainConfig, site: RunSite, policy: LoadedPolicy, task: Task, s
         paused.state.global_rng = rng_state()
         saved = save_warmup_checkpoint(site.out, paused.state) if site.is_main else None
         site.ranks.barrier()
-        raise RunInterrupted(int(stop.signum), checkpoint=saved, step=None) from None
+        raise RunInterrupted(agreed[0], checkpoint=saved, step=None) from None
     finally:
         if stop is not None:
             stop.deferring = False
