@@ -178,17 +178,19 @@ def agent_loop(cfg: TrainConfig, setup: AgentSetup, *, batcher: Any, ranks: Any,
 
 
 def agent_warm_up(cfg: TrainConfig, policy: torch.nn.Module, tokenizer: Any, setup: AgentSetup, *, ranks: Any,
-                  progress: bool, schedule: ProbeSchedule | None = None) -> WarmupResult:
+                  progress: bool, schedule: ProbeSchedule | None = None, resume: Any = None,
+                  pause: Callable[[], bool] | None = None) -> WarmupResult:
     """The supervised warm-up of a built-in environment (module docstring); returns its
     ``sft/...`` metrics and probes, the policy back in train mode. The probe plays greedy episodes with
     the HF sampler on the first ``sft_probe_rows`` training rows, when ``schedule`` says (its
     ``due`` / ``reached``; None: ``ProbeSchedule`` on ``sft_check_every``, ``sft_target_accuracy`` and
     ``sft_probe_sooner``, no probe without a target). Probing draws no random numbers, so it leaves the warm-up's
-    steps as they are."""
+    steps as they are. ``resume`` (a paused warm-up's ``WarmupState``, its probes and the next one's step
+    included) and ``pause`` as for ``fastrl.train.sft.sft_batches``."""
     from fastrl.rollout import HFGroupSampler
     from fastrl.train.agent_evaluate import AgentEvaluator
     from fastrl.train.progress import WarmupProgress
-    from fastrl.train.sft import probe_when_due, sft_batches
+    from fastrl.train.sft import paused_with_probes, probe_when_due, sft_batches
 
     pad_id = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else tokenizer.eos_token_id
     prober = AgentEvaluator(sampler=HFGroupSampler(policy, pad_token_id=pad_id), ranks=ranks, rows=[], runtime=setup.runtime,
@@ -208,7 +210,8 @@ def agent_warm_up(cfg: TrainConfig, policy: torch.nn.Module, tokenizer: Any, set
                              f"{setup.agent.max_trajectory_tokens} (the longest has {longest} tokens)")
     pad = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else tokenizer.eos_token_id
     probe_rows = setup.train_rows[: cfg.sft_probe_rows]
-    warm = WarmupProgress(cfg.sft_steps, target_accuracy=cfg.sft_target_accuracy, enabled=progress)
+    warm = WarmupProgress(cfg.sft_steps, target_accuracy=cfg.sft_target_accuracy, enabled=progress,
+                          initial=resume.steps_done if resume is not None else 0)
     if schedule is None and cfg.sft_target_accuracy is not None:
         schedule = ProbeSchedule(cfg.sft_check_every, cfg.sft_target_accuracy, sooner_near_target=cfg.sft_probe_sooner)
 
@@ -217,14 +220,22 @@ def agent_warm_up(cfg: TrainConfig, policy: torch.nn.Module, tokenizer: Any, set
         policy.train()
         return rate
 
-    check, history = probe_when_due(schedule, probe, on_probe=warm.on_probe) if schedule is not None else (None, [])
+    check, history = (None, [])
+    if schedule is not None:
+        check, history = probe_when_due(schedule, probe, on_probe=warm.on_probe, history=resume.probes if resume is not None else ())
+        if resume is not None and resume.next_probe_at is not None:
+            schedule.next_at = resume.next_probe_at
 
-    result = sft_batches(
-        policy, len(samples), lambda picked: collate_samples([samples[i] for i in picked], pad_token_id=pad,
-                                                           answer_weight=cfg.sft_answer_weight),
-        steps=cfg.sft_steps, lr=cfg.sft_lr, batch_size=cfg.sft_batch_size, seed=cfg.seed, warmup_steps=cfg.sft_warmup_steps,
-        callback=check, on_step=warm.on_step, layout=cfg.sft_layout,
-    )
-    warm.close()
+    try:
+        with paused_with_probes(history, schedule):
+            result = sft_batches(
+                policy, len(samples), lambda picked: collate_samples([samples[i] for i in picked], pad_token_id=pad,
+                                                                   answer_weight=cfg.sft_answer_weight),
+                steps=cfg.sft_steps, lr=cfg.sft_lr, batch_size=cfg.sft_batch_size, seed=cfg.seed,
+                warmup_steps=cfg.sft_warmup_steps, callback=check, on_step=warm.on_step, layout=cfg.sft_layout,
+                resume=resume, pause=pause,
+            )
+    finally:
+        warm.close()
     policy.train()
     return WarmupResult.of_run(result, history)

@@ -33,6 +33,7 @@ from typing import Any, Callable, Sequence
 
 import torch
 
+from fastrl.errors import InputError
 from fastrl.rollout.base import GroupSampler, SamplingConfig
 from fastrl.train import agent_build, build, seeds
 from fastrl.train import distributed as dist_mod
@@ -48,7 +49,8 @@ from fastrl.train.ranks import Ranks
 from fastrl.train.reference_policy import ReferencePolicy, offload_reference
 from fastrl.train.rundir import RunDirectoryLock, lock_run_directory
 from fastrl.train.score import GroupScorer
-from fastrl.train.sft import WarmupResult
+from fastrl.train.sft import WarmupPaused, WarmupResult
+from fastrl.train.warmup_checkpoint import is_warmup_checkpoint, load_warmup_checkpoint, save_warmup_checkpoint
 
 __all__ = [
     "AUTO_CHECKPOINTING_TOKENS", "LoadedPolicy", "Loop", "Models", "RunSite", "Scoring", "Task", "build_loop", "build_models",
@@ -73,6 +75,8 @@ class RunSite:
     """The checkpoint this run continues from (``resume``), else None."""
     autocast_dtype: torch.dtype | None
     """bf16 autocast around every forward (``dtype``), else None."""
+    warmup_dir: Path | None = None
+    """The paused warm-up's checkpoint this run continues (``resume`` found one, no RL checkpoint yet), else None."""
 
     @property
     def device(self) -> torch.device:
@@ -102,11 +106,13 @@ def open_run(cfg: TrainConfig, *, run_files: Sequence[str]) -> RunSite:
     out.mkdir(parents=True, exist_ok=True)
     autocast_dtype = torch.bfloat16 if cfg.dtype == "bfloat16" or (cfg.dtype == "auto" and ranks.device.type == "cuda") else None
     torch.manual_seed(cfg.seed)
-    resume_dir = resolve_resume(cfg.resume, cfg.output_dir) if cfg.resume else None
-    if resume_dir is None and ranks.is_main:
+    resumed = resolve_resume(cfg.resume, cfg.output_dir) if cfg.resume else None
+    warmup_dir = resumed if resumed is not None and is_warmup_checkpoint(resumed) else None
+    if resumed is None and ranks.is_main:
         claim_output_dir(out, names=run_files, overwrite=cfg.overwrite)
     ranks.barrier()  # no rank writes into output_dir before rank 0 has claimed it
-    return RunSite(ranks=ranks, out=out, run_lock=run_lock, resume_dir=resume_dir, autocast_dtype=autocast_dtype)
+    return RunSite(ranks=ranks, out=out, run_lock=run_lock, resume_dir=None if warmup_dir is not None else resumed,
+                   autocast_dtype=autocast_dtype, warmup_dir=warmup_dir)
 
 
 def set_threads(cfg: TrainConfig, site: RunSite, *, parameters: int) -> None:
@@ -231,18 +237,60 @@ def build_scoring(cfg: TrainConfig, policy: LoadedPolicy, task: Task, reward_fun
 
 
 # ---------------------------------------------------------------------------- 6. the warm-up
-def warm_up(cfg: TrainConfig, site: RunSite, policy: LoadedPolicy, task: Task, scoring: Scoring) -> WarmupResult:
-    """The supervised warm-up (``sft_steps``; not on resume: the checkpoint has the warmed-up
+def warm_up(cfg: TrainConfig, site: RunSite, policy: LoadedPolicy, task: Task, scoring: Scoring, *,
+            stop: Any = None) -> WarmupResult:
+    """The supervised warm-up (``sft_steps``; not on an RL resume: the checkpoint has the warmed-up
     policy): an env run's on its oracle's transcripts, else on the rows' answers. Returns its
     ``sft/...`` metrics and probes (empty without one). Under torchrun every rank ran the same seeded
-    warm-up, and rank 0's weights make them bitwise equal."""
+    warm-up, and rank 0's weights make them bitwise equal.
+
+    ``stop`` (``fastrl.train.interrupt.StopRequests``): a first signal during the warm-up ends it
+    at the next step boundary: its state (``fastrl.train.warmup_checkpoint``, the process's RNG
+    states included) is saved and ``RunInterrupted`` names it. A run resumed from that checkpoint
+    (``site.warmup_dir``) continues the warm-up as if uninterrupted."""
+    from fastrl.train.checkpoint import rng_state, set_rng_state
+    from fastrl.train.interrupt import RunInterrupted
+
     result = WarmupResult(metrics={})
+    if site.resume_dir is not None or (not cfg.sft_steps and site.warmup_dir is None):
+        return result  # (a stopped warm-up resumed with sft_steps=0 ends at once, with its weights)
     progress = cfg.progress and site.is_main
-    if cfg.sft_steps and site.resume_dir is None and task.agent is not None:
-        result = agent_build.agent_warm_up(cfg, policy.module, policy.tokenizer, task.agent, ranks=site.ranks, progress=progress)
-    elif cfg.sft_steps and site.resume_dir is None:
-        result = build.warm_up(cfg, policy.module, policy.tokenizer, task.prompts.train_rows, score_fn=scoring.scorer.answer_score,
-                                progress=progress)
+    resume = None
+    if site.warmup_dir is not None:
+        resume = load_warmup_checkpoint(site.warmup_dir)
+        try:
+            policy.module.load_state_dict(resume.model)
+        except RuntimeError as error:  # another model than the one whose warm-up stopped
+            first = str(error).strip().splitlines()[-1].strip()
+            raise InputError(f"resume: {site.warmup_dir}'s weights do not fit this run's model ({first}); resume with the "
+                             "run's own --model, or start again with --overwrite true") from None
+        if resume.global_rng is not None:
+            set_rng_state(resume.global_rng)
+
+    agreed = [0]  # the signal the warm-up stops for: under torchrun the largest any rank saw, so every rank stops at one step
+
+    def pause() -> bool:
+        signum = torch.tensor([float(stop.signum or 0)], dtype=torch.float64)
+        agreed[0] = int(site.ranks.max(signum)[0]) if site.ranks.sharded else int(signum[0])
+        return agreed[0] != 0
+
+    run = dict(progress=progress, resume=resume, pause=pause if stop is not None else None)
+    if stop is not None:
+        stop.deferring = True  # a first signal from now on ends the warm-up at a step boundary
+    try:
+        if task.agent is not None:
+            result = agent_build.agent_warm_up(cfg, policy.module, policy.tokenizer, task.agent, ranks=site.ranks, **run)
+        else:
+            result = build.warm_up(cfg, policy.module, policy.tokenizer, task.prompts.train_rows,
+                                   score_fn=scoring.scorer.answer_score, **run)
+    except WarmupPaused as paused:
+        paused.state.global_rng = rng_state()
+        saved = save_warmup_checkpoint(site.out, paused.state) if site.is_main else None
+        site.ranks.barrier()
+        raise RunInterrupted(agreed[0], checkpoint=saved, step=None) from None
+    finally:
+        if stop is not None:
+            stop.deferring = False
     if site.ranks.sharded:
         dist_mod.broadcast_module(policy.module)
     return result

@@ -60,22 +60,26 @@ def list_checkpoints(output_dir: str | os.PathLike) -> list[Path]:
 
 def resolve_resume(resume: str, output_dir: str | os.PathLike) -> Path:
     """``latest`` -> the newest checkpoint in ``output_dir`` that verifies against its manifest
-    (each newer one skipped is logged with the reason); else the given directory, verified."""
+    (each newer one skipped is logged with the reason), a paused warm-up's
+    (``fastrl.train.warmup_checkpoint``) when RL has none; else the given directory, verified."""
+    from fastrl.train.warmup_checkpoint import WARMUP_STATE_FILE, list_warmup_checkpoints
+
     if resume == "latest":
-        found = list_checkpoints(output_dir)
+        # a paused warm-up's checkpoints come before any of RL's (the step-0 one supersedes them)
+        found = list_warmup_checkpoints(output_dir) + list_checkpoints(output_dir)
         if not found:
             raise InputError(f"resume=latest: no complete checkpoint under {Path(output_dir) / 'checkpoints'}")
         chosen, skipped = manifest.choose_checkpoint(found)
+        if chosen is None:  # one line: the reasons are the error's
+            raise InputError("resume=latest: no checkpoint verifies: " + "; ".join(skipped))
         for reason in skipped:
             logger.warning("resume=latest: skipped %s", reason)
-        if chosen is None:
-            raise InputError("resume=latest: no checkpoint verifies: " + "; ".join(skipped))
         if skipped:
             logger.warning("resume=latest: resuming from %s", chosen)
         return chosen
     path = Path(resume)
-    if not (path / STATE_FILE).exists():
-        raise InputError(f"resume: {str(path)!r} is not a fastrl checkpoint (no {STATE_FILE})")
+    if not (path / STATE_FILE).exists() and not (path / WARMUP_STATE_FILE).exists():
+        raise InputError(f"resume: {str(path)!r} is not a fastrl checkpoint (no {STATE_FILE} or {WARMUP_STATE_FILE})")
     problem = manifest.verify_checkpoint(path)
     if problem is not None:
         raise InputError(f"resume: {problem}")

@@ -328,7 +328,7 @@ def run_train(argv: list[str]) -> int:
             from fastrl.train.trainer import Trainer, TrainingDivergedError, WeightSyncError
 
             try:
-                with Trainer(config) as trainer:
+                with Trainer(config, stop=stop) as trainer:
                     result = trainer.train(stop=stop)
             except (TrainingDivergedError, WeightSyncError) as e:
                 print(f"fastrl train: stopped: {e}", file=sys.stderr)

@@ -1,10 +1,11 @@
 """Ctrl-C (SIGINT) and SIGTERM for ``fastrl train``: stop at a step boundary, checkpointed.
 
 ``StopRequests`` is installed by the command line around a run (the Python API keeps Python's
-own ``KeyboardInterrupt``). While the RL loop runs (``deferring``), the first signal only asks
-the loop to stop: it finishes the step in progress, writes a checkpoint and raises
-``RunInterrupted`` naming it, so ``--resume latest`` continues exactly where it stopped. A
-second signal, or one before the loop (loading, the warm-up), raises ``RunInterrupted`` at
+own ``KeyboardInterrupt``). While the warm-up or the RL loop runs (``deferring``), the first
+signal only asks it to stop: it finishes the step in progress, writes a checkpoint (the
+warm-up's state, ``fastrl.train.warmup_checkpoint``, or RL's) and raises ``RunInterrupted``
+naming it, so ``--resume latest`` continues exactly where it stopped. A second signal, or one
+outside them (loading the model and data, building the models), raises ``RunInterrupted`` at
 once. The command prints one line and exits ``128 + signal`` (130 for SIGINT, 143 for
 SIGTERM), the shell's convention, so a script chaining commands sees the run did not finish.
 """
@@ -69,12 +70,22 @@ class StopRequests:
         self._previous.clear()
 
 
+def newest_on_disk(output_dir: str | Path) -> Path | None:
+    """The checkpoint ``--resume latest`` would consider first in ``output_dir`` (a signal while
+    a resumed run loads still leaves the one it resumed from), else None."""
+    from fastrl.train.checkpoint import list_checkpoints
+    from fastrl.train.warmup_checkpoint import list_warmup_checkpoints
+
+    found = list_warmup_checkpoints(output_dir) + list_checkpoints(output_dir)
+    return found[-1] if found else None
+
+
 def interrupted_message(error: RunInterrupted, *, output_dir: str | Path, last_checkpoint: Path | None) -> str:
     """The one line ``fastrl train`` prints when a signal stopped it."""
     name = signal.Signals(error.signum).name
-    checkpoint = error.checkpoint or last_checkpoint
+    checkpoint = error.checkpoint or last_checkpoint or newest_on_disk(output_dir)
     if checkpoint is not None:
         return (f"fastrl train: stopped by {name}; checkpoint {checkpoint}: continue with "
                 f"fastrl train --output_dir {output_dir} --resume latest (and the run's other options)")
-    return (f"fastrl train: stopped by {name} before the first checkpoint (written once the warm-up ends): nothing for "
-            f"--resume latest to continue; start the run again with --overwrite true")
+    return (f"fastrl train: stopped by {name} before the first checkpoint (the warm-up writes one when stopped, RL every "
+            f"step it is stopped at): nothing for --resume latest to continue; start the run again with --overwrite true")

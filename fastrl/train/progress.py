@@ -130,8 +130,8 @@ def rl_progress_label(cfg: Any) -> str:
     return f"{algorithm_label(cfg)} (RL)"
 
 
-def warmup_progress(total: int, *, stream: TextIO | None = None, terminal: bool | None = None) -> Progress:
-    return Progress(total=total, desc="warm-up (SFT)", unit="step", stream=stream, terminal=terminal)
+def warmup_progress(total: int, *, initial: int = 0, stream: TextIO | None = None, terminal: bool | None = None) -> Progress:
+    return Progress(total=total, desc="warm-up (SFT)", unit="step", initial=initial, stream=stream, terminal=terminal)
 
 
 def quiet_hf_progress_bars() -> None:
@@ -154,13 +154,14 @@ def quiet_hf_progress_bars() -> None:
 
 class WarmupProgress:
     """The warm-up's bar: the SFT loss after every step, the probe accuracy after every check.
-    With ``enabled=False`` (``progress=False``, or a rank other than 0) it shows nothing."""
+    With ``enabled=False`` (``progress=False``, or a rank other than 0) it shows nothing. ``initial``:
+    the steps a resumed warm-up had done."""
 
     def __init__(self, total: int, *, target_accuracy: float | None, enabled: bool, stream: TextIO | None = None,
-                 terminal: bool | None = None):
+                 terminal: bool | None = None, initial: int = 0):
         self.target = target_accuracy
         self.values: dict[str, float] = {}
-        self.bar = warmup_progress(total, stream=stream, terminal=terminal) if enabled else None
+        self.bar = warmup_progress(total, initial=initial, stream=stream, terminal=terminal) if enabled else None
 
     def on_step(self, step: int, loss: float) -> None:
         if self.bar is not None:

@@ -34,7 +34,7 @@ from fastrl.train.data import check_rows, encode_prompt
 
 __all__ = ["encode_sft_example", "collate_sft", "sft_loss", "sft_warmup", "sft_batches", "sft_to_target", "SFT_LAYOUTS",
            "SFT_TRIE_MIN_SAVING", "TrieBatch", "trie_batch", "trie_sft_loss", "ProbeSchedule", "WarmupResult",
-           "probe_when_due"]
+           "probe_when_due", "WarmupState", "WarmupPaused"]
 
 SFT_LAYOUTS = ("auto", "padded", "trie")
 """How a warm-up batch runs (module docstring)."""
@@ -68,6 +68,59 @@ class WarmupResult:
             metrics["sft/probe_accuracy"] = float(probes[-1][1])
             metrics["sft/probes"] = float(len(probes))
         return cls(metrics=metrics, probes=tuple(probes))
+
+
+WARMUP_SETTINGS = ("num_examples", "lr", "batch_size", "seed", "weight_decay", "warmup_steps", "schedule", "max_grad_norm",
+                   "layout")
+"""The settings a paused warm-up must continue with to be the uninterrupted one (``WarmupState.check``);
+the number of steps may change (the constant-rate default does not depend on it)."""
+
+
+@dataclass
+class WarmupState:
+    """Everything a warm-up paused at a step boundary needs to continue as if uninterrupted
+    (``sft_batches``' ``resume``): the weights and AdamW's state, where it was in its seeded
+    shuffled epochs (the permutation, the position in it, the generator's state), what it
+    measured so far, the probes so far and when the next is due. ``global_rng`` (the process's
+    python/numpy/torch generators) and ``settings`` are filled by whoever saves it."""
+
+    steps_done: int
+    model: dict[str, torch.Tensor]
+    optimizer: dict[str, Any]
+    order: list[int]
+    position: int
+    generator: dict[str, Any]
+    """``numpy.random.Generator.bit_generator.state`` of the epoch shuffler."""
+    losses: list[float]
+    tokens: int
+    forward_tokens: int
+    padded_tokens: int
+    trie_steps: int
+    seconds: float
+    settings: dict[str, Any]
+    probes: list[tuple[int, float]] = field(default_factory=list)
+    next_probe_at: int | None = None
+    """``ProbeSchedule.next_at`` when the warm-up probes, else None."""
+    global_rng: dict[str, Any] | None = None
+
+    def check(self, settings: dict[str, Any]) -> None:
+        """Refuse to continue under other settings (``WARMUP_SETTINGS``): it would not be the same warm-up."""
+        changed = [f"{k}={self.settings.get(k)!r} (now {settings.get(k)!r})" for k in WARMUP_SETTINGS
+                   if self.settings.get(k) != settings.get(k)]
+        if changed:
+            from fastrl.errors import InputError
+
+            raise InputError(f"resume: the warm-up checkpoint was written with other settings: {', '.join(changed)}; "
+                             "resume with the run's own options, or start again with --overwrite true")
+
+
+class WarmupPaused(BaseException):
+    """A warm-up asked to stop (``sft_batches``' ``pause``) ended at a step boundary: ``state``
+    continues it. A ``BaseException``: no ``except Exception`` on the way up swallows it."""
+
+    def __init__(self, state: WarmupState):
+        super().__init__(f"warm-up paused after {state.steps_done} steps")
+        self.state = state
 
 
 @dataclass
@@ -112,23 +165,35 @@ class ProbeSchedule:
 
 
 def probe_when_due(schedule: Any, probe: Callable[[], float], *, on_probe: Callable[[int, float], None] | None = None,
-                   ) -> tuple[Callable[[int, float], bool], list[tuple[int, float]]]:
+                   history: Sequence[tuple[int, float]] = ()) -> tuple[Callable[[int, float], bool], list[tuple[int, float]]]:
     """A warm-up's ``callback`` (``sft_batches``) that runs ``probe()`` (an accuracy) when
     ``schedule`` (a ``ProbeSchedule``, or anything with its ``due`` / ``reached``) says, calls
     ``on_probe(steps done, accuracy)`` and stops the warm-up once ``schedule.reached``; and the
-    list it records each probe ``(steps done, accuracy)`` in."""
-    history: list[tuple[int, float]] = []
+    list it records each probe ``(steps done, accuracy)`` in (after ``history``: a resumed warm-up's probes)."""
+    records: list[tuple[int, float]] = [(int(done), float(accuracy)) for done, accuracy in history]
 
     def check(step: int, loss: float) -> bool:
         if not schedule.due(step + 1):
             return False
         accuracy = probe()
-        history.append((step + 1, accuracy))
+        records.append((step + 1, accuracy))
         if on_probe is not None:
             on_probe(step + 1, accuracy)
         return schedule.reached(step + 1, accuracy)
 
-    return check, history
+    return check, records
+
+
+@contextlib.contextmanager
+def paused_with_probes(history: list[tuple[int, float]], schedule: Any):
+    """Around a probing warm-up: a ``WarmupPaused`` leaving it carries the probes so far and
+    the step the next is due at (``schedule.next_at``; None: no schedule)."""
+    try:
+        yield
+    except WarmupPaused as paused:
+        paused.state.probes = list(history)
+        paused.state.next_probe_at = getattr(schedule, "next_at", None) if schedule is not None else None
+        raise
 
 
 def encode_sft_example(
@@ -257,6 +322,8 @@ def sft_warmup(
     callback: Callable[[int, float], bool | None] | None = None,
     on_step: Callable[[int, float], None] | None = None,
     layout: str = "auto",
+    resume: WarmupState | None = None,
+    pause: Callable[[], bool] | None = None,
 ) -> dict[str, Any]:
     """Teacher-forced SFT of ``model`` on ``rows`` (in place), for ``steps`` AdamW steps.
 
@@ -294,7 +361,7 @@ def sft_warmup(
     return sft_batches(
         model, len(examples), lambda picked: collate_sft([examples[i] for i in picked], pad_token_id=pad_id), steps=steps, lr=lr,
         batch_size=batch_size, seed=seed, weight_decay=weight_decay, warmup_steps=warmup_steps, schedule=schedule,
-        max_grad_norm=max_grad_norm, callback=callback, on_step=on_step, layout=layout,
+        max_grad_norm=max_grad_norm, callback=callback, on_step=on_step, layout=layout, resume=resume, pause=pause,
     )
 
 
@@ -314,11 +381,19 @@ def sft_batches(
     callback: Callable[[int, float], bool | None] | None = None,
     on_step: Callable[[int, float], None] | None = None,
     layout: str = "auto",
+    resume: WarmupState | None = None,
+    pause: Callable[[], bool] | None = None,
 ) -> dict[str, Any]:
     """``sft_warmup``'s loop over any examples: ``collate(indices) -> (input_ids,
     attention_mask, loss_mask [B, T-1])`` of the examples picked (seeded shuffled epochs of
     ``range(num_examples)``); the rest as ``sft_warmup`` (the agent warm-up passes
-    ``fastrl.agents.batch.collate_samples`` of demonstrations)."""
+    ``fastrl.agents.batch.collate_samples`` of demonstrations).
+
+    ``pause()`` is asked after every step (after ``callback``): True ends the warm-up there
+    with ``WarmupPaused``, whose ``state`` given back as ``resume`` (same settings, the model
+    and the callback's own state as they were) continues it exactly: the same batches, learning
+    rates and AdamW moments, so the same weights as a warm-up never paused. ``resume.steps_done``
+    at or past ``steps`` ends it at once."""
     if num_examples < 1 and steps > 0:
         raise ValueError("the warm-up needs at least one example")
     if layout not in SFT_LAYOUTS:
@@ -328,6 +403,8 @@ def sft_batches(
 
         check_shared_prefix_support(model)
     trie_ok = layout == "trie" or (layout == "auto" and _supports_trie(model))
+    settings = dict(num_examples=num_examples, lr=lr, batch_size=batch_size, seed=seed, weight_decay=weight_decay,
+                    warmup_steps=warmup_steps, schedule=schedule, max_grad_norm=max_grad_norm, layout=layout)
     examples = range(num_examples)
     params = [p for p in model.parameters() if p.requires_grad]
     optimizer = torch.optim.AdamW(params, lr=lr, weight_decay=weight_decay)
@@ -337,9 +414,19 @@ def sft_batches(
     position = 0
     losses: list[float] = []
     tokens = forward_tokens = padded_tokens = trie_steps = 0
+    start, seconds_before = 0, 0.0
+    if resume is not None:
+        resume.check(settings)
+        model.load_state_dict(resume.model)
+        optimizer.load_state_dict(resume.optimizer)
+        rng.bit_generator.state = resume.generator
+        order, position = np.asarray(resume.order, dtype=np.int64), int(resume.position)
+        losses = [float(v) for v in resume.losses]
+        tokens, forward_tokens, padded_tokens = resume.tokens, resume.forward_tokens, resume.padded_tokens
+        trie_steps, start, seconds_before = resume.trie_steps, int(resume.steps_done), float(resume.seconds)
     model.train()
     t0 = time.perf_counter()
-    for step in range(steps):
+    for step in range(start, steps):
         picked = []
         while len(picked) < batch_size:
             if position == len(order):
@@ -376,13 +463,20 @@ def sft_batches(
             on_step(step + 1, value)
         if callback is not None and callback(step, value) is True:
             break
+        if pause is not None and step + 1 < steps and pause():
+            optimizer.zero_grad(set_to_none=True)
+            raise WarmupPaused(WarmupState(
+                steps_done=step + 1, model={k: v.detach().clone() for k, v in model.state_dict().items()},
+                optimizer=optimizer.state_dict(), order=order.tolist(), position=position, generator=rng.bit_generator.state,
+                losses=list(losses), tokens=tokens, forward_tokens=forward_tokens, padded_tokens=padded_tokens,
+                trie_steps=trie_steps, seconds=seconds_before + time.perf_counter() - t0, settings=settings))
     optimizer.zero_grad(set_to_none=True)  # the last step's gradients are not the next trainer's first step's
     model.eval()
     return {
         "losses": losses,
         "first_loss": losses[0] if losses else None,
         "final_loss": losses[-1] if losses else None,
-        "seconds": time.perf_counter() - t0,
+        "seconds": seconds_before + time.perf_counter() - t0,
         "tokens": tokens,
         "steps": len(losses),
         "trie_steps": trie_steps,
@@ -424,6 +518,8 @@ def sft_to_target(
     on_probe: Callable[[int, float], None] | None = None,
     layout: str = "auto",
     sooner_near_target: bool = False,
+    resume: WarmupState | None = None,
+    pause: Callable[[], bool] | None = None,
 ) -> dict[str, Any]:
     """``sft_warmup`` (constant rate) that stops once greedy accuracy on the first
     ``probe_rows`` training rows reaches ``target_accuracy`` (probed when ``ProbeSchedule``
@@ -432,6 +528,7 @@ def sft_to_target(
     ``on_probe(steps done, accuracy)`` after each check (a progress bar); ``layout`` as for ``sft_warmup``.
 
     Returns ``sft_warmup``'s dict plus ``"probe"``: ``[(steps done, probe accuracy)]``.
+    ``pause`` / ``resume`` as for ``sft_batches``, the probes so far and the next one's step in the state.
     """
     from fastrl.rollout import HFGroupSampler
     from fastrl.train.evaluate import evaluate
@@ -442,12 +539,15 @@ def sft_to_target(
     check, history = probe_when_due(schedule, lambda: evaluate(
         model, tokenizer, probe, score_fn=score_fn, max_new_tokens=max_new_tokens, sampler=sampler,
         prompt_column=prompt_column, answer_column=answer_column, chat_template=chat_template,
-    )["accuracy"], on_probe=on_probe)
+    )["accuracy"], on_probe=on_probe, history=resume.probes if resume is not None else ())
+    if resume is not None and resume.next_probe_at is not None:
+        schedule.next_at = resume.next_probe_at
 
-    out = sft_warmup(
-        model, tokenizer, rows, steps=max_steps, lr=lr, batch_size=batch_size, seed=seed, warmup_steps=warmup_steps,
-        prompt_column=prompt_column, answer_column=answer_column, chat_template=chat_template, callback=check,
-        on_step=on_step, layout=layout,
-    )
+    with paused_with_probes(history, schedule):
+        out = sft_warmup(
+            model, tokenizer, rows, steps=max_steps, lr=lr, batch_size=batch_size, seed=seed, warmup_steps=warmup_steps,
+            prompt_column=prompt_column, answer_column=answer_column, chat_template=chat_template, callback=check,
+            on_step=on_step, layout=layout, resume=resume, pause=pause,
+        )
     out["probe"] = history
     return out

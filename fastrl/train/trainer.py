@@ -55,6 +55,7 @@ from fastrl.train.metrics import (
 )
 from fastrl.train.progress import describe_evaluation, rl_progress_label
 from fastrl.train.schedule import AdaptiveKLController
+from fastrl.train.warmup_checkpoint import remove_warmup_checkpoints
 from fastrl.train.weights import WeightSyncError, check_gap, probe_gap, push_weights
 
 __all__ = ["Trainer", "TrainResult", "TrainingDivergedError", "WeightSyncError"]
@@ -115,7 +116,13 @@ class Trainer:
         train_rows: Sequence[dict[str, Any]] | None = None,
         eval_rows: Sequence[dict[str, Any]] | None = None,
         reward_functions: Sequence[Callable | str] | None = None,
+        stop: Any = None,
     ):
+        """``stop``: a ``fastrl.train.interrupt.StopRequests`` (the command line's signal
+        handlers): a signal during the warm-up saves its state at the next warm-up step and raises
+        ``RunInterrupted`` naming it (``--resume latest`` continues the warm-up); ``train`` uses it
+        too unless given its own."""
+        self._stop = stop
         # the stages of ``assemble.py``, in its order (the order the global RNG is drawn in)
         self.cfg = cfg = config.resolved(model_given=model is not None)
         self.spec = build.sampler_spec(cfg.sampler)
@@ -126,7 +133,16 @@ class Trainer:
         self.task = task = assemble.build_task(cfg, site, loaded, train_rows=train_rows, eval_rows=eval_rows)
         connected = assemble.connect_sampler(cfg, self.spec, loaded, task)
         self.scoring = scoring = assemble.build_scoring(cfg, loaded, task, reward_functions)
-        self.warmup = assemble.warm_up(cfg, site, loaded, task, scoring)
+        try:
+            self.warmup = assemble.warm_up(cfg, site, loaded, task, scoring, stop=stop)
+        except BaseException:  # a stopped (or failed) warm-up: its worker processes and the folder's lock go now
+            if site.run_lock is not None:
+                site.run_lock.release()
+            if scoring.rewards is not None:
+                scoring.rewards.close()
+            if task.agent is not None:
+                task.agent.close()
+            raise
         self.models = models = assemble.build_models(cfg, site, loaded, task)
         self.kl_ctl = AdaptiveKLController(float(cfg.kl_coef or 0.0), target=cfg.kl_target, horizon=cfg.kl_horizon)
         self.layout = make_layout(shared_prefix=cfg.shared_prefix, prefix_tree=cfg.prefix_tree,
@@ -186,6 +202,7 @@ class Trainer:
         checkpoints and raises ``RunInterrupted`` naming the checkpoint.
         """
         cfg = self.cfg
+        stop = self._stop if stop is None else stop
         end = cfg.steps if stop_after is None else min(cfg.steps, stop_after)
         spent_seconds = spent_tokens = 0.0
         out_of_budget: str | None = None
@@ -202,6 +219,8 @@ class Trainer:
                 self.logger.log_eval(self.step, self.warmup.metrics, probes=self.warmup.probes)
                 if self.step == 0 and self.resume_dir is None:
                     self.save_checkpoint()  # the warm-up's policy: what --resume latest starts RL from
+                    if self.is_main:  # it supersedes a paused warm-up's checkpoints
+                        remove_warmup_checkpoints(self.out)
             if cfg.eval_every and self.step == 0:
                 self._run_eval()
             early = self._stop_or_overdue(stop)[0] if self.last_checkpoint is not None else 0

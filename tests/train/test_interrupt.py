@@ -92,26 +92,91 @@ def test_ctrl_c_during_rl_checkpoints_says_resume_latest_and_the_run_resumes(tmp
     assert steps == list(range(1, stopped + 3))
 
 
-def test_sigterm_during_the_warm_up_is_one_line_and_143(tmp_path):
-    """SIGTERM once the warm-up has printed its first step: no traceback, one line saying there
-    is no checkpoint yet and how to start again, exit 143; starting again as it says works."""
-    from fastrl.cli import main
-
-    out = tmp_path / "run"
-    proc = _start(out, "--steps", "2", "--sft_steps", "100000", "--progress", "true")
+def _stop_during_the_warm_up(out: Path, signum: int, *extra: str) -> tuple[str, Path]:
+    """Start a run whose warm-up cannot end on its own (100000 steps), send ``signum`` once it has
+    printed its first step; the run's output and the warm-up checkpoint it names."""
+    proc = _start(out, "--steps", "1", "--sft_steps", "100000", "--progress", "true", *extra)
     try:
         _wait_for(proc, lambda line: line.startswith("warm-up (SFT): step 1/"))
-        proc.send_signal(signal.SIGTERM)
+        proc.send_signal(signum)
         output, _ = proc.communicate(timeout=WAIT_SECONDS)
     finally:
         if proc.poll() is None:
             proc.kill()
-    assert proc.returncode == 143, output[-3000:]
-    assert "Traceback" not in output, output[-3000:]
+    assert proc.returncode == exit_status(signum), output[-3000:]
+    assert "Traceback" not in output and "KeyboardInterrupt" not in output, output[-3000:]
     last = output.strip().splitlines()[-1]
-    assert last.startswith("fastrl train: stopped by SIGTERM before the first checkpoint") and "--overwrite true" in last
-    assert main(["train", "--output_dir", str(out), *TINY, "--steps", "1", "--sft_steps", "2", "--progress", "false",
-                 "--overwrite", "true"]) == 0
+    name = signal.Signals(signum).name
+    assert last.startswith(f"fastrl train: stopped by {name}; checkpoint {out / 'checkpoints' / 'warmup-'}"), last
+    assert f"--output_dir {out} --resume latest" in last, last
+    (saved,) = [p for p in (out / "checkpoints").iterdir()]  # the warm-up's, complete (no .tmp), and nothing else
+    assert saved.name.startswith("warmup-") and f"checkpoint {saved}:" in last
+    return output, saved
+
+
+def _resume_finishes(out: Path, saved: Path, capsys, *extra: str) -> None:
+    """``--resume latest`` continues the warm-up from ``saved`` one step further (its settings are
+    checked, its step count may change: its bar counts on from the steps done) and runs RL; the
+    step-0 checkpoint then replaces the warm-up's."""
+    from fastrl.cli import main
+
+    done = json.loads((saved / "warmup_state.json").read_text())["steps_done"]
+    assert done >= 1
+    capsys.readouterr()
+    assert main(["train", "--output_dir", str(out), *TINY, "--steps", "1", "--sft_steps", str(done + 1), "--progress", "true",
+                 "--resume", "latest", *extra]) == 0
+    err = capsys.readouterr().err
+    assert f"warm-up (SFT): step {done + 1}/{done + 1}" in err and "warm-up (SFT): step 1/" not in err, err[-3000:]
+    assert sorted(p.name for p in (out / "checkpoints").iterdir()) == ["step-000000", "step-000001"]
+    assert (out / "final").is_dir()
+    warmup = [json.loads(line) for line in (out / "metrics.jsonl").read_text().splitlines() if '"sft/steps"' in line]
+    assert [m["sft/steps"] for m in warmup] == [done + 1]  # the steps before the stop count
+
+
+def test_sigterm_during_the_warm_up_saves_it_and_resume_latest_continues_it(tmp_path, capsys):
+    """SIGTERM once the warm-up has printed its first step: the warm-up's state is saved at its
+    next step boundary, one line names it and `--resume latest`, exit 143; resuming finishes."""
+    out = tmp_path / "run"
+    _, saved = _stop_during_the_warm_up(out, signal.SIGTERM)
+    _resume_finishes(out, saved, capsys)
+
+
+def test_ctrl_c_during_an_env_warm_up_saves_it_and_resume_latest_continues_it(tmp_path, capsys):
+    """The same for the agent warm-up of `--env calculator` (SIGINT: exit 130)."""
+    env = ["--env", "calculator", "--max_turns", "2", "--max_turn_tokens", "8", "--env_workers", "1", "--task_train_size", "16"]
+    out = tmp_path / "run"
+    _, saved = _stop_during_the_warm_up(out, signal.SIGINT, *env)
+    _resume_finishes(out, saved, capsys, *env)
+
+
+def test_a_damaged_or_partial_warm_up_checkpoint_is_refused_in_one_line(tmp_path, capsys):
+    """Adversarial: a truncated file of the warm-up checkpoint, then one never completely
+    written (only its ``.tmp``): `--resume latest` refuses each in one line, naming the problem."""
+    from fastrl.cli import main
+    from fastrl.train.cli import parse_train_args
+    from fastrl.train.trainer import Trainer
+
+    out = tmp_path / "run"
+    stop = StopRequests()  # not entered: what its handler records when a signal arrives during the warm-up
+    stop.signum = signal.SIGTERM
+    with pytest.raises(RunInterrupted) as stopped:
+        Trainer(parse_train_args(["--output_dir", str(out), *TINY, "--sft_steps", "5", "--progress", "false"]), stop=stop)
+    saved = stopped.value.checkpoint
+    assert saved == out / "checkpoints" / "warmup-000001" and saved.is_dir()
+    weights = saved / "warmup.pt"
+    weights.write_bytes(weights.read_bytes()[: weights.stat().st_size // 2])
+    args = ["train", "--output_dir", str(out), *TINY, "--steps", "1", "--sft_steps", "1", "--progress", "false",
+            "--resume", "latest"]
+    capsys.readouterr()
+    assert main(args) == 2
+    plan, *refusal = capsys.readouterr().err.strip().splitlines()  # the run's plan line, then the refusal alone
+    assert plan.startswith("fastrl train: resuming from latest") and len(refusal) == 1, refusal
+    assert "no checkpoint verifies" in refusal[0] and "warmup.pt" in refusal[0] and "truncated" in refusal[0], refusal
+    saved.rename(saved.with_name(saved.name + ".tmp"))
+    assert main(args) == 2
+    plan, *refusal = capsys.readouterr().err.strip().splitlines()
+    assert len(refusal) == 1 and "no complete checkpoint" in refusal[0], refusal
+    assert not (out / "final").exists()
 
 
 def test_the_checkpoint_after_the_warm_up_resumes_the_run_exactly(tmp_path):

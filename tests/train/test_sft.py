@@ -256,3 +256,39 @@ def test_trie_layout_bad_input(tok):
         sft_batches(windowed, 1, collate, steps=1, lr=1e-3, batch_size=2, layout="trie")
     out = sft_batches(windowed, 1, collate, steps=1, lr=1e-3, batch_size=2, layout="auto")
     assert out["steps"] == 1 and out["trie_steps"] == 0
+
+
+def test_a_paused_trie_warm_up_resumed_on_a_fresh_model_is_bitwise_the_unpaused_one(tok):
+    """``sft_batches``' ``pause`` / ``resume`` on the trie layout: paused after step 3 of 5 (mid-epoch
+    of the second shuffle: 20 demonstrations in batches of 8), resumed into a freshly initialised
+    model, it ends with the unpaused run's weights, losses and token counts; ``pause`` is not asked
+    after the last step (a stop requested then lets the warm-up end normally)."""
+    from fastrl.agents.batch import collate_samples
+    from fastrl.train.sft import WarmupPaused, sft_batches
+
+    samples = _demonstrations(tok, "frozenlake", 20)
+    collate = lambda picked: collate_samples([samples[i] for i in picked], pad_token_id=tok.pad_token_id)  # noqa: E731
+
+    def model(seed):
+        return tiny_model(tok, hidden_size=32, layers=1, heads=4, max_position_embeddings=256, seed=seed)
+
+    run = dict(steps=5, lr=3e-3, batch_size=8, seed=4, layout="trie")
+    straight_model = model(1)
+    asked = []
+    straight = sft_batches(straight_model, len(samples), collate, pause=lambda: asked.append(1) and False, **run)
+    assert len(asked) == 4 and straight["trie_steps"] == 5  # after steps 1-4, never after the last
+
+    calls = iter(range(100))
+    with pytest.raises(WarmupPaused) as paused:
+        sft_batches(model(1), len(samples), collate, pause=lambda: next(calls) == 2, **run)
+    state = paused.value.state
+    assert state.steps_done == 3 and len(state.losses) == 3 and state.position == 4  # 24 examples: one epoch and 4
+    resumed_model = model(7)  # other initial weights: the state's are loaded
+    resumed = sft_batches(resumed_model, len(samples), collate, resume=state, **run)
+    assert resumed["losses"] == straight["losses"] and resumed["steps"] == 5
+    for key in ("tokens", "forward_tokens", "padded_tokens", "trie_steps"):
+        assert resumed[key] == straight[key], key
+    for (name, a), b in zip(straight_model.state_dict().items(), resumed_model.state_dict().values()):
+        assert torch.equal(a, b), name
+    with pytest.raises(ValueError, match="other settings: batch_size=8"):
+        sft_batches(model(1), len(samples), collate, resume=state, **{**run, "batch_size": 4})
