@@ -155,6 +155,28 @@ def spread_from_compare(results: Path = ROOT / "benchmarks" / "results") -> dict
     return out
 
 
+FRESH_WARMUP_RESULTS = {"calculator": "env_train_calculator_3seeds_cpu.json", "frozenlake": "env_train_frozenlake_3seeds_cpu.json",
+                        "sql": "env_train_sql_3seeds_cpu.json", "default": "default_train_3seeds_cpu.json"}
+"""Per task, a ``fastrl train`` over seeds where every seed runs its own warm-up (150 RL steps;
+``benchmarks/env_train_seeds.py``, ``default_train_seeds.py``): the spread a study without a shared
+start would face, for comparison with ``spread_from_compare``'s."""
+
+
+def spread_fresh_warmup(results: Path = ROOT / "benchmarks" / "results") -> dict[str, dict[str, Any]]:
+    """Per task: the final held-out accuracy of each seed of ``FRESH_WARMUP_RESULTS`` and their sd."""
+    out = {}
+    for task, name in FRESH_WARMUP_RESULTS.items():
+        path = results / name
+        if not path.exists():
+            continue
+        report = json.loads(path.read_text())
+        finals = [float(r["eval"][-1]["accuracy"]) for r in report["runs"].values() if r.get("eval")]
+        out[task] = {"finals": finals, "sd": pooled_sd([finals]), "steps": [int(r["eval"][-1]["step"]) for r in report["runs"].values()
+                                                                            if r.get("eval")][0],
+                     "source": f"benchmarks/results/{name}"}
+    return out
+
+
 def power_table(spread: dict[str, dict[str, Any]]) -> dict[str, dict[str, Any]]:
     """Per task: the pooled sd, the seeds needed for ``DETECT`` at ``POWER``, the seeds planned
     (clamped to ``MIN_SEEDS``..``MAX_SEEDS``), the power and detectable difference at them."""

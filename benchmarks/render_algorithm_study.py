@@ -30,7 +30,8 @@ ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
 from benchmarks.algorithm_study import (  # noqa: E402
-    ALPHA, DETECT, POWER, RESULTS, Cell, plan_cells, power_table, seeds_by_task, spread_from_compare)
+    ALPHA, DETECT, POWER, RESULTS, pooled_sd, power_table, seeds_by_task, seeds_needed, spread_from_compare,
+    spread_fresh_warmup)
 from benchmarks.study_factors import FACTORS, Factor, Level  # noqa: E402
 from fastrl.train.paired import _mcnemar_exact  # noqa: E402
 
@@ -351,12 +352,30 @@ def render(cells: dict[str, dict[str, Any]], seeds: dict[str, int], powers: dict
               "|---|---|---|---|---|---|---|"]
     for task, p in powers.items():
         lines.append(f"| {task} | {p['sd']:.3f} | {p['needed']} | {p['planned']} | {p['power']:.2f} | {p['detectable']:.3f} | `{p['source']}` |")
+    groups: dict[tuple[str, str, str], list[float]] = {}
+    for record in cells.values():
+        c = record["cell"]
+        groups.setdefault((c["task"], c["algorithm"], c["arm"]), []).append(_f(record["success"]["final_accuracy"]))
+    own = {t: pooled_sd([v for (task, _, _), v in groups.items() if task == t]) for t in seeds}
+    own = {t: sd for t, sd in own.items() if math.isfinite(sd)}
+    lines += ["", "A spread measured on 3 seeds is itself uncertain (its own relative error is about 50%); this "
+              "study's finished cells re-estimate it (pooled over every arm with at least two seeds)" + (
+                  ": " + ", ".join(f"{t} {sd:.3f} ({seeds_needed(DETECT, sd) if sd > 0 else 1} seeds needed)"
+                                   for t, sd in own.items()) + "." if own else ", once an arm has two seeds.")]
+    fresh = spread_fresh_warmup()
+    if fresh:
+        lines += ["", "For comparison, the spread when every seed also runs its own warm-up (`fastrl train` over seeds, "
+                  "150 RL steps: no shared start), which a study of independent `fastrl train` runs would face:", "",
+                  "| task | final success per seed | sd | seeds needed for the same test | source |", "|---|---|---|---|---|"]
+        for task, f in fresh.items():
+            lines.append(f"| {task} | {', '.join(f'{v:.3f}' for v in f['finals'])} | {f['sd']:.3f} | "
+                         f"{seeds_needed(DETECT, f['sd'])} | `{f['source']}` |")
     lines += [""]
     if plot:
         lines += ["## Success by level", "", f"![final held-out success by level]({plot})", ""]
     for factor in FACTORS.values():
         mine = [r for r in rows if r.factor is factor]
-        lines += [f"## {factor.name}: {factor.question}", "", f"Folklore: {factor.folklore}.", ""]
+        lines += [f"## {factor.name}: {factor.question}", "", f"Folklore: {factor.folklore}." + (f" {factor.how}" if factor.how else ""), ""]
         lines += ["| level | condition |", "|---|---|"] + [f"| {lv.name} | {lv.condition} |" for lv in factor.levels] + [""]
         lines += factor_table(mine) + [""]
     lines += ["## Reproduce", "", "```bash",

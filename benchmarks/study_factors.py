@@ -163,6 +163,8 @@ class Factor:
     """What the usual advice predicts."""
     tasks: tuple[str, ...]
     levels: tuple[Level, ...]
+    how: str = ""
+    """How the levels are set and read (the page's note under the heading)."""
 
 
 GRPO_PPO = ("grpo", "ppo")
@@ -177,29 +179,48 @@ FACTORS: dict[str, Factor] = {f.name: f for f in (
            "PPO when each rollout is expensive", ("calculator", "frozenlake"),
            tuple(Level(f"w{int(w * 1000)}ms", f"{w * 1000:g} ms charged per environment call", GRPO_PPO,
                        per_algorithm={"ppo": PPO_ONE}, cost_weight=w, arm_name="group1",
-                       folklore={0.0: "grpo", 0.1: "ppo"}.get(w)) for w in COST_WEIGHTS)),
+                       folklore={0.0: "grpo", 0.1: "ppo"}.get(w)) for w in COST_WEIGHTS),
+           how="GRPO samples 8 trajectories of each prompt; PPO one of each of 8 times the prompts "
+               "(`fastrl compare --ppo_group_size 1`), so both sample as many trajectories, and make about as many "
+               "environment calls, per step. Every arm runs the task's steps budget; a level charges each run its RL "
+               "seconds plus the weight times its environment calls, so the cost ratio moves from the compute alone "
+               "(0 ms: equal wall time on this CPU) towards the ratio of environment calls (100 ms: a rollout's cost "
+               "dominates). The same runs serve the three levels."),
     Factor("reward_noise", "When rewards are noisy: does group normalisation amplify the noise?",
            "GRPO's per-group normalisation amplifies noise in small groups; a critic averages it", ("calculator", "frozenlake", "default"),
            (Level("flip0", "no reward flipped", GRPO_PPO),
             Level("flip10", "10% of the rewards flipped", GRPO_PPO, reward="flip_rewards_10", folklore="ppo"),
-            Level("flip30", "30% of the rewards flipped", GRPO_PPO, reward="flip_rewards_30", folklore="ppo"))),
+            Level("flip30", "30% of the rewards flipped", GRPO_PPO, reward="flip_rewards_30", folklore="ppo")),
+           how="`--rewards benchmarks.study_factors:flip_rewards_10` (or `_30`) scores each sample with the task's "
+               "reward (an environment's outcome, with `--env_reward_weight 0`; the default task's exact match) and "
+               "flips it (1 - r) for that share of the samples. Held-out success is measured on the true outcome."),
     Factor("difficulty", "When many groups are all-equal (no signal for GRPO)?",
            "GRPO wastes all-equal groups; PPO still learns from every sample", ("calculator", "frozenlake", "default"),
            (Level("unsolvable0", "every prompt solvable", GRPO_PPO),
             Level("unsolvable50", "half the prompts unsolvable (all-equal groups)", GRPO_PPO, reward="unsolvable_50",
-                  folklore="ppo"))),
+                  folklore="ppo")),
+           how="`--rewards benchmarks.study_factors:unsolvable_50` scores half the prompts (chosen by a hash of the "
+               "prompt, the same in every run) 0 whatever the policy does, so their groups are all-equal; the cells "
+               "log the measured share of all-equal groups. Held-out success is measured on the true outcome."),
     Factor("horizon", "When episodes are long: does step credit pay?",
            "step credit (GiGPO, PPO's values) matters more as the horizon grows", ("frozenlake",),
            (Level("turns6", "up to 6 moves (the default)", ("grpo", "gigpo", "ppo")),
             Level("turns12", "up to 12 moves (a start warmed up for 640-token trajectories)", ("grpo", "gigpo", "ppo"),
-                  start_args=("--max_turns", "12", "--max_trajectory_tokens", "640"), folklore="gigpo"))),
+                  start_args=("--max_turns", "12", "--max_trajectory_tokens", "640"), folklore="gigpo")),
+           how="The built-in model's context is its longest trajectory, fixed at the warm-up, so the 12-move level "
+               "warms up a start of its own (same demonstrations, 640 positions); its arms are compared with each "
+               "other, not with the 6-move level's."),
     Factor("value_learnability", "When can the critic be learnt: does a warm-started critic rescue PPO?",
            "PPO needs a value function it can learn; a critic warm-started from a GRPO checkpoint helps", ("calculator", "frozenlake", "sql"),
            (Level("critic_scratch", "PPO's critic randomly initialised", GRPO_PPO,
                   per_algorithm={"ppo": ("--critic_init", CRITIC_SCRATCH)}, folklore="grpo"),
             Level("critic_policy", "PPO's critic a copy of the policy (the default)", GRPO_PPO),
             Level("critic_grpo", "critic from a GRPO checkpoint (grpo_then_ppo)", ("grpo", "grpo_then_ppo"),
-                  folklore="grpo_then_ppo"))),
+                  folklore="grpo_then_ppo")),
+           how="`--critic_init`: a randomly initialised model of the policy's shape (written beside the start), "
+               "none (fastrl's default: a copy of the policy), or GRPO's final policy after half the budget "
+               "(`grpo_then_ppo`, whose PPO phase runs the other half). Each level is compared with GRPO over the "
+               "whole budget."),
 )}
 """Every factor of the study, in the order of the page."""
 
