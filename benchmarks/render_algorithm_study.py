@@ -237,6 +237,17 @@ def summary_table(rows: Sequence[Row]) -> list[str]:
     return out
 
 
+def all_equal(arm: Arm) -> str:
+    """Mean share of all-equal groups over the arm's seeds ("n/a" for groups of one trajectory,
+    which are all-equal by definition and say nothing about the signal)."""
+    if not arm.records:
+        return "n/a"
+    args = arm.records[0]["cell"].get("args", [])
+    if "--ppo_group_size" in args and args[args.index("--ppo_group_size") + 1] == "1":
+        return "n/a (groups of 1)"
+    return fmt(statistics.mean([_f(x.get("frac_all_equal_groups")) for x in arm.records]), ".2f")
+
+
 def factor_table(rows: Sequence[Row]) -> list[str]:
     out = ["| level | task | arm | seeds | success end | success best | worst drop | Echo-Trap steps | NaN stops | "
            "all-equal groups | RL s | CPU s (warm-up excluded) | generated tokens | env calls | peak GB |",
@@ -250,7 +261,7 @@ def factor_table(rows: Sequence[Row]) -> list[str]:
                 f"{pm(a, 'success', 'final_accuracy')} | {pm(a, 'success', 'best_accuracy')} | "
                 f"{pm(a, 'stability', 'reward_drop')} | {fmt(sum(a.values('stability', 'reward_std_collapse_steps')) if a.records else float('nan'), '.0f')} | "
                 f"{nan_stops if a.records else 'n/a'} | "
-                f"{fmt(statistics.mean([_f(x.get('frac_all_equal_groups')) for x in a.records]) if a.records else float('nan'), '.2f')} | "
+                f"{all_equal(a)} | "
                 f"{pm(a, 'cost', 'train_seconds', '.1f')} | {fmt(statistics.mean(cpu) if cpu else float('nan'), '.0f')} | "
                 f"{pm(a, 'cost', 'generated_tokens', '.0f')} | {pm(a, 'cost', 'env_calls', '.0f')} | {pm(a, 'cost', 'peak_memory_gb', '.2f')} |")
     return out

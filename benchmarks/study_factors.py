@@ -148,7 +148,7 @@ class Level:
     def run_args(self, task: str, algorithm: str) -> list[str]:
         out = [*self.args, *self.per_algorithm.get(algorithm, ())]
         if self.reward:
-            out += ["--rewards", f"{WRAPPERS}:{self.reward}"]
+            out += ["--rewards", f"[{WRAPPERS}:{self.reward}]"]  # a list, as ``fastrl train`` parses it
             if task in ENV_TASKS:
                 out += ["--env_reward_weight", "0"]
         return out
@@ -191,7 +191,7 @@ FACTORS: dict[str, Factor] = {f.name: f for f in (
            (Level("flip0", "no reward flipped", GRPO_PPO),
             Level("flip10", "10% of the rewards flipped", GRPO_PPO, reward="flip_rewards_10", folklore="ppo"),
             Level("flip30", "30% of the rewards flipped", GRPO_PPO, reward="flip_rewards_30", folklore="ppo")),
-           how="`--rewards benchmarks.study_factors:flip_rewards_10` (or `_30`) scores each sample with the task's "
+           how="`--rewards '[benchmarks.study_factors:flip_rewards_10]'` (or `_30`) scores each sample with the task's "
                "reward (an environment's outcome, with `--env_reward_weight 0`; the default task's exact match) and "
                "flips it (1 - r) for that share of the samples. Held-out success is measured on the true outcome."),
     Factor("difficulty", "When many groups are all-equal (no signal for GRPO)?",
@@ -199,7 +199,7 @@ FACTORS: dict[str, Factor] = {f.name: f for f in (
            (Level("unsolvable0", "every prompt solvable", GRPO_PPO),
             Level("unsolvable50", "half the prompts unsolvable (all-equal groups)", GRPO_PPO, reward="unsolvable_50",
                   folklore="ppo")),
-           how="`--rewards benchmarks.study_factors:unsolvable_50` scores half the prompts (chosen by a hash of the "
+           how="`--rewards '[benchmarks.study_factors:unsolvable_50]'` scores half the prompts (chosen by a hash of the "
                "prompt, the same in every run) 0 whatever the policy does, so their groups are all-equal; the cells "
                "log the measured share of all-equal groups. Held-out success is measured on the true outcome."),
     Factor("horizon", "When episodes are long: does step credit pay?",

@@ -53,6 +53,8 @@ def test_reward_wrappers_flip_and_mask_the_share_they_say():
     masked = unsolvable(prompts, completions, share=0.5, env_reward=[1.0] * 2000)
     assert 0.45 < masked.count(0.0) / 2000 < 0.55
     assert unsolvable(prompts, completions, share=0.5, env_reward=[1.0] * 2000) == masked  # fixed prompts, every call
+    # the default task: no environment outcome, the built-in exact match on the answer column
+    assert noisy(["1+1=", "2+2="], ["2", "5"], rate=0.0, answer=["2", "4"]) == [1.0, 0.0]
 
 
 # ============================================================================ renderer
@@ -174,6 +176,6 @@ def test_the_plan_shares_cells_between_levels_and_orders_grpo_and_ppo_first():
     assert [c.id for c in group1] == ["calculator.ppo.group1.s0", "calculator.ppo.group1.s1"]
     assert group1[0].args == ("--ppo_group_size", "1")
     noisy_cells = [c for c in cells if c.arm == "flip10"]
-    assert noisy_cells[0].args == ("--rewards", "benchmarks.study_factors:flip_rewards_10", "--env_reward_weight", "0")
+    assert noisy_cells[0].args == ("--rewards", "[benchmarks.study_factors:flip_rewards_10]", "--env_reward_weight", "0")
     assert not any(c.task != "calculator" for c in cells)
     assert set(FACTORS) == {"baseline", "rollout_cost", "reward_noise", "difficulty", "horizon", "value_learnability"}
