@@ -436,10 +436,19 @@ def main(argv: Sequence[str] | None = None) -> int:
     p.add_argument("--page", type=Path, default=PAGE)
     p.add_argument("--plot", type=Path, default=PLOT, help="the PNG (skipped without matplotlib)")
     p.add_argument("--seeds", type=int, default=None, help="seeds per arm (default: the power analysis', as the runner)")
+    p.add_argument("--check", action="store_true",
+                   help="write nothing; exit 1 when --page is not what the cells render (the plot is not compared)")
     a = p.parse_args(argv)
     cells = load_cells(a.results)
     seeds = seeds_by_task(a.seeds)
     rows = build_rows(cells, seeds)
+    if a.check:
+        expected = render(cells, seeds, power_table(spread_from_compare()), a.plot.name if cells and a.plot.exists() else None)
+        if a.page.read_text() != expected:
+            print(f"{a.page} is not the rendering of {a.results}: run python benchmarks/render_algorithm_study.py",
+                  file=sys.stderr)
+            return 1
+        return 0
     plotted = render_plot(rows, a.plot)
     page = render(cells, seeds, power_table(spread_from_compare()), a.plot.name if plotted else None)
     a.page.write_text(page)

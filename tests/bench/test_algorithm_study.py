@@ -103,6 +103,23 @@ def test_renderer_tables_match_the_cell_jsons(tmp_path):
     assert f"6 of {len(planned)} planned cells have run" in page
 
 
+def test_the_committed_page_is_the_rendering_of_the_committed_cells():
+    assert render.main(["--check"]) == 0
+
+
+def test_a_changed_cell_makes_the_check_fail(tmp_path):
+    results = tmp_path / "cells"
+    results.mkdir()
+    record = _cell("calculator", "grpo", "base", 0, 0.7, "1110", 20.0)
+    path = results / f"{record['cell']['id']}.json"
+    path.write_text(json.dumps(record))
+    argv = ["--results", str(results), "--page", str(tmp_path / "page.md"), "--plot", str(tmp_path / "page.png")]
+    assert render.main(argv) == 0 and render.main([*argv, "--check"]) == 0
+    record["success"]["final_accuracy"] = 0.6
+    path.write_text(json.dumps(record))
+    assert render.main([*argv, "--check"]) == 1
+
+
 def test_not_distinguishable_when_the_interval_crosses_zero(tmp_path):
     arms = [render.Arm("grpo", ["a", "b", "c"], [_cell("calculator", "grpo", "base", s, f, "1", 20.0) for s, f in enumerate([0.7, 0.8, 0.9])]),
             render.Arm("ppo", ["d", "e", "f"], [_cell("calculator", "ppo", "base", s, f, "1", 20.0) for s, f in enumerate([0.5, 0.6, 0.7])])]
