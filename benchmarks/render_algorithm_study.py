@@ -318,6 +318,34 @@ default task 40), each condition a factor at two or three levels
 """
 
 
+def _fastrl_tree(code: str) -> str | None:
+    """The git tree of ``fastrl/`` at commit ``code`` (None: dirty, or not in this repository)."""
+    import subprocess
+
+    if "+" in code:
+        return None
+    out = subprocess.run(["git", "-C", str(ROOT), "rev-parse", "--verify", "-q", f"{code}:fastrl"], capture_output=True, text=True)
+    return out.stdout.strip() or None
+
+
+def provenance(cells: dict[str, dict[str, Any]]) -> str:
+    """Where the finished cells ran: the code, the CPU time, the machine's load."""
+    codes = sorted({r.get("code", "?") for r in cells.values()})
+    cpu = sum(_f(r["process"]["cpu_seconds"]) for r in cells.values())
+    loads = [_f(r["process"].get(k)) for r in cells.values() for k in ("load_average_before", "load_average_after")]
+    loads = [v for v in loads if math.isfinite(v)]
+    text = (f" The finished cells ran at code {', '.join(codes)} (the commit of the run; `+dirty` when `fastrl/` had "
+            f"uncommitted changes)")
+    trees = {_fastrl_tree(c) for c in codes}
+    if len(codes) > 1 and len(trees) == 1 and None not in trees:
+        text += ", whose `fastrl/` trees are identical"
+    text += f"; one at a time, single-threaded; {cpu / 3600:.2f} CPU-hours, warm-ups included"
+    if loads:
+        text += (f"; the machine was shared (1-minute load average {min(loads):.1f} to {max(loads):.1f} on 2 cores at the "
+                 "cells' starts and ends), so seconds are noisier than steps, tokens and environment calls")
+    return text + "."
+
+
 def render(cells: dict[str, dict[str, Any]], seeds: dict[str, int], powers: dict[str, dict[str, Any]],
            plot: str | None) -> str:
     rows = build_rows(cells, seeds)
@@ -328,7 +356,7 @@ def render(cells: dict[str, dict[str, Any]], seeds: dict[str, int], powers: dict
     lines += ["## Where the study stands", "",
               f"{len(finished)} of {len(planned)} planned cells have run; every other row below is **pending**, "
               "not a result. The runner resumes (`python benchmarks/algorithm_study.py`); `--dry-run` lists what is "
-              "left and its predicted CPU time.", ""]
+              "left and its predicted CPU time." + (provenance(cells) if cells else ""), ""]
     lines += ["## The answer so far", "",
               "Per factor, level and task: the arm with the best mean held-out success at the end, when the 95% interval "
               "of its difference to the runner-up over seeds excludes zero; otherwise \"not distinguishable\". The cost "
@@ -396,8 +424,13 @@ def render(cells: dict[str, dict[str, Any]], seeds: dict[str, int], powers: dict
     return "\n".join(lines)
 
 
+ALGORITHM_ORDER = ("grpo", "dr_grpo", "rloo", "gigpo", "ppo", "grpo_then_ppo")
+"""Colour and offset of each algorithm in the plot (the same in every panel)."""
+
+
 def render_plot(rows: Sequence[Row], path: Path) -> bool:
-    """Final held-out success (mean ± std over seeds) per level and arm, one panel per factor."""
+    """Final held-out success (mean ± std over seeds) per task and level, one colour per
+    algorithm, one panel per factor. False (no file) without matplotlib or finished cells."""
     try:
         import matplotlib
 
@@ -409,21 +442,28 @@ def render_plot(rows: Sequence[Row], path: Path) -> bool:
     if not shown:
         return False
     factors = list(dict.fromkeys(r.factor.name for r in shown))
-    fig, axes = plt.subplots(1, len(factors), figsize=(5 * len(factors), 4), squeeze=False)
-    for ax, name in zip(axes[0], factors):
-        labels, x = [], 0
-        for r in (r for r in shown if r.factor.name == name):
-            for i, a in enumerate(r.arms):
-                if a.records:
-                    ax.errorbar([x + 0.2 * i], [a.mean("success", "final_accuracy")],
-                                yerr=[a.sd("success", "final_accuracy") if len(a.records) > 1 else 0.0], fmt="o",
-                                color=plt.get_cmap("tab10")(i), label=a.algorithm if x == 0 else None)
+    cols = min(3, len(factors))
+    fig, axes = plt.subplots(math.ceil(len(factors) / cols), cols, figsize=(5.5 * cols, 4 * math.ceil(len(factors) / cols)),
+                             squeeze=False)
+    for ax in axes.flat[len(factors):]:
+        ax.set_visible(False)
+    for ax, name in zip(axes.flat, factors):
+        labels = []
+        for x, r in enumerate(r for r in shown if r.factor.name == name):
+            for a in r.arms:
+                if not a.records:
+                    continue
+                k = ALGORITHM_ORDER.index(a.algorithm) if a.algorithm in ALGORITHM_ORDER else len(ALGORITHM_ORDER)
+                ax.errorbar([x + 0.08 * (k - 2.5)], [a.mean("success", "final_accuracy")],
+                            yerr=[a.sd("success", "final_accuracy") if len(a.records) > 1 else 0.0], fmt="o", capsize=3,
+                            color=plt.get_cmap("tab10")(k), label=a.algorithm)
             labels.append(f"{r.task}\n{r.level.name}")
-            x += 1
         ax.set_xticks(range(len(labels)), labels, fontsize=7)
-        ax.set(title=name, ylabel="held-out success at the end")
+        ax.set(title=name, ylabel="held-out success at the end (mean ± std)")
         ax.grid(alpha=0.3)
-        ax.legend(fontsize=7)
+        handles, names = ax.get_legend_handles_labels()
+        unique = dict(zip(names, handles))
+        ax.legend(unique.values(), unique.keys(), fontsize=7)
     fig.tight_layout()
     fig.savefig(path, dpi=80)
     plt.close(fig)
