@@ -612,6 +612,13 @@ def main(argv: Sequence[str] | None = None) -> int:
     if a.max_cells is not None:
         cells = [c for c in cells if not finished(a.results, c)][: a.max_cells]
     command = template_command(a.cell_command) if a.cell_command else (lambda c, o, w: default_command(c, o, w))
+    a.work.mkdir(parents=True, exist_ok=True)
+    guard = open(a.work / "study.lock", "w")  # held while this study runs; released by the kernel when it dies
+    try:
+        fcntl.flock(guard, fcntl.LOCK_EX | fcntl.LOCK_NB)
+    except BlockingIOError:
+        print(f"algorithm study: another study is running on {a.work} (it holds {a.work / 'study.lock'})", file=sys.stderr)
+        return 2
     counts = run_study(cells, results=a.results, work=a.work, jobs=a.jobs, command=command,
                        say=lambda s: print(s, flush=True))
     return 0 if counts["failed"] == 0 else 1

@@ -160,7 +160,8 @@ def test_a_killed_study_loses_only_the_cell_in_flight_and_resumes(tmp_path, caps
     while not in_flight.exists():
         assert first.poll() is None and time.monotonic() < deadline, first.stdout.read() if first.poll() is not None else "timeout"
         time.sleep(0.05)
-    time.sleep(0.3)
+    assert study.main(_study(tmp_path, "second")[2:]) == 2  # one study at a time on a work directory
+    assert "another study is running" in capsys.readouterr().err
     first.kill()  # SIGKILL: no handler runs
     first.wait()
     orphan = int(in_flight.read_text())
