@@ -9,8 +9,9 @@ runner-up: "distinguishable" when the 95% interval of the difference of their me
 success over seeds (Welch, t quantiles) excludes 0, else "not distinguishable", with the
 effect size (the difference), the pooled paired McNemar test on the held-out rows (seed k of
 one arm against seed k of the other, the same rows: a sharper view that ignores run-to-run
-variance, so it is reported, not used for the verdict) and the cost ratio (RL seconds, plus
-``cost_weight`` x environment calls for ``rollout_cost``'s levels). Every sentence of advice
+variance, so it is reported, not used for the verdict) and the cost ratio (the cells' CPU
+seconds, the shared warm-up excluded, plus ``cost_weight`` x environment calls for
+``rollout_cost``'s levels). Every sentence of advice
 names the cells it rests on. A level with fewer than 2 finished seeds on an arm is pending,
 never a result.
 """
@@ -95,11 +96,12 @@ class Arm:
         return statistics.stdev(v) if len(v) > 1 else float("nan")
 
     def charged(self, weight: float) -> list[float]:
-        """Per seed: RL seconds plus ``weight`` seconds per environment call."""
+        """Per seed: the cell's CPU seconds (warm-up excluded: on a shared CPU they move less
+        with the load than wall seconds) plus ``weight`` seconds per environment call."""
         out = []
         for r in self.records:
             calls = _f(r["cost"].get("env_calls"))
-            out.append(_f(r["cost"]["train_seconds"]) + (weight * calls if weight and math.isfinite(calls) else 0.0))
+            out.append(cell_cpu_seconds(r) + (weight * calls if weight and math.isfinite(calls) else 0.0))
         return out
 
 
@@ -360,8 +362,9 @@ def render(cells: dict[str, dict[str, Any]], seeds: dict[str, int], powers: dict
     lines += ["## The answer so far", "",
               "Per factor, level and task: the arm with the best mean held-out success at the end, when the 95% interval "
               "of its difference to the runner-up over seeds excludes zero; otherwise \"not distinguishable\". The cost "
-              "ratio is the winner's (or best arm's) RL seconds over the runner-up's (plus the charged environment calls "
-              "for `rollout_cost`). The McNemar column pools the paired held-out rows over seeds (seed k against "
+              "ratio is the winner's (or best arm's) CPU seconds over the runner-up's (the cell's process tree, the "
+              "shared warm-up excluded, its held-out evaluations included; for `rollout_cost` plus the level's charge "
+              "per environment call). The McNemar column pools the paired held-out rows over seeds (seed k against "
               "seed k) and ignores run-to-run variance, so it is shown, not used for the verdict.", ""]
     lines += summary_table(rows) + [""]
     lines += ["## Advice, with its evidence", ""]
