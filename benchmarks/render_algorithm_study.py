@@ -270,16 +270,27 @@ def factor_table(rows: Sequence[Row]) -> list[str]:
 
 
 def advice(rows: Sequence[Row]) -> tuple[list[str], list[str]]:
-    """Sentences of advice (distinguishable verdicts only, each with its cells) and the
-    folklore's checks (held / did not hold / not tested yet)."""
-    said, folk = [], []
+    """Sentences of advice (a distinguishable winner, or an interval inside ±``DETECT``: the
+    choice did not matter), each with its cells, once per set of cells (levels that share their
+    runs are named together), and the folklore's checks (held / did not hold / not tested yet)."""
+    claims: dict[str, tuple[list[str], str]] = {}
+    folk = []
     for r in rows:
         v = r.verdict
         where = f"{r.task}, {r.factor.name} = {r.level.name} ({r.level.condition})"
+        claim = None
         if v["state"] != "pending" and v["distinguishable"]:
-            said.append(f"- On {where}: **{v['best']}** beat {v['runner_up']} by {v['difference']:+.3f} held-out success "
-                        f"(95% interval {v['low']:+.3f} to {v['high']:+.3f}) at {fmt(v['cost_ratio'], '.2f')}x its cost. "
-                        f"Cells: {cells_ref(r.arms)}.")
+            claim = (f"**{v['best']}** beat {v['runner_up']} by {v['difference']:+.3f} held-out success "
+                     f"(95% interval {v['low']:+.3f} to {v['high']:+.3f}) at {fmt(v['cost_ratio'], '.2f')}x its cost")
+        elif v["state"] != "pending" and max(abs(v["low"]), abs(v["high"])) < DETECT:
+            claim = (f"the choice between {' and '.join(a.algorithm for a in r.arms)} did not matter: "
+                     f"{v['best']} − {v['runner_up']} = {v['difference']:+.3f} held-out success, 95% interval "
+                     f"{v['low']:+.3f} to {v['high']:+.3f}, inside ±{DETECT}; {v['best']} at "
+                     f"{fmt(v['cost_ratio'], '.2f')}x {v['runner_up']}'s cost")
+        if claim is not None:
+            partial = f" (partial: {v['cells_finished']} of {v['cells_planned']} cells)" if v["state"] == "partial" else ""
+            key = f"{claim}{partial}. Cells: {cells_ref(r.arms)}."
+            claims.setdefault(key, ([], r.task))[0].append(f"{r.factor.name} = {r.level.name} ({r.level.condition})")
         if r.level.folklore is None:
             continue
         if v["state"] == "pending":
@@ -291,6 +302,7 @@ def advice(rows: Sequence[Row]) -> tuple[list[str], list[str]]:
         else:
             state = f"**did not hold here**: {v['best']} won by {v['difference']:+.3f}"
         folk.append(f"- {r.factor.folklore} -- expected {r.level.folklore} to win on {where}: {state}. Cells: {cells_ref(r.arms)}.")
+    said = [f"- On {task} ({'; '.join(levels)}): {key}" for key, (levels, task) in claims.items()]
     return said, folk
 
 
@@ -372,8 +384,8 @@ def render(cells: dict[str, dict[str, Any]], seeds: dict[str, int], powers: dict
     if said:
         lines += said
     elif judged:
-        lines += ["No level has a distinguishable winner yet: where a verdict exists, the arms did not differ "
-                  "measurably on these tasks and budgets (" + "; ".join(
+        lines += ["No level has a distinguishable winner, or an interval narrow enough to call the arms equal, yet: "
+                  "where a verdict exists, the arms did not differ measurably on these tasks and budgets (" + "; ".join(
                       f"{r.task} {r.factor.name} = {r.level.name}: {cells_ref(r.arms)}" for r in judged) + ")."]
     else:
         lines += ["No level has enough finished seeds for a verdict yet (two per arm at least), so this page gives "

@@ -197,15 +197,15 @@ FACTORS: dict[str, Factor] = {f.name: f for f in (
     Factor("difficulty", "When many groups are all-equal (no signal for GRPO)?",
            "GRPO wastes all-equal groups; PPO still learns from every sample", ("calculator", "frozenlake", "default"),
            (Level("unsolvable0", "every prompt solvable", GRPO_PPO),
-            Level("unsolvable50", "half the prompts unsolvable (all-equal groups)", GRPO_PPO, reward="unsolvable_50",
+            Level("unsolvable50", "half the prompts unsolvable: all-equal groups", GRPO_PPO, reward="unsolvable_50",
                   folklore="ppo")),
            how="`--rewards '[benchmarks.study_factors:unsolvable_50]'` scores half the prompts (chosen by a hash of the "
                "prompt, the same in every run) 0 whatever the policy does, so their groups are all-equal; the cells "
                "log the measured share of all-equal groups. Held-out success is measured on the true outcome."),
     Factor("horizon", "When episodes are long: does step credit pay?",
            "step credit (GiGPO, PPO's values) matters more as the horizon grows", ("frozenlake",),
-           (Level("turns6", "up to 6 moves (the default)", ("grpo", "gigpo", "ppo")),
-            Level("turns12", "up to 12 moves (a start warmed up for 640-token trajectories)", ("grpo", "gigpo", "ppo"),
+           (Level("turns6", "up to 6 moves, the default", ("grpo", "gigpo", "ppo")),
+            Level("turns12", "up to 12 moves, from a start warmed up for 640-token trajectories", ("grpo", "gigpo", "ppo"),
                   start_args=("--max_turns", "12", "--max_trajectory_tokens", "640"), folklore="gigpo")),
            how="The built-in model's context is its longest trajectory, fixed at the warm-up, so the 12-move level "
                "warms up a start of its own (same demonstrations, 640 positions); its arms are compared with each "
@@ -214,8 +214,8 @@ FACTORS: dict[str, Factor] = {f.name: f for f in (
            "PPO needs a value function it can learn; a critic warm-started from a GRPO checkpoint helps", ("calculator", "frozenlake", "sql"),
            (Level("critic_scratch", "PPO's critic randomly initialised", GRPO_PPO,
                   per_algorithm={"ppo": ("--critic_init", CRITIC_SCRATCH)}, folklore="grpo"),
-            Level("critic_policy", "PPO's critic a copy of the policy (the default)", GRPO_PPO),
-            Level("critic_grpo", "critic from a GRPO checkpoint (grpo_then_ppo)", ("grpo", "grpo_then_ppo"),
+            Level("critic_policy", "PPO's critic a copy of the policy, fastrl's default", GRPO_PPO),
+            Level("critic_grpo", "critic from a GRPO checkpoint: grpo_then_ppo", ("grpo", "grpo_then_ppo"),
                   folklore="grpo_then_ppo")),
            how="`--critic_init`: a randomly initialised model of the policy's shape (written beside the start), "
                "none (fastrl's default: a copy of the policy), or GRPO's final policy after half the budget "

@@ -95,8 +95,11 @@ def test_renderer_tables_match_the_cell_jsons(tmp_path):
     assert arm_rows == ["| flip0 | calculator | ppo | 3/3 | 0.200 ± 0.100 | 0.250 ± 0.100 | 0.100 ± 0.000 | 3 | 0 | 0.25 | "
                         "25.0 ± 0.0 | 35 | 1000 ± 0 | 500 ± 0 | 0.50 ± 0.00 |"]
     # advice only from a distinguishable verdict, naming its cells; the folklore's untested levels say so
-    assert ("- On calculator, reward_noise = flip0 (no reward flipped): **grpo** beat ppo by +0.600 held-out success "
-            "(95% interval +0.373 to +0.827) at 0.86x its cost. Cells: `calculator.grpo.base.s0-2`, `calculator.ppo.base.s0-2`.") in page
+    # one sentence for the levels that share these runs (the task's defaults), naming its cells
+    assert ("- On calculator (reward_noise = flip0 (no reward flipped); difficulty = unsolvable0 (every prompt solvable); "
+            "value_learnability = critic_policy (PPO's critic a copy of the policy, fastrl's default)): **grpo** beat ppo by "
+            "+0.600 held-out success (95% interval +0.373 to +0.827) at 0.86x its cost. "
+            "Cells: `calculator.grpo.base.s0-2`, `calculator.ppo.base.s0-2`.") in page.splitlines()
     assert "expected ppo to win on calculator, reward_noise = flip10 (10% of the rewards flipped): not tested yet (pending)" in page
     # the baseline level of five arms has only two run: pending, never a result
     assert "| baseline | default | calculator | pending (6 of 15 cells) |" in page
