@@ -253,10 +253,30 @@ def plan_cells(seeds: dict[str, int], *, factors: Sequence[str] | None = None, t
     return [c for _, c in sorted(keyed.values(), key=lambda kc: kc[0])]
 
 
-def predicted_cpu_seconds(cell: Cell, spread: dict[str, dict[str, Any]]) -> float:
-    """A cell's CPU seconds predicted from ``fastrl compare``'s measured runs of its task
-    (single-threaded: process wall ~ CPU): its algorithm's mean run, else the slowest
-    algorithm's; a factor's own options are not modelled (``turns12`` doubles frozenlake's)."""
+def measured_cpu(results: Path) -> dict[tuple[str, str, str], list[float]]:
+    """CPU seconds of the finished cells per (task, algorithm, arm), the shared warm-up excluded."""
+    out: dict[tuple[str, str, str], list[float]] = {}
+    for path in results.glob("*.json"):
+        with contextlib.suppress(OSError, ValueError, KeyError, TypeError):
+            r = json.loads(path.read_text())
+            cpu = float(r["process"]["cpu_seconds"])
+            if r["start"].get("built_by_this_cell"):
+                cpu -= float(r["start"]["warmup_cpu_seconds"])
+            out.setdefault((r["cell"]["task"], r["cell"]["algorithm"], r["cell"]["arm"]), []).append(cpu)
+    return out
+
+
+def predicted_cpu_seconds(cell: Cell, spread: dict[str, dict[str, Any]],
+                          measured: dict[tuple[str, str, str], list[float]] | None = None) -> float:
+    """A cell's CPU seconds: the mean of this study's finished cells of the same task,
+    algorithm and arm (``measured_cpu``), else of the same task and algorithm; else predicted
+    from ``fastrl compare``'s measured runs of its task (single-threaded: process wall ~ CPU):
+    its algorithm's mean run, else the slowest algorithm's, with ``turns12`` doubling frozenlake's."""
+    measured = measured or {}
+    same = measured.get((cell.task, cell.algorithm, cell.arm)) or [
+        v for (t, a, _), vs in measured.items() if (t, a) == (cell.task, cell.algorithm) for v in vs]
+    if same and not cell.start_args:
+        return statistics.mean(same)
     s = spread.get(cell.task)
     if not s:
         return float("nan")
@@ -563,11 +583,11 @@ def seeds_by_task(override: int | None) -> dict[str, int]:
 
 
 def describe_plan(cells: Sequence[Cell], results: Path) -> str:
-    spread = spread_from_compare()
+    spread, measured = spread_from_compare(), measured_cpu(results)
     lines = [f"{'cell':<52} {'predicted CPU s':>15}  state"]
     total, starts = 0.0, {}
     for c in cells:
-        p = predicted_cpu_seconds(c, spread)
+        p = predicted_cpu_seconds(c, spread, measured)
         done = finished(results, c)
         if not done:
             total += p if math.isfinite(p) else 0.0
@@ -576,8 +596,8 @@ def describe_plan(cells: Sequence[Cell], results: Path) -> str:
     warm = sum(v for v in starts.values() if math.isfinite(v))
     pending = sum(1 for c in cells if not finished(results, c))
     lines.append(f"{len(cells)} cells, {pending} pending: predicted {total / 3600:.2f} CPU-hours of runs + "
-                 f"{warm / 3600:.2f} of {len(starts)} shared warm-ups (from fastrl compare's measured runs, "
-                 "benchmarks/results/compare_*; already-built starts are not subtracted)")
+                 f"{warm / 3600:.2f} of {len(starts)} shared warm-ups (from this study's finished cells where they exist, "
+                 "else fastrl compare's measured runs, benchmarks/results/compare_*; already-built starts are not subtracted)")
     return "\n".join(lines)
 
 

@@ -201,3 +201,15 @@ def test_the_plan_shares_cells_between_levels_and_orders_grpo_and_ppo_first():
     assert noisy_cells[0].args == ("--rewards", "[benchmarks.study_factors:flip_rewards_10]", "--env_reward_weight", "0")
     assert not any(c.task != "calculator" for c in cells)
     assert set(FACTORS) == {"baseline", "rollout_cost", "reward_noise", "difficulty", "horizon", "value_learnability"}
+
+
+def test_the_dry_run_predicts_from_the_finished_cells_first():
+    measured = {("calculator", "grpo", "base"): [10.0, 20.0], ("calculator", "grpo", "flip10"): [40.0]}
+    cell = study.Cell("calculator", "grpo", "base", (), (), 5, "24-steps")
+    assert study.predicted_cpu_seconds(cell, {}, measured) == 15.0  # its own arm
+    other = study.Cell("calculator", "grpo", "unsolvable50", (), (), 0, "24-steps")
+    assert study.predicted_cpu_seconds(other, {}, measured) == pytest.approx(70 / 3)  # the algorithm's cells on the task
+    unseen = study.Cell("calculator", "ppo", "base", (), (), 0, "24-steps")
+    spread = {"calculator": {"run_wall": {"ppo": [30.0, 40.0], "grpo": [20.0]}}}
+    assert study.predicted_cpu_seconds(unseen, spread, measured) == 35.0  # fastrl compare's runs
+    assert math.isnan(study.predicted_cpu_seconds(unseen, {}, measured))
