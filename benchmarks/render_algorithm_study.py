@@ -38,6 +38,8 @@ from fastrl.train.paired import _mcnemar_exact  # noqa: E402
 
 PAGE = ROOT / "docs" / "choosing.md"
 PLOT = ROOT / "docs" / "choosing.png"
+HINT_P = 0.01
+"""A pooled McNemar p-value below this on a level the seeds do not separate marks it as needing more seeds."""
 MIN_SEEDS_FOR_VERDICT = 2
 """Seeds per arm below which a level is pending (no spread, no verdict)."""
 T975 = (12.706, 4.303, 3.182, 2.776, 2.571, 2.447, 2.365, 2.306, 2.262, 2.228, 2.201, 2.179, 2.160, 2.145, 2.131,
@@ -251,16 +253,16 @@ def all_equal(arm: Arm) -> str:
 
 
 def factor_table(rows: Sequence[Row]) -> list[str]:
-    out = ["| level | task | arm | seeds | success end | success best | worst drop | Echo-Trap steps | NaN stops | "
+    out = ["| level | task | arm | seeds | success start | success end | success best | worst drop | Echo-Trap steps | NaN stops | "
            "all-equal groups | RL s | CPU s (warm-up excluded) | generated tokens | env calls | peak GB |",
-           "|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|"]
+           "|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|"]
     for r in rows:
         for a in r.arms:
             nan_stops = sum(1 for x in a.records if x.get("status") == "diverged")
             cpu = [cell_cpu_seconds(x) for x in a.records]
             out.append(
                 f"| {r.level.name} | {r.task} | {a.algorithm} | {len(a.records)}/{len(a.planned)} | "
-                f"{pm(a, 'success', 'final_accuracy')} | {pm(a, 'success', 'best_accuracy')} | "
+                f"{pm(a, 'success', 'initial_accuracy')} | {pm(a, 'success', 'final_accuracy')} | {pm(a, 'success', 'best_accuracy')} | "
                 f"{pm(a, 'stability', 'reward_drop')} | {fmt(sum(a.values('stability', 'reward_std_collapse_steps')) if a.records else float('nan'), '.0f')} | "
                 f"{nan_stops if a.records else 'n/a'} | "
                 f"{all_equal(a)} | "
@@ -390,6 +392,22 @@ def render(cells: dict[str, dict[str, Any]], seeds: dict[str, int], powers: dict
     else:
         lines += ["No level has enough finished seeds for a verdict yet (two per arm at least), so this page gives "
                   "no advice yet."]
+    hints, seen = [], set()
+    for r in rows:
+        v, ref = r.verdict, cells_ref(r.arms)
+        m = v.get("mcnemar")
+        if v["state"] == "pending" or v["distinguishable"] or not m or m["p_value"] >= HINT_P or ref in seen:
+            continue
+        seen.add(ref)
+        lean = v["best"] if m["gained"] > m["lost"] else v["runner_up"]
+        hints.append(f"- {r.task}, {r.factor.name} = {r.level.name}: the paired rows lean to {lean} (+{m['gained']}/-{m['lost']} "
+                     f"of {m['rows']}, McNemar p={m['p_value']:.2g}) but the seeds do not separate the arms "
+                     f"({v['difference']:+.3f}, interval {v['low']:+.3f} to {v['high']:+.3f}). Cells: {ref}.")
+    lines += ["", "## Where more seeds are needed", "",
+              f"Levels whose pooled paired rows favour one arm (p < {HINT_P}) while the seeds' interval still "
+              "crosses zero: the run-to-run spread, not the held-out rows, is what hides the answer, so these "
+              "are not results; they are where the study should add seeds first (`--seeds N`).", ""]
+    lines += hints if hints else ["None so far."]
     broke = [line for line in folk if "did not hold here" in line]
     lines += ["", "## Where the folklore did not hold here", ""]
     lines += broke if broke else ["Nowhere yet: no level with a distinguishable winner contradicts the usual advice "

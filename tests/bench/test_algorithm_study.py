@@ -92,7 +92,7 @@ def test_renderer_tables_match_the_cell_jsons(tmp_path):
     pending = [line for line in page.splitlines() if line.startswith("| rollout_cost | w100ms | calculator |")]
     assert pending == ["| rollout_cost | w100ms | calculator | pending (3 of 6 cells) | | | | `calculator.grpo.base.s0-2` |"]
     arm_rows = [line for line in page.splitlines() if line.startswith("| flip0 | calculator | ppo |")]
-    assert arm_rows == ["| flip0 | calculator | ppo | 3/3 | 0.200 ± 0.100 | 0.250 ± 0.100 | 0.100 ± 0.000 | 3 | 0 | 0.25 | "
+    assert arm_rows == ["| flip0 | calculator | ppo | 3/3 | 0.500 ± 0.000 | 0.200 ± 0.100 | 0.250 ± 0.100 | 0.100 ± 0.000 | 3 | 0 | 0.25 | "
                         "25.0 ± 0.0 | 35 | 1000 ± 0 | 500 ± 0 | 0.50 ± 0.00 |"]
     # advice only from a distinguishable verdict, naming its cells; the folklore's untested levels say so
     # one sentence for the levels that share these runs (the task's defaults), naming its cells
@@ -213,3 +213,19 @@ def test_the_dry_run_predicts_from_the_finished_cells_first():
     spread = {"calculator": {"run_wall": {"ppo": [30.0, 40.0], "grpo": [20.0]}}}
     assert study.predicted_cpu_seconds(unseen, spread, measured) == 35.0  # fastrl compare's runs
     assert math.isnan(study.predicted_cpu_seconds(unseen, {}, measured))
+
+
+def test_paired_rows_that_lean_without_the_seeds_separating_are_listed_as_needing_seeds(tmp_path):
+    results = tmp_path / "cells"
+    results.mkdir()
+    for seed, grpo_final in enumerate([0.3, 0.6, 0.5]):
+        for algo, final in (("grpo", grpo_final), ("ppo", 0.7)):
+            rows = "1" * round(final * 100) + "0" * (100 - round(final * 100))
+            record = _cell("calculator", algo, "flip30", seed, final, rows, 20.0)
+            (results / f"{record['cell']['id']}.json").write_text(json.dumps(record))
+    page = render.render(render.load_cells(results), {"calculator": 3, "frozenlake": 3, "sql": 3, "default": 3}, {}, None)
+    # ppo - grpo = 0.233; grpo's sd 0.153 over 3 seeds: Welch df 2, t 4.303, interval 0.233 -/+ 0.380; rows +70/-0 of 300
+    assert ("- calculator, reward_noise = flip30: the paired rows lean to ppo (+70/-0 of 300, McNemar p=1.7e-21) but the "
+            "seeds do not separate the arms (+0.233, interval -0.146 to +0.613). "
+            "Cells: `calculator.grpo.flip30.s0-2`, `calculator.ppo.flip30.s0-2`.") in page.splitlines()
+    assert "**ppo**" not in page  # not advice
