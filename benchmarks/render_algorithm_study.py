@@ -110,7 +110,9 @@ class Arm:
 def arms_of(factor: Factor, level: Level, task: str, seeds: int, cells: dict[str, dict[str, Any]]) -> list[Arm]:
     arms = []
     for algo in level.algorithms:
-        ids = [f"{task}.{algo}.{level.arm(algo)}.s{s}" for s in range(seeds)]
+        stem = f"{task}.{algo}.{level.arm(algo)}"
+        extra = {r["cell"]["seed"] for i, r in cells.items() if i.rsplit(".s", 1)[0] == stem}  # seeds run beyond the plan
+        ids = [f"{stem}.s{s}" for s in sorted(set(range(seeds)) | extra)]
         arms.append(Arm(algo, ids, [cells[i] for i in ids if i in cells]))
     return arms
 

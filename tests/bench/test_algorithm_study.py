@@ -229,3 +229,9 @@ def test_paired_rows_that_lean_without_the_seeds_separating_are_listed_as_needin
             "seeds do not separate the arms (+0.233, interval -0.146 to +0.613). "
             "Cells: `calculator.grpo.flip30.s0-2`, `calculator.ppo.flip30.s0-2`.") in page.splitlines()
     assert "**ppo**" not in page  # not advice
+    # a seed run beyond the plan (--seeds 4) counts: 4 of 4 planned for each arm
+    for algo, final in (("grpo", 0.4), ("ppo", 0.7)):
+        record = _cell("calculator", algo, "flip30", 3, final, "1" * 100, 20.0)
+        (results / f"{record['cell']['id']}.json").write_text(json.dumps(record))
+    page = render.render(render.load_cells(results), {"calculator": 3, "frozenlake": 3, "sql": 3, "default": 3}, {}, None)
+    assert "| flip30 | calculator | grpo | 4/4 | 0.500 ± 0.000 | 0.450 ± 0.129 |" in page
