@@ -166,10 +166,14 @@ def verdict(arms: Sequence[Arm], *, cost_weight: float = 0.0) -> dict[str, Any]:
     fa = [x for x in best.values("success", "final_accuracy") if math.isfinite(x)]
     fb = [x for x in second.values("success", "final_accuracy") if math.isfinite(x)]
     diff, lo, hi = welch_interval(fa, fb)
+    worst = ranked[-1]
+    fw = [x for x in worst.values("success", "final_accuracy") if math.isfinite(x)]
+    _, spread_lo, spread_hi = welch_interval(fa, fw)  # best - worst: "the choice did not matter" needs every arm close
     cost_a, cost_b = statistics.mean(best.charged(cost_weight)), statistics.mean(second.charged(cost_weight))
     out.update(state="partial" if done < planned else "complete", best=best.algorithm, runner_up=second.algorithm,
                difference=diff, low=lo, high=hi, cost_ratio=cost_a / cost_b if cost_b else float("nan"),
-               mcnemar=pooled_mcnemar(best, second), distinguishable=bool(lo > 0))
+               mcnemar=pooled_mcnemar(best, second), distinguishable=bool(lo > 0), worst=worst.algorithm,
+               spread_low=spread_lo, spread_high=spread_hi)
     if diff == 0:
         out["distinguishable"] = False
     name = best.algorithm if out["distinguishable"] else "not distinguishable"
@@ -286,11 +290,11 @@ def advice(rows: Sequence[Row]) -> tuple[list[str], list[str]]:
         if v["state"] != "pending" and v["distinguishable"]:
             claim = (f"**{v['best']}** beat {v['runner_up']} by {v['difference']:+.3f} held-out success "
                      f"(95% interval {v['low']:+.3f} to {v['high']:+.3f}) at {fmt(v['cost_ratio'], '.2f')}x its cost")
-        elif v["state"] != "pending" and max(abs(v["low"]), abs(v["high"])) < DETECT:
-            claim = (f"the choice between {' and '.join(a.algorithm for a in r.arms)} did not matter: "
-                     f"{v['best']} − {v['runner_up']} = {v['difference']:+.3f} held-out success, 95% interval "
-                     f"{v['low']:+.3f} to {v['high']:+.3f}, inside ±{DETECT}; {v['best']} at "
-                     f"{fmt(v['cost_ratio'], '.2f')}x {v['runner_up']}'s cost")
+        elif v["state"] != "pending" and max(abs(v["spread_low"]), abs(v["spread_high"])) < DETECT:
+            claim = (f"the choice between {', '.join(a.algorithm for a in r.arms)} did not matter: the best ({v['best']}) "
+                     f"minus the worst ({v['worst']}) held-out success has the 95% interval {v['spread_low']:+.3f} to "
+                     f"{v['spread_high']:+.3f}, inside ±{DETECT}; {v['best']} at {fmt(v['cost_ratio'], '.2f')}x "
+                     f"{v['runner_up']}'s cost")
         if claim is not None:
             partial = f" (partial: {v['cells_finished']} of {v['cells_planned']} cells)" if v["state"] == "partial" else ""
             key = f"{claim}{partial}. Cells: {cells_ref(r.arms)}."

@@ -235,3 +235,19 @@ def test_paired_rows_that_lean_without_the_seeds_separating_are_listed_as_needin
         (results / f"{record['cell']['id']}.json").write_text(json.dumps(record))
     page = render.render(render.load_cells(results), {"calculator": 3, "frozenlake": 3, "sql": 3, "default": 3}, {}, None)
     assert "| flip30 | calculator | grpo | 4/4 | 0.500 ± 0.000 | 0.450 ± 0.129 |" in page
+
+
+def test_the_choice_did_not_matter_only_when_the_worst_arm_is_close_too():
+    def arm(algo, finals):
+        return render.Arm(algo, [str(i) for i in range(len(finals))],
+                          [_cell("calculator", algo, "base", s, f, "1", 20.0) for s, f in enumerate(finals)])
+
+    close = [arm("grpo", [0.70, 0.70, 0.71]), arm("rloo", [0.70, 0.70, 0.70])]
+    far = [*close, arm("ppo", [0.50, 0.52, 0.51])]
+    v2, v3 = render.verdict(close), render.verdict(far)
+    assert (v2["best"], v2["runner_up"]) == (v3["best"], v3["runner_up"]) == ("grpo", "rloo")
+    assert v3["worst"] == "ppo" and v3["spread_low"] > 0.15  # best - worst, not best - runner-up
+    level = FACTORS["baseline"].levels[0]
+    said = lambda arms: render.advice([render.Row(FACTORS["baseline"], level, "calculator", arms, render.verdict(arms))])[0]
+    assert len(said(close)) == 1 and "did not matter" in said(close)[0]
+    assert said(far) == []
