@@ -251,3 +251,15 @@ def test_the_choice_did_not_matter_only_when_the_worst_arm_is_close_too():
     said = lambda arms: render.advice([render.Row(FACTORS["baseline"], level, "calculator", arms, render.verdict(arms))])[0]
     assert len(said(close)) == 1 and "did not matter" in said(close)[0]
     assert said(far) == []
+
+
+def test_the_folklore_did_not_hold_when_the_interval_rules_out_its_advantage():
+    def arm(algo, finals):
+        return render.Arm(algo, [str(i) for i in range(len(finals))],
+                          [_cell("calculator", algo, "flip10", s, f, "1", 20.0) for s, f in enumerate(finals)])
+
+    level = FACTORS["reward_noise"].levels[1]  # flip10: the advice expects ppo to win
+    arms = [arm("grpo", [0.70, 0.70, 0.71]), arm("ppo", [0.70, 0.70, 0.70])]
+    _, folk = render.advice([render.Row(FACTORS["reward_noise"], level, "calculator", arms, render.verdict(arms))])
+    # grpo - ppo = +0.0033, se 0.0033, Welch df 2 (t 4.303): low = -0.011, so ppo's advantage is at most +0.011
+    assert len(folk) == 1 and "**did not hold here**: no advantage of ppo as large as 0.05 (at most +0.011" in folk[0]
