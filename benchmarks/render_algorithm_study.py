@@ -1,0 +1,550 @@
+"""The algorithm-choice study's cells (``benchmarks/results/algorithm_study/*.json``) -> the page
+``docs/choosing.md`` ("Choosing an algorithm") and its plot ``docs/choosing.png``.
+
+    python benchmarks/render_algorithm_study.py            # after (part of) benchmarks/algorithm_study.py
+
+Per factor, level and task: every arm's seeds (finished of planned), held-out success at the
+end and at the best evaluation, stability and cost; a verdict between the best arm and the
+runner-up: "distinguishable" when the 95% interval of the difference of their mean final
+success over seeds (Welch, t quantiles) excludes 0, else "not distinguishable", with the
+effect size (the difference), the pooled paired McNemar test on the held-out rows (seed k of
+one arm against seed k of the other, the same rows: a sharper view that ignores run-to-run
+variance, so it is reported, not used for the verdict) and the cost ratio (the cells' CPU
+seconds, the shared warm-up excluded, plus ``cost_weight`` x environment calls for
+``rollout_cost``'s levels). Every sentence of advice
+names the cells it rests on. A level with fewer than 2 finished seeds on an arm is pending,
+never a result.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import math
+import statistics
+import sys
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any, Sequence
+
+ROOT = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(ROOT))
+
+from benchmarks.algorithm_study import (  # noqa: E402
+    ALPHA, DETECT, POWER, RESULTS, pooled_sd, power_table, seeds_by_task, seeds_needed, spread_from_compare,
+    spread_fresh_warmup)
+from benchmarks.study_factors import FACTORS, Factor, Level  # noqa: E402
+from fastrl.train.paired import _mcnemar_exact  # noqa: E402
+
+PAGE = ROOT / "docs" / "choosing.md"
+PLOT = ROOT / "docs" / "choosing.png"
+HINT_P = 0.01
+"""A pooled McNemar p-value below this on a level the seeds do not separate marks it as needing more seeds."""
+MIN_SEEDS_FOR_VERDICT = 2
+"""Seeds per arm below which a level is pending (no spread, no verdict)."""
+T975 = (12.706, 4.303, 3.182, 2.776, 2.571, 2.447, 2.365, 2.306, 2.262, 2.228, 2.201, 2.179, 2.160, 2.145, 2.131,
+        2.120, 2.110, 2.101, 2.093, 2.086, 2.080, 2.074, 2.069, 2.064, 2.060, 2.056, 2.052, 2.048, 2.045, 2.042)
+"""Student's t 0.975 quantiles for 1..30 degrees of freedom (a standard table); above 30, 1.96."""
+
+
+def t975(df: float) -> float:
+    """The 0.975 quantile of Student's t at ``floor(df)`` degrees of freedom (conservative; a
+    ``df`` a rounding error below an integer counts as that integer)."""
+    k = max(1, int(math.floor(df + 1e-9)))
+    return T975[k - 1] if k <= len(T975) else 1.96
+
+
+# ============================================================================ reading the cells
+def load_cells(results: Path) -> dict[str, dict[str, Any]]:
+    out = {}
+    for path in sorted(results.glob("*.json")):
+        record = json.loads(path.read_text())
+        out[record["cell"]["id"]] = record
+    return out
+
+
+def cell_cpu_seconds(record: dict[str, Any]) -> float:
+    """CPU seconds of a cell's process tree without the shared warm-up, when the cell built it
+    (the first cell of a start pays for it; the start's cost is the task's, not the arm's)."""
+    cpu = _f(record["process"]["cpu_seconds"])
+    start = record.get("start") or {}
+    return cpu - _f(start.get("warmup_cpu_seconds")) if start.get("built_by_this_cell") else cpu
+
+
+def _f(v: Any) -> float:
+    try:
+        return float(v)
+    except (TypeError, ValueError):
+        return float("nan")
+
+
+@dataclass
+class Arm:
+    """One algorithm at one level of one task: its planned cells and the finished ones."""
+
+    algorithm: str
+    planned: list[str]
+    records: list[dict[str, Any]]
+
+    def values(self, section: str, key: str) -> list[float]:
+        return [_f(r[section].get(key)) for r in self.records]
+
+    def mean(self, section: str, key: str) -> float:
+        v = [x for x in self.values(section, key) if math.isfinite(x)]
+        return statistics.mean(v) if v else float("nan")
+
+    def sd(self, section: str, key: str) -> float:
+        v = [x for x in self.values(section, key) if math.isfinite(x)]
+        return statistics.stdev(v) if len(v) > 1 else float("nan")
+
+    def charged(self, weight: float) -> list[float]:
+        """Per seed: the cell's CPU seconds (warm-up excluded: on a shared CPU they move less
+        with the load than wall seconds) plus ``weight`` seconds per environment call."""
+        out = []
+        for r in self.records:
+            calls = _f(r["cost"].get("env_calls"))
+            out.append(cell_cpu_seconds(r) + (weight * calls if weight and math.isfinite(calls) else 0.0))
+        return out
+
+
+def arms_of(factor: Factor, level: Level, task: str, seeds: int, cells: dict[str, dict[str, Any]]) -> list[Arm]:
+    arms = []
+    for algo in level.algorithms:
+        stem = f"{task}.{algo}.{level.arm(algo)}"
+        extra = {r["cell"]["seed"] for i, r in cells.items() if i.rsplit(".s", 1)[0] == stem}  # seeds run beyond the plan
+        ids = [f"{stem}.s{s}" for s in sorted(set(range(seeds)) | extra)]
+        arms.append(Arm(algo, ids, [cells[i] for i in ids if i in cells]))
+    return arms
+
+
+# ============================================================================ the verdict (pure)
+def welch_interval(a: Sequence[float], b: Sequence[float]) -> tuple[float, float, float]:
+    """Difference of means ``mean(a) - mean(b)`` and its 95% Welch interval (t at the
+    Welch-Satterthwaite degrees of freedom, rounded down)."""
+    ma, mb = statistics.mean(a), statistics.mean(b)
+    va, vb = statistics.variance(a) / len(a), statistics.variance(b) / len(b)
+    se = math.sqrt(va + vb)
+    if se == 0:
+        return ma - mb, ma - mb, ma - mb
+    df = (va + vb) ** 2 / ((va**2 / (len(a) - 1) if va else 0.0) + (vb**2 / (len(b) - 1) if vb else 0.0))
+    half = t975(df) * se
+    return ma - mb, ma - mb - half, ma - mb + half
+
+
+def pooled_mcnemar(a: Arm, b: Arm) -> dict[str, Any] | None:
+    """Rows gained and lost from arm ``b`` to arm ``a`` over the seeds both finished (seed k
+    against seed k, the same held-out rows), with the exact McNemar p-value."""
+    by_seed_b = {r["cell"]["seed"]: r for r in b.records}
+    gained = lost = rows = 0
+    for r in a.records:
+        other = by_seed_b.get(r["cell"]["seed"])
+        if other is None or not r.get("row_success_final") or not other.get("row_success_final"):
+            continue
+        x, y = r["row_success_final"], other["row_success_final"]
+        if len(x) != len(y):
+            continue
+        gained += sum(1 for p, q in zip(x, y) if p == "1" and q == "0")
+        lost += sum(1 for p, q in zip(x, y) if p == "0" and q == "1")
+        rows += len(x)
+    if not rows:
+        return None
+    return {"gained": gained, "lost": lost, "rows": rows, "p_value": _mcnemar_exact(gained, lost)}
+
+
+def verdict(arms: Sequence[Arm], *, cost_weight: float = 0.0) -> dict[str, Any]:
+    """The best arm by mean final held-out success against the runner-up (``module docstring``)."""
+    ready = [a for a in arms if len(a.records) >= MIN_SEEDS_FOR_VERDICT]
+    done = sum(len(a.records) for a in arms)
+    planned = sum(len(a.planned) for a in arms)
+    out: dict[str, Any] = {"cells_finished": done, "cells_planned": planned}
+    if len(ready) < len(arms) or len(arms) < 2:
+        out["state"] = "pending"
+        out["text"] = f"pending ({done} of {planned} cells)"
+        return out
+    ranked = sorted(arms, key=lambda a: a.mean("success", "final_accuracy"), reverse=True)
+    best, second = ranked[0], ranked[1]
+    fa = [x for x in best.values("success", "final_accuracy") if math.isfinite(x)]
+    fb = [x for x in second.values("success", "final_accuracy") if math.isfinite(x)]
+    diff, lo, hi = welch_interval(fa, fb)
+    worst = ranked[-1]
+    fw = [x for x in worst.values("success", "final_accuracy") if math.isfinite(x)]
+    _, spread_lo, spread_hi = welch_interval(fa, fw)  # best - worst: "the choice did not matter" needs every arm close
+    cost_a, cost_b = statistics.mean(best.charged(cost_weight)), statistics.mean(second.charged(cost_weight))
+    out.update(state="partial" if done < planned else "complete", best=best.algorithm, runner_up=second.algorithm,
+               difference=diff, low=lo, high=hi, cost_ratio=cost_a / cost_b if cost_b else float("nan"),
+               mcnemar=pooled_mcnemar(best, second), distinguishable=bool(lo > 0), worst=worst.algorithm,
+               spread_low=spread_lo, spread_high=spread_hi)
+    if diff == 0:
+        out["distinguishable"] = False
+    name = best.algorithm if out["distinguishable"] else "not distinguishable"
+    out["text"] = name
+    return out
+
+
+# ============================================================================ the page
+def fmt(v: float, spec: str = ".3f") -> str:
+    return "n/a" if v is None or not math.isfinite(v) else format(v, spec)
+
+
+def pm(arm: Arm, section: str, key: str, spec: str = ".3f") -> str:
+    m, s = arm.mean(section, key), arm.sd(section, key)
+    if not math.isfinite(m):
+        return "pending"
+    return f"{fmt(m, spec)} ± {fmt(s, spec)}" if math.isfinite(s) else fmt(m, spec)
+
+
+def cells_ref(arms: Sequence[Arm]) -> str:
+    """The cells a row rests on, compactly: ``calculator.grpo.base.s0-2`` per arm (finished ones)."""
+    parts = []
+    for a in arms:
+        seeds = sorted(r["cell"]["seed"] for r in a.records)
+        if not seeds:
+            continue
+        stem = a.records[0]["cell"]["id"].rsplit(".s", 1)[0]
+        span = f"s{seeds[0]}" if len(seeds) == 1 else (f"s{seeds[0]}-{seeds[-1]}" if seeds == list(range(seeds[0], seeds[-1] + 1))
+                                                        else "s" + ",".join(map(str, seeds)))
+        parts.append(f"`{stem}.{span}`")
+    return ", ".join(parts) if parts else "none yet"
+
+
+@dataclass
+class Row:
+    factor: Factor
+    level: Level
+    task: str
+    arms: list[Arm]
+    verdict: dict[str, Any]
+
+
+def build_rows(cells: dict[str, dict[str, Any]], seeds: dict[str, int]) -> list[Row]:
+    from benchmarks.study_factors import applies
+
+    rows = []
+    for factor in FACTORS.values():
+        for level in factor.levels:
+            for task in ("calculator", "frozenlake", "default", "sql"):
+                if not applies(factor, level, task):
+                    continue
+                arms = arms_of(factor, level, task, seeds[task], cells)
+                rows.append(Row(factor, level, task, arms, verdict(arms, cost_weight=level.cost_weight or 0.0)))
+    return rows
+
+
+def summary_table(rows: Sequence[Row]) -> list[str]:
+    out = ["| factor | level | task | winner | difference in final success (95% interval) | cost ratio | paired rows (McNemar) | cells |",
+           "|---|---|---|---|---|---|---|---|"]
+    for r in rows:
+        v = r.verdict
+        if v["state"] == "pending":
+            out.append(f"| {r.factor.name} | {r.level.name} | {r.task} | {v['text']} | | | | {cells_ref(r.arms)} |")
+            continue
+        m = v["mcnemar"]
+        mc = f"+{m['gained']}/-{m['lost']} of {m['rows']}, p={m['p_value']:.2g}" if m else "n/a"
+        partial = f" (partial: {v['cells_finished']} of {v['cells_planned']} cells)" if v["state"] == "partial" else ""
+        out.append(f"| {r.factor.name} | {r.level.name} | {r.task} | {v['text']}{partial} | {v['best']} − {v['runner_up']}: "
+                   f"{v['difference']:+.3f} ({v['low']:+.3f}, {v['high']:+.3f}) | {fmt(v['cost_ratio'], '.2f')}x | {mc} | "
+                   f"{cells_ref(r.arms)} |")
+    return out
+
+
+def all_equal(arm: Arm) -> str:
+    """Mean share of all-equal groups over the arm's seeds ("n/a" for groups of one trajectory,
+    which are all-equal by definition and say nothing about the signal)."""
+    if not arm.records:
+        return "n/a"
+    args = arm.records[0]["cell"].get("args", [])
+    if "--ppo_group_size" in args and args[args.index("--ppo_group_size") + 1] == "1":
+        return "n/a (groups of 1)"
+    return fmt(statistics.mean([_f(x.get("frac_all_equal_groups")) for x in arm.records]), ".2f")
+
+
+def factor_table(rows: Sequence[Row]) -> list[str]:
+    out = ["| level | task | arm | seeds | success start | success end | success best | worst drop | Echo-Trap steps | NaN stops | "
+           "all-equal groups | RL s | CPU s (warm-up excluded) | generated tokens | env calls | peak GB |",
+           "|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|"]
+    for r in rows:
+        for a in r.arms:
+            nan_stops = sum(1 for x in a.records if x.get("status") == "diverged")
+            cpu = [cell_cpu_seconds(x) for x in a.records]
+            out.append(
+                f"| {r.level.name} | {r.task} | {a.algorithm} | {len(a.records)}/{len(a.planned)} | "
+                f"{pm(a, 'success', 'initial_accuracy')} | {pm(a, 'success', 'final_accuracy')} | {pm(a, 'success', 'best_accuracy')} | "
+                f"{pm(a, 'stability', 'reward_drop')} | {fmt(sum(a.values('stability', 'reward_std_collapse_steps')) if a.records else float('nan'), '.0f')} | "
+                f"{nan_stops if a.records else 'n/a'} | "
+                f"{all_equal(a)} | "
+                f"{pm(a, 'cost', 'train_seconds', '.1f')} | {fmt(statistics.mean(cpu) if cpu else float('nan'), '.0f')} | "
+                f"{pm(a, 'cost', 'generated_tokens', '.0f')} | {pm(a, 'cost', 'env_calls', '.0f')} | {pm(a, 'cost', 'peak_memory_gb', '.2f')} |")
+    return out
+
+
+def advice(rows: Sequence[Row]) -> tuple[list[str], list[str]]:
+    """Sentences of advice (a distinguishable winner, or an interval inside ±``DETECT``: the
+    choice did not matter), each with its cells, once per set of cells (levels that share their
+    runs are named together), and the folklore's checks (held / did not hold / not tested yet)."""
+    claims: dict[str, tuple[list[str], str]] = {}
+    folk = []
+    for r in rows:
+        v = r.verdict
+        where = f"{r.task}, {r.factor.name} = {r.level.name} ({r.level.condition})"
+        claim = None
+        if v["state"] != "pending" and v["distinguishable"]:
+            claim = (f"**{v['best']}** beat {v['runner_up']} by {v['difference']:+.3f} held-out success "
+                     f"(95% interval {v['low']:+.3f} to {v['high']:+.3f}) at {fmt(v['cost_ratio'], '.2f')}x its cost")
+        elif v["state"] != "pending" and max(abs(v["spread_low"]), abs(v["spread_high"])) < DETECT:
+            claim = (f"the choice between {', '.join(a.algorithm for a in r.arms)} did not matter: the best ({v['best']}) "
+                     f"minus the worst ({v['worst']}) held-out success has the 95% interval {v['spread_low']:+.3f} to "
+                     f"{v['spread_high']:+.3f}, inside ±{DETECT}; {v['best']} at {fmt(v['cost_ratio'], '.2f')}x "
+                     f"{v['runner_up']}'s cost")
+        if claim is not None:
+            partial = f" (partial: {v['cells_finished']} of {v['cells_planned']} cells)" if v["state"] == "partial" else ""
+            key = f"{claim}{partial}. Cells: {cells_ref(r.arms)}."
+            claims.setdefault(key, ([], r.task))[0].append(f"{r.factor.name} = {r.level.name} ({r.level.condition})")
+        if r.level.folklore is None:
+            continue
+        if v["state"] == "pending":
+            state = "not tested yet (pending)"
+        elif not v["distinguishable"] and r.level.folklore in (v["best"], v["runner_up"]) and (
+                (v["high"] if v["best"] == r.level.folklore else -v["low"]) < DETECT):
+            most = v["high"] if v["best"] == r.level.folklore else -v["low"]
+            state = (f"**did not hold here**: no advantage of {r.level.folklore} as large as {DETECT} (at most {most:+.3f}: "
+                     f"{v['best']} − {v['runner_up']} = {v['difference']:+.3f}, interval {v['low']:+.3f} to {v['high']:+.3f})")
+        elif not v["distinguishable"]:
+            state = f"not distinguishable here (best {v['best']} {v['difference']:+.3f}, interval {v['low']:+.3f} to {v['high']:+.3f})"
+        elif v["best"] == r.level.folklore:
+            state = "held here"
+        else:
+            state = f"**did not hold here**: {v['best']} won by {v['difference']:+.3f}"
+        folk.append(f"- {r.factor.folklore} -- expected {r.level.folklore} to win on {where}: {state}. Cells: {cells_ref(r.arms)}.")
+    said = [f"- On {task} ({'; '.join(levels)}): {key}" for key, (levels, task) in claims.items()]
+    return said, folk
+
+
+INTRO = """# Choosing an algorithm
+
+*Generated by `python benchmarks/render_algorithm_study.py` from the cells in
+`benchmarks/results/algorithm_study/` (one JSON per finished cell, written by
+`benchmarks/algorithm_study.py`); do not edit by hand.*
+
+The question users bring: **PPO or GRPO for my task?** The usual answer: GRPO when rewards are
+verifiable, group sampling is affordable and the samples of one prompt differ; PPO when a value
+function can be learnt and step-level credit matters, especially when each rollout is
+expensive; neither by default. This page tests those conditions one at a time, at equal
+budget (`fastrl compare`'s per-task budget: calculator 24 RL steps, frozenlake 16, sql 12, the
+default task 40), each condition a factor at two or three levels
+(`benchmarks/study_factors.py`), every arm of a level from the same warmed-up start, many seeds.
+
+!!! warning "Scale"
+    These are tiny models (the built-in character-level policies: the calculator's has
+    0.28 M parameters, 4 layers of width 64) trained for a few dozen steps on a 2-core CPU. What should transfer: the
+    mechanisms -- all-equal groups give GRPO no gradient, a critic costs an extra forward and
+    update per step (the cost ratios per stage), flipped rewards reach the advantages through
+    the group's mean and std. What should not: the absolute success rates, the size of any
+    effect, how sample efficiency grows with the model, and wall-time ratios on a GPU, where
+    generation, not the update, dominates. Treat a verdict here as evidence about the
+    mechanism on these tasks, not as a law for a 7B model.
+"""
+
+
+def _fastrl_tree(code: str) -> str | None:
+    """The git tree of ``fastrl/`` at commit ``code`` (None: dirty, or not in this repository)."""
+    import subprocess
+
+    if "+" in code:
+        return None
+    out = subprocess.run(["git", "-C", str(ROOT), "rev-parse", "--verify", "-q", f"{code}:fastrl"], capture_output=True, text=True)
+    return out.stdout.strip() or None
+
+
+def provenance(cells: dict[str, dict[str, Any]]) -> str:
+    """Where the finished cells ran: the code, the CPU time, the machine's load."""
+    codes = sorted({r.get("code", "?") for r in cells.values()})
+    cpu = sum(_f(r["process"]["cpu_seconds"]) for r in cells.values())
+    loads = [_f(r["process"].get(k)) for r in cells.values() for k in ("load_average_before", "load_average_after")]
+    loads = [v for v in loads if math.isfinite(v)]
+    text = (f" The finished cells ran at code {', '.join(codes)} (the commit of the run; `+dirty` when `fastrl/` had "
+            f"uncommitted changes)")
+    trees = {_fastrl_tree(c) for c in codes}
+    if len(codes) > 1 and len(trees) == 1 and None not in trees:
+        text += ", whose `fastrl/` trees are identical"
+    text += f"; one at a time, single-threaded; {cpu / 3600:.2f} CPU-hours, warm-ups included"
+    if loads:
+        text += (f"; the machine was shared (1-minute load average {min(loads):.1f} to {max(loads):.1f} on 2 cores at the "
+                 "cells' starts and ends), so seconds are noisier than steps, tokens and environment calls")
+    return text + "."
+
+
+def render(cells: dict[str, dict[str, Any]], seeds: dict[str, int], powers: dict[str, dict[str, Any]],
+           plot: str | None) -> str:
+    rows = build_rows(cells, seeds)
+    planned = {i for r in rows for a in r.arms for i in a.planned}
+    finished = planned & set(cells)
+    said, folk = advice(rows)
+    lines = [INTRO]
+    lines += ["## Where the study stands", "",
+              f"{len(finished)} of {len(planned)} planned cells have run; every other row below is **pending**, "
+              "not a result. The runner resumes (`python benchmarks/algorithm_study.py`); `--dry-run` lists what is "
+              "left and its predicted CPU time." + (provenance(cells) if cells else ""), ""]
+    lines += ["## The answer so far", "",
+              "Per factor, level and task: the arm with the best mean held-out success at the end, when the 95% interval "
+              "of its difference to the runner-up over seeds excludes zero; otherwise \"not distinguishable\". The cost "
+              "ratio is the winner's (or best arm's) CPU seconds over the runner-up's (the cell's process tree, the "
+              "shared warm-up excluded, its held-out evaluations included; for `rollout_cost` plus the level's charge "
+              "per environment call). The McNemar column pools the paired held-out rows over seeds (seed k against "
+              "seed k) and ignores run-to-run variance, so it is shown, not used for the verdict.", ""]
+    lines += summary_table(rows) + [""]
+    lines += ["## Advice, with its evidence", ""]
+    judged = [r for r in rows if r.verdict["state"] != "pending"]
+    if said:
+        lines += said
+    elif judged:
+        lines += ["No level has a distinguishable winner, or an interval narrow enough to call the arms equal, yet: "
+                  "where a verdict exists, the arms did not differ measurably on these tasks and budgets (" + "; ".join(
+                      f"{r.task} {r.factor.name} = {r.level.name}: {cells_ref(r.arms)}" for r in judged) + ")."]
+    else:
+        lines += ["No level has enough finished seeds for a verdict yet (two per arm at least), so this page gives "
+                  "no advice yet."]
+    hints, seen = [], set()
+    for r in rows:
+        v, ref = r.verdict, cells_ref(r.arms)
+        m = v.get("mcnemar")
+        if v["state"] == "pending" or v["distinguishable"] or not m or m["p_value"] >= HINT_P or ref in seen:
+            continue
+        seen.add(ref)
+        lean = v["best"] if m["gained"] > m["lost"] else v["runner_up"]
+        hints.append(f"- {r.task}, {r.factor.name} = {r.level.name}: the paired rows lean to {lean} (+{m['gained']}/-{m['lost']} "
+                     f"of {m['rows']}, McNemar p={m['p_value']:.2g}) but the seeds do not separate the arms "
+                     f"({v['difference']:+.3f}, interval {v['low']:+.3f} to {v['high']:+.3f}). Cells: {ref}.")
+    lines += ["", "## Where more seeds are needed", "",
+              f"Levels whose pooled paired rows favour one arm (p < {HINT_P}) while the seeds' interval still "
+              "crosses zero: the run-to-run spread, not the held-out rows, is what hides the answer, so these "
+              "are not results; they are where the study should add seeds first (`--seeds N`).", ""]
+    lines += hints if hints else ["None so far."]
+    broke = [line for line in folk if "did not hold here" in line]
+    lines += ["", "## Where the folklore did not hold here", ""]
+    lines += ["Where the expected winner lost measurably, or where the 95% interval rules out the advantage the "
+              f"advice implies (one of {DETECT} or more in held-out success) for it:", ""]
+    lines += broke if broke else ["Nowhere yet (each check, with its state, is listed below)."]
+    lines += ["", "A task on which every arm reaches the same held-out success within the budget (see \"success best\" "
+              "in the factor tables: on the calculator nearly every run peaks at 0.69) cannot show an advantage, so "
+              "read a check that did not hold together with its table: it says the advantage did not appear at "
+              "this scale and budget, not that it cannot."]
+    lines += ["", "## The folklore, checked", ""]
+    lines += folk + [""]
+    lines += ["## How many seeds: the power analysis", "",
+              f"From the spread of the final held-out success over seeds in `fastrl compare`'s reports (one shared "
+              f"start per task, as here; pooled over algorithms): the seeds per arm at which a difference of {DETECT} "
+              f"is detected with probability {POWER} (two-sided test at {ALPHA}, normal approximation), and what the "
+              "planned seeds detect. Where too many seeds would be needed, the plan caps them and says what it can "
+              "detect instead.", "",
+              "| task | pooled sd | seeds needed | seeds planned | power at the planned seeds | difference detected with probability 0.8 | source |",
+              "|---|---|---|---|---|---|---|"]
+    for task, p in powers.items():
+        lines.append(f"| {task} | {p['sd']:.3f} | {p['needed']} | {p['planned']} | {p['power']:.2f} | {p['detectable']:.3f} | `{p['source']}` |")
+    groups: dict[tuple[str, str, str], list[float]] = {}
+    for record in cells.values():
+        c = record["cell"]
+        groups.setdefault((c["task"], c["algorithm"], c["arm"]), []).append(_f(record["success"]["final_accuracy"]))
+    own = {t: pooled_sd([v for (task, _, _), v in groups.items() if task == t]) for t in seeds}
+    own = {t: sd for t, sd in own.items() if math.isfinite(sd)}
+    lines += ["", "A spread measured on 3 seeds is itself uncertain (its own relative error is about 50%); this "
+              "study's finished cells re-estimate it (pooled over every arm with at least two seeds)" + (
+                  ": " + ", ".join(f"{t} {sd:.3f} ({seeds_needed(DETECT, sd) if sd > 0 else 1} seeds needed)"
+                                   for t, sd in own.items()) + "." if own else ", once an arm has two seeds.")]
+    fresh = spread_fresh_warmup()
+    if fresh:
+        lines += ["", "For comparison, the spread when every seed also runs its own warm-up (`fastrl train` over seeds, "
+                  "150 RL steps: no shared start), which a study of independent `fastrl train` runs would face:", "",
+                  "| task | final success per seed | sd | seeds needed for the same test | source |", "|---|---|---|---|---|"]
+        for task, f in fresh.items():
+            lines.append(f"| {task} | {', '.join(f'{v:.3f}' for v in f['finals'])} | {f['sd']:.3f} | "
+                         f"{seeds_needed(DETECT, f['sd'])} | `{f['source']}` |")
+    lines += [""]
+    if plot:
+        lines += ["## Success by level", "", f"![final held-out success by level]({plot})", ""]
+    for factor in FACTORS.values():
+        mine = [r for r in rows if r.factor is factor]
+        lines += [f"## {factor.name}: {factor.question}", "", f"Folklore: {factor.folklore}." + (f" {factor.how}" if factor.how else ""), ""]
+        lines += ["| level | condition |", "|---|---|"] + [f"| {lv.name} | {lv.condition} |" for lv in factor.levels] + [""]
+        lines += factor_table(mine) + [""]
+    lines += ["## Reproduce", "", "```bash",
+              "OMP_NUM_THREADS=1 nice python benchmarks/algorithm_study.py --jobs 1     # resumes; --dry-run for the plan",
+              "python benchmarks/render_algorithm_study.py                             # this page",
+              "```", ""]
+    return "\n".join(lines)
+
+
+ALGORITHM_ORDER = ("grpo", "dr_grpo", "rloo", "gigpo", "ppo", "grpo_then_ppo")
+"""Colour and offset of each algorithm in the plot (the same in every panel)."""
+
+
+def render_plot(rows: Sequence[Row], path: Path) -> bool:
+    """Final held-out success (mean ± std over seeds) per task and level, one colour per
+    algorithm, one panel per factor. False (no file) without matplotlib or finished cells."""
+    try:
+        import matplotlib
+
+        matplotlib.use("Agg")
+        import matplotlib.pyplot as plt
+    except ImportError:
+        return False
+    shown = [r for r in rows if any(a.records for a in r.arms)]
+    if not shown:
+        return False
+    factors = list(dict.fromkeys(r.factor.name for r in shown))
+    cols = min(3, len(factors))
+    fig, axes = plt.subplots(math.ceil(len(factors) / cols), cols, figsize=(5.5 * cols, 4 * math.ceil(len(factors) / cols)),
+                             squeeze=False)
+    for ax in axes.flat[len(factors):]:
+        ax.set_visible(False)
+    for ax, name in zip(axes.flat, factors):
+        labels = []
+        for x, r in enumerate(r for r in shown if r.factor.name == name):
+            for a in r.arms:
+                if not a.records:
+                    continue
+                k = ALGORITHM_ORDER.index(a.algorithm) if a.algorithm in ALGORITHM_ORDER else len(ALGORITHM_ORDER)
+                ax.errorbar([x + 0.08 * (k - 2.5)], [a.mean("success", "final_accuracy")],
+                            yerr=[a.sd("success", "final_accuracy") if len(a.records) > 1 else 0.0], fmt="o", capsize=3,
+                            color=plt.get_cmap("tab10")(k), label=a.algorithm)
+            labels.append(f"{r.task}\n{r.level.name}")
+        ax.set_xticks(range(len(labels)), labels, fontsize=7)
+        ax.set(title=name, ylabel="held-out success at the end (mean ± std)")
+        ax.grid(alpha=0.3)
+        handles, names = ax.get_legend_handles_labels()
+        unique = dict(zip(names, handles))
+        ax.legend(unique.values(), unique.keys(), fontsize=7)
+    fig.tight_layout()
+    fig.savefig(path, dpi=80)
+    plt.close(fig)
+    return True
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    p = argparse.ArgumentParser(description="render docs/choosing.md from the algorithm study's cells")
+    p.add_argument("--results", type=Path, default=RESULTS)
+    p.add_argument("--page", type=Path, default=PAGE)
+    p.add_argument("--plot", type=Path, default=PLOT, help="the PNG (skipped without matplotlib)")
+    p.add_argument("--seeds", type=int, default=None, help="seeds per arm (default: the power analysis', as the runner)")
+    p.add_argument("--check", action="store_true",
+                   help="write nothing; exit 1 when --page is not what the cells render (the plot is not compared)")
+    a = p.parse_args(argv)
+    cells = load_cells(a.results)
+    seeds = seeds_by_task(a.seeds)
+    rows = build_rows(cells, seeds)
+    if a.check:
+        expected = render(cells, seeds, power_table(spread_from_compare()), a.plot.name if cells and a.plot.exists() else None)
+        if a.page.read_text() != expected:
+            print(f"{a.page} is not the rendering of {a.results}: run python benchmarks/render_algorithm_study.py",
+                  file=sys.stderr)
+            return 1
+        return 0
+    plotted = render_plot(rows, a.plot)
+    page = render(cells, seeds, power_table(spread_from_compare()), a.plot.name if plotted else None)
+    a.page.write_text(page)
+    print(f"{a.page}: {sum(1 for r in rows if r.verdict['state'] != 'pending')} of {len(rows)} rows with a verdict"
+          + (f"; {a.plot}" if plotted else ""))
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
