@@ -33,10 +33,14 @@ __all__ = ["ThreadChoice", "SMALL_MODEL_PARAMETERS", "choose_threads", "machine_
 
 SMALL_MODEL_PARAMETERS = 500_000
 """Policies with fewer parameters run one intra-op thread on a CPU, whatever the machine: the
-0.28M-parameter built-in model ran its warm-up at 16-21 steps/s on one thread and 9.4 on two on
-an idle 2-core CPU (issue 39), and far slower on two when the CPU was busy
-(``thread_rule_cpu.json``); sql's 1.1M model gains from a second core (module docstring).
-Between the two the bound is a choice, not a measurement."""
+0.28M-parameter built-in model's runs never finished within their limit on two threads beside a
+busy neighbour or another session's work (``thread_rule_cpu.json``, ``thread_rule_idle_cpu.json``).
+The price, measured on the truly idle 2-core CPU (load 0.8, ``thread_rule_idle_cpu.json``): the
+embedded default's warm-up ran 25 steps/s on two threads against 16-17 on one, its short run
+10.0 s against 12.8-13.8 s (the rule 1.38x the best there; calculator 1.05x). One thread trades
+that for never collapsing when load arrives after the run started (the rule reads the machine
+once). sql's 1.1M model gains from a second core (module docstring). Between the two the bound
+is a choice, not a measurement."""
 RUNNABLE_SAMPLES = 5
 """Samples of the running-process count ``other_runnable`` takes (50 ms apart; the median)."""
 
