@@ -1,0 +1,49 @@
+"""Import paths that moved: an old dotted module name keeps importing its module at its new home.
+
+``MOVED_MODULES`` is the one list, old name -> new name. ``import fastrl.train.compare`` (or
+``from fastrl.train import compare``) then returns the module object of ``fastrl.commands.compare``
+itself, so a user's imports, attribute reads and monkeypatches reach the one real module. A moved
+module leaves no file behind at its old place. ``fastrl/__init__.py`` installs the finder, so it is
+in place before any ``fastrl`` subpackage is imported.
+"""
+
+from __future__ import annotations
+
+import importlib
+import importlib.abc
+import importlib.machinery
+import importlib.util
+import sys
+from types import ModuleType
+
+MOVED_MODULES: dict[str, str] = {}
+"""Old dotted module name -> its new one (filled as modules move; read by the finder at import time)."""
+
+
+class MovedModuleFinder(importlib.abc.MetaPathFinder, importlib.abc.Loader):
+    """A meta-path finder whose modules are the moved modules' new homes."""
+
+    def __init__(self, moved: dict[str, str]) -> None:
+        self.moved = moved
+
+    def find_spec(self, fullname: str, path: object = None, target: object = None) -> importlib.machinery.ModuleSpec | None:
+        if fullname not in self.moved:
+            return None
+        return importlib.util.spec_from_loader(fullname, self)
+
+    def create_module(self, spec: importlib.machinery.ModuleSpec) -> ModuleType:
+        # the new home's module object itself: import machinery keeps its __name__ and __spec__
+        return importlib.import_module(self.moved[spec.name])
+
+    def exec_module(self, module: ModuleType) -> None:
+        """Nothing to run: the module executed under its new name."""
+
+
+def install(moved: dict[str, str] = MOVED_MODULES) -> MovedModuleFinder:
+    """Put the finder for ``moved`` on ``sys.meta_path`` (once; the same finder on a second call)."""
+    for finder in sys.meta_path:
+        if isinstance(finder, MovedModuleFinder) and finder.moved is moved:
+            return finder
+    finder = MovedModuleFinder(moved)
+    sys.meta_path.insert(0, finder)
+    return finder
