@@ -1,6 +1,7 @@
 """`fastrl train`'s thread rule (fastrl/train/threads.py) against 1 and 2 intra-op threads, on the
-embedded default and `--env calculator`, with nothing of ours beside it and beside a busy-loop
-neighbour this script starts itself.
+embedded default and `--env calculator`, with nothing of ours beside it, beside a busy-loop
+neighbour this script starts itself, and with that neighbour arriving a few seconds into the run
+(what the rule's governor, which re-reads the machine every second, is for).
 
     python benchmarks/thread_rule.py --repeats 2 --out benchmarks/results/thread_rule_cpu.json
 
@@ -41,6 +42,9 @@ COMMON = ["--eval_every", "0", "--progress", "false", "--tensorboard", "false", 
 SETTINGS = {"rule": [], "1": ["--threads", "1"], "2": ["--threads", "2"]}
 NEIGHBOUR = "while True: pass"
 """The CPU-bound neighbour: one Python busy loop (one core)."""
+NEIGHBOURS = ("none", "before", "arrives")
+"""Where the busy loop is: absent, running before the run starts, started ``ARRIVAL_SECONDS`` into the run."""
+ARRIVAL_SECONDS = 5.0
 SLOWER_BOUND = 1.2
 """The rule may be at most this much slower than the best setting (issue 39)."""
 
@@ -49,20 +53,34 @@ def load() -> float:
     return round(os.getloadavg()[0], 2)
 
 
-def run_once(task: str, setting: str, out: Path, *, limit: float) -> dict:
+def busy_loop() -> subprocess.Popen:
+    return subprocess.Popen([sys.executable, "-c", NEIGHBOUR])
+
+
+def run_once(task: str, setting: str, out: Path, *, limit: float, arriving: bool = False) -> dict:
     env = {k: v for k, v in os.environ.items() if k != "OMP_NUM_THREADS"}
     env["PYTHONPATH"] = str(ROOT)
     argv = [sys.executable, "-m", "fastrl", "train", *TASKS[task], *COMMON, *SETTINGS[setting], "--output_dir", str(out)]
     before = load()
     t0 = time.perf_counter()
     proc = subprocess.Popen(argv, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, start_new_session=True)
+    late = None
     try:
-        output, _ = proc.communicate(timeout=limit)
+        if arriving:
+            try:
+                output, _ = proc.communicate(timeout=ARRIVAL_SECONDS)
+            except subprocess.TimeoutExpired:
+                late = busy_loop()
+        output, _ = proc.communicate(timeout=max(1.0, limit - (time.perf_counter() - t0)))
         finished = proc.returncode == 0
     except subprocess.TimeoutExpired:
         os.killpg(proc.pid, signal.SIGKILL)
         output, _ = proc.communicate()
         finished = False
+    finally:
+        if late is not None:
+            late.kill()
+            late.wait()
     wall = time.perf_counter() - t0
     record = {"task": task, "setting": setting, "finished": finished, "wall_seconds": round(wall, 1),
               "load_before": before, "load_after": load()}
@@ -86,21 +104,23 @@ def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--out", type=Path, required=True)
     parser.add_argument("--tasks", nargs="+", default=list(TASKS), choices=list(TASKS))
+    parser.add_argument("--neighbours", nargs="+", default=list(NEIGHBOURS), choices=NEIGHBOURS)
     parser.add_argument("--repeats", type=int, default=2, help="runs of each setting (best-of-n in the verdict)")
     parser.add_argument("--limit", type=float, default=150.0, help="seconds before a run is stopped (recorded as unfinished)")
     parser.add_argument("--machine", default="the project's 2-core CPU, shared with other sessions' work")
     args = parser.parse_args()
     runs = []
     with tempfile.TemporaryDirectory() as tmp:
-        for neighbour in (False, True):
-            busy = subprocess.Popen([sys.executable, "-c", NEIGHBOUR]) if neighbour else None
+        for neighbour in args.neighbours:
+            busy = busy_loop() if neighbour == "before" else None
             try:
                 if busy is not None:
                     time.sleep(5)  # let the load average see it
                 for repeat in range(args.repeats):  # settings interleaved, so a change in the load hits them alike
                     for task in args.tasks:
                         for setting in SETTINGS:
-                            record = run_once(task, setting, Path(tmp) / f"{task}-{setting}", limit=args.limit)
+                            record = run_once(task, setting, Path(tmp) / f"{task}-{setting}", limit=args.limit,
+                                              arriving=neighbour == "arrives")
                             record.update(neighbour=neighbour, repeat=repeat)
                             runs.append(record)
                             print(json.dumps(record), flush=True)
@@ -109,7 +129,7 @@ def main() -> int:
                     busy.kill()
                     busy.wait()
     verdicts = []
-    for neighbour in (False, True):
+    for neighbour in args.neighbours:
         for task in args.tasks:
             # best of the repeats per setting (the least disturbed run), as `fastrl bench` reports best-of-n
             best_of = {setting: min(r["wall_seconds"] for r in runs
@@ -119,7 +139,8 @@ def main() -> int:
             verdicts.append({"task": task, "neighbour": neighbour, "best_wall_seconds": best_of,
                              "rule_over_best": round(ratio, 2), "within_bound": ratio <= SLOWER_BOUND})
     payload = {"what": "fastrl train cut short (fixed warm-up, few RL steps, no evaluation): the thread rule vs 1 and 2 threads, "
-                       "without and with a busy-loop neighbour",
+                       "without a busy-loop neighbour, with one running before the run, and with one arriving "
+                       f"{ARRIVAL_SECONDS:g} s into the run",
                "command": f"python benchmarks/thread_rule.py --repeats {args.repeats} --limit {args.limit:g} --out {args.out}", "tasks": {k: TASKS[k] + COMMON for k in args.tasks},
                "machine": args.machine, "cores": len(os.sched_getaffinity(0)), "date": time.strftime("%Y-%m-%d %H:%M UTC", time.gmtime()),
                "code": code_version(results=args.out), "limit_seconds": args.limit, "repeats": args.repeats, "slower_bound": SLOWER_BOUND,

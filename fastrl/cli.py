@@ -187,15 +187,13 @@ def environment_report() -> dict:
 
 
 def train_thread_rule(device_type: str) -> dict:
-    """What `fastrl train`'s thread rule (fastrl/train/threads.py) picks on this machine now:
-    for the built-in model and for a model of unknown (large) size."""
-    from fastrl.train.threads import SMALL_MODEL_PARAMETERS, available_cores, builtin_model_parameters, machine_threads, other_runnable
+    """What `fastrl train`'s thread rule (fastrl/train/threads.py) picks on this machine now
+    (the free cores; a run re-reads them every second)."""
+    from fastrl.train.threads import available_cores, builtin_model_parameters, machine_threads, other_runnable
 
     builtin = machine_threads(parameters=builtin_model_parameters(), device_type=device_type)
-    large = machine_threads(parameters=None, device_type=device_type)
-    return {"usable_cores": available_cores(), "other_running": other_runnable(), "small_model_bound": SMALL_MODEL_PARAMETERS,
-            "train_builtin_model": builtin.threads, "train_large_model": large.threads,
-            "train_rule": f"built-in model: {builtin.describe()}; a larger model: {large.describe()}"}
+    return {"usable_cores": len(available_cores()), "other_running": other_runnable(), "train_threads_now": builtin.threads,
+            "train_rule": builtin.describe()}
 
 
 def tested_triton_range() -> str | None:
@@ -253,11 +251,8 @@ def cmd_env(args: argparse.Namespace) -> int:
     print(f"threads       intra-op {t['intra_op']}, inter-op {t['inter_op']}, cores {t['cpu_cores']} "
           f"({t['usable_cores']} usable, {t['other_running']:g} other processes running), "
           f"OMP_NUM_THREADS={t['OMP_NUM_THREADS'] or 'unset'}")
-    count = {None: "torch's default"}
-    print(f"train threads {count.get(t['train_builtin_model'], t['train_builtin_model'])} for the built-in model, "
-          f"{count.get(t['train_large_model'], t['train_large_model'])} for a model of {t['small_model_bound'] / 1e6:g}M+ "
-          "parameters now (fastrl train's rule: small models one thread, larger ones the cores no other process is running "
-          "on; --threads N overrides)")
+    now = "torch's default" if t["train_threads_now"] is None else t["train_threads_now"]
+    print(f"train threads {now} now ({t['train_rule']})")
     if report["TRITON_INTERPRET"]:
         print(f"TRITON_INTERPRET={report['TRITON_INTERPRET']}  (kernels run in the Triton interpreter: tests only, slow)")
     print(f"bench results {report['bench_results_dir']}")

@@ -49,6 +49,7 @@ from fastrl.train.ranks import Ranks
 from fastrl.train.reference_policy import ReferencePolicy, offload_reference
 from fastrl.train.rundir import RunDirectoryLock, lock_run_directory
 from fastrl.train.score import GroupScorer
+from fastrl.train.threads import ThreadGovernor
 from fastrl.train.sft import WarmupPaused, WarmupResult
 from fastrl.train.warmup_checkpoint import is_warmup_checkpoint, load_warmup_checkpoint, save_warmup_checkpoint
 
@@ -77,6 +78,15 @@ class RunSite:
     """bf16 autocast around every forward (``dtype``), else None."""
     warmup_dir: Path | None = None
     """The paused warm-up's checkpoint this run continues (``resume`` found one, no RL checkpoint yet), else None."""
+    threads: ThreadGovernor | None = None
+    """What keeps torch's CPU threads at the free cores while the run goes on (``set_threads``), else None."""
+
+    def release(self) -> None:
+        """What the run holds of the machine, let go: the output folder's lock and the thread governor."""
+        if self.run_lock is not None:
+            self.run_lock.release()
+        if self.threads is not None:
+            self.threads.close()
 
     @property
     def device(self) -> torch.device:
@@ -115,17 +125,25 @@ def open_run(cfg: TrainConfig, *, run_files: Sequence[str]) -> RunSite:
                    autocast_dtype=autocast_dtype, warmup_dir=warmup_dir)
 
 
-def set_threads(cfg: TrainConfig, site: RunSite, *, parameters: int) -> None:
+def set_threads(cfg: TrainConfig, site: RunSite, policy: torch.nn.Module) -> None:
     """torch's intra-op threads: ``--threads`` when given (set in ``open_run``), else the rule
-    of ``fastrl.train.threads`` for this policy's size on this machine; said on rank 0."""
-    from fastrl.train.threads import machine_threads
+    of ``fastrl.train.threads`` (the free cores) on this machine, kept true while the run goes
+    on by a ``ThreadGovernor`` on the policy's forward (``site.threads``; the trainer closes
+    it); said on rank 0."""
+    from fastrl.train.threads import ThreadGovernor, available_cores, machine_threads, others_busy_reader
 
-    choice = machine_threads(parameters=parameters, device_type=site.device.type)
+    choice = machine_threads(parameters=sum(p.numel() for p in policy.parameters()), device_type=site.device.type)
     if cfg.threads is None and choice.threads is not None:
         torch.set_num_threads(choice.threads)
+        cores = available_cores()
+        reader = others_busy_reader(cores)
+        if reader is not None:
+            site.threads = ThreadGovernor(cores=len(cores), threads=choice.threads, read_others=reader)
+            site.threads.attach(policy)
     if site.is_main:
         print(f"fastrl train: {choice.describe(given=cfg.threads)}", file=sys.stderr, flush=True)
 
+    
 
 # ---------------------------------------------------------------------------- 2. the policy
 @dataclass
@@ -147,7 +165,7 @@ def load_policy(cfg: TrainConfig, site: RunSite, *, model: torch.nn.Module | Non
 
     tok, policy = build.load_policy(cfg, model=model, tokenizer=tokenizer, resume_dir=site.resume_dir, device=site.device)
     check_tokenizer_matches_model(tok, policy)
-    set_threads(cfg, site, parameters=sum(p.numel() for p in policy.parameters()))
+    set_threads(cfg, site, policy)
     if cfg.shared_prefix or cfg.prefix_tree is True:
         build.check_shared_prefix_support(policy)
     parameter_bytes = sum(p.numel() * p.element_size() for p in policy.parameters())

@@ -1,24 +1,26 @@
 """How many intra-op threads ``fastrl train`` gives torch on a CPU when ``--threads`` is not set.
 
-The rule is a pure function of what it is told (``choose_threads``): the policy's parameter
-count, the cores this process may run on (``os.sched_getaffinity``) and how many other
-processes are running beside it; ``machine_threads`` reads those two from the machine (the
-runnable processes counted a few times over a quarter of a second, ``other_runnable``: the
-1-minute load average lags by a minute, so a run started right after another would see the
-finished run's load).
+The rule (``choose_threads``, pure): the cores this process may run on that no other process
+is using. A run starts with it (``machine_threads``: the other processes running now, counted
+a few times over a quarter of a second) and keeps it true while it runs: a ``ThreadGovernor``
+on the policy's forward re-reads the machine once a second (``WINDOW_SECONDS``) and moves
+torch's thread count to the free cores, down at once when a neighbour takes a core, up only
+after ``RAISE_AFTER_WINDOWS`` windows agree. What it reads is the CPU time the kernel counts
+on this process's cores (``/proc/stat``) less this process's own (``os.times``): the cores
+the others used over the window, so neither this run's own threads nor their spin-waits count
+as load, and the 1-minute load average's lag does not enter.
 
-Why: torch's default is one thread per core. A model as small as the embedded default's and
-the calculator's and frozenlake's (0.28M parameters) does too little per operation to share
-it, and every parallel region ends at a barrier where the threads spin-wait for each other:
-on a loaded CPU a descheduled partner stalls every op. ``benchmarks/thread_rule.py``
-(``benchmarks/results/thread_rule_cpu.json``) measured the embedded default and ``--env
-calculator`` with 1 and 2 threads, alone and beside a busy-loop process: two threads
-collapsed whenever the CPU was busy. sql's 1.1M-parameter model is big enough to gain: on the
-idle 2-core CPU its runs took 552-598 s wall with two threads against 933-1156 s of CPU on
-one (``benchmarks/results/env_train_sql_width128_default_threads_cpu.json``,
-``env_train_sql_width128_3seeds_cpu.json``). So a model below ``SMALL_MODEL_PARAMETERS`` gets
-one thread; a larger one the cores nobody else is running on, at least one. On CUDA the rule
-leaves torch's default (the CPU side only launches kernels).
+Why: every parallel region of torch's intra-op pool ends at a barrier where the threads
+spin-wait for each other. Beside a CPU-bound neighbour a descheduled partner stalls every op,
+and a small model's ops are too short to pay for that: ``benchmarks/thread_rule.py``
+measured the embedded default and ``--env calculator`` (0.28M parameters) on two threads
+beside a busy loop, and they never finished within the 90 s that one thread needed 15-30 s
+for (``benchmarks/results/thread_rule_cpu.json``, ``thread_rule_idle_cpu.json``). On the
+idle 2-core CPU the same runs were fastest on both cores (the default's warm-up 25 steps/s
+against 16-17 on one), and sql's 1.1M model ran its runs in 552-598 s on two threads against
+933-1156 s of CPU on one (``env_train_sql_width128_default_threads_cpu.json``). So no model
+size earned a rule of its own here: the free cores, re-read as the machine changes. On CUDA
+the rule leaves torch's default (the CPU side only launches kernels).
 """
 
 from __future__ import annotations
@@ -26,23 +28,23 @@ from __future__ import annotations
 import os
 import statistics
 import time
-from dataclasses import dataclass
+from dataclasses import dataclass, field
+from typing import Callable, Sequence
 
-__all__ = ["ThreadChoice", "SMALL_MODEL_PARAMETERS", "choose_threads", "machine_threads", "available_cores",
-           "other_runnable", "builtin_model_parameters"]
+import torch
 
-SMALL_MODEL_PARAMETERS = 500_000
-"""Policies with fewer parameters run one intra-op thread on a CPU, whatever the machine: the
-0.28M-parameter built-in model's runs never finished within their limit on two threads beside a
-busy neighbour or another session's work (``thread_rule_cpu.json``, ``thread_rule_idle_cpu.json``).
-The price, measured on the truly idle 2-core CPU (load 0.8, ``thread_rule_idle_cpu.json``): the
-embedded default's warm-up ran 25 steps/s on two threads against 16-17 on one, its short run
-10.0 s against 12.8-13.8 s (the rule 1.38x the best there; calculator 1.05x). One thread trades
-that for never collapsing when load arrives after the run started (the rule reads the machine
-once). sql's 1.1M model gains from a second core (module docstring). Between the two the bound
-is a choice, not a measurement."""
+__all__ = ["ThreadChoice", "ThreadGovernor", "WINDOW_SECONDS", "RAISE_AFTER_WINDOWS", "choose_threads", "machine_threads",
+           "available_cores", "other_runnable", "others_busy_reader", "builtin_model_parameters"]
+
 RUNNABLE_SAMPLES = 5
-"""Samples of the running-process count ``other_runnable`` takes (50 ms apart; the median)."""
+"""Samples of the running-process count ``other_runnable`` takes at the start (50 ms apart; the median)."""
+WINDOW_SECONDS = 1.0
+"""How often a ``ThreadGovernor`` re-reads the machine: long enough for the kernel's CPU-time
+counters (10 ms ticks) to resolve a core's share to 1%, short enough that a neighbour arriving
+mid-run costs about a second of collapsed steps."""
+RAISE_AFTER_WINDOWS = 2
+"""Windows in a row that must find more free cores before the governor adds threads (it takes
+them away after one): a neighbour that pauses for a moment does not make the run flap."""
 
 
 @dataclass(frozen=True)
@@ -60,28 +62,29 @@ class ThreadChoice:
         return f"threads: {count} ({self.reason}; --threads N overrides)"
 
 
+def free_cores(cores: int, others: float) -> int:
+    """The cores of ``cores`` that ``others`` (cores' worth of other processes' work) leave, at least one."""
+    return max(1, int(cores) - min(int(cores), max(0, round(others))))
+
+
 def choose_threads(*, parameters: int | None, cores: int, load: float, device_type: str = "cpu") -> ThreadChoice:
-    """The intra-op thread count for a policy of ``parameters`` on ``cores`` usable cores
-    beside ``load`` other running processes. ``parameters`` None: unknown (counted as large).
-    Pure: the caller reads the machine (``machine_threads``)."""
+    """The intra-op thread count for a policy of ``parameters`` (for the words; None: unknown)
+    on ``cores`` usable cores beside ``load`` other running processes. Pure: the caller reads
+    the machine (``machine_threads``)."""
     if device_type != "cpu":
         return ThreadChoice(None, f"on {device_type} the CPU threads only launch kernels")
-    cores = max(1, int(cores))
-    if parameters is not None and parameters < SMALL_MODEL_PARAMETERS:
-        return ThreadChoice(1, f"a {parameters / 1e6:.2f}M-parameter model gains nothing from more, and loses "
-                               "to spin-waits on a busy CPU")
-    busy = min(cores, max(0, round(load)))
-    free = max(1, cores - busy)
-    size = "a model of unknown size" if parameters is None else f"a {parameters / 1e6:.1f}M-parameter model"
-    return ThreadChoice(free, f"{size} on {cores} core(s) with {load:g} other process(es) running: the free cores")
+    threads = free_cores(cores, load)
+    size = "a model of unknown size" if parameters is None else f"a {parameters / 1e6:.2f}M-parameter model"
+    return ThreadChoice(threads, f"{size} on {max(1, int(cores))} core(s) with {load:g} other process(es) running: "
+                                 "the free cores, re-read every second")
 
 
-def available_cores() -> int:
-    """The cores this process may run on (its affinity mask; ``os.cpu_count()`` where there is none)."""
+def available_cores() -> list[int]:
+    """The cores this process may run on (its affinity mask; all of ``os.cpu_count()`` where there is none)."""
     try:
-        return len(os.sched_getaffinity(0))
+        return sorted(os.sched_getaffinity(0))
     except (AttributeError, OSError):
-        return os.cpu_count() or 1
+        return list(range(os.cpu_count() or 1))
 
 
 def other_runnable(*, samples: int = RUNNABLE_SAMPLES, interval: float = 0.05) -> float:
@@ -104,10 +107,109 @@ def other_runnable(*, samples: int = RUNNABLE_SAMPLES, interval: float = 0.05) -
 
 
 def machine_threads(*, parameters: int | None, device_type: str = "cpu") -> ThreadChoice:
-    """``choose_threads`` with this machine's cores and load."""
-    if device_type != "cpu" or (parameters is not None and parameters < SMALL_MODEL_PARAMETERS):
-        return choose_threads(parameters=parameters, cores=available_cores(), load=0.0, device_type=device_type)
-    return choose_threads(parameters=parameters, cores=available_cores(), load=other_runnable(), device_type=device_type)
+    """``choose_threads`` with this machine's cores and the processes running on it now."""
+    load = other_runnable() if device_type == "cpu" else 0.0
+    return choose_threads(parameters=parameters, cores=len(available_cores()), load=load, device_type=device_type)
+
+
+# /proc/stat's per-core fields, in its order: user nice system idle iowait irq softirq steal (guest time is inside user)
+_BUSY_FIELDS = (0, 1, 2, 5, 6, 7)
+
+
+def others_busy_reader(cores: Sequence[int], *, stat_path: str = "/proc/stat",
+                       own_times: Callable[[], os.times_result] = os.times) -> Callable[[], float] | None:
+    """A function returning the CPU seconds other processes have used on ``cores`` so far
+    (``/proc/stat``'s busy time of those cores less this process's ``os.times``): its
+    difference over a window, divided by the window, is the cores' worth of the others' work.
+    None where there is no ``/proc/stat`` (the governor then keeps the start's choice).
+    ``stat_path`` and ``own_times`` are the test seams."""
+    names = {f"cpu{c}" for c in cores}
+    tick = os.sysconf("SC_CLK_TCK") if hasattr(os, "sysconf") else 100
+
+    def read() -> float:
+        busy = 0
+        with open(stat_path) as handle:
+            for line in handle:
+                if not line.startswith("cpu"):
+                    break
+                parts = line.split()
+                if parts[0] in names:
+                    values = parts[1:]
+                    busy += sum(int(values[i]) for i in _BUSY_FIELDS if i < len(values))
+        own = own_times()
+        return busy / tick - (own.user + own.system)
+
+    try:
+        read()
+    except (OSError, ValueError, IndexError):
+        return None
+    return read
+
+
+@dataclass
+class ThreadGovernor:
+    """Keeps torch's intra-op threads at the free cores while a run goes on.
+
+    ``tick()`` is cheap (a clock read) and acts once a ``window`` has passed: the others' CPU
+    seconds over the window (``read_others``) give the cores they used, ``free_cores`` the
+    threads. ``attach(module)`` calls ``tick`` before every forward of ``module`` (the CPU work
+    of a run -- warm-up, sampling, scoring, update -- is forwards and their backwards), on the
+    thread that runs them, where torch's thread count applies. ``close()`` detaches it. The
+    clock, the reader and the setter are parameters: the tests drive it with made-up counters.
+    """
+
+    cores: int
+    threads: int
+    read_others: Callable[[], float]
+    set_threads: Callable[[int], None] = torch.set_num_threads
+    clock: Callable[[], float] = time.monotonic
+    window: float = WINDOW_SECONDS
+    raise_after: int = RAISE_AFTER_WINDOWS
+    changes: list[tuple[float, int, float]] = field(default_factory=list)
+    """(time, new thread count, the others' cores that decided it), for a run's log and the tests."""
+
+    def __post_init__(self) -> None:
+        self._start = self._last_time = self.clock()
+        self._last_others = self.read_others()
+        self._higher = 0
+        self._handles: list = []
+        self.closed = False
+
+    def tick(self) -> None:
+        """Re-read the machine if a window has passed; move the thread count if it must."""
+        now = self.clock()
+        if self.closed or now - self._last_time < self.window:
+            return
+        others_seconds = self.read_others()
+        others = max(0.0, (others_seconds - self._last_others) / (now - self._last_time))
+        self._last_time, self._last_others = now, others_seconds
+        want = free_cores(self.cores, others)
+        if want < self.threads:
+            self._higher = 0
+            self._move(want, now, others)
+        elif want > self.threads:
+            self._higher += 1
+            if self._higher >= self.raise_after:
+                self._higher = 0
+                self._move(want, now, others)
+        else:
+            self._higher = 0
+
+    def _move(self, threads: int, now: float, others: float) -> None:
+        self.threads = threads
+        self.set_threads(threads)
+        self.changes.append((round(now - self._start, 3), threads, round(others, 2)))
+
+    def attach(self, module: torch.nn.Module) -> None:
+        """``tick`` before every forward of ``module``."""
+        self._handles.append(module.register_forward_pre_hook(lambda _module, _args: self.tick()))
+
+    def close(self) -> None:
+        """Stop governing: hooks removed (a copy of the module made meanwhile keeps a hook that does nothing)."""
+        self.closed = True
+        for handle in self._handles:
+            handle.remove()
+        self._handles.clear()
 
 
 def builtin_model_parameters(model_hidden_size: int | None = None, model_layers: int | None = None) -> int:

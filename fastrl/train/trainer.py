@@ -136,8 +136,7 @@ class Trainer:
         try:
             self.warmup = assemble.warm_up(cfg, site, loaded, task, scoring, stop=stop)
         except BaseException:  # a stopped (or failed) warm-up: its worker processes and the folder's lock go now
-            if site.run_lock is not None:
-                site.run_lock.release()
+            site.release()
             if scoring.rewards is not None:
                 scoring.rewards.close()
             if task.agent is not None:
@@ -582,8 +581,7 @@ class Trainer:
                    sharded=self.ranks.sharded, full_policy=self.models.full_copy, is_main=self.is_main)
 
     def close(self) -> None:
-        if self.site.run_lock is not None:
-            self.site.run_lock.release()
+        self.site.release()
         if self.rewards is not None:
             self.rewards.close()
         self.collector.close()
