@@ -11,6 +11,12 @@ if not torch.cuda.is_available():
 
 import pytest  # noqa: E402
 
+# fastrl train's runs in the tests take OMP_NUM_THREADS as a pinned thread count: one thread, so
+# a seed gives one run whatever the load (its rule follows the machine, and torch's CPU sums may
+# round differently at another count). Set after torch's import: this process's pool keeps its
+# size until a run sets it. tests/train/test_threads.py clears it to test the rule itself.
+os.environ.setdefault("OMP_NUM_THREADS", "1")
+
 # indexed on CUDA (cuda:0, not cuda), so that ``x.device == DEVICE`` holds for a tensor made there
 DEVICE = torch.device("cuda", torch.cuda.current_device()) if torch.cuda.is_available() else torch.device("cpu")
 

@@ -126,14 +126,19 @@ def open_run(cfg: TrainConfig, *, run_files: Sequence[str]) -> RunSite:
 
 
 def set_threads(cfg: TrainConfig, site: RunSite, policy: torch.nn.Module) -> None:
-    """torch's intra-op threads: ``--threads`` when given (set in ``open_run``), else the rule
-    of ``fastrl.train.threads`` (the free cores) on this machine, kept true while the run goes
-    on by a ``ThreadGovernor`` on the policy's forward (``site.threads``; the trainer closes
-    it); said on rank 0."""
-    from fastrl.train.threads import ThreadGovernor, available_cores, machine_threads, others_busy_reader
+    """torch's intra-op threads: ``--threads`` when given (set in ``open_run``), else
+    ``OMP_NUM_THREADS`` when set, else the rule of ``fastrl.train.threads`` (the free cores) on
+    this machine, kept true while the run goes on by a ``ThreadGovernor`` on the policy's
+    forward (``site.threads``; ``site.release`` stops it); said on rank 0."""
+    from fastrl.train.threads import (THREADS_ENV, ThreadGovernor, available_cores, machine_threads, others_busy_reader,
+                                      threads_from_environment)
 
     choice = machine_threads(parameters=sum(p.numel() for p in policy.parameters()), device_type=site.device.type)
-    if cfg.threads is None and choice.threads is not None:
+    given, source = cfg.threads, "--threads"
+    if given is None and threads_from_environment() is not None:
+        given, source = threads_from_environment(), THREADS_ENV
+        torch.set_num_threads(given)
+    if given is None and choice.threads is not None:
         torch.set_num_threads(choice.threads)
         cores = available_cores()
         reader = others_busy_reader(cores)
@@ -141,9 +146,8 @@ def set_threads(cfg: TrainConfig, site: RunSite, policy: torch.nn.Module) -> Non
             site.threads = ThreadGovernor(cores=len(cores), threads=choice.threads, read_others=reader)
             site.threads.attach(policy)
     if site.is_main:
-        print(f"fastrl train: {choice.describe(given=cfg.threads)}", file=sys.stderr, flush=True)
+        print(f"fastrl train: {choice.describe(given=given, source=source)}", file=sys.stderr, flush=True)
 
-    
 
 # ---------------------------------------------------------------------------- 2. the policy
 @dataclass

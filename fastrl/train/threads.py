@@ -21,6 +21,11 @@ against 16-17 on one), and sql's 1.1M model ran its runs in 552-598 s on two thr
 933-1156 s of CPU on one (``env_train_sql_width128_default_threads_cpu.json``). So no model
 size earned a rule of its own here: the free cores, re-read as the machine changes. On CUDA
 the rule leaves torch's default (the CPU side only launches kernels).
+
+The price of following the machine: torch's CPU sums may round differently at another thread
+count, so two runs of one seed can part ways when the load differs. ``--threads N`` (or
+``OMP_NUM_THREADS=N``) pins the count, and the run with it: the way to reproduce a run bit for
+bit, and what the tests and the measured studies do.
 """
 
 from __future__ import annotations
@@ -33,7 +38,7 @@ from typing import Callable, Sequence
 
 import torch
 
-__all__ = ["ThreadChoice", "ThreadGovernor", "WINDOW_SECONDS", "RAISE_AFTER_WINDOWS", "choose_threads", "machine_threads",
+__all__ = ["ThreadChoice", "ThreadGovernor", "THREADS_ENV", "threads_from_environment", "WINDOW_SECONDS", "RAISE_AFTER_WINDOWS", "choose_threads", "machine_threads",
            "available_cores", "other_runnable", "others_busy_reader", "builtin_model_parameters"]
 
 RUNNABLE_SAMPLES = 5
@@ -54,12 +59,23 @@ class ThreadChoice:
     threads: int | None
     reason: str
 
-    def describe(self, *, given: int | None = None) -> str:
-        """One line for the start of a run and ``fastrl env``."""
+    def describe(self, *, given: int | None = None, source: str = "--threads") -> str:
+        """One line for the start of a run and ``fastrl env``; ``given``: a count the user chose, by ``source``."""
         if given is not None:
-            return f"threads: {given} (--threads)"
+            return f"threads: {given} ({source})"
         count = "torch's default" if self.threads is None else str(self.threads)
         return f"threads: {count} ({self.reason}; --threads N overrides)"
+
+
+THREADS_ENV = "OMP_NUM_THREADS"
+"""A thread count the user set for every OpenMP program: ``fastrl train`` takes it as it takes
+``--threads`` (that count, no rule, no governor); torch read it at start-up too."""
+
+
+def threads_from_environment(environ: dict[str, str] | None = None) -> int | None:
+    """``OMP_NUM_THREADS`` when it is a whole number of at least one, else None (unset, empty, a list)."""
+    value = (os.environ if environ is None else environ).get(THREADS_ENV, "").strip()
+    return int(value) if value.isdigit() and int(value) >= 1 else None
 
 
 def free_cores(cores: int, others: float) -> int:

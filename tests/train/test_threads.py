@@ -122,16 +122,21 @@ def test_the_reader_counts_the_processes_cores_less_its_own_time(tmp_path):
     assert others_busy_reader([0], stat_path=str(tmp_path / "missing")) is None
 
 
-def test_a_run_sets_and_states_the_rule_and_lets_the_governor_go(tmp_path, capsys):
+def tiny_config(out):
     from fastrl.train.config import TrainConfig
+
+    return TrainConfig(output_dir=str(out), steps=1, sft_steps=0, eval_every=0, model_hidden_size=32, model_layers=1,
+                       task_train_size=20, task_eval_size=4, prompts_per_step=2, group_size=2, max_new_tokens=2,
+                       reward_workers=0, progress=False, tensorboard=False)
+
+
+def test_a_run_sets_and_states_the_rule_and_lets_the_governor_go(tmp_path, capsys, monkeypatch):
     from fastrl.train.trainer import Trainer
 
+    monkeypatch.delenv("OMP_NUM_THREADS", raising=False)  # tests/conftest.py pins it for every other run
     before = torch.get_num_threads()
     try:
-        cfg = TrainConfig(output_dir=str(tmp_path / "run"), steps=1, sft_steps=0, eval_every=0, model_hidden_size=32, model_layers=1,
-                          task_train_size=20, task_eval_size=4, prompts_per_step=2, group_size=2, max_new_tokens=2,
-                          reward_workers=0, progress=False, tensorboard=False)
-        with Trainer(cfg) as trainer:
+        with Trainer(tiny_config(tmp_path / "run")) as trainer:
             governor = trainer.site.threads
             assert governor is not None and 1 <= torch.get_num_threads() == governor.threads <= len(os_cores())
             trainer.train()
@@ -146,3 +151,24 @@ def os_cores() -> set[int]:
     import os
 
     return os.sched_getaffinity(0)
+
+
+@pytest.mark.parametrize("env,given", [("3", 3), (" 2 ", 2), ("", None), ("0", None), ("4,2", None), ("x", None)])
+def test_omp_num_threads_counts_as_a_given_count_when_it_is_one(env, given):
+    from fastrl.train.threads import threads_from_environment
+
+    assert threads_from_environment({"OMP_NUM_THREADS": env}) == given
+    assert threads_from_environment({}) is None
+
+
+def test_a_run_takes_omp_num_threads_as_pinned(tmp_path, capsys, monkeypatch):
+    from fastrl.train.trainer import Trainer
+
+    monkeypatch.setenv("OMP_NUM_THREADS", "2")
+    before = torch.get_num_threads()
+    try:
+        with Trainer(tiny_config(tmp_path / "run")) as trainer:
+            assert trainer.site.threads is None and torch.get_num_threads() == 2
+        assert "fastrl train: threads: 2 (OMP_NUM_THREADS)" in capsys.readouterr().err
+    finally:
+        torch.set_num_threads(before)
