@@ -395,7 +395,7 @@ class TrainConfig:
     earlier turns of step-wise samples or branches of one trajectory. Loss and gradients equal
     the padded batch's. true: always (takes precedence over shared_prefix); false: never;
     auto (with shared_prefix): each step's experience picks it when its samples share more than
-    the prompt (``fastrl.train.layout.prefers_tree``: the trie saves at least
+    the prompt (``fastrl.train.batching.prefers_tree``: the trie saves at least
     ``TREE_MIN_SAVING`` of the tokens the group layout would run), logged as ``layout/tree``."""
     activation_checkpointing: Literal["auto", "off", "layer"] = "auto"
     """Recompute each decoder layer in the backward instead of keeping its activations (policy and
