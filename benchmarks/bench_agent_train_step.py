@@ -1,5 +1,5 @@
-"""The agent training step: each group's prompt shared (``GroupPackedLayout``) vs repeated per
-trajectory (``PaddedLayout``), with the environment tokens attended to and masked out of the
+"""The agent training step: each group's prompt shared (``GroupPackedBatching``) vs repeated per
+trajectory (``PaddedBatching``), with the environment tokens attended to and masked out of the
 loss (issue 18, benchmarks).
 
 What is timed is the trainer's update path on one step's ``Experience`` (``fastrl.train.trainer``
@@ -53,7 +53,7 @@ for _p in (str(ROOT), str(HERE)):
         sys.path.insert(0, _p)
 
 LAYOUTS = ("packed", "padded")
-"""``packed``: GroupPackedLayout (prompt once per group); ``padded``: PaddedLayout (prompt per row)."""
+"""``packed``: GroupPackedBatching (prompt once per group); ``padded``: PaddedBatching (prompt per row)."""
 MODEL = dict(hidden=256, layers=4, vocab=32768, heads=4, kv_heads=2)
 QUICK_MODEL = dict(hidden=32, layers=2, vocab=512, heads=4, kv_heads=2)
 SHAPES = {
@@ -136,7 +136,7 @@ def build_step(*, layout: str, shape: str, group_size: int = 8, groups: int = 1,
     from bench_long_trajectory import build_model
     from fastrl.config import PolicyLossConfig
     from fastrl.ops import policy_loss
-    from fastrl.train.layout import make_layout
+    from fastrl.train.batching import make_batching
 
     if layout not in LAYOUTS:
         raise ValueError(f"layout must be one of {LAYOUTS}, got {layout!r}")
@@ -144,7 +144,7 @@ def build_step(*, layout: str, shape: str, group_size: int = 8, groups: int = 1,
     shape_model = model or MODEL
     exp = build_experience(shape, group_size=group_size, groups=groups, vocab=shape_model["vocab"])
     policy = build_model(**shape_model, max_positions=int(exp.batch.input_ids.shape[1]) + 8)
-    lay = make_layout(shared_prefix=layout == "packed", token_budget=TOKEN_BUDGET, device=torch.device("cpu"), temperature=1.0)
+    lay = make_batching(shared_prefix=layout == "packed", token_budget=TOKEN_BUDGET, device=torch.device("cpu"), temperature=1.0)
     config = PolicyLossConfig.preset("grpo", kl_coef=0.0)
     counts = exp.counts(exp.rows())
     micro = lay.micro_batches(exp)
@@ -294,7 +294,7 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
               f"env-token grad {row.get('max_abs_grad_at_env_tokens')}", flush=True)
         rows.append(row)
     payload = {
-        "benchmark": "agent training step: prompt shared per group (GroupPackedLayout) vs repeated (PaddedLayout), "
+        "benchmark": "agent training step: prompt shared per group (GroupPackedBatching) vs repeated (PaddedBatching), "
                      "environment tokens masked",
         "command": "python " + " ".join([os.path.relpath(__file__, ROOT), *(argv if argv is not None else sys.argv[1:])]),
         "environment": environment(torch.device("cpu")),

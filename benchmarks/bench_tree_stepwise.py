@@ -4,12 +4,12 @@ An 8-turn trajectory (prompt P, then per turn a policy response and an environme
 trained as 8 step-wise samples: sample k = prompt + turns 0..k, trained on its last
 response only (what a trainer must do where the chat template is not prefix-preserving).
 One forward + backward of the GRPO loss through the trainer's own layouts
-(``fastrl.train.layout``), on a small Qwen2 (random init, fp32):
+(``fastrl.train.batching``), on a small Qwen2 (random init, fp32):
 
-- ``padded``: the 8 samples as padded rows (``PaddedLayout``): ~T/2 times the trajectory;
-- ``grouped``: one document ``[prompt | s_0 | ... | s_7]`` (``GroupPackedLayout``: only the
+- ``padded``: the 8 samples as padded rows (``PaddedBatching``): ~T/2 times the trajectory;
+- ``grouped``: one document ``[prompt | s_0 | ... | s_7]`` (``GroupPackedBatching``: only the
   prompt is shared, every earlier turn is repeated);
-- ``tree``: the trie of the 8 samples (``TreePackedLayout``, prefix-tree attention);
+- ``tree``: the trie of the 8 samples (``TreePackedBatching``, prefix-tree attention);
 - ``single``: the trajectory once as one sequence, every response trained (the lower
   bound the issue's target is stated against: the tree should cost within 1.5x of it).
 
@@ -85,7 +85,7 @@ def build_experience(mode: str, *, template: str, prompt_len: int, turns: int, t
 
     from fastrl.rollout.base import RolloutBatch, RolloutStats
     from fastrl.train.experience import Experience
-    from fastrl.train.layout import GroupPackedLayout, PaddedLayout, TreePackedLayout
+    from fastrl.train.batching import GroupPackedBatching, PaddedBatching, TreePackedBatching
 
     prompt, responses, replies = trajectory(prompt_len=prompt_len, turns=turns, think_len=think_len, answer_len=answer_len,
                                             env_len=env_len, vocab=vocab)
@@ -109,7 +109,7 @@ def build_experience(mode: str, *, template: str, prompt_len: int, turns: int, t
         mask[r, P + a - 1:P + b - 1] = 1  # grid column c scores token c + 1
     exp.loss_mask = mask
     exp.advantages = (torch.linspace(-1, 1, G) if G > 1 else torch.ones(1)).to(device)
-    layout_cls = {"single": PaddedLayout, "padded": PaddedLayout, "grouped": GroupPackedLayout, "tree": TreePackedLayout}[mode]
+    layout_cls = {"single": PaddedBatching, "padded": PaddedBatching, "grouped": GroupPackedBatching, "tree": TreePackedBatching}[mode]
     return exp, layout_cls
 
 
@@ -276,7 +276,7 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
 
     record = {
         "benchmark": "8-turn trajectory as step-wise samples: padded vs group-packed vs prefix-tree packed vs the single sequence "
-                     "(GRPO loss forward + backward through fastrl.train.layout)",
+                     "(GRPO loss forward + backward through fastrl.train.batching)",
         "command": "python benchmarks/bench_tree_stepwise.py " + " ".join(sys.argv[1:] if argv is None else argv),
         **environment(args.threads),
         "quick": q,

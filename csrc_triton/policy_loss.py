@@ -31,7 +31,16 @@ from csrc_triton.kl import KL_ESTIMATOR_IDS, k3_f32, kl_value_grad
 from csrc_triton.policy_loss_slots import NOUT, NPART, OUT, OUT_KEYS, PART  # noqa: F401  (OUT_KEYS: re-exported)
 
 SURROGATE_IDS = {"ppo_clip": 0, "cispo": 1, "sapo": 2, "vespo": 3}
-"""The fwd kernel's ``SURROGATE`` constexpr per ``PolicyLossConfig.surrogate``."""
+"""The fwd kernel's ``SURROGATE`` constexpr per ``PolicyLossConfig.surrogate``: each record's
+``kernel_id`` (``fastrl.config.SURROGATE_SPECS``; this package imports nothing of fastrl, so
+``tests/ops/test_surrogates.py`` holds the two equal)."""
+LOGP_ONLY_SURROGATES = frozenset({"cispo", "vespo"})
+"""The kernel's surrogates that differentiate ``logp`` alone, the ratio detached (the records
+whose ``through_ratio`` is False; held equal by the same test)."""
+_S_PPO_CLIP = tl.constexpr(SURROGATE_IDS["ppo_clip"])
+_S_CISPO = tl.constexpr(SURROGATE_IDS["cispo"])
+_S_SAPO = tl.constexpr(SURROGATE_IDS["sapo"])
+_S_VESPO = tl.constexpr(SURROGATE_IDS["vespo"])
 _VESPO_LOG_RATIO_CLAMP = 20.0  # VESPO's per-token log-ratio clamp (its row sum comes from the pre-pass)
 AGG_IDS = {"token-mean": 0, "seq-mean-token-mean": 1, "seq-mean-token-sum": 2, "seq-mean-token-sum-norm": 3}
 # the fwd kernel's partial-sum slots (named in csrc_triton.policy_loss_slots.PART_KEYS)
@@ -158,7 +167,7 @@ def _policy_fwd_kernel(
     HAS_IS: tl.constexpr, HAS_IS_CAP: tl.constexpr, HAS_ISW: tl.constexpr, KL_GRAD: tl.constexpr,
     WRITE_GRAD: tl.constexpr, BLOCK_C: tl.constexpr, BLOCK: tl.constexpr,
 ):
-    # SURROGATE (SURROGATE_IDS): 0 ppo_clip, 1 cispo, 2 sapo, 3 vespo; sp0..sp3 its scalars
+    # SURROGATE (SURROGATE_IDS, the _S_* constants): ppo_clip, cispo, sapo, vespo; sp0..sp3 its scalars
     # (fastrl.ops.surrogates.surrogate_params). ppo_clip and sapo differentiate through the
     # ratio (dpg = d pg / d ratio); cispo and vespo through logp only (dlp = d pg / d logp).
     b = tl.program_id(0).to(tl.int64)
@@ -177,7 +186,7 @@ def _policy_fwd_kernel(
         lr = tl.minimum(tl.maximum(lr, -lr_clamp), lr_clamp)
 
     # per-row quantities of the sequence modes (and VESPO's row weight), from the pre-pass partials
-    if SEQ_RATIO or SEQ_IS or SURROGATE == 3:
+    if SEQ_RATIO or SEQ_IS or SURROGATE == _S_VESPO:
         n_row, lr_row, is_row = _row_pre_sums(pre_ptr, b, NC, BLOCK_C)
     if SEQ_RATIO:
         s_row = lr_row / tl.maximum(n_row, 1.0)
@@ -190,7 +199,7 @@ def _policy_fwd_kernel(
     smet = zero_t  # the surrogate's own per-token metric (partial 6)
     dpg = zero_t
     dlp = zero_t
-    if SURROGATE == 0:
+    if SURROGATE == _S_PPO_CLIP:
         # clipped surrogate and its derivative wrt the ratio
         clipped = tl.minimum(tl.maximum(ratio, ratio_lo), ratio_hi)
         pg1 = -A * ratio
@@ -204,12 +213,12 @@ def _policy_fwd_kernel(
             pg = tl.where(dual_on, pg3, pg)
             dpg = tl.where(dual_on, 0.0, dpg)
             smet = dual_on.to(tl.float32)
-    elif SURROGATE == 1:
+    elif SURROGATE == _S_CISPO:
         # CISPO: -sg(min(r, cispo_max)) A logp
         dlp = -tl.minimum(ratio, sp0) * A
         pg = dlp * tl.where(m, lp, 0.0)
         smet = ((ratio > sp0) & (A > 0)).to(tl.float32)
-    elif SURROGATE == 2:
+    elif SURROGATE == _S_SAPO:
         # SAPO: -(4 / tau) sigmoid(tau (r - 1)) A
         tau = tl.where(A > 0, sp0, sp1)
         gate = tl.sigmoid(tau * (ratio - 1.0))
@@ -231,7 +240,7 @@ def _policy_fwd_kernel(
         smet = tl.where(m, phi, 0.0)
     if HAS_IS or HAS_ISW:
         w = tl.where(m, 1.0, 0.0)
-        if HAS_IS and SURROGATE != 3:  # VESPO folded the rollout weight into phi
+        if HAS_IS and SURROGATE != _S_VESPO:  # VESPO folded the rollout weight into phi
             if SEQ_IS:
                 w = w * tl.exp(is_row)
             else:
@@ -247,7 +256,7 @@ def _policy_fwd_kernel(
 
     # where dpg == 0 (clipped, dual-clipped, A = 0, saturated gate) the gradient is exactly 0,
     # even when the ratio overflowed to inf (0 * inf would be NaN)
-    if SURROGATE == 1 or SURROGATE == 3:
+    if SURROGATE == _S_CISPO or SURROGATE == _S_VESPO:
         g = tl.where(m, dlp, 0.0)  # the ratio is detached: no row constant even in sequence mode
         c_part = tl.sum(mf, axis=0) * 0.0
     elif SEQ_RATIO:
@@ -536,7 +545,7 @@ def policy_loss_fwd(
     has_ent = entropy is not None
     # in sequence mode g holds only the KL part (and the logp-only surrogates' gradient);
     # without them there is nothing per token to keep
-    direct = surrogate in ("cispo", "vespo")
+    direct = surrogate in LOGP_ONLY_SURROGATES
     write_g = write_grad and (not seq_ratio or direct or (has_ref and kl_coef != 0))
     has_isw = is_weight is not None
     g = torch.empty((B, T), dtype=torch.float32, device=dev) if write_g else None

@@ -16,7 +16,10 @@ import importlib.util
 import sys
 from types import ModuleType
 
-MOVED_MODULES: dict[str, str] = {}
+MOVED_MODULES: dict[str, str] = {
+    # issue 40, config/rewards/names: the step's micro-batching classes are no longer called *Layout
+    "fastrl.train.layout": "fastrl.train.batching",
+}
 """Old dotted module name -> its new one (filled as modules move; read by the finder at import time)."""
 
 

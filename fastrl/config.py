@@ -7,16 +7,67 @@ gives the published settings of the common algorithms; any field can be overridd
 from __future__ import annotations
 
 import dataclasses
+from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Literal, get_args
 
 from fastrl._checks import check_choice, check_scalar
 
-# One list per vocabulary: each Literal is the list; the tuples below are derived from it.
+
+@dataclass(frozen=True)
+class SurrogateSpec:
+    """One policy-gradient surrogate: its one definition. Every table that lists surrogates is
+    derived from ``SURROGATE_SPECS`` (the PyTorch backend's and the reference's entries, the
+    sets of surrogates that go through the ratio or fold the rollout weight, the metric names,
+    the ``Surrogate`` choices); the Triton kernel's id table, which cannot import this module, is
+    held equal to it by ``tests/ops/test_surrogates.py``. A new surrogate is a record here, its
+    formula in ``fastrl.reference.surrogates``, its entry in ``fastrl.ops.surrogates`` and its
+    branch in ``csrc_triton.policy_loss`` (the id below)."""
+
+    name: str
+    """``PolicyLossConfig.surrogate``; its formula is ``fastrl.reference.surrogates.<name>`` and
+    its PyTorch backend entry ``fastrl.ops.surrogates.SURROGATES[name]``."""
+    kernel_id: int
+    """The Triton kernel's ``SURROGATE`` constexpr (``csrc_triton.policy_loss.SURROGATE_IDS``)."""
+    options: tuple[str, ...]
+    """The ``PolicyLossConfig`` fields it reads (a field of another surrogate's is unused)."""
+    params: Callable[[PolicyLossConfig], tuple[float, ...]]  # (the config class comes below)
+    """Its scalars as the kernel (``p0..p3``) and the PyTorch backend read them, at most four."""
+    through_ratio: bool
+    """Its gradient flows through the ratio (in sequence mode: the row's mean log-ratio); else
+    it differentiates ``logp`` alone, its ratio weight detached."""
+    folds_rollout_weight: bool
+    """It takes the rollout log-weight ``old_logp - rollout_logp`` into its own formula instead
+    of being multiplied by ``exp`` of it (so ``is_cap`` does not apply)."""
+    sequence_weight: bool
+    """Its per-token term carries a weight of the row's summed log-ratios: the loss of a token
+    depends on its whole row (``ratio_level`` must be ``token``; no token-local pass)."""
+    metric: str | None
+    """The name its own per-token metric is reported under (its masked token mean), or None."""
+
+
+SURROGATE_SPECS: dict[str, SurrogateSpec] = {spec.name: spec for spec in (
+    SurrogateSpec("ppo_clip", kernel_id=0, options=("clip_low", "clip_high", "dual_clip"),
+                  params=lambda c: (1.0 - c.clip_low, 1.0 + c.clip_high, float(c.dual_clip or 0.0)),
+                  through_ratio=True, folds_rollout_weight=False, sequence_weight=False, metric="dual_clip_frac"),
+    SurrogateSpec("cispo", kernel_id=1, options=("cispo_max",), params=lambda c: (c.cispo_max,),
+                  through_ratio=False, folds_rollout_weight=False, sequence_weight=False, metric="cispo_clip_frac"),
+    SurrogateSpec("sapo", kernel_id=2, options=("sapo_tau_pos", "sapo_tau_neg"),
+                  params=lambda c: (c.sapo_tau_pos, c.sapo_tau_neg),
+                  through_ratio=True, folds_rollout_weight=False, sequence_weight=False, metric=None),
+    SurrogateSpec("vespo", kernel_id=3, options=("vespo_k_pos", "vespo_lambda_pos", "vespo_k_neg", "vespo_lambda_neg"),
+                  params=lambda c: (c.vespo_k_pos, c.vespo_lambda_pos, c.vespo_k_neg, c.vespo_lambda_neg),
+                  through_ratio=False, folds_rollout_weight=True, sequence_weight=True, metric="vespo_phi_mean"),
+)}
+"""Every policy-gradient surrogate by name (``PolicyLossConfig.surrogate``), in the order of the choices."""
+
+# One list per vocabulary: each Literal is the list; the tuples below are derived from it
+# (the surrogates' list is the records' names).
 RatioLevel = Literal["token", "sequence"]
 IsLevel = Literal["token", "sequence"]
 KLEstimator = Literal["k1", "k2", "k3"]
-Surrogate = Literal["ppo_clip", "cispo", "sapo", "vespo"]
+SURROGATES: tuple[str, ...] = tuple(SURROGATE_SPECS)
+Surrogate = Literal[SURROGATES]  # type: ignore[valid-type]  (the choices, derived from the records)
 LossAgg = Literal["token-mean", "seq-mean-token-mean", "seq-mean-token-sum", "seq-mean-token-sum-norm"]
 
 NORM_LENGTH_REQUIRED = (
@@ -29,7 +80,6 @@ RATIO_LEVELS: tuple[str, ...] = get_args(RatioLevel)
 KL_ESTIMATORS: tuple[str, ...] = get_args(KLEstimator)
 LOSS_AGGS: tuple[str, ...] = get_args(LossAgg)
 IS_LEVELS: tuple[str, ...] = get_args(IsLevel)
-SURROGATES: tuple[str, ...] = get_args(Surrogate)
 
 
 @dataclass(frozen=True)
@@ -187,15 +237,16 @@ class PolicyLossConfig:
         check_scalar("norm_length", self.norm_length, low=0.0, low_inclusive=False, allow_none=True)
         if self.loss_agg == "seq-mean-token-sum-norm" and self.norm_length is None:
             raise ValueError(NORM_LENGTH_REQUIRED)
-        if self.dual_clip is not None and self.surrogate != "ppo_clip":
-            raise ValueError(f"dual_clip is a setting of surrogate='ppo_clip', got surrogate={self.surrogate!r}")
-        if self.surrogate == "vespo":
-            if self.ratio_level != "token":
-                raise ValueError("surrogate='vespo' builds its own sequence weight from the summed token "
-                                 "log-ratios: use ratio_level='token'")
-            if self.is_cap is not None:
-                raise ValueError("surrogate='vespo' folds the rollout log-ratio into its sequence weight, which "
-                                 "bounds it: is_cap must be None (truncate the rollout log-probs beforehand)")
+        spec = SURROGATE_SPECS[self.surrogate]
+        if self.dual_clip is not None and "dual_clip" not in spec.options:
+            owner = next(other.name for other in SURROGATE_SPECS.values() if "dual_clip" in other.options)
+            raise ValueError(f"dual_clip is a setting of surrogate={owner!r}, got surrogate={self.surrogate!r}")
+        if spec.sequence_weight and self.ratio_level != "token":
+            raise ValueError(f"surrogate={spec.name!r} builds its own sequence weight from the summed token "
+                             "log-ratios: use ratio_level='token'")
+        if spec.folds_rollout_weight and self.is_cap is not None:
+            raise ValueError(f"surrogate={spec.name!r} folds the rollout log-ratio into its sequence weight, which "
+                             "bounds it: is_cap must be None (truncate the rollout log-probs beforehand)")
 
     def replace(self, **changes: object) -> "PolicyLossConfig":
         return dataclasses.replace(self, **changes)

@@ -1,6 +1,6 @@
 """A pool of killable worker processes that run a callable under a per-call time limit.
 
-This is the machinery under fastrl's reward pool (:mod:`fastrl.train.rewards`) and the
+This is the machinery under fastrl's reward pool (:mod:`fastrl.train.reward_pool`) and the
 agents' environment steps: untrusted or fragile user code runs in worker processes, each
 task bounded by a wall-clock limit, and a worker that hangs, dies or is interrupted is
 killed, reaped and replaced. The pool knows nothing about rewards; what a task means is
@@ -72,10 +72,11 @@ import warnings
 import weakref
 from collections import deque
 from dataclasses import dataclass
-from typing import Any, Callable, Sequence
+from typing import Any, Callable, Sequence, TypeVar
 
 __all__ = [
     "CRASHED",
+    "Closeable",
     "OK",
     "PARENT_CHECK_INTERVAL_S",
     "RAISED",
@@ -316,7 +317,46 @@ def _ship(handler: Callable, state: Any, start_method: str) -> Any:
         raise ValueError(f"the worker's handler could not be pickled for {start_method!r} workers: {error}") from error
 
 
-class WorkerPool:
+_Self = TypeVar("_Self", bound="Closeable")
+
+
+class Closeable:
+    """The closing of an object that holds worker processes, written once: :meth:`close` releases
+    them the first time only (a subclass's :meth:`_release`), ``with`` closes on the way out (an
+    error included), and a closed object refuses work (:meth:`_check_open`). What closes it at the
+    interpreter's exit or on garbage collection is the holder's: :class:`WorkerPool` registers a
+    ``weakref.finalize``; a holder of a pool (the reward pool) inherits that from its pool."""
+
+    _closed = False
+
+    @property
+    def closed(self) -> bool:
+        """Whether :meth:`close` has run."""
+        return self._closed
+
+    def __enter__(self: _Self) -> _Self:
+        return self
+
+    def __exit__(self, *exc_info: Any) -> None:
+        self.close()
+
+    def close(self) -> None:
+        """Stop the workers (asked first, killed after :data:`SHUTDOWN_GRACE_S`) and reap them. Idempotent."""
+        if self._closed:
+            return
+        self._closed = True
+        self._release()
+
+    def _release(self) -> None:
+        """Stop and reap the workers (called once, by :meth:`close`)."""
+        raise NotImplementedError
+
+    def _check_open(self) -> None:
+        if self._closed:
+            raise ValueError(f"this {type(self).__name__} is closed")
+
+
+class WorkerPool(Closeable):
     """``num_workers`` killable processes running ``handler(state, argument)`` per task.
 
     Args:
@@ -363,7 +403,6 @@ class WorkerPool:
         self._context = multiprocessing.get_context(start_method)
         self._workers: list[_Worker | None] = [None] * num_workers
         self._next_task_id = 0
-        self._closed = False
         self._finalizer = weakref.finalize(self, _shutdown, self._workers)
         try:
             self._start_missing_workers(raise_errors=True)
@@ -377,28 +416,11 @@ class WorkerPool:
         """Process ids of the live workers (for monitoring and tests)."""
         return [worker.process.pid for worker in self._workers if worker is not None and worker.process.is_alive()]
 
-    @property
-    def closed(self) -> bool:
-        return self._closed
-
-    def __enter__(self) -> "WorkerPool":
-        return self
-
-    def __exit__(self, *exc_info: Any) -> None:
-        self.close()
-
-    def close(self) -> None:
-        """Stop the workers (asked first, killed after :data:`SHUTDOWN_GRACE_S`) and reap them. Idempotent."""
-        if self._closed:
-            return
-        self._closed = True
-        self._finalizer()
 
     def run(self, arguments: Sequence[Any], *, timeout_s: float | None = None) -> list[TaskResult]:
         """One :class:`TaskResult` per argument, in order; each task bounded by ``timeout_s``
         (default: the pool's) from its dispatch. Never raises because of the handler."""
-        if self._closed:
-            raise ValueError("this WorkerPool is closed")
+        self._check_open()
         limit = self.timeout_s if timeout_s is None else _checked_timeout(timeout_s)
         results: list[TaskResult | None] = [None] * len(arguments)
         pending = deque(range(len(arguments)))
@@ -450,6 +472,9 @@ class WorkerPool:
         return [result if result is not None else TaskResult(CRASHED, message="lost task") for result in results]
 
     # ------------------------------------------------------------------ internals
+    def _release(self) -> None:
+        self._finalizer()  # the same shutdown a garbage-collected pool, or one alive at exit, gets
+
     def _busy(self) -> list[_Worker]:
         return [worker for worker in self._workers if worker is not None and worker.task is not None]
 

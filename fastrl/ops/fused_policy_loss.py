@@ -38,7 +38,7 @@ from fastrl._checks import (
     check_mask,
     check_same_device,
 )
-from fastrl.config import PolicyLossConfig
+from fastrl.config import SURROGATE_SPECS, PolicyLossConfig
 from fastrl.ops.aggregation import GlobalCounts, aggregation_weights, resolve_global_count
 from fastrl.ops.logprobs import linear_logprobs
 from fastrl.ops.policy_loss import policy_loss
@@ -189,7 +189,7 @@ def _token_level(config: PolicyLossConfig, has_rollout: bool) -> bool:
     """d loss / d logp_t depends on token t alone (up to the aggregation weight c_t)."""
     if config.ratio_level != "token" or (has_rollout and config.is_level != "token"):
         return False
-    return config.surrogate != "vespo"  # its weight depends on the whole row
+    return not SURROGATE_SPECS[config.surrogate].sequence_weight  # (vespo: its weight depends on the whole row)
 
 
 # --------------------------------------------------------------------------- one pass

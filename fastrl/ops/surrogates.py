@@ -1,5 +1,6 @@
 """Policy-gradient surrogates of ``policy_loss``'s PyTorch backend, one entry per
-``PolicyLossConfig.surrogate`` (formulas: ``fastrl.reference.surrogates``).
+``PolicyLossConfig.surrogate`` (formulas: ``fastrl.reference.surrogates``; each surrogate's
+record, and the tables below derived from it: ``fastrl.config.SURROGATE_SPECS``).
 
 Contract: an entry gets fp32 ``[B, T]`` tensors that are 0 at masked-out positions (``A``,
 ``lp``, ``lr``; ``ratio`` is 1 there) and returns ``SurrogateTerms``: the per-token loss
@@ -17,7 +18,7 @@ from typing import NamedTuple
 
 import torch
 
-from fastrl.config import PolicyLossConfig
+from fastrl.config import SURROGATE_SPECS, PolicyLossConfig
 
 
 class SurrogateTerms(NamedTuple):
@@ -37,15 +38,11 @@ def _step(x: torch.Tensor) -> torch.Tensor:
 
 
 def surrogate_params(cfg: PolicyLossConfig) -> tuple[float, float, float, float]:
-    """The four scalars a surrogate reads (the kernel's ``p0..p3``; unused ones are 0):
-    ppo_clip (1 - clip_low, 1 + clip_high, dual_clip), cispo (cispo_max,), sapo (tau_pos,
-    tau_neg), vespo (k_pos, lambda_pos, k_neg, lambda_neg)."""
-    p = {
-        "ppo_clip": (1.0 - cfg.clip_low, 1.0 + cfg.clip_high, float(cfg.dual_clip or 0.0)),
-        "cispo": (cfg.cispo_max,),
-        "sapo": (cfg.sapo_tau_pos, cfg.sapo_tau_neg),
-        "vespo": (cfg.vespo_k_pos, cfg.vespo_lambda_pos, cfg.vespo_k_neg, cfg.vespo_lambda_neg),
-    }[cfg.surrogate]
+    """The four scalars a surrogate reads (the kernel's ``p0..p3``; unused ones are 0): its
+    record's ``params`` (``fastrl.config.SURROGATE_SPECS``): ppo_clip (1 - clip_low,
+    1 + clip_high, dual_clip), cispo (cispo_max,), sapo (tau_pos, tau_neg), vespo (k_pos,
+    lambda_pos, k_neg, lambda_neg)."""
+    p = SURROGATE_SPECS[cfg.surrogate].params(cfg)
     return tuple(float(x) for x in p) + (0.0,) * (4 - len(p))  # type: ignore[return-value]
 
 
@@ -110,14 +107,15 @@ def _vespo(ratio, A, lp, lr, mf, log_is, p, has_dual: bool, write_grad: bool) ->
 
 SurrogateFn = Callable[..., SurrogateTerms]
 
-SURROGATES: dict[str, SurrogateFn] = {"ppo_clip": _ppo_clip, "cispo": _cispo, "sapo": _sapo, "vespo": _vespo}
-"""The torch backend's entry per surrogate name (same names as ``fastrl.reference.surrogates``)."""
+SURROGATES: dict[str, SurrogateFn] = {name: globals()[f"_{name}"] for name in SURROGATE_SPECS}
+"""The torch backend's entry per surrogate name: the function ``_<name>`` above, in the records'
+order (a record without its entry fails here, at import)."""
 
-THROUGH_RATIO = frozenset({"ppo_clip", "sapo"})
+THROUGH_RATIO = frozenset(spec.name for spec in SURROGATE_SPECS.values() if spec.through_ratio)
 """Surrogates whose gradient flows through the ratio (in sequence mode: through the row mean)."""
 
-FOLDS_ROLLOUT_WEIGHT = frozenset({"vespo"})
+FOLDS_ROLLOUT_WEIGHT = frozenset(spec.name for spec in SURROGATE_SPECS.values() if spec.folds_rollout_weight)
 """Surrogates that take ``old_logp - rollout_logp`` into their formula instead of a multiplied weight."""
 
-METRIC_NAME = {"ppo_clip": "dual_clip_frac", "cispo": "cispo_clip_frac", "vespo": "vespo_phi_mean"}
+METRIC_NAME = {spec.name: spec.metric for spec in SURROGATE_SPECS.values() if spec.metric is not None}
 """The name under which each surrogate's own per-token metric (token mean) is reported."""

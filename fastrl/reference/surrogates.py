@@ -1,8 +1,9 @@
 """Reference policy-gradient surrogates: the per-token term ``pg`` of the policy loss.
 
-Selected by ``PolicyLossConfig.surrogate``; ``fastrl.reference.policy_loss`` calls the
-entry, then applies importance weights, KL, entropy and the aggregation around it. Every
-entry takes the same arguments (all ``[B, T]``, zero at masked-out positions):
+Selected by ``PolicyLossConfig.surrogate`` (each surrogate's record, its options, kernel id
+and metric name: ``fastrl.config.SURROGATE_SPECS``; its formula here is the function of its
+name); ``fastrl.reference.policy_loss`` calls the entry, then applies importance weights, KL,
+entropy and the aggregation around it. Every entry takes the same arguments (all ``[B, T]``, zero at masked-out positions):
 
     lr     the token log-ratio ``logp - old_logp`` (after ``log_ratio_clamp``)
     rlr    the log-ratio the surrogate's ratio uses: ``lr`` (``ratio_level="token"``) or the
@@ -43,7 +44,7 @@ from collections.abc import Callable
 
 import torch
 
-from fastrl.config import PolicyLossConfig
+from fastrl.config import SURROGATE_SPECS, PolicyLossConfig
 
 LOG_1E8 = math.log(1e-8)
 """VESPO's lower bound on the log sequence weight (TRL 1.16's)."""
@@ -113,9 +114,10 @@ def vespo(*, lr, rlr, logp, A, m, log_is, cfg: PolicyLossConfig):
     return -phi * A * logp, {"vespo_phi_mean": phi}
 
 
-SURROGATES: dict[str, SurrogateFn] = {"ppo_clip": ppo_clip, "cispo": cispo, "sapo": sapo, "vespo": vespo}
-"""Every surrogate by its ``PolicyLossConfig.surrogate`` name."""
+SURROGATES: dict[str, SurrogateFn] = {name: globals()[name] for name in SURROGATE_SPECS}
+"""Every surrogate by its ``PolicyLossConfig.surrogate`` name: the function of that name above
+(a record without its formula fails here, at import)."""
 
-FOLDS_ROLLOUT_WEIGHT = frozenset({"vespo"})
+FOLDS_ROLLOUT_WEIGHT = frozenset(spec.name for spec in SURROGATE_SPECS.values() if spec.folds_rollout_weight)
 """Surrogates that take the rollout log-weight into their own formula instead of being
 multiplied by ``exp(old_logp - rollout_logp)``."""

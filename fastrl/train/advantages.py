@@ -13,8 +13,8 @@ estimator between the behaviour policy (old log-probs, or the sampler's) and the
 
 Agent trajectories (``exp.segment_turns`` set, ``fastrl train --env``)
 -------------------------------------------------------------------
-``turn_layout(exp)`` turns the Experience's agent fields into turn tables
-(``TurnLayout``): per row on the ``[B, T-1]`` grid (column ``c`` = token ``c + 1``, so the
+``turn_tables(exp)`` turns the Experience's agent fields into turn tables
+(``TurnTables``): per row on the ``[B, T-1]`` grid (column ``c`` = token ``c + 1``, so the
 policy span ``[start, end)`` in token positions is columns ``[start - 1, end - 1)``) the turn
 index of each policy column, and per *trajectory* ``[N, K]`` the turn rewards (the sum of
 ``exp.turn_rewards`` over each turn's columns: its value on the turn's last policy token) and
@@ -83,7 +83,7 @@ from fastrl.ops.turn_advantages import place_turn_rewards, turn_advantages, turn
 from fastrl.train.config import TrainConfig
 from fastrl.train.experience import Experience
 
-__all__ = ["INITIAL_STATE", "MONITOR_ADVANTAGE_MODE", "TurnLayout", "estimate", "state_key_hash", "turn_layout"]
+__all__ = ["INITIAL_STATE", "MONITOR_ADVANTAGE_MODE", "TurnTables", "estimate", "state_key_hash", "turn_tables"]
 
 MONITOR_ADVANTAGE_MODE = "dr_grpo"
 """PPO and the turn modes log group statistics (how many prompts carry signal) from this group estimator."""
@@ -101,7 +101,7 @@ def state_key_hash(key: Any) -> int:
 
 
 @dataclass
-class TurnLayout:
+class TurnTables:
     """The turns of a batch of agent trajectories: per row on the ``[B, T-1]`` grid, and per
     trajectory (``N`` trajectories; a split trajectory has several rows)."""
 
@@ -123,7 +123,7 @@ class TurnLayout:
     """``[N, K]`` int64: hash of the state each turn acted in (GiGPO's step-group key)."""
 
 
-def turn_layout(exp: Experience) -> TurnLayout:
+def turn_tables(exp: Experience) -> TurnTables:
     """The turn tables of ``exp``'s agent fields (see the module docstring)."""
     device = exp.device
     B, C = exp.loss_mask.shape
@@ -164,7 +164,7 @@ def turn_layout(exp: Experience) -> TurnLayout:
     after = torch.full((N, K), state_key_hash(None), dtype=torch.long)
     after.index_put_((trajectory[rows], turns), torch.tensor([state_key_hash(k) for k in keys], dtype=torch.long))
     anchor = torch.cat([torch.full((N, 1), state_key_hash(INITIAL_STATE), dtype=torch.long), after[:, :-1]], dim=1)
-    return TurnLayout(turn_index=turn_index, row_turns=row_turns.to(device), row_turn_rewards=row_rewards,
+    return TurnTables(turn_index=turn_index, row_turns=row_turns.to(device), row_turn_rewards=row_rewards,
                       trajectory=trajectory_d, first_row=first_row.to(device), num_turns=num_turns.to(device),
                       turn_rewards=rewards, anchor_keys=anchor.to(device))
 
@@ -191,10 +191,10 @@ def _group_advantages(ranks, values: torch.Tensor, group_ids: torch.Tensor, mode
 
 @dataclass
 class _Trajectories:
-    """The trajectory view of an agent Experience: the layout, the kept (not excluded)
+    """The trajectory view of an agent Experience: its turn tables, the kept (not excluded)
     trajectories and their group ids and (shaped) outcomes."""
 
-    layout: TurnLayout
+    tables: TurnTables
     keep: torch.Tensor | None
     """``[N_kept]`` indices of the trajectories not excluded (None: all)."""
     group_ids: torch.Tensor
@@ -203,27 +203,27 @@ class _Trajectories:
 
 
 def _trajectories(exp: Experience, token_kl: torch.Tensor | None, kl_coef: float) -> _Trajectories:
-    lay = turn_layout(exp)
-    N = lay.first_row.numel()
+    tables = turn_tables(exp)
+    N = tables.first_row.numel()
     keep = None
     if exp.excluded is not None:
-        excluded = exp.excluded.to(torch.bool)[lay.first_row].cpu()
+        excluded = exp.excluded.to(torch.bool)[tables.first_row].cpu()
         if bool(excluded.any()):
             keep = (~excluded).nonzero().reshape(-1).to(exp.device)
     kl = None
     if token_kl is not None:
-        kl = torch.zeros(N, dtype=token_kl.dtype, device=exp.device).index_add_(0, lay.trajectory, token_kl.sum(1))[:, None]
-    outcome = sequence_rewards(exp.rewards[lay.first_row], token_kl=kl, kl_coef=kl_coef)
-    return _Trajectories(lay, keep, _take(exp.group_ids[lay.first_row], keep), _take(outcome, keep))
+        kl = torch.zeros(N, dtype=token_kl.dtype, device=exp.device).index_add_(0, tables.trajectory, token_kl.sum(1))[:, None]
+    outcome = sequence_rewards(exp.rewards[tables.first_row], token_kl=kl, kl_coef=kl_coef)
+    return _Trajectories(tables, keep, _take(exp.group_ids[tables.first_row], keep), _take(outcome, keep))
 
 
 def _turn_mode(exp: Experience, tr: _Trajectories, *, cfg: TrainConfig, ranks) -> tuple[torch.Tensor, dict[str, float]]:
     """``turn_advantages`` (``cfg.advantage_mode``) over the kept trajectories' turns
     (``[N, K]``: one row per trajectory, one column per turn), gathered onto each row's policy
     columns: ``[B, T-1]`` advantages and the turn-group metrics."""
-    lay, mode = tr.layout, cfg.advantage_mode
-    N, K = lay.turn_rewards.shape
-    n_turns = _take(lay.num_turns, tr.keep)
+    tables, mode = tr.tables, cfg.advantage_mode
+    N, K = tables.turn_rewards.shape
+    n_turns = _take(tables.num_turns, tr.keep)
     if n_turns.numel() == 0:  # every trajectory excluded (the collectives below still run)
         adv = torch.zeros_like(exp.loss_mask)
         zero = torch.zeros((), dtype=torch.float64, device=exp.device)
@@ -231,14 +231,14 @@ def _turn_mode(exp: Experience, tr: _Trajectories, *, cfg: TrainConfig, ranks) -
     else:
         columns = torch.arange(K, device=exp.device).expand(n_turns.numel(), K)
         per_turn, stats = turn_advantages(
-            columns, columns < n_turns[:, None], _take(lay.turn_rewards, tr.keep), n_turns, tr.outcome, tr.group_ids,
-            mode=mode, state_keys=_take(lay.anchor_keys, tr.keep) if mode == "gigpo" else None,
+            columns, columns < n_turns[:, None], _take(tables.turn_rewards, tr.keep), n_turns, tr.outcome, tr.group_ids,
+            mode=mode, state_keys=_take(tables.anchor_keys, tr.keep) if mode == "gigpo" else None,
             gamma=cfg.turn_gamma, step_coef=cfg.step_coef, turn_coef=cfg.turn_coef, outcome_coef=cfg.outcome_coef,
             final_turn_coef=cfg.final_turn_coef if mode == "turn_discounted" else None, norm=cfg.turn_norm,
         )  # [N_kept, K]: A[n, k]
-        per_turn = _put(per_turn, tr.keep, N)[lay.trajectory]  # [B, K]
-        on = (exp.loss_mask > 0) & (lay.turn_index >= 0)
-        adv = torch.where(on, torch.gather(per_turn, 1, lay.turn_index.clamp(min=0)), 0.0)
+        per_turn = _put(per_turn, tr.keep, N)[tables.trajectory]  # [B, K]
+        on = (exp.loss_mask > 0) & (tables.turn_index >= 0)
+        adv = torch.where(on, torch.gather(per_turn, 1, tables.turn_index.clamp(min=0)), 0.0)
     groups = stats["turn_groups"].double()
     total = float(ranks.sum(groups))
     metrics = {"advantage/turn_groups": total}
@@ -272,15 +272,15 @@ def estimate(exp: Experience, *, cfg: TrainConfig, ranks, kl_coef: float,
     tr = None
     if agent:
         tr = _trajectories(exp, None if cfg.uses_critic else shaping_kl, kl_coef)
-        N = tr.layout.first_row.numel()
+        N = tr.tables.first_row.numel()
         metrics["advantage/excluded"] = float(ranks.sum(0 if tr.keep is None else N - tr.keep.numel()))
         if exp.excluded is not None:
             mask = exp.loss_mask * (~exp.excluded.to(torch.bool)).to(exp.loss_mask.dtype)[:, None]
     if cfg.uses_critic:
         if agent:
-            lay = tr.layout
+            tables = tr.tables
             kl_part = None if shaping_kl is None else -kl_coef * shaping_kl
-            exp.token_rewards = place_turn_rewards(lay.turn_index, mask, lay.row_turn_rewards, lay.row_turns,
+            exp.token_rewards = place_turn_rewards(tables.turn_index, mask, tables.row_turn_rewards, tables.row_turns,
                                                    token_rewards=kl_part)
         else:
             exp.token_rewards = token_rewards(exp.rewards, exp.loss_mask, token_kl=shaping_kl, kl_coef=kl_coef)
@@ -291,7 +291,7 @@ def estimate(exp: Experience, *, cfg: TrainConfig, ranks, kl_coef: float,
         if cfg.whiten_advantages and not whiten_here:
             exp.advantages = ranks.whiten(exp.advantages, mask)
         if agent:
-            outcome = _take(exp.rewards[tr.layout.first_row], tr.keep)
+            outcome = _take(exp.rewards[tr.tables.first_row], tr.keep)
             adv_stats = _group_advantages(ranks, outcome, tr.group_ids, MONITOR_ADVANTAGE_MODE)[1]  # monitoring only
         else:
             adv_stats = ranks.gather_groups(exp.rewards, exp.group_ids, mode=MONITOR_ADVANTAGE_MODE)[1]
@@ -302,7 +302,7 @@ def estimate(exp: Experience, *, cfg: TrainConfig, ranks, kl_coef: float,
             adv_stats = _group_advantages(ranks, tr.outcome, tr.group_ids, MONITOR_ADVANTAGE_MODE)[1]
         else:  # a group mode: one advantage per trajectory, on each of its rows (the op's "broadcast")
             adv, adv_stats = _group_advantages(ranks, tr.outcome, tr.group_ids, cfg.advantage_mode)
-            exp.advantages = _put(adv, tr.keep, tr.layout.first_row.numel())[tr.layout.trajectory]
+            exp.advantages = _put(adv, tr.keep, tr.tables.first_row.numel())[tr.tables.trajectory]
             if exp.tree_nodes is not None:  # branching trajectories: each branch point's children against their siblings
                 metrics.update(tree_step_credit(exp, cfg=cfg, ranks=ranks))
     else:

@@ -242,7 +242,7 @@ class Scoring:
 def build_scoring(cfg: TrainConfig, policy: LoadedPolicy, task: Task, reward_functions: Sequence[Callable | str] | None) -> Scoring:
     """The reward pool on ``reward_functions`` (else ``cfg.rewards``), checked on real rows
     before any training work (an env run's: ``agent_build.agent_scorer``)."""
-    from fastrl.train.rewards import RewardPool
+    from fastrl.train.reward_pool import RewardPool
 
     specs = list(reward_functions) if reward_functions is not None else list(cfg.rewards)
     agent_scorer = None

@@ -395,7 +395,7 @@ class TrainConfig:
     earlier turns of step-wise samples or branches of one trajectory. Loss and gradients equal
     the padded batch's. true: always (takes precedence over shared_prefix); false: never;
     auto (with shared_prefix): each step's experience picks it when its samples share more than
-    the prompt (``fastrl.train.layout.prefers_tree``: the trie saves at least
+    the prompt (``fastrl.train.batching.prefers_tree``: the trie saves at least
     ``TREE_MIN_SAVING`` of the tokens the group layout would run), logged as ``layout/tree``."""
     activation_checkpointing: Literal["auto", "off", "layer"] = "auto"
     """Recompute each decoder layer in the backward instead of keeping its activations (policy and
@@ -460,11 +460,27 @@ class TrainConfig:
     """Weight of the environment's outcome reward in an agent run's reward: a trajectory's
     reward is ``env_reward_weight * outcome + sum_i reward_weights[i] * rewards[i](trajectory)``
     (0 with ``--rewards``: the functions alone)."""
-    # one option per AgentConfig field (AGENT_FIELDS), same name and docs; None: the environment's default
-    for _field in dataclasses.fields(AgentConfig):
-        __annotations__[_field.name] = f"Optional[{_field.type}]"
-        vars()[_field.name] = None
-    del _field
+    # one option per AgentConfig field (AGENT_FIELDS), same name, order and type; None: the
+    # environment's default. --help shows AgentConfig's own docstring of each (cli._agent_help), and
+    # tests/train/test_train_config.py holds this block equal to AgentConfig's fields.
+    max_turns: Optional[int] = None
+    """``AgentConfig.max_turns``; None: the environment's default."""
+    max_turn_tokens: Optional[int] = None
+    """``AgentConfig.max_turn_tokens``; None: the environment's default."""
+    max_trajectory_tokens: Optional[int] = None
+    """``AgentConfig.max_trajectory_tokens``; None: the environment's default."""
+    max_observation_tokens: Optional[int] = None
+    """``AgentConfig.max_observation_tokens``; None: the environment's default."""
+    truncate_side: Optional[Literal["end", "start"]] = None
+    """``AgentConfig.truncate_side``; None: the environment's default."""
+    split_on_mismatch: Optional[bool] = None
+    """``AgentConfig.split_on_mismatch``; None: the environment's default."""
+    check_tokenization: Optional[bool] = None
+    """``AgentConfig.check_tokenization``; None: the environment's default."""
+    control_text: Optional[Literal["escape", "refuse", "allow"]] = None
+    """``AgentConfig.control_text``; None: the environment's default."""
+    failed_trajectories: Optional[Literal["zero", "mask"]] = None
+    """``AgentConfig.failed_trajectories``; None: the environment's default."""
 
     # ------------------------------------------------------------------ evaluation, logging, checkpoints
     eval_every: int = 25

@@ -126,7 +126,7 @@ class Experience:
         of rows that are not ``excluded``, the policy spans with their turns and state keys,
         and the per-turn rewards. A trajectory split into several samples has one row per
         sample, each repeating the trajectory's outcome reward and group id; the estimator
-        (``advantages.turn_layout``) finds the rows that continue a trajectory (their first
+        (``advantages.turn_tables``) finds the rows that continue a trajectory (their first
         policy turn is > 0) and counts each trajectory once in the group statistics."""
         try:
             batch = agent.as_rollout_batch()

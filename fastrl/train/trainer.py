@@ -17,7 +17,7 @@
 8. metrics, held-out evaluation, checkpoints
 
 The rooms around the loop: ``assemble.py`` (``__init__``'s stages, in order, each returning
-the named object the loop uses), ``experience.py`` (the step's tensors by name), ``layout.py``
+the named object the loop uses), ``experience.py`` (the step's tensors by name), ``batching.py``
 (padded rows or packed groups: micro-batches, forwards, gather/scatter), ``ranks.py``
 (everything cross-process; the identity in one process), ``build.py`` (models, optimisers,
 the sampler registry), ``weights.py`` (sync and probe), ``evaluate.py``, ``checkpoint.py``,
@@ -49,7 +49,7 @@ from fastrl.train.config import TrainConfig
 from fastrl.train.correction import rollout_correction
 from fastrl.train.experience import Experience
 from fastrl.train.faults import TrainingDivergedError, divergence_message
-from fastrl.train.layout import MicroBatch, make_layout
+from fastrl.train.batching import MicroBatch, make_batching
 from fastrl.train.metrics import (
     LOSS_SHARES, LogpGap, MetricsLogger, SilentLogger, StageTimer, peak_memory_bytes, update_metric_name,
 )
@@ -144,9 +144,9 @@ class Trainer:
             raise
         self.models = models = assemble.build_models(cfg, site, loaded, task)
         self.kl_ctl = AdaptiveKLController(float(cfg.kl_coef or 0.0), target=cfg.kl_target, horizon=cfg.kl_horizon)
-        self.layout = make_layout(shared_prefix=cfg.shared_prefix, prefix_tree=cfg.prefix_tree,
-                                  token_budget=cfg.micro_batch_tokens, device=site.device,
-                                  temperature=cfg.temperature, forward_context=self._forward_context)
+        self.layout = make_batching(shared_prefix=cfg.shared_prefix, prefix_tree=cfg.prefix_tree,
+                                    token_budget=cfg.micro_batch_tokens, device=site.device,
+                                    temperature=cfg.temperature, forward_context=self._forward_context)
 
         # ---- the loop's own state, restored on resume (before the sampler: it starts from the restored weights)
         self.step = 0

@@ -15,7 +15,7 @@ from fastrl.agents.runtime import InProcessRuntime
 from fastrl.ops import group_advantages
 from fastrl.ops.policy_loss import policy_loss
 from fastrl.train.experience import Experience
-from fastrl.train.layout import GroupPackedLayout, PaddedLayout
+from fastrl.train.batching import GroupPackedBatching, PaddedBatching
 from fastrl.train.task import char_tokenizer, tiny_model
 from scripted import ScriptedSampler
 
@@ -80,12 +80,12 @@ def test_packed_group_update_equals_the_padded_reference_and_env_tokens_get_no_g
     assert exp.loss_mask.sum() == batch.loss_mask.sum()  # policy tokens only
     exp.advantages = group_advantages(exp.rewards, exp.group_ids, mode="grpo")[0]
     kwargs = dict(token_budget=10_000, device=torch.device("cpu"), temperature=1.0)
-    packed, _ = _update(GroupPackedLayout(**kwargs), exp, model)
-    padded, _ = _update(PaddedLayout(**kwargs), exp, model)
+    packed, _ = _update(GroupPackedBatching(**kwargs), exp, model)
+    padded, _ = _update(PaddedBatching(**kwargs), exp, model)
     assert packed.keys() == padded.keys() and any(g.abs().sum() > 0 for g in packed.values())
     for name in padded:
         torch.testing.assert_close(packed[name], padded[name], rtol=1e-4, atol=1e-6, msg=name)
-    for layout in (GroupPackedLayout(**kwargs), PaddedLayout(**kwargs)):
+    for layout in (GroupPackedBatching(**kwargs), PaddedBatching(**kwargs)):
         _, seen = _update(layout, exp, model, probe_logp_grad=True)
         env_positions = 0
         for grad, mask in seen:
@@ -111,7 +111,7 @@ def test_split_trajectories_take_padded_rows_with_baselines_by_group_and_exclude
     advantages = group_advantages(exp.rewards, exp.group_ids, mode="grpo")[0]
     assert (advantages[left_out] == 0).all() and (advantages[~left_out] != 0).any()
     # the padded layout covers every row once, with each row's own loss mask
-    layout = GroupPackedLayout(token_budget=10_000, device=torch.device("cpu"), temperature=1.0)
+    layout = GroupPackedBatching(token_budget=10_000, device=torch.device("cpu"), temperature=1.0)
     micro = layout.micro_batches(exp)
     assert sorted(r for mb in micro for r in mb.rows.tolist()) == list(range(exp.num_samples))
     assert sum(float(layout.gather(mb, exp.loss_mask).sum()) for mb in micro) == float(exp.loss_mask.sum())

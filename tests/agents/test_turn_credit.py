@@ -12,7 +12,7 @@ from fastrl.agents.driver import AgentConfig, run_episodes
 from fastrl.agents.envs.frozenlake import FrozenLakeEnv, frozenlake_rows, shortest_path
 from fastrl.agents.render import ChatRenderer
 from fastrl.agents.runtime import InProcessRuntime
-from fastrl.train.advantages import INITIAL_STATE, estimate, state_key_hash, turn_layout
+from fastrl.train.advantages import INITIAL_STATE, estimate, state_key_hash, turn_tables
 from fastrl.train.config import TrainConfig
 from fastrl.train.experience import Experience
 from fastrl.train.ranks import Ranks
@@ -184,7 +184,7 @@ def test_gigpo_differs_from_grpo_broadcast_only_by_the_step_term(episodes):
 def test_anchor_keys_are_the_state_before_each_turn(episodes):
     trajectories, tokenizer = episodes
     exp = _experience(trajectories, tokenizer)
-    lay = turn_layout(exp)
+    lay = turn_tables(exp)
     for b, t in enumerate(trajectories):
         assert int(lay.num_turns[b]) == t.turns
         want = [state_key_hash(INITIAL_STATE)] + [state_key_hash(k) for k in t.state_keys[: t.turns - 1]]

@@ -168,6 +168,55 @@ def test_registries_agree():
     assert set(SURROGATES) == set(op_surrogates.SURROGATES)
 
 
+def test_every_table_is_the_one_derived_from_the_surrogate_records():
+    """One record per surrogate (``fastrl.config.SURROGATE_SPECS``): every table that lists
+    surrogates equals the one derived from the records, the kernel's too (csrc_triton cannot import
+    fastrl), so a record added, or a property changed, without its entry or kernel branch fails here."""
+    import dataclasses
+    import typing
+
+    from fastrl.config import SURROGATE_SPECS, SURROGATES, Surrogate
+
+    specs = list(SURROGATE_SPECS.values())
+    names = tuple(spec.name for spec in specs)
+    assert tuple(SURROGATE_SPECS) == names == SURROGATES == typing.get_args(Surrogate)
+    assert typing.get_args(typing.get_type_hints(PolicyLossConfig)["surrogate"]) == names
+    assert tuple(ref_surrogates.SURROGATES) == tuple(op_surrogates.SURROGATES) == names
+    assert all(ref_surrogates.SURROGATES[name].__name__ == name for name in names)  # the formula of its name
+    assert all(op_surrogates.SURROGATES[name].__name__ == f"_{name}" for name in names)  # the backend's entry
+    assert kernels.SURROGATE_IDS == {spec.name: spec.kernel_id for spec in specs}
+    assert kernels.LOGP_ONLY_SURROGATES == {spec.name for spec in specs if not spec.through_ratio}
+    assert op_surrogates.THROUGH_RATIO == {spec.name for spec in specs if spec.through_ratio}
+    assert (op_surrogates.FOLDS_ROLLOUT_WEIGHT == ref_surrogates.FOLDS_ROLLOUT_WEIGHT
+            == {spec.name for spec in specs if spec.folds_rollout_weight})
+    assert op_surrogates.METRIC_NAME == {spec.name: spec.metric for spec in specs if spec.metric}
+    fields = {f.name for f in dataclasses.fields(PolicyLossConfig)}
+    for spec in specs:
+        # its options are config fields, and its scalars read those and no other field
+        assert set(spec.options) <= fields, spec.name
+        cfg = PolicyLossConfig(surrogate=spec.name, **({"dual_clip": 3.0} if "dual_clip" in spec.options else {}))
+        read: list[str] = []
+
+        class Recorder:
+            def __getattr__(self, field):
+                read.append(field)
+                return getattr(cfg, field)
+
+        assert 1 <= len(spec.params(Recorder())) <= 4 and set(read) == set(spec.options), spec.name
+        # the reference reports the metric the record names, under that name
+        z = torch.zeros(2, 3)
+        _, metrics = ref_surrogates.SURROGATES[spec.name](lr=z, rlr=z, logp=z, A=torch.ones(2, 3), m=z == 0,
+                                                          log_is=None, cfg=cfg)
+        assert spec.metric is None or spec.metric in metrics, spec.name
+    # the config's checks follow the records' properties
+    for name in {spec.name for spec in specs if spec.sequence_weight}:
+        with pytest.raises(ValueError, match="ratio_level='token'"):
+            PolicyLossConfig(surrogate=name, ratio_level="sequence")
+    for name in {spec.name for spec in specs if spec.folds_rollout_weight}:
+        with pytest.raises(ValueError, match="is_cap must be None"):
+            PolicyLossConfig(surrogate=name, is_cap=2.0)
+
+
 # ------------------------------------------------------------------------ backends vs reference
 
 CONFIGS = [

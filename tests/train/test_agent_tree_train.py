@@ -25,7 +25,7 @@ from fastrl.ops import group_advantages
 from fastrl.reference.tree_advantages import tree_step_advantages_reference
 from fastrl.train import TrainConfig
 from fastrl.train.advantages import estimate
-from fastrl.train.layout import PaddedLayout, TreePackedLayout
+from fastrl.train.batching import PaddedBatching, TreePackedBatching
 from fastrl.train.trainer import Trainer
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
@@ -98,7 +98,7 @@ def test_frozenlake_tree_run_forks_replays_exactly_and_trains_on_the_trie(tmp_pa
     torch.manual_seed(0)
     exp.old_logp, exp.advantages = exp.old_logp.double(), torch.randn(exp.loss_mask.shape, dtype=torch.float64)
     common = dict(token_budget=100_000, device=torch.device("cpu"), temperature=1.0)
-    _assert_same(_grads(TreePackedLayout(**common), policy, exp), _grads(PaddedLayout(**common), policy, exp))
+    _assert_same(_grads(TreePackedBatching(**common), policy, exp), _grads(PaddedBatching(**common), policy, exp))
 
 
 def test_calculator_ppo_tree_run_through_the_cli_replays_its_forks(tmp_path):

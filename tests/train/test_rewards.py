@@ -617,3 +617,18 @@ def test_bad_pool_arguments_and_inputs():
         with pytest.raises(ValueError, match="clashes"):
             pool.score(["p"], ["a"], columns={"trainer_state": [1]})
     assert set(BUILTIN_REWARDS) == {"exact_match", "math", "format"}
+
+
+def test_the_pool_lives_in_reward_pool_and_closes_like_a_worker_pool_on_an_error():
+    """``fastrl.train.rewards`` re-exports the pool's names from their home; the pool's closing is the
+    worker pool's (``workers.Closeable``): an error inside ``with`` still reaps the workers."""
+    from fastrl.train import reward_pool
+
+    for name in ("RewardPool", "RewardResult", "NON_FINITE_TOTAL_METRIC"):
+        assert getattr(rewards_module, name) is getattr(reward_pool, name)
+    assert issubclass(RewardPool, workers.Closeable) and issubclass(workers.WorkerPool, workers.Closeable)
+    with pytest.raises(RuntimeError, match="the caller's"):
+        with RewardPool([length_reward], num_workers=1) as pool:
+            pids = pool.worker_pids
+            raise RuntimeError("the caller's error")
+    assert pool.closed and pids and all(_process_gone(pid) for pid in pids)

@@ -13,7 +13,7 @@ from fastrl.rollout import HFGroupSampler, SamplingConfig
 from fastrl.train.build import SAMPLERS, sampler_spec
 from fastrl.train.config import TrainConfig
 from fastrl.train.experience import Experience
-from fastrl.train.layout import GroupPackedLayout, PaddedLayout, TreePackedLayout
+from fastrl.train.batching import GroupPackedBatching, PaddedBatching, TreePackedBatching
 from fastrl.train.ranks import Ranks
 from fastrl.train.task import char_tokenizer, tiny_model
 
@@ -48,8 +48,8 @@ def test_experience_rows_groups_spans_and_counts(sampled):
 
 def _layouts():
     common = dict(device=CPU, temperature=1.0)
-    return (PaddedLayout(token_budget=10_000, **common), GroupPackedLayout(token_budget=10_000, **common),
-            TreePackedLayout(token_budget=10_000, **common))
+    return (PaddedBatching(token_budget=10_000, **common), GroupPackedBatching(token_budget=10_000, **common),
+            TreePackedBatching(token_budget=10_000, **common))
 
 
 def test_both_layouts_score_the_same_tokens_and_scatter_inverts_gather(sampled):

@@ -13,7 +13,7 @@ import torch
 from fastrl.agents.batch import AgentBatch
 from fastrl.agents.trajectory import Trajectory, TrajectorySample
 from fastrl.reference.advantages import group_advantages_reference
-from fastrl.train.advantages import estimate, turn_layout
+from fastrl.train.advantages import estimate, turn_tables
 from fastrl.train.config import TrainConfig
 from fastrl.train.experience import Experience
 from fastrl.train.ranks import Ranks
@@ -72,7 +72,7 @@ def test_the_split_case_is_what_the_driver_builds():
     trajectories, ab, exp = _batch(split=True)
     assert ab.trajectory_ids.tolist() == [0, 0, 0, 1, 2, 3, 3, 4, 5]  # A: 3 rows, D: 2 rows
     assert not exp.packable and exp.num_samples == 9
-    lay = turn_layout(exp)
+    lay = turn_tables(exp)
     assert lay.trajectory.tolist() == [0, 0, 0, 1, 2, 3, 3, 4, 5]  # rows continuing a trajectory are found
     assert lay.first_row.tolist() == [0, 3, 4, 5, 7, 8] and lay.num_turns.tolist() == [3, 3, 1, 2, 2, 1]
     assert lay.turn_rewards[0].tolist() == [1.0, 0.0, 1.0] and lay.turn_rewards[3, :2].tolist() == [0.0, 1.0]

@@ -274,3 +274,25 @@ def test_a_given_output_dir_is_kept_and_none_resolves_per_task(tmp_path, monkeyp
     assert TrainConfig(output_dir="somewhere").resolved().output_dir == "somewhere"
     assert TrainConfig().resolved().output_dir == str(Path("runs") / "default")
     assert TrainConfig(env="calculator").resolved().output_dir == str(Path("runs") / "calculator")
+
+
+def test_the_agent_fields_are_agent_configs_fields_written_out_in_its_order():
+    """TrainConfig's agent block, written out as fields, is AgentConfig's field list: same names in the
+    same order right after ``env_reward_weight``, each ``Optional`` of AgentConfig's type, default None
+    (the environment's default). A field added to AgentConfig without its TrainConfig option fails here."""
+    import typing
+    from typing import Optional
+
+    from fastrl.agents.driver import AgentConfig
+    from fastrl.train.config import AGENT_FIELDS
+
+    agent = [f.name for f in dataclasses.fields(AgentConfig)]
+    names = [f.name for f in dataclasses.fields(TrainConfig)]
+    start = names.index("env_reward_weight") + 1
+    assert tuple(names[start:start + len(agent)]) == tuple(agent) == AGENT_FIELDS
+    assert names[start + len(agent)] == "eval_every"  # the block's place in --help and config.yaml
+    theirs, ours = typing.get_type_hints(AgentConfig), typing.get_type_hints(TrainConfig)
+    by_name = {f.name: f for f in dataclasses.fields(TrainConfig)}
+    for name in agent:
+        assert ours[name] == Optional[theirs[name]], name
+        assert by_name[name].default is None, name

@@ -388,7 +388,7 @@ def test_the_prefix_tree_layout_trains_like_the_group_layout(tmp_path):
         cfg = tiny(tmp_path / str(i), algorithm="ppo", steps=1, ppo_epochs=2, prefix_tree=tree, lr=5e-3,
                    dynamic_sampling=False)
         with Trainer(cfg, reward_functions=[digit_share]) as trainer:
-            assert type(trainer.layout).__name__ == ("TreePackedLayout" if tree else "GroupPackedLayout")
+            assert type(trainer.layout).__name__ == ("TreePackedBatching" if tree else "GroupPackedBatching")
             grads = []
             named = list(trainer.policy.named_parameters())
             trainer.optimizer.register_step_pre_hook(

@@ -1,4 +1,4 @@
-"""TreePackedLayout: step-wise samples of agent trajectories (sample k = turns 0..k) packed as
+"""TreePackedBatching: step-wise samples of agent trajectories (sample k = turns 0..k) packed as
 a trie give the padded layout's loss, metrics, gradients and critic values, at a fraction
 of its tokens.
 
@@ -16,7 +16,7 @@ from fastrl.ops.policy_loss import policy_loss
 from fastrl.rollout.base import RolloutBatch, RolloutStats
 from fastrl.train.critic import ValueModel
 from fastrl.train.experience import Experience
-from fastrl.train.layout import GroupPackedLayout, PaddedLayout, TreePackedLayout, make_layout
+from fastrl.train.batching import GroupPackedBatching, PaddedBatching, TreePackedBatching, make_batching
 from fastrl.train.task import char_tokenizer, tiny_model
 
 CPU = torch.device("cpu")
@@ -77,8 +77,8 @@ def test_tree_layout_equals_the_padded_layout_and_costs_less():
     exp = _experience()
     cfg = PolicyLossConfig(loss_agg="seq-mean-token-mean", clip_low=0.2, clip_high=0.2, entropy_coef=0.01)
     common = dict(token_budget=100_000, device=CPU, temperature=0.8)
-    padded, tree = PaddedLayout(**common), make_layout(shared_prefix=True, prefix_tree=True, **common)
-    assert isinstance(tree, TreePackedLayout)
+    padded, tree = PaddedBatching(**common), make_batching(shared_prefix=True, prefix_tree=True, **common)
+    assert isinstance(tree, TreePackedBatching)
     want = _loss_and_grads(padded, model, critic, exp, cfg)
     got = _loss_and_grads(tree, model, critic, exp, cfg)
     torch.testing.assert_close(got[0], want[0], atol=1e-6, rtol=0)
@@ -91,7 +91,7 @@ def test_tree_layout_equals_the_padded_layout_and_costs_less():
         assert (got[3][name] - g).abs().max() <= 1e-5 * g.abs().max() + 1e-12, name
     # the trie runs each shared turn once: far fewer tokens than padded rows or one document per group
     groups = [0, 1]
-    trie, grouped, rows = tree.cost(exp, groups), GroupPackedLayout(**common).cost(exp, groups), padded.cost(exp, groups)
+    trie, grouped, rows = tree.cost(exp, groups), GroupPackedBatching(**common).cost(exp, groups), padded.cost(exp, groups)
     assert trie == tree.micro_batches(exp)[0].data.tree.layout.num_tokens
     assert trie < 0.6 * grouped < rows
     # trajectory 0 alone: the trie is its longest sample; a chunk costs the sum of its groups' tries

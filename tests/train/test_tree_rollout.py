@@ -22,7 +22,7 @@ from fastrl.rollout import HFGroupSampler, SamplingConfig
 from fastrl.rollout.branch import BranchSchedule, sample_tree
 from fastrl.train.compare import format_table, run_metrics, summarize
 from fastrl.train.experience import Experience
-from fastrl.train.layout import AutoTreeLayout, PaddedLayout, TreePackedLayout, make_layout, prefers_tree
+from fastrl.train.batching import AutoTreeBatching, PaddedBatching, TreePackedBatching, make_batching, prefers_tree
 from fastrl.train.task import char_tokenizer, tiny_model
 
 CPU = torch.device("cpu")
@@ -94,8 +94,8 @@ def _assert_same(got, want):
 
 def test_auto_layout_picks_the_trie_for_tree_rollouts_and_the_group_layout_otherwise(model):
     common = dict(token_budget=100_000, device=CPU, temperature=1.0)
-    assert isinstance(make_layout(shared_prefix=True, prefix_tree="auto", **common), AutoTreeLayout)
-    assert type(make_layout(shared_prefix=False, prefix_tree="auto", **common)) is PaddedLayout
+    assert isinstance(make_batching(shared_prefix=True, prefix_tree="auto", **common), AutoTreeBatching)
+    assert type(make_batching(shared_prefix=False, prefix_tree="auto", **common)) is PaddedBatching
     sampler = HFGroupSampler(model.float(), backend="torch")
     prompts = [[5, 6, 7, 8], [9, 10, 11]]
     sampling = SamplingConfig(max_new_tokens=8, seed=0, stop_token_ids=())
@@ -105,17 +105,17 @@ def test_auto_layout_picks_the_trie_for_tree_rollouts_and_the_group_layout_other
     model.double()
     for batch, want_tree in ((tree, True), (independent, False)):
         exp = _experience(batch, 4)
-        auto = AutoTreeLayout(**common)
+        auto = AutoTreeBatching(**common)
         facts = auto.describe(exp)
         assert facts["layout/tree"] == float(want_tree) == float(auto.uses_tree(exp))
         # the rule's inputs: the trie's tokens against the group layout's prompt-once tokens
-        trie = TreePackedLayout(**common).cost(exp, range(exp.num_groups))
+        trie = TreePackedBatching(**common).cost(exp, range(exp.num_groups))
         once = sum(len(p) for p in batch.prompt_ids) + sum(len(c) for c in batch.completion_ids)
         assert prefers_tree(trie_tokens=trie, prompt_once_tokens=once) == want_tree
         assert facts["layout/trie_saving"] == pytest.approx((once - trie) / once)
         kinds = {type(mb.data).__name__ for mb in auto.micro_batches(exp)}
         assert kinds == ({"_Tree"} if want_tree else {"_Packed"})
-        _assert_same(_grads(auto, model, exp), _grads(PaddedLayout(**common), model, exp))
+        _assert_same(_grads(auto, model, exp), _grads(PaddedBatching(**common), model, exp))
 
 
 def test_split_agent_samples_select_the_trie_and_train_like_padded_rows():
@@ -129,10 +129,10 @@ def test_split_agent_samples_select_the_trie_and_train_like_padded_rows():
     exp.advantages = group_advantages(exp.rewards, exp.group_ids, mode="grpo")[0].double()
     exp.old_logp = exp.sampler_logp.double()
     common = dict(token_budget=100_000, device=CPU, temperature=1.0)
-    auto = AutoTreeLayout(**common)
+    auto = AutoTreeBatching(**common)
     assert auto.uses_tree(exp) and {type(mb.data).__name__ for mb in auto.micro_batches(exp)} == {"_Tree"}
     m = tiny_model(tokenizer, hidden_size=32, layers=2, heads=2, max_position_embeddings=256, seed=3).double()
-    _assert_same(_grads(auto, m, exp), _grads(PaddedLayout(**common), m, exp))
+    _assert_same(_grads(auto, m, exp), _grads(PaddedBatching(**common), m, exp))
 
 
 @pytest.mark.parametrize("changes, match", [

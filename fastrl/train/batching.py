@@ -1,36 +1,38 @@
-"""How a step's groups are laid out for the model: one interface, one class per layout.
+"""How a step's groups are batched for the model: one interface, one class per batching.
 
-A layout splits whole groups into micro-batches of at most ``token_budget`` tokens, runs the
+A batching splits whole groups into micro-batches of at most ``token_budget`` tokens, runs the
 policy (``logprobs``) and the critic (``values``) on a micro-batch, and moves per-token
 tensors between the experience's ``[B, T-1]`` grid and the form its loss takes
 (``gather``: grid -> loss; ``scatter``: model output -> grid; a ``[B]`` tensor gathers
 the micro-batch's rows). ``attention`` is the context the forward *and* backward run in
 (checkpointed layers recompute their forward in the backward and must see the same
-attention). The update never asks which layout it runs.
+attention). The update never asks which batching it runs.
 
-- ``PaddedLayout``: rows of the ``[B, T]`` batch, trimmed per micro-batch to its longest
+- ``PaddedBatching``: rows of the ``[B, T]`` batch, trimmed per micro-batch to its longest
   row and to the columns after its shortest prompt; the loss takes ``[R, k]`` rows.
-- ``GroupPackedLayout`` (``shared_prefix=true``, the default): each group packed as
+- ``GroupPackedBatching`` (``shared_prefix=true``, the default): each group packed as
   ``[prompt | c_1 | ... | c_G]`` with shared-prefix attention (``fastrl.ops.hf_packed``),
   the prompt run once per group; the loss takes the model's ``[1, M]`` completion tokens
   as they come, one sequence per sample (``cu_seqlens``), with no padded round trip.
 
-- ``TreePackedLayout`` (``prefix_tree=true``): the micro-batch's rows packed as the trie
+- ``TreePackedBatching`` (``prefix_tree=true``): the micro-batch's rows packed as the trie
   of their tokens with prefix-tree attention (``fastrl.ops.hf_tree``): every prefix two
   rows share runs once, however deep -- the prompt of a group, and all earlier turns of
   step-wise samples of one trajectory (sample k = turns 0..k), which the group layout
   would run k times. A scored token two rows share is computed once. The loss form is the
   group layout's (``[1, M]``, one sequence per sample).
 
-- ``AutoTreeLayout`` (``prefix_tree=auto``, the default, with ``shared_prefix=true``): per
+- ``AutoTreeBatching`` (``prefix_tree=auto``, the default, with ``shared_prefix=true``): per
   experience, the trie when ``prefers_tree`` says its samples share enough beyond the prompt
   (tree rollouts, split agent trajectories), else the group layout; ``describe(exp)`` logs
   the choice (``layout/tree``) and its input (``layout/trie_saving``).
 
-A new layout is another subclass: its ``cost`` of a set of groups, its ``make`` of a
-micro-batch, and the four per-micro-batch methods. (The names avoid
-``fastrl.ops.PackedLayout``, the ``cu_seqlens`` descriptor, and
-``fastrl.ops.SharedPrefixLayout`` / ``TreeLayout``, the attention metadata.)
+A new batching is another subclass: its ``cost`` of a set of groups, its ``make`` of a
+micro-batch, and the four per-micro-batch methods. (``*Layout`` names are the ops' index
+structures: ``fastrl.ops.PackedLayout``, the ``cu_seqlens`` descriptor, and
+``fastrl.ops.SharedPrefixLayout`` / ``TreeLayout``, the attention metadata. The metrics and
+options keep the word: ``layout/tree``, ``layout/trie_saving``; "the group layout" in the
+options' help is ``GroupPackedBatching``.)
 """
 
 from __future__ import annotations
@@ -45,8 +47,8 @@ from fastrl.ops import PackedLayout
 from fastrl.ops.hf import causal_lm_logprobs
 from fastrl.train.experience import Experience
 
-__all__ = ["AutoTreeLayout", "GroupPackedLayout", "Layout", "MicroBatch", "PaddedLayout", "TREE_MIN_SAVING", "TreePackedLayout",
-           "make_layout", "prefers_tree"]
+__all__ = ["AutoTreeBatching", "GroupPackedBatching", "Batching", "MicroBatch", "PaddedBatching", "TREE_MIN_SAVING", "TreePackedBatching",
+           "make_batching", "prefers_tree"]
 
 TREE_MIN_SAVING = 0.1
 """``prefix_tree=auto`` runs the trie when it saves at least this share of the tokens the group
@@ -65,12 +67,12 @@ def prefers_tree(*, trie_tokens: int, prompt_once_tokens: int, min_saving: float
 
 @dataclass
 class MicroBatch:
-    """The rows of one forward/backward (sample indices, batch order) and the layout's own data."""
+    """The rows of one forward/backward (sample indices, batch order) and the batching's own data."""
 
     rows: torch.Tensor
     rows_device: torch.Tensor
     data: Any
-    """Layout-specific: ``_Padded``, ``_Packed`` or ``_Tree``."""
+    """Batching-specific: ``_Padded``, ``_Packed`` or ``_Tree``."""
 
 
 @dataclass
@@ -97,7 +99,7 @@ class _Tree:
     cu_seqlens: PackedLayout
 
 
-class Layout:
+class Batching:
     """Micro-batching by token budget over whole groups; subclasses say what a micro-batch is."""
 
     def __init__(self, *, token_budget: int, device: torch.device, temperature: float,
@@ -160,7 +162,7 @@ class Layout:
         return contextlib.nullcontext()
 
     def describe(self, exp: Experience) -> dict[str, float]:
-        """Which layout this experience runs on: ``layout/tree`` 1 for the trie, else 0."""
+        """Which batching this experience runs on: ``layout/tree`` 1 for the trie, else 0."""
         return {"layout/tree": 0.0}
 
     def _micro_batch(self, exp: Experience, groups: Sequence[int], data: Any) -> MicroBatch:
@@ -168,7 +170,7 @@ class Layout:
         return MicroBatch(rows=rows, rows_device=rows.to(self.device), data=data)
 
 
-class PaddedLayout(Layout):
+class PaddedBatching(Batching):
     """Rows of the ``[B, T]`` batch; a micro-batch costs its longest row times its rows."""
 
     def cost(self, exp: Experience, groups: Sequence[int]) -> int:
@@ -208,18 +210,18 @@ class PaddedLayout(Layout):
         grid[mb.rows_device, mb.data.cols] = out
 
 
-class GroupPackedLayout(Layout):
+class GroupPackedBatching(Batching):
     """Groups packed as ``[prompt | c_1 | ... | c_G]``; a micro-batch costs ``P + sum(L_i)`` per group.
 
     An experience whose groups are not ``G`` rows sharing the prompt (``Experience.packable``
     is False: agent trajectories split into several samples, or a group with a failed
-    environment) runs on padded rows instead (``PaddedLayout``), micro-batch by micro-batch."""
+    environment) runs on padded rows instead (``PaddedBatching``), micro-batch by micro-batch."""
 
     def __init__(self, **kwargs: Any):
         super().__init__(**kwargs)
-        self.padded = PaddedLayout(**kwargs)
+        self.padded = PaddedBatching(**kwargs)
 
-    def _of(self, mb: MicroBatch) -> Layout | None:
+    def _of(self, mb: MicroBatch) -> Batching | None:
         return self.padded if isinstance(mb.data, _Padded) else None
 
     def micro_batches(self, exp: Experience, groups: Sequence[int] | None = None) -> list[MicroBatch]:
@@ -294,7 +296,7 @@ class GroupPackedLayout(Layout):
         return stack
 
 
-class TreePackedLayout(GroupPackedLayout):
+class TreePackedBatching(GroupPackedBatching):
     """Rows packed as the trie of their tokens; a micro-batch costs its trie's tokens.
 
     Each row is ``prompt + completion`` (the grid's tokens); it scores its completion
@@ -305,7 +307,7 @@ class TreePackedLayout(GroupPackedLayout):
 
     def micro_batches(self, exp: Experience, groups: Sequence[int] | None = None) -> list[MicroBatch]:
         """The trie packs any experience, also one the group layout cannot (split samples)."""
-        return Layout.micro_batches(self, exp, groups)
+        return Batching.micro_batches(self, exp, groups)
 
     @staticmethod
     def _sequences(exp: Experience, groups: Sequence[int]) -> tuple[list[list[int]], list[int]]:
@@ -369,16 +371,16 @@ class TreePackedLayout(GroupPackedLayout):
             return critic.head(hidden)[tree.unique_of][None]
 
 
-class AutoTreeLayout(TreePackedLayout):
-    """``prefix_tree=auto``: each experience runs on the trie (``TreePackedLayout``) when
-    ``prefers_tree`` holds for it, else on the group layout (``GroupPackedLayout``, padded rows
+class AutoTreeBatching(TreePackedBatching):
+    """``prefix_tree=auto``: each experience runs on the trie (``TreePackedBatching``) when
+    ``prefers_tree`` holds for it, else on the group layout (``GroupPackedBatching``, padded rows
     for an experience it cannot pack). The choice is made once per experience (its batch),
     from the trie's tokens and the group layout's prompt-once tokens over all its groups;
     micro-batches carry their kind, so the per-micro-batch methods follow it."""
 
     def __init__(self, *, min_saving: float = TREE_MIN_SAVING, **kwargs: Any):
         super().__init__(**kwargs)
-        self.group_layout = GroupPackedLayout(**kwargs)
+        self.group_batching = GroupPackedBatching(**kwargs)
         self.min_saving = min_saving
         self._choice: tuple[Any, bool, float] | None = None  # (the batch, tree?, saving)
 
@@ -400,21 +402,21 @@ class AutoTreeLayout(TreePackedLayout):
     def micro_batches(self, exp: Experience, groups: Sequence[int] | None = None) -> list[MicroBatch]:
         if self.uses_tree(exp):
             return super().micro_batches(exp, groups)
-        return self.group_layout.micro_batches(exp, groups)
+        return self.group_batching.micro_batches(exp, groups)
 
     def cost(self, exp: Experience, groups: Sequence[int]) -> int:
-        return super().cost(exp, groups) if self.uses_tree(exp) else self.group_layout.cost(exp, groups)
+        return super().cost(exp, groups) if self.uses_tree(exp) else self.group_batching.cost(exp, groups)
 
     def make(self, exp: Experience, groups: Sequence[int]) -> MicroBatch:
-        return super().make(exp, groups) if self.uses_tree(exp) else self.group_layout.make(exp, groups)
+        return super().make(exp, groups) if self.uses_tree(exp) else self.group_batching.make(exp, groups)
 
     def logprobs(self, model, mb, *, entropy, entropy_rows=None):
         if isinstance(mb.data, _Tree):
             return super().logprobs(model, mb, entropy=entropy, entropy_rows=entropy_rows)
-        return self.group_layout.logprobs(model, mb, entropy=entropy, entropy_rows=entropy_rows)
+        return self.group_batching.logprobs(model, mb, entropy=entropy, entropy_rows=entropy_rows)
 
     def values(self, critic, mb):
-        return super().values(critic, mb) if isinstance(mb.data, _Tree) else self.group_layout.values(critic, mb)
+        return super().values(critic, mb) if isinstance(mb.data, _Tree) else self.group_batching.values(critic, mb)
 
     def describe(self, exp: Experience) -> dict[str, float]:
         """``layout/tree`` (1: the trie ran) and ``layout/trie_saving`` (the rule's input: the
@@ -423,15 +425,15 @@ class AutoTreeLayout(TreePackedLayout):
         return {"layout/tree": float(tree), "layout/trie_saving": saving}
 
 
-def make_layout(*, shared_prefix: bool, prefix_tree: bool | str = False, **kwargs: Any) -> Layout:
-    """The layout ``TrainConfig`` names: ``prefix_tree=True`` (the trie of the rows) over
+def make_batching(*, shared_prefix: bool, prefix_tree: bool | str = False, **kwargs: Any) -> Batching:
+    """The batching ``TrainConfig`` names: ``prefix_tree=True`` (the trie of the rows) over
     ``shared_prefix`` (one group per document) over padded rows; ``prefix_tree="auto"`` with
-    ``shared_prefix``: ``AutoTreeLayout`` (the trie when an experience's samples share more
+    ``shared_prefix``: ``AutoTreeBatching`` (the trie when an experience's samples share more
     than the prompt)."""
     if prefix_tree is True:
-        return TreePackedLayout(**kwargs)
+        return TreePackedBatching(**kwargs)
     if prefix_tree not in (False, "auto"):
         raise ValueError(f"prefix_tree must be true, false or 'auto', got {prefix_tree!r}")
     if not shared_prefix:
-        return PaddedLayout(**kwargs)
-    return AutoTreeLayout(**kwargs) if prefix_tree == "auto" else GroupPackedLayout(**kwargs)
+        return PaddedBatching(**kwargs)
+    return AutoTreeBatching(**kwargs) if prefix_tree == "auto" else GroupPackedBatching(**kwargs)
