@@ -17,6 +17,7 @@ import argparse
 import json
 import re
 import sys
+from functools import partial
 from pathlib import Path
 from typing import Callable
 
@@ -514,27 +515,6 @@ TABLES: dict[str, Callable[[], str]] = {"default_train_seeds": default_train_see
                                         "sql_levers": sql_levers}
 
 
-def calculator_seed0() -> str:
-    """docs/agents.md's account of `fastrl train --env calculator`, seed 0: the README table's run."""
-    data = _load(ENV_SEED_FILES[0])
-    run = data["runs"]["0"]
-    acc = {int(e["step"]): e["accuracy"] for e in run["eval"]}
-    last = max(acc)
-    tools = run["eval"][0]["tool_call_rate"], run["eval"][-1]["tool_call_rate"]
-    paired = run["heldout_first_last_paired"]
-    load = "/".join(f"{x:.1f}" for x in run["load_average_before_after"])
-    return (f"`fastrl train --env calculator` (seed 0, nothing else; `{data['command']}`, {data['date']}, code {run['commit']}, "
-            f"{data['machine']}; the README table's first row): the warm-up stopped after {run['sft_steps']:.0f} steps "
-            f"({run['sft_seconds']:.0f} s; probe success {run['sft_probe_accuracy']:.2f} on 100 training rows), then "
-            f"{run['rl_steps']} GRPO steps of 16 rows x 8 trajectories ({run['rl_step_seconds_median']:.2f} s each, median). "
-            f"Held-out success ({paired['rows']} rows, greedy episodes): **{acc[0]:.2f} after the warm-up -> {acc[25]:.2f} at "
-            f"step 25 -> {acc[50]:.2f} at step 50**, {acc[last]:.2f} at step {last} (+{paired['gained']} / -{paired['lost']} "
-            f"rows, {_p_value(paired['p_value'])}); tool-call rate {tools[0]:.2f} before and {tools[1]:.2f} after (the warm-up "
-            f"teaches the call; RL teaches copying the expression and the result exactly). {run['wall_seconds']:.0f} s wall "
-            f"({run['cpu_seconds']:.0f} s CPU), load average {load} before/after. Results: "
-            f"`benchmarks/results/{ENV_SEED_FILES[0]}`.")
-
-
 OPS_QUICK = "bench-cpu-quick-policy_loss-advantages.json"
 """`fastrl bench --quick --only policy_loss advantages` on this project's CPU: every op beside every baseline."""
 
@@ -561,37 +541,6 @@ def ops_quick_cpu() -> str:
                     "the project's 2-core CPU shared with "
                     "other sessions' work); ratio = baseline time / fastrl time, best of n; ~: inside the run's noise "
                     "(the spread, median / best, of the two rows), too noisy to rank.\n")
-
-
-SQL_PADDED_WARMUP = "env_train_sql_width128_default_threads_paired_cpu.json"
-"""sql's seed study before its warm-up's batches ran as tries (the same defaults otherwise)."""
-SQL_FRESH_SEEDS = "env_train_sql_fresh_seeds_default_threads_cpu.json"
-"""sql's defaults on seeds never used to choose them."""
-
-
-def _wall_range(name: str) -> str:
-    walls = [run["wall_seconds"] for run in _load(name)["runs"].values()]
-    return f"{min(walls):.0f}-{max(walls):.0f} s"
-
-
-def _gains(name: str) -> str:
-    runs = sorted(_load(name)["runs"].items(), key=lambda kv: int(kv[0]))
-    return ", ".join(f"+{r['heldout_first_last_paired']['gained']} / -{r['heldout_first_last_paired']['lost']}" for _, r in runs)
-
-
-def sql_readme() -> str:
-    """The README's sentence on sql's rows of the seed table, its slower first seed and its fresh seeds."""
-    study = ENV_SEED_FILES[2]
-    seed0 = _load(study)["runs"]["0"]
-    first, last = seed0["eval"][0]["accuracy"], seed0["eval"][-1]["accuracy"]
-    paired = seed0["heldout_first_last_paired"]
-    fresh = sorted(_load(SQL_FRESH_SEEDS)["runs"], key=int)
-    return (f"sql's rows are its command as typed (two threads; warm-up target 0.5 since these runs), **within the 10 minutes** "
-            f"({_wall_range(study)}; {_wall_range(SQL_PADDED_WARMUP)} before its warm-up ran as a trie); seed 0 starts at "
-            f"{first:.2f} and gains least ({last:.2f} at the end, +{paired['gained']} / -{paired['lost']}, "
-            f"{_p_value(paired['p_value'])}). On three fresh seeds ({fresh[0]}-{fresh[-1]}, never used to choose) each rise is "
-            f"clear: {_gains(SQL_FRESH_SEEDS)} in {_wall_range(SQL_FRESH_SEEDS)} "
-            "([Agents](docs/agents.md#the-sql-defaults-and-how-they-were-chosen)).")
 
 
 def thread_rule() -> str:
@@ -622,27 +571,85 @@ def thread_rule() -> str:
                     "the same setting: their difference is the machine's noise.\n")
 
 
-def compare_env_readme() -> str:
-    """The README's sentence on the three `fastrl compare --env` runs: load, jobs, wall minutes, sql's warm-up."""
-    data = {env: json.loads((RESULTS / f"compare_env_{env}" / "compare.json").read_text()) for env in ("sql", "frozenlake", "calculator")}
-    loads = [x for d in data.values() for x in (d["load_average"]["start"][0], d["load_average"]["end"][0])]
-    jobs = {d["jobs"] for d in data.values()}
-    minutes = {env: d["total_seconds"] / 60 for env, d in data.items()}
-    start = data["sql"]["summary"][data["sql"]["algorithms"][0]]["initial_accuracy"]["mean"]
-    separated = [f"{v['winner']} on {v['axis']} in {env}" for env, d in data.items() for v in d["verdicts"] if v["distinguishable"]]
-    seeds = ("the seeds separate no algorithm on any axis but " + ", ".join(separated) if separated
-             else "the seeds separate no algorithm on any axis")
-    return (f"load average {min(loads):.1f}-{max(loads):.1f}: the comparison's own two runs), with the default "
-            f"`--jobs {'/'.join(map(str, sorted(jobs)))}` (two single-threaded runs at once): {minutes['sql']:.1f} min wall (sql, its "
-            f"warm-up {data['sql']['start']['seconds'] / 60:.1f} of it), {minutes['frozenlake']:.1f} (frozenlake) and "
-            f"{minutes['calculator']:.1f} (calculator), each within the 15 minutes the defaults are sized for. At these budgets "
-            f"{seeds}; on sql PPO and grpo_then_ppo fall from the warm-up's {start:.2f}")
-
-
 TABLES["ops_quick_cpu"] = ops_quick_cpu
 TABLES["thread_rule"] = thread_rule
-FIGURES: dict[str, Callable[[], str]] = {"calculator_seed0": calculator_seed0, "sql_readme": sql_readme,
-                                         "compare_env_readme": compare_env_readme}
+
+
+def seed_curves(name: str) -> str:
+    """One seed study of benchmarks/env_train_seeds.py, a row per seed: the warm-up, held-out success at
+    every evaluation, the rows gained and lost, the RL step and the whole run."""
+    data = _load(name)
+    runs = sorted(data["runs"].items(), key=lambda kv: int(kv[0]))
+    steps = [f"{e['step']:.0f}" for e in runs[0][1]["eval"]]
+    rows = []
+    for seed, run in runs:
+        curve = ", ".join(f"{e['accuracy']:.2f}" for e in run["eval"][:-1]) + f", **{run['eval'][-1]['accuracy']:.2f}**"
+        paired = run["heldout_first_last_paired"]
+        rows.append([seed, _warm_up(run), curve, f"+{paired['gained']} / -{paired['lost']} ({_p_value(paired['p_value'])})",
+                     f"{run['rl_step_seconds_median']:.2f} s", f"{run['wall_seconds']:.0f} s ({run['cpu_seconds']:.0f} CPU-s)"])
+    table = _rows(["seed", "warm-up steps (s), last probe", f"held-out success, steps {steps[0]}, {steps[1]}, ..., {steps[-1]}",
+                   "rows gained / lost (p)", "RL step (median)", "whole run"], rows)
+    commits = sorted({run["commit"].split("+")[0] for _, run in runs})
+    return table + f"\n`{data['command']}` ({data['date']}; code {', '.join(commits)}; {data['machine']}); `benchmarks/results/{name}`.\n"
+
+
+PROBE_SOONER_FILES = (("sql", "env_train_sql_probe_sooner_default_threads_cpu.json"),
+                      ("frozenlake", "env_train_frozenlake_probe_sooner_cpu.json"),
+                      ("calculator", "env_train_calculator_probe_sooner_cpu.json"))
+"""The seed studies with the warm-up probed sooner near its target (code 1992e0f), each beside ENV_SEED_FILES' run."""
+
+
+def probe_sooner() -> str:
+    """The warm-up probed sooner near its target against every ``sft_check_every`` steps (the README's rows), per seed."""
+    fixed = {_load(name)["env"]: _load(name)["runs"] for name in ENV_SEED_FILES}
+    rows = []
+    for env, name in PROBE_SOONER_FILES:
+        for seed, run in sorted(_load(name)["runs"].items(), key=lambda kv: int(kv[0])):
+            paired, base = run["heldout_first_last_paired"], fixed[env][seed]
+            rows.append([env, seed, f"{run['sft_steps']:.0f}, {run['sft_probe_accuracy']:.2f} ({run['sft_probes']:.0f})",
+                         f"{run['eval'][0]['accuracy']:.2f} -> {run['eval'][-1]['accuracy']:.2f}",
+                         f"+{paired['gained']} / -{paired['lost']} ({_p_value(paired['p_value'])})",
+                         f"{base['sft_steps']:.0f}; {base['eval'][0]['accuracy']:.2f} -> {base['eval'][-1]['accuracy']:.2f}, "
+                         f"+{base['heldout_first_last_paired']['gained']} / -{base['heldout_first_last_paired']['lost']}"])
+    return _rows(["env", "seed", "warm-up steps, last probe (probes)", "held-out success, step 0 -> end", "rows gained / lost (p)",
+                  "every 10 steps (the README's rows): warm-up steps; held-out, rows"], rows) + (
+        "\n" + "; ".join(f"`{_load(name)['command']}`" for _, name in PROBE_SOONER_FILES)
+        + f" ({_load(PROBE_SOONER_FILES[0][1])['date']}); `benchmarks/results/"
+        + "`, `benchmarks/results/".join(name for _, name in PROBE_SOONER_FILES) + "`.\n")
+
+
+REAL_TOKENIZER = "agent_real_tokenizer_cpu.json"
+TOKENIZER_STYLES = (("qwen2.5", "Qwen2.5 style"), ("qwen3", "Qwen3 style"), ("llama3", "Llama 3 style"))
+
+
+def real_tokenizer() -> str:
+    """benchmarks/agent_real_tokenizer.py: mismatched/checked turns (samples per trajectory, outcome reward), before -> after."""
+    data = _load(REAL_TOKENIZER)
+    before, after = data["before_4d84e71"]["calculator"], data["after"]["calculator"]
+
+    def cell(r: dict) -> str:
+        return f"{r['mismatched_turns']}/{r['checked_turns']} ({r['samples_per_trajectory']:.2f}, {r['outcome_reward_mean']:.2f})"
+
+    rows = [[case] + [f"{cell(before[style][case])} -> {cell(after[style][case])}" for style, _ in TOKENIZER_STYLES]
+            for case in before[TOKENIZER_STYLES[0][0]]]
+    return _rows(["policy turns", *(label for _, label in TOKENIZER_STYLES)], rows) + (
+        f"\n`{data['command']}`: before at {data['before_4d84e71']['commit']}, after at {data['after']['commit']}; "
+        f"{data['after']['rows_per_run']} rows a run, seed {data['after']['seed']}; `benchmarks/results/{REAL_TOKENIZER}`.\n")
+
+
+SQL_SEED_CURVES = {"sql_trie_warmup": "env_train_sql_trie_warmup_default_threads_cpu.json",
+                   "sql_target05": ENV_SEED_FILES[2], "sql_fresh_seeds": "env_train_sql_fresh_seeds_default_threads_cpu.json"}
+"""docs/agents.md's per-seed tables of sql's studies since the warm-up ran as a trie."""
+TABLES.update({name: partial(seed_curves, file) for name, file in SQL_SEED_CURVES.items()})
+TABLES["probe_sooner"] = probe_sooner
+TABLES["real_tokenizer"] = real_tokenizer
+
+
+def figures() -> dict[str, Callable[[], str]]:
+    """``FIGURES`` of benchmarks/figures.py, the prose figures (imported when first rendered: that
+    module reads its files through this one's helpers)."""
+    from figures import FIGURES
+    return FIGURES
 
 
 def pages() -> list[Path]:
@@ -663,9 +670,10 @@ def render(text: str) -> str:
 
     def figure(match: re.Match) -> str:
         name = match.group("name")
-        if name not in FIGURES:
-            raise KeyError(f"no figure named {name!r} (known: {', '.join(FIGURES)})")
-        return match.group(1) + FIGURES[name]() + match.group(4)
+        known = figures()
+        if name not in known:
+            raise KeyError(f"no figure named {name!r} (known: {', '.join(known)})")
+        return match.group(1) + known[name]() + match.group(4)
 
     return FIGURE.sub(figure, MARKER.sub(replace, text))
 
@@ -691,4 +699,5 @@ def main(argv: list[str] | None = None) -> int:
 
 
 if __name__ == "__main__":
+    sys.modules.setdefault("render_tables", sys.modules["__main__"])  # benchmarks/figures.py imports this module's helpers
     sys.exit(main())
