@@ -689,6 +689,64 @@ def async_verdict() -> str:
             f"the same benchmark gave {_join([loaded['per_seed'][s]['async_step_over_max_gen_rest'] for s in seeds], '.2f', 'x, ')}x")
 
 
+
+# -- docs/compare.md -------------------------------------------------------------------------
+
+def _minutes(seconds: float) -> str:
+    return f"{seconds / 60:.1f} min" if seconds >= 60 else f"{seconds:.0f} s"
+
+
+def compare_env_timing() -> str:
+    """`fastrl compare --env NAME` on each environment's compare defaults, end to end: wall, CPU, warm-up, load."""
+    data = {env: _compare_env(env) for env in ("sql", "frozenlake", "calculator")}
+    loads = [x for d in data.values() for x in (d["load_average"]["start"][0], d["load_average"]["end"][0])]
+    parts = []
+    for i, (env, d) in enumerate(data.items()):
+        start = d["start"]
+        warm = (f"the warm-up's {start['sft']['sft/steps']:.0f} SFT steps {_minutes(start['seconds'])} of it" if i == 0
+                else f"warm-up {_minutes(start['seconds'])}")
+        parts.append(f"{env} {d['total_seconds'] / 60:.1f}" + (" min wall" if i == 0 else "")
+                     + f" ({d['cpu_seconds'] / 60:.1f}" + (" min CPU" if i == 0 else " CPU") + f"; {warm})")
+    nearest = max(data, key=lambda env: data[env]["total_seconds"])
+    return (f"(load average {_span(loads, '.1f')}, the comparison's own runs), one after another: "
+            + ", ".join(parts[:-1]) + f" and {parts[-1]}. {nearest} is the one nearest the line "
+            "(`benchmarks/results/compare_env_<env>/compare.json`)")
+
+
+def compare_default_timing() -> str:
+    """`fastrl compare` on its defaults, end to end."""
+    d = json.loads((RESULTS / "compare_default_cpu" / "compare.json").read_text())
+    return f"took {d['total_seconds'] / 60:.1f} min wall and {d['cpu_seconds'] / 60:.1f} min CPU"
+
+
+def compare_default_warmup() -> str:
+    """The default comparison's load, warm-up and runs."""
+    d = json.loads((RESULTS / "compare_default_cpu" / "compare.json").read_text())
+    load, start = d["load_average"], d["start"]
+    runs = [r["wall_seconds"] for r in d["runs"]]
+    return (f"(load {load['start'][0]:.1f} at the start and {load['end'][0]:.1f} at the end); the warm-up was "
+            f"{start['seconds'] / 60:.1f} min of it ({start['sft']['sft/steps']:.0f} SFT steps, {start['cpu_seconds'] / 60:.1f} min "
+            f"CPU), each run {_span(runs, unit=' s')}")
+
+
+
+# -- docs/integrations.md --------------------------------------------------------------------
+
+TRL_MEMORY = "trl_memory_cpu.json"
+
+
+def trl_memory() -> str:
+    """`benchmarks/bench_trl_memory.py`: TRL's GRPO loss step with fastrl's loss against TRL's own."""
+    data = _load(TRL_MEMORY)
+    shape, res, ratio = data["shapes"], data["results"], data["ratios"]
+    return (f"one {shape['loss_type']} loss step, compute_loss + backward, Llama with vocab {shape['vocab']}, "
+            f"{shape['completions']} x {shape['max_completion_length']} completion tokens, fresh process per side, torch at "
+            f"{data['threads']} threads, TRL {data['versions']['trl']}; `benchmarks/results/{TRL_MEMORY}`): peak memory "
+            f"{res['fastrl']['step_peak_mib']:.0f} MiB vs {res['trl']['step_peak_mib']:.0f} MiB "
+            f"({ratio['peak_memory_fastrl_over_trl']:.2f}x), time {res['fastrl']['step_time_s']:.2f} s vs "
+            f"{res['trl']['step_time_s']:.2f} s ({ratio['time_fastrl_over_trl']:.2f}x)")
+
+
 FIGURES: dict[str, Callable[[], str]] = {
     "sql_readme": sql_readme, "compare_env_readme": compare_env_readme,
     "real_tokenizer_json": real_tokenizer_json, "real_tokenizer_defects": real_tokenizer_defects,
@@ -702,6 +760,7 @@ FIGURES: dict[str, Callable[[], str]] = {
     "sql_failures": sql_failures, "sql_answer_weight": sql_answer_weight, "sql_no_header": sql_no_header,
     "sql_target03": sql_target03, "sft_layout_agent_share": sft_layout_agent_share,
     "vllm_server_weights": vllm_server_weights, "async_setup": async_setup, "async_transfer": async_transfer,
-    "async_verdict": async_verdict,
+    "async_verdict": async_verdict, "compare_env_timing": compare_env_timing,
+    "trl_memory": trl_memory, "compare_default_timing": compare_default_timing, "compare_default_warmup": compare_default_warmup,
 }
 """Every prose figure, by the name its ``<!-- figure:NAME -->`` marker gives."""
