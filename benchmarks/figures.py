@@ -747,6 +747,112 @@ def trl_memory() -> str:
             f"{res['trl']['step_time_s']:.2f} s ({ratio['time_fastrl_over_trl']:.2f}x)")
 
 
+
+# -- docs/benchmarks.md ----------------------------------------------------------------------
+
+H200 = "gpu_h200_20261204"
+
+
+def _h200_tests() -> dict[str, list[str]]:
+    """The H200 kernel tests' outcomes (``tests_outcomes.tsv``): test ids by outcome."""
+    out: dict[str, list[str]] = {}
+    for line in (RESULTS / H200 / "tests_outcomes.tsv").read_text().splitlines():
+        if line and not line.startswith("#"):
+            outcome, test = line.split("\t", 1)
+            out.setdefault(outcome, []).append(test)
+    return out
+
+
+def _h200_failure_kinds() -> dict[str, int]:
+    failed = _h200_tests()["FAILED"]
+    oracle = sum("float64" in t for t in failed)
+    host_sync = sum("test_no_host_sync" in t for t in failed)
+    return {"oracle": oracle, "host_sync": host_sync, "device": len(failed) - oracle - host_sync}
+
+
+def h200_tests() -> str:
+    tests = _h200_tests()
+    skipped_file = {t.split("::")[0] for t in tests.get("NOT RUN (the 250 s limit)", [])}
+    return (f"{len(tests['PASSED'])} passed, {len(tests['FAILED'])} failed, {len(tests.get('SKIPPED', []))} skipped, "
+            f"{len(tests.get('NOT RUN (the 250 s limit)', []))} not reached in 250 s ({', '.join(f'`{f}`' for f in sorted(skipped_file))}). "
+            f"None of the {len(tests['FAILED'])} is a wrong value from a bf16/fp16/fp32 path")
+
+
+def h200_failed_device() -> str:
+    return str(_h200_failure_kinds()["device"])
+
+
+def h200_failed_oracle() -> str:
+    return str(_h200_failure_kinds()["oracle"])
+
+
+def h200_failed_host_sync() -> str:
+    return str(_h200_failure_kinds()["host_sync"])
+
+
+def _h200_kernel(op: str, impl: str) -> list[dict]:
+    return [r for r in _load(f"{H200}/kernels.json")["results"] if r["op"].startswith(op) and r["impl"] == impl]
+
+
+def h200_speed() -> str:
+    """How far the H200's kernels were from its speed: the loss against the naive GEMMs, decode against SDPA."""
+    naive = _h200_kernel("grpo_loss", "naive")[0]
+    n, h, v = (int(x.split("=")[1]) for x in naive["shape"].split()[:3])
+    tflop = 3 * 2 * n * h * v / 1e12
+    decode = [r["speedup_of_fastrl"] for r in _h200_kernel("decode_attention", "sdpa_expanded")]
+    return (f"the log-prob loss at {naive['speedup_of_fastrl']:.2f}x the naive GEMMs' speed (those do {tflop:.1f} TFLOP in "
+            f"{naive['best_ms']:.0f} ms, ~{tflop / naive['best_ms'] * 1e3:.0f} TFLOP/s) and decode attention at "
+            f"{_span(decode, '.1f', 'x')} SDPA")
+
+
+def logprob_naive_model() -> str:
+    """The log-prob model's naive figures against what the H200 measured for naive."""
+    naive = _h200_kernel("grpo_loss", "naive")[0]
+    n, h, v = (int(x.split("=")[1]) for x in naive["shape"].split()[:3])
+    row = next(r for r in _load("logprob_floor_predicted_h200.json") if (r["N"], r["H"], r["V"]) == (n, h, v))
+    return (f"The same model puts naive at {row['naive_ms']:.1f} ms and {row['naive_peak_gib']:.1f} GiB at N={n}, H={h}, where "
+            f"the H200 measured {naive['best_ms']:.0f} ms and {naive['peak_mem_mb']:,.0f} MiB")
+
+
+def long_grpo_saving() -> str:
+    """What the shared prefix saves of the long-trajectory GRPO step on the H200."""
+    res = _load(f"{H200}/long_grpo_gpu.json")["results"]
+    step = {(r["mode"], r["tokens_per_group"]): r for r in res if r["ok"]}
+    tokens = sorted({t for _, t in step})
+    savings = [100 * (1 - step[(m, t)]["step_s"] / step[("repeated", t)]["step_s"]) for t in tokens for m in ("shared:triton", "shared:flex")]
+    run = {t: step[("shared:triton", t)]["setup"]["tokens_run"] for t in tokens}
+    saved_memory = [t for t in tokens if step[("shared:triton", t)]["peak_extra_mib"] < 0.95 * step[("repeated", t)]["peak_extra_mib"]]
+    return (f"running {run[tokens[0]]} instead of {tokens[0]} tokens (or {run[tokens[1]]} instead of {tokens[1]}) saves "
+            f"{_span(savings, '.0f', '%')} of the step, and memory only at {', '.join(f'{t // 1024}K' for t in saved_memory)}")
+
+
+def h200_sampler() -> str:
+    data = _load(f"{H200}/sampler_gpu.json")
+    shape, sec = data["shape"], data["seconds"]
+    return (f"{sec['fastrl_eager']:.3f} s against `generate`'s {sec['hf_generate']:.3f} s for {shape['prompts']} x {shape['G']} x "
+            f"{shape['L']} tokens ({data['speed_vs_hf_generate']['fastrl_eager']:.2f}x)")
+
+
+def sampler_loads() -> str:
+    """The load averages while the sampler rows of the CPU table were measured."""
+    from render_tables import SAMPLER_MULTITURN, SAMPLER_VS_GENERATE
+    loads = [x for name in (SAMPLER_VS_GENERATE, SAMPLER_MULTITURN) for pair in _load(name)["load_average_start_end"] for x in pair[:1]]
+    return f"load averages {_span(loads, '.1f')} at the start and end of the runs"
+
+
+def agent_step_notes() -> str:
+    """The agent training-step benchmark's load, and what the shared prompt saves at fixed lengths."""
+    data = _load("agent_train_step_cpu.json")
+    fixed = next(r for r in data["results"] if not r["variable"])
+    return (f"load average {data['load_average_at_end'][0]:.0f} at the end of the step benchmark), so the seconds are high "
+            "and only the ratios of the interleaved rounds mean much. Where every trajectory has the same turns and lengths "
+            f"the padded rows carry no padding, and the shared prompt saves its {data['group_size'] - 1} repeats only: "
+            f"{fixed['tokens_ratio_padded_over_packed']:.2f}x tokens, {fixed['speedup_packed_over_padded']:.2f}x time, and "
+            + ("no memory saving at this size" if fixed["memory_ratio_padded_over_packed"] < 1.05 else
+               f"{fixed['memory_ratio_padded_over_packed']:.2f}x memory")
+            + f" ({fixed['memory_ratio_padded_over_packed']:.2f}x: the peak is within the RSS measure's noise)")
+
+
 FIGURES: dict[str, Callable[[], str]] = {
     "sql_readme": sql_readme, "compare_env_readme": compare_env_readme,
     "real_tokenizer_json": real_tokenizer_json, "real_tokenizer_defects": real_tokenizer_defects,
@@ -761,6 +867,9 @@ FIGURES: dict[str, Callable[[], str]] = {
     "sql_target03": sql_target03, "sft_layout_agent_share": sft_layout_agent_share,
     "vllm_server_weights": vllm_server_weights, "async_setup": async_setup, "async_transfer": async_transfer,
     "async_verdict": async_verdict, "compare_env_timing": compare_env_timing,
-    "trl_memory": trl_memory, "compare_default_timing": compare_default_timing, "compare_default_warmup": compare_default_warmup,
+    "trl_memory": trl_memory, "h200_tests": h200_tests, "h200_failed_device": h200_failed_device,
+    "h200_failed_oracle": h200_failed_oracle, "h200_failed_host_sync": h200_failed_host_sync, "h200_speed": h200_speed,
+    "logprob_naive_model": logprob_naive_model, "long_grpo_saving": long_grpo_saving, "h200_sampler": h200_sampler,
+    "sampler_loads": sampler_loads, "agent_step_notes": agent_step_notes, "compare_default_timing": compare_default_timing, "compare_default_warmup": compare_default_warmup,
 }
 """Every prose figure, by the name its ``<!-- figure:NAME -->`` marker gives."""

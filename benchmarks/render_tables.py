@@ -645,6 +645,69 @@ TABLES["probe_sooner"] = probe_sooner
 TABLES["real_tokenizer"] = real_tokenizer
 
 
+H200 = "gpu_h200_20261204"
+"""The first GPU run (benchmarks/gpu/run.sh on one H200): its folder under benchmarks/results/."""
+H200_BASELINES = {"sdpa_expanded": "SDPA over the prefix expanded per sample", "flex_expanded": "FlexAttention",
+                  "liger": "Liger `LigerFusedLinearGRPOLoss`", "naive": "naive logits"}
+
+
+def h200_kernels() -> str:
+    """The H200's kernels against their baselines (``kernels.json``), best times, fastrl's losses included."""
+    data = _load(f"{H200}/kernels.json")
+    by_case: dict[tuple[str, str], list[dict]] = {}
+    for r in data["results"]:
+        by_case.setdefault((r["op"], r["shape"]), []).append(r)
+    calls: dict[str, list[int]] = {}
+    for r in data["results"]:
+        calls.setdefault(r["op"], []).append(r["calls"])
+    rows = []
+    for (op, shape), impls in by_case.items():
+        mine = next(r for r in impls if r["impl"] == "fastrl")
+        others = [r for r in impls if r["impl"] != "fastrl"]
+        memory = op.startswith("grpo_loss")
+        cell = lambda r: f"{r['best_ms']:.3f} ms" if not memory else f"{r['best_ms']:.0f} ms, {r['peak_mem_mb']:.0f} MiB"  # noqa: E731
+        ratios = [f"{r['speedup_of_fastrl']:.2f}x {H200_BASELINES[r['impl']].split(' ')[0]}"
+                  + (f" at {mine['peak_mem_mb'] / r['peak_mem_mb']:.2f}x its memory" if memory else "") for r in others]
+        rows.append([f"`{op}` {shape}", cell(mine), "; ".join(f"{H200_BASELINES[r['impl']]}: {cell(r)}" for r in others),
+                     ", ".join(ratios)])
+    return _rows(["case", "fastrl (best)", "baselines (best)", "speed of fastrl / baseline"], rows) + (
+        f"\n`benchmarks/results/{H200}/kernels.json` ({data['created'][:10]}; {data['environment']['gpu']}, torch "
+        f"{data['environment']['torch']}, Triton {data['environment']['triton']}); the best of each implementation's timed calls "
+        f"(`calls` in the JSON: " + "; ".join(f"`{op}` {min(c)}-{max(c)}" if min(c) != max(c) else f"`{op}` {c[0]}"
+                                              for op, c in calls.items())
+        + "), each after its check against the reference passed; below 1x fastrl is slower.\n")
+
+
+def logprob_floor() -> str:
+    """benchmarks/gpu/logprob_floor.py's predictions on the H200 (a model, not a measurement)."""
+    rows = []
+    for r in _load("logprob_floor_predicted_h200.json"):
+        rows.append([f"{r['N']}, {r['H']}, {r['V']}", f"{r['floor_ms']:.1f} ms",
+                     f"{r['chunked_one_pass_ms']:.1f} ms ({r['chunked_one_pass_ms'] / r['floor_ms']:.2f}x)",
+                     f"{r['chunked_two_pass_ms']:.1f} ms",
+                     f"{r['floor_fwd_ms']:.1f} / {r['chunked_forward_ms']:.1f} ms ({r['chunked_forward_ms'] / r['floor_fwd_ms']:.2f}x)",
+                     f"{r['chunked_one_pass_peak_gib']:.1f} / {r['naive_peak_gib']:.1f} GiB"])
+    return _rows(["N, H, V", "floor fwd+bwd (3 GEMMs)", "chunked one pass (predicted)", "two pass (predicted)",
+                  "no-grad: 1 GEMM / chunked (predicted)", "peak above inputs, chunked / naive (predicted)"], rows)
+
+
+def long_grpo_gpu() -> str:
+    """The long-trajectory GRPO step on the H200 (``long_grpo_gpu.json``): prompt repeated vs shared prefix."""
+    data = _load(f"{H200}/long_grpo_gpu.json")
+    modes = (("repeated", "prompt repeated"), ("shared:triton", "shared prefix, Triton kernel"),
+             ("shared:flex", "shared prefix, FlexAttention"))
+    rows = []
+    for tokens in data["shapes"]["tokens_per_group"]:
+        cells = {r["mode"]: r for r in data["results"] if r["tokens_per_group"] == tokens and r["ok"]}
+        rows.append([str(tokens)] + [f"{cells[m]['step_s']:.3f} s, +{cells[m]['peak_extra_mib']:.0f} MiB" if m in cells else "-"
+                                     for m, _ in modes])
+    return _rows(["tokens per group", *(label for _, label in modes)], rows)
+
+
+TABLES["h200_kernels"] = h200_kernels
+TABLES["logprob_floor"] = logprob_floor
+TABLES["long_grpo_gpu"] = long_grpo_gpu
+
 def figures() -> dict[str, Callable[[], str]]:
     """``FIGURES`` of benchmarks/figures.py, the prose figures (imported when first rendered: that
     module reads its files through this one's helpers)."""
