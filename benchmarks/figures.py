@@ -853,6 +853,54 @@ def agent_step_notes() -> str:
             + f" ({fixed['memory_ratio_padded_over_packed']:.2f}x: the peak is within the RSS measure's noise)")
 
 
+
+# -- docs/ops.md -----------------------------------------------------------------------------
+
+DECODE_CPU = "decode_cascade_cpu_20261206"
+
+
+def flex_vs_triton_step() -> str:
+    """The 1.5B GRPO step at the longest group on the H200: FlexAttention against the first Triton kernels."""
+    res = _load(f"{H200}/long_grpo_gpu.json")["results"]
+    tokens = max(r["tokens_per_group"] for r in res)
+    step = {r["mode"]: r["step_s"] for r in res if r["tokens_per_group"] == tokens and r["ok"]}
+    return (f"the 1.5B GRPO step at {tokens // 1024}K tokens per group: {step['shared:flex']:.2f} s against "
+            f"{step['shared:triton']:.2f} s")
+
+
+def lm_head_transposed() -> str:
+    """benchmarks/bench_lm_head_layout.py: the LM head through a transposed weight copy, CPU time, up to 16 rows."""
+    data = _load("lm-head-layout-cpu-20261201-235130.json")
+    ratios = [r["cpu_speed_transposed_vs_linear"] for r in data["rows"] if r["rows"] <= 16]
+    return (f"MKL's small-batch GEMM is {_span(ratios, '.1f', 'x')} faster on it in CPU time (`{data['command']}`, "
+            "`benchmarks/results/lm-head-layout-cpu-20261201-235130.json`)")
+
+
+def decode_sdpa_h200() -> str:
+    """SDPA over the expanded prompt on the H200 at issue 37's decode shape: best and median microseconds."""
+    sdpa = next(r for r in _h200_kernel("decode_attention", "sdpa_expanded") if "Hq=28" in r["shape"])
+    return f"{sdpa['best_ms'] * 1e3:.0f}-{sdpa['median_ms'] * 1e3:.0f} us (best-median)"
+
+
+def decode_compile_variants() -> str:
+    data = _load(f"{DECODE_CPU}/sm90_compile_decode.json")
+    spills = sum(r["spill_store_bytes"] + r["spill_load_bytes"] for r in data["reports"])
+    return (f"{'no spills' if spills == 0 else f'{spills} bytes of spills'} in any of the {data['variants']} compiled variants "
+            f"(`{data['command']}`)")
+
+
+def decode_host_cost() -> str:
+    """The decode plan's per-call host cost on meta tensors (benchmarks/gpu/bench_decode.py --host-cost)."""
+    data = _load(f"{DECODE_CPU}/host_cost.json")
+    us = data["us_per_call_best_of_rounds"]
+    plan = us["prepared_plan (the sampler's per-layer call)"]
+    own = us["prepared_plan, launches replaced by a no-op (fastrl's own Python)"]
+    checked = us["shared_prefix_decode_attention (checked, fresh plan)"]
+    return (f"(load average {data['load_average_1min']:.1f}): {plan:.0f} us, of which {own:.0f} us is fastrl's own Python and the "
+            f"rest Triton's argument binding for two launches (the checked one-shot call: {checked:.0f} us) (`{data['command']}`) -- "
+            f"{'above' if plan > data['budget_us'] else 'within'} the {data['budget_us']:.0f} us budget")
+
+
 FIGURES: dict[str, Callable[[], str]] = {
     "sql_readme": sql_readme, "compare_env_readme": compare_env_readme,
     "real_tokenizer_json": real_tokenizer_json, "real_tokenizer_defects": real_tokenizer_defects,
@@ -870,6 +918,8 @@ FIGURES: dict[str, Callable[[], str]] = {
     "trl_memory": trl_memory, "h200_tests": h200_tests, "h200_failed_device": h200_failed_device,
     "h200_failed_oracle": h200_failed_oracle, "h200_failed_host_sync": h200_failed_host_sync, "h200_speed": h200_speed,
     "logprob_naive_model": logprob_naive_model, "long_grpo_saving": long_grpo_saving, "h200_sampler": h200_sampler,
-    "sampler_loads": sampler_loads, "agent_step_notes": agent_step_notes, "compare_default_timing": compare_default_timing, "compare_default_warmup": compare_default_warmup,
+    "sampler_loads": sampler_loads, "agent_step_notes": agent_step_notes, "flex_vs_triton_step": flex_vs_triton_step,
+    "lm_head_transposed": lm_head_transposed, "decode_sdpa_h200": decode_sdpa_h200,
+    "decode_compile_variants": decode_compile_variants, "decode_host_cost": decode_host_cost, "compare_default_timing": compare_default_timing, "compare_default_warmup": compare_default_warmup,
 }
 """Every prose figure, by the name its ``<!-- figure:NAME -->`` marker gives."""
