@@ -625,7 +625,7 @@ def async_setup() -> str:
     loads = [x for runs in data["repeats"].values() for mode in ("sync", "async") for p in runs[mode]
              for x in (p["load_1min"]["start"], p["load_1min"]["end"])]
     spreads = sorted(((max(v) - min(v), key, v) for key, v in _async_passes().items()), reverse=True)
-    (worst, (seed, mode), values), second = spreads[0], spreads[1][0]
+    (_, (seed, mode), values), second = spreads[0], spreads[1][0]
     return (f"(1-minute load average {_span(loads, '.1f')} during the runs: the benchmark's own processes). The training is the "
             "same in every pass (checked: the same held-out curve), only the clock differs, so each seed and mode is "
             "represented by its least disturbed run (the smallest RL seconds; every pass's own pair is in the JSON); here a "

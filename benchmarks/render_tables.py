@@ -1,14 +1,16 @@
 """The tables and prose figures of README.md and docs/ written from benchmarks/results/*.json (never by hand).
 
-A page holds each table between ``<!-- table:NAME -->`` and ``<!-- /table -->``, and each
-sentence of figures between ``<!-- figure:NAME -->`` and ``<!-- /figure -->``; this script
-replaces what is between the markers with what it renders from the JSON:
+A page holds each table between ``<!-- table:NAME -->`` and ``<!-- /table -->`` (rendered by
+``TABLES[NAME]`` here), and each sentence of figures between ``<!-- figure:NAME -->`` and
+``<!-- /figure -->`` (rendered by ``FIGURES[NAME]`` of benchmarks/figures.py, which reads its files
+through this module's helpers); this script replaces what is between the markers with what it
+renders from the JSON:
 
     python benchmarks/render_tables.py          # rewrite the tables in README.md and docs/*.md
     python benchmarks/render_tables.py --check  # exit 1 when a page and the JSON disagree
 
-``tests/test_docs.py`` runs the check, so a results file and the page that quotes it cannot
-drift apart.
+``tests/test_docs.py`` runs the check, and ``tests/test_render_figures.py`` that every marker names
+a known table or figure, so a results file and the page that quotes it cannot drift apart.
 """
 
 from __future__ import annotations
