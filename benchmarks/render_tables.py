@@ -28,7 +28,7 @@ from env_train_seeds import COMMANDS
 ROOT = Path(__file__).resolve().parents[1]
 RESULTS = ROOT / "benchmarks" / "results"
 PAGES = ("README.md", "docs")
-MARKER = re.compile(r"(<!-- table:(?P<name>[a-z_]+) -->\n)(?P<body>.*?)(<!-- /table -->)", re.S)
+MARKER = re.compile(r"(<!-- table:(?P<name>[a-z_0-9]+) -->\n)(?P<body>.*?)(<!-- /table -->)", re.S)
 FIGURE = re.compile(r"(<!-- figure:(?P<name>[a-z_0-9]+) -->)(?P<body>.*?)(<!-- /figure -->)", re.S)
 """Figures in prose: ``<!-- figure:NAME -->text<!-- /figure -->``, the text rendered by ``FIGURES[NAME]``."""
 

@@ -48,6 +48,9 @@ def test_every_marker_in_the_docs_names_a_known_table_or_figure_and_every_figure
     assert set(shown) <= set(figures.FIGURES), set(shown) - set(figures.FIGURES)
     assert set(figures.FIGURES) <= set(shown), f"figures no page shows: {set(figures.FIGURES) - set(shown)}"
     assert text.count("<!-- /figure -->") == len(shown)  # every figure is closed, none nested
+    # every marker is one the renderer finds (a name it cannot parse would be left as written, unchecked)
+    assert len(render_tables.MARKER.findall(text)) == len(tables) == text.count("<!-- /table -->")
+    assert len(render_tables.FIGURE.findall(text)) == len(shown)
 
 
 def test_the_calculator_account_is_the_readme_tables_run(modules):
