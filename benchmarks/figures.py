@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import json
 import math
+import re
 from typing import Callable
 
 from render_tables import ENV_SEED_FILES, RESULTS, _load, _p_value
@@ -882,6 +883,32 @@ def decode_sdpa_h200() -> str:
     return f"{sdpa['best_ms'] * 1e3:.0f}-{sdpa['median_ms'] * 1e3:.0f} us (best-median)"
 
 
+def _hopper_lint() -> dict[str, dict]:
+    """hopper_lint's reading of the decode kernels' sm_90 build: each kernel's line of the check, and its counts."""
+    lines = (RESULTS / DECODE_CPU / "hopper_lint_check.txt").read_text().splitlines()
+    out = {}
+    for entry in _load(f"{DECODE_CPU}/hopper_lint_summary.json"):
+        line = next(x for x in lines if x.startswith(f"decode_attention.{entry['kernel']}:"))
+        regs, ctas = re.search(r"regs (\d+), (\d+) CTA/SM", line).groups()
+        grid = math.prod(entry["grid"])
+        wgmma = re.search(r"wgmma (.*)$", line).group(1)
+        out[entry["kernel"]] = {"regs": int(regs), "ctas": int(ctas), "grid": grid, "entry": entry,
+                                "wgmma": re.findall(r"m\d+n\d+", wgmma)}
+    return out
+
+
+def decode_compile_facts() -> str:
+    """What the sm_90 compiler made of the two decode kernels at issue 37's shape (hopper_lint on a CPU)."""
+    lint = _hopper_lint()
+    pre, suf = lint["_prefix_attn_kernel"], lint["_suffix_merge_kernel"]
+    loops = all(k["entry"]["ttgir"]["scf.while"] == 0 for k in lint.values())
+    return (f"both loops are `scf.for` with cp.async ({pre['entry']['sass']['LDGSTS']} and {suf['entry']['sass']['LDGSTS']} "
+            f"`LDGSTS`) and {'no' if loops else 'a'} `while`; the prefix phase runs wgmma ({' and '.join(pre['wgmma'])}), "
+            f"{pre['regs']} registers, {pre['entry']['shared_bytes'] // 1024} KiB of shared memory, {pre['ctas']} CTA per SM over "
+            f"{pre['grid']} CTAs; the suffix phase runs `mma.sync` (16 query rows are too few for wgmma), {suf['regs']} registers, "
+            f"{suf['ctas']} CTAs per SM (`benchmarks/results/{DECODE_CPU}/hopper_lint_check.txt`)")
+
+
 def decode_compile_variants() -> str:
     data = _load(f"{DECODE_CPU}/sm90_compile_decode.json")
     spills = sum(r["spill_store_bytes"] + r["spill_load_bytes"] for r in data["reports"])
@@ -920,6 +947,6 @@ FIGURES: dict[str, Callable[[], str]] = {
     "logprob_naive_model": logprob_naive_model, "long_grpo_saving": long_grpo_saving, "h200_sampler": h200_sampler,
     "sampler_loads": sampler_loads, "agent_step_notes": agent_step_notes, "flex_vs_triton_step": flex_vs_triton_step,
     "lm_head_transposed": lm_head_transposed, "decode_sdpa_h200": decode_sdpa_h200,
-    "decode_compile_variants": decode_compile_variants, "decode_host_cost": decode_host_cost, "compare_default_timing": compare_default_timing, "compare_default_warmup": compare_default_warmup,
+    "decode_compile_variants": decode_compile_variants, "decode_compile_facts": decode_compile_facts, "decode_host_cost": decode_host_cost, "compare_default_timing": compare_default_timing, "compare_default_warmup": compare_default_warmup,
 }
 """Every prose figure, by the name its ``<!-- figure:NAME -->`` marker gives."""
