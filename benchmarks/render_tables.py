@@ -711,10 +711,9 @@ TABLES["logprob_floor"] = logprob_floor
 TABLES["long_grpo_gpu"] = long_grpo_gpu
 
 def figures() -> dict[str, Callable[[], str]]:
-    """``FIGURES`` of benchmarks/figures.py, the prose figures (imported when first rendered: that
-    module reads its files through this one's helpers)."""
-    from figures import FIGURES
-    return FIGURES
+    """``FIGURES`` of benchmarks/figures.py, the prose figures (imported at the end of this module:
+    it reads its files through this one's helpers)."""
+    return _figures.FIGURES
 
 
 def pages() -> list[Path]:
@@ -764,5 +763,8 @@ def main(argv: list[str] | None = None) -> int:
 
 
 if __name__ == "__main__":
-    sys.modules.setdefault("render_tables", sys.modules["__main__"])  # benchmarks/figures.py imports this module's helpers
+    sys.modules.setdefault("render_tables", sys.modules["__main__"])  # so figures.py imports this module, not a second copy
+import figures as _figures  # noqa: E402  (after the helpers it imports from here)
+
+if __name__ == "__main__":
     sys.exit(main())
