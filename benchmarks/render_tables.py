@@ -1,14 +1,16 @@
 """The tables and prose figures of README.md and docs/ written from benchmarks/results/*.json (never by hand).
 
-A page holds each table between ``<!-- table:NAME -->`` and ``<!-- /table -->``, and each
-sentence of figures between ``<!-- figure:NAME -->`` and ``<!-- /figure -->``; this script
-replaces what is between the markers with what it renders from the JSON:
+A page holds each table between ``<!-- table:NAME -->`` and ``<!-- /table -->`` (rendered by
+``TABLES[NAME]`` here), and each sentence of figures between ``<!-- figure:NAME -->`` and
+``<!-- /figure -->`` (rendered by ``FIGURES[NAME]`` of benchmarks/figures.py, which reads its files
+through this module's helpers); this script replaces what is between the markers with what it
+renders from the JSON:
 
     python benchmarks/render_tables.py          # rewrite the tables in README.md and docs/*.md
     python benchmarks/render_tables.py --check  # exit 1 when a page and the JSON disagree
 
-``tests/test_docs.py`` runs the check, so a results file and the page that quotes it cannot
-drift apart.
+``tests/test_docs.py`` runs the check, and ``tests/test_render_figures.py`` that every marker names
+a known table or figure, so a results file and the page that quotes it cannot drift apart.
 """
 
 from __future__ import annotations
@@ -17,6 +19,7 @@ import argparse
 import json
 import re
 import sys
+from functools import partial
 from pathlib import Path
 from typing import Callable
 
@@ -25,7 +28,7 @@ from env_train_seeds import COMMANDS
 ROOT = Path(__file__).resolve().parents[1]
 RESULTS = ROOT / "benchmarks" / "results"
 PAGES = ("README.md", "docs")
-MARKER = re.compile(r"(<!-- table:(?P<name>[a-z_]+) -->\n)(?P<body>.*?)(<!-- /table -->)", re.S)
+MARKER = re.compile(r"(<!-- table:(?P<name>[a-z_0-9]+) -->\n)(?P<body>.*?)(<!-- /table -->)", re.S)
 FIGURE = re.compile(r"(<!-- figure:(?P<name>[a-z_0-9]+) -->)(?P<body>.*?)(<!-- /figure -->)", re.S)
 """Figures in prose: ``<!-- figure:NAME -->text<!-- /figure -->``, the text rendered by ``FIGURES[NAME]``."""
 
@@ -514,27 +517,6 @@ TABLES: dict[str, Callable[[], str]] = {"default_train_seeds": default_train_see
                                         "sql_levers": sql_levers}
 
 
-def calculator_seed0() -> str:
-    """docs/agents.md's account of `fastrl train --env calculator`, seed 0: the README table's run."""
-    data = _load(ENV_SEED_FILES[0])
-    run = data["runs"]["0"]
-    acc = {int(e["step"]): e["accuracy"] for e in run["eval"]}
-    last = max(acc)
-    tools = run["eval"][0]["tool_call_rate"], run["eval"][-1]["tool_call_rate"]
-    paired = run["heldout_first_last_paired"]
-    load = "/".join(f"{x:.1f}" for x in run["load_average_before_after"])
-    return (f"`fastrl train --env calculator` (seed 0, nothing else; `{data['command']}`, {data['date']}, code {run['commit']}, "
-            f"{data['machine']}; the README table's first row): the warm-up stopped after {run['sft_steps']:.0f} steps "
-            f"({run['sft_seconds']:.0f} s; probe success {run['sft_probe_accuracy']:.2f} on 100 training rows), then "
-            f"{run['rl_steps']} GRPO steps of 16 rows x 8 trajectories ({run['rl_step_seconds_median']:.2f} s each, median). "
-            f"Held-out success ({paired['rows']} rows, greedy episodes): **{acc[0]:.2f} after the warm-up -> {acc[25]:.2f} at "
-            f"step 25 -> {acc[50]:.2f} at step 50**, {acc[last]:.2f} at step {last} (+{paired['gained']} / -{paired['lost']} "
-            f"rows, {_p_value(paired['p_value'])}); tool-call rate {tools[0]:.2f} before and {tools[1]:.2f} after (the warm-up "
-            f"teaches the call; RL teaches copying the expression and the result exactly). {run['wall_seconds']:.0f} s wall "
-            f"({run['cpu_seconds']:.0f} s CPU), load average {load} before/after. Results: "
-            f"`benchmarks/results/{ENV_SEED_FILES[0]}`.")
-
-
 OPS_QUICK = "bench-cpu-quick-policy_loss-advantages.json"
 """`fastrl bench --quick --only policy_loss advantages` on this project's CPU: every op beside every baseline."""
 
@@ -561,37 +543,6 @@ def ops_quick_cpu() -> str:
                     "the project's 2-core CPU shared with "
                     "other sessions' work); ratio = baseline time / fastrl time, best of n; ~: inside the run's noise "
                     "(the spread, median / best, of the two rows), too noisy to rank.\n")
-
-
-SQL_PADDED_WARMUP = "env_train_sql_width128_default_threads_paired_cpu.json"
-"""sql's seed study before its warm-up's batches ran as tries (the same defaults otherwise)."""
-SQL_FRESH_SEEDS = "env_train_sql_fresh_seeds_default_threads_cpu.json"
-"""sql's defaults on seeds never used to choose them."""
-
-
-def _wall_range(name: str) -> str:
-    walls = [run["wall_seconds"] for run in _load(name)["runs"].values()]
-    return f"{min(walls):.0f}-{max(walls):.0f} s"
-
-
-def _gains(name: str) -> str:
-    runs = sorted(_load(name)["runs"].items(), key=lambda kv: int(kv[0]))
-    return ", ".join(f"+{r['heldout_first_last_paired']['gained']} / -{r['heldout_first_last_paired']['lost']}" for _, r in runs)
-
-
-def sql_readme() -> str:
-    """The README's sentence on sql's rows of the seed table, its slower first seed and its fresh seeds."""
-    study = ENV_SEED_FILES[2]
-    seed0 = _load(study)["runs"]["0"]
-    first, last = seed0["eval"][0]["accuracy"], seed0["eval"][-1]["accuracy"]
-    paired = seed0["heldout_first_last_paired"]
-    fresh = sorted(_load(SQL_FRESH_SEEDS)["runs"], key=int)
-    return (f"sql's rows are its command as typed (two threads; warm-up target 0.5 since these runs), **within the 10 minutes** "
-            f"({_wall_range(study)}; {_wall_range(SQL_PADDED_WARMUP)} before its warm-up ran as a trie); seed 0 starts at "
-            f"{first:.2f} and gains least ({last:.2f} at the end, +{paired['gained']} / -{paired['lost']}, "
-            f"{_p_value(paired['p_value'])}). On three fresh seeds ({fresh[0]}-{fresh[-1]}, never used to choose) each rise is "
-            f"clear: {_gains(SQL_FRESH_SEEDS)} in {_wall_range(SQL_FRESH_SEEDS)} "
-            "([Agents](docs/agents.md#the-sql-defaults-and-how-they-were-chosen)).")
 
 
 def thread_rule() -> str:
@@ -622,27 +573,147 @@ def thread_rule() -> str:
                     "the same setting: their difference is the machine's noise.\n")
 
 
-def compare_env_readme() -> str:
-    """The README's sentence on the three `fastrl compare --env` runs: load, jobs, wall minutes, sql's warm-up."""
-    data = {env: json.loads((RESULTS / f"compare_env_{env}" / "compare.json").read_text()) for env in ("sql", "frozenlake", "calculator")}
-    loads = [x for d in data.values() for x in (d["load_average"]["start"][0], d["load_average"]["end"][0])]
-    jobs = {d["jobs"] for d in data.values()}
-    minutes = {env: d["total_seconds"] / 60 for env, d in data.items()}
-    start = data["sql"]["summary"][data["sql"]["algorithms"][0]]["initial_accuracy"]["mean"]
-    separated = [f"{v['winner']} on {v['axis']} in {env}" for env, d in data.items() for v in d["verdicts"] if v["distinguishable"]]
-    seeds = ("the seeds separate no algorithm on any axis but " + ", ".join(separated) if separated
-             else "the seeds separate no algorithm on any axis")
-    return (f"load average {min(loads):.1f}-{max(loads):.1f}: the comparison's own two runs), with the default "
-            f"`--jobs {'/'.join(map(str, sorted(jobs)))}` (two single-threaded runs at once): {minutes['sql']:.1f} min wall (sql, its "
-            f"warm-up {data['sql']['start']['seconds'] / 60:.1f} of it), {minutes['frozenlake']:.1f} (frozenlake) and "
-            f"{minutes['calculator']:.1f} (calculator), each within the 15 minutes the defaults are sized for. At these budgets "
-            f"{seeds}; on sql PPO and grpo_then_ppo fall from the warm-up's {start:.2f}")
-
-
 TABLES["ops_quick_cpu"] = ops_quick_cpu
 TABLES["thread_rule"] = thread_rule
-FIGURES: dict[str, Callable[[], str]] = {"calculator_seed0": calculator_seed0, "sql_readme": sql_readme,
-                                         "compare_env_readme": compare_env_readme}
+
+
+def seed_curves(name: str) -> str:
+    """One seed study of benchmarks/env_train_seeds.py, a row per seed: the warm-up, held-out success at
+    every evaluation, the rows gained and lost, the RL step and the whole run."""
+    data = _load(name)
+    runs = sorted(data["runs"].items(), key=lambda kv: int(kv[0]))
+    steps = [f"{e['step']:.0f}" for e in runs[0][1]["eval"]]
+    rows = []
+    for seed, run in runs:
+        curve = ", ".join(f"{e['accuracy']:.2f}" for e in run["eval"][:-1]) + f", **{run['eval'][-1]['accuracy']:.2f}**"
+        paired = run["heldout_first_last_paired"]
+        rows.append([seed, _warm_up(run), curve, f"+{paired['gained']} / -{paired['lost']} ({_p_value(paired['p_value'])})",
+                     f"{run['rl_step_seconds_median']:.2f} s", f"{run['wall_seconds']:.0f} s ({run['cpu_seconds']:.0f} CPU-s)"])
+    table = _rows(["seed", "warm-up steps (s), last probe", f"held-out success, steps {steps[0]}, {steps[1]}, ..., {steps[-1]}",
+                   "rows gained / lost (p)", "RL step (median)", "whole run"], rows)
+    commits = sorted({run["commit"].split("+")[0] for _, run in runs})
+    return table + f"\n`{data['command']}` ({data['date']}; code {', '.join(commits)}; {data['machine']}); `benchmarks/results/{name}`.\n"
+
+
+PROBE_SOONER_FILES = (("sql", "env_train_sql_probe_sooner_default_threads_cpu.json"),
+                      ("frozenlake", "env_train_frozenlake_probe_sooner_cpu.json"),
+                      ("calculator", "env_train_calculator_probe_sooner_cpu.json"))
+"""The seed studies with the warm-up probed sooner near its target (code 1992e0f), each beside ENV_SEED_FILES' run."""
+
+
+def probe_sooner() -> str:
+    """The warm-up probed sooner near its target against every ``sft_check_every`` steps (the README's rows), per seed."""
+    fixed = {_load(name)["env"]: _load(name)["runs"] for name in ENV_SEED_FILES}
+    rows = []
+    for env, name in PROBE_SOONER_FILES:
+        for seed, run in sorted(_load(name)["runs"].items(), key=lambda kv: int(kv[0])):
+            paired, base = run["heldout_first_last_paired"], fixed[env][seed]
+            rows.append([env, seed, f"{run['sft_steps']:.0f}, {run['sft_probe_accuracy']:.2f} ({run['sft_probes']:.0f})",
+                         f"{run['eval'][0]['accuracy']:.2f} -> {run['eval'][-1]['accuracy']:.2f}",
+                         f"+{paired['gained']} / -{paired['lost']} ({_p_value(paired['p_value'])})",
+                         f"{base['sft_steps']:.0f}; {base['eval'][0]['accuracy']:.2f} -> {base['eval'][-1]['accuracy']:.2f}, "
+                         f"+{base['heldout_first_last_paired']['gained']} / -{base['heldout_first_last_paired']['lost']}"])
+    return _rows(["env", "seed", "warm-up steps, last probe (probes)", "held-out success, step 0 -> end", "rows gained / lost (p)",
+                  "every 10 steps (the README's rows): warm-up steps; held-out, rows"], rows) + (
+        "\n" + "; ".join(f"`{_load(name)['command']}`" for _, name in PROBE_SOONER_FILES)
+        + f" ({_load(PROBE_SOONER_FILES[0][1])['date']}); `benchmarks/results/"
+        + "`, `benchmarks/results/".join(name for _, name in PROBE_SOONER_FILES) + "`.\n")
+
+
+REAL_TOKENIZER = "agent_real_tokenizer_cpu.json"
+TOKENIZER_STYLES = (("qwen2.5", "Qwen2.5 style"), ("qwen3", "Qwen3 style"), ("llama3", "Llama 3 style"))
+
+
+def real_tokenizer() -> str:
+    """benchmarks/agent_real_tokenizer.py: mismatched/checked turns (samples per trajectory, outcome reward), before -> after."""
+    data = _load(REAL_TOKENIZER)
+    before, after = data["before_4d84e71"]["calculator"], data["after"]["calculator"]
+
+    def cell(r: dict) -> str:
+        return f"{r['mismatched_turns']}/{r['checked_turns']} ({r['samples_per_trajectory']:.2f}, {r['outcome_reward_mean']:.2f})"
+
+    rows = [[case] + [f"{cell(before[style][case])} -> {cell(after[style][case])}" for style, _ in TOKENIZER_STYLES]
+            for case in before[TOKENIZER_STYLES[0][0]]]
+    return _rows(["policy turns", *(label for _, label in TOKENIZER_STYLES)], rows) + (
+        f"\n`{data['command']}`: before at {data['before_4d84e71']['commit']}, after at {data['after']['commit']}; "
+        f"{data['after']['rows_per_run']} rows a run, seed {data['after']['seed']}; `benchmarks/results/{REAL_TOKENIZER}`.\n")
+
+
+SQL_SEED_CURVES = {"sql_trie_warmup": "env_train_sql_trie_warmup_default_threads_cpu.json",
+                   "sql_target05": ENV_SEED_FILES[2], "sql_fresh_seeds": "env_train_sql_fresh_seeds_default_threads_cpu.json"}
+"""docs/agents.md's per-seed tables of sql's studies since the warm-up ran as a trie."""
+TABLES.update({name: partial(seed_curves, file) for name, file in SQL_SEED_CURVES.items()})
+TABLES["probe_sooner"] = probe_sooner
+TABLES["real_tokenizer"] = real_tokenizer
+
+
+H200 = "gpu_h200_20261204"
+"""The first GPU run (benchmarks/gpu/run.sh on one H200): its folder under benchmarks/results/."""
+H200_BASELINES = {"sdpa_expanded": "SDPA over the prefix expanded per sample", "flex_expanded": "FlexAttention",
+                  "liger": "Liger `LigerFusedLinearGRPOLoss`", "naive": "naive logits"}
+
+
+def h200_kernels() -> str:
+    """The H200's kernels against their baselines (``kernels.json``), best times, fastrl's losses included."""
+    data = _load(f"{H200}/kernels.json")
+    by_case: dict[tuple[str, str], list[dict]] = {}
+    for r in data["results"]:
+        by_case.setdefault((r["op"], r["shape"]), []).append(r)
+    calls: dict[str, list[int]] = {}
+    for r in data["results"]:
+        calls.setdefault(r["op"], []).append(r["calls"])
+    rows = []
+    for (op, shape), impls in by_case.items():
+        mine = next(r for r in impls if r["impl"] == "fastrl")
+        others = [r for r in impls if r["impl"] != "fastrl"]
+        memory = op.startswith("grpo_loss")
+        cell = lambda r: f"{r['best_ms']:.3f} ms" if not memory else f"{r['best_ms']:.0f} ms, {r['peak_mem_mb']:.0f} MiB"  # noqa: E731
+        ratios = [f"{r['speedup_of_fastrl']:.2f}x {H200_BASELINES[r['impl']].split(' ')[0]}"
+                  + (f" at {mine['peak_mem_mb'] / r['peak_mem_mb']:.2f}x its memory" if memory else "") for r in others]
+        rows.append([f"`{op}` {shape}", cell(mine), "; ".join(f"{H200_BASELINES[r['impl']]}: {cell(r)}" for r in others),
+                     ", ".join(ratios)])
+    return _rows(["case", "fastrl (best)", "baselines (best)", "speed of fastrl / baseline"], rows) + (
+        f"\n`benchmarks/results/{H200}/kernels.json` ({data['created'][:10]}; {data['environment']['gpu']}, torch "
+        f"{data['environment']['torch']}, Triton {data['environment']['triton']}); the best of each implementation's timed calls "
+        f"(`calls` in the JSON: " + "; ".join(f"`{op}` {min(c)}-{max(c)}" if min(c) != max(c) else f"`{op}` {c[0]}"
+                                              for op, c in calls.items())
+        + "), each after its check against the reference passed; below 1x fastrl is slower.\n")
+
+
+def logprob_floor() -> str:
+    """benchmarks/gpu/logprob_floor.py's predictions on the H200 (a model, not a measurement)."""
+    rows = []
+    for r in _load("logprob_floor_predicted_h200.json"):
+        rows.append([f"{r['N']}, {r['H']}, {r['V']}", f"{r['floor_ms']:.1f} ms",
+                     f"{r['chunked_one_pass_ms']:.1f} ms ({r['chunked_one_pass_ms'] / r['floor_ms']:.2f}x)",
+                     f"{r['chunked_two_pass_ms']:.1f} ms",
+                     f"{r['floor_fwd_ms']:.1f} / {r['chunked_forward_ms']:.1f} ms ({r['chunked_forward_ms'] / r['floor_fwd_ms']:.2f}x)",
+                     f"{r['chunked_one_pass_peak_gib']:.1f} / {r['naive_peak_gib']:.1f} GiB"])
+    return _rows(["N, H, V", "floor fwd+bwd (3 GEMMs)", "chunked one pass (predicted)", "two pass (predicted)",
+                  "no-grad: 1 GEMM / chunked (predicted)", "peak above inputs, chunked / naive (predicted)"], rows)
+
+
+def long_grpo_gpu() -> str:
+    """The long-trajectory GRPO step on the H200 (``long_grpo_gpu.json``): prompt repeated vs shared prefix."""
+    data = _load(f"{H200}/long_grpo_gpu.json")
+    modes = (("repeated", "prompt repeated"), ("shared:triton", "shared prefix, Triton kernel"),
+             ("shared:flex", "shared prefix, FlexAttention"))
+    rows = []
+    for tokens in data["shapes"]["tokens_per_group"]:
+        cells = {r["mode"]: r for r in data["results"] if r["tokens_per_group"] == tokens and r["ok"]}
+        rows.append([str(tokens)] + [f"{cells[m]['step_s']:.3f} s, +{cells[m]['peak_extra_mib']:.0f} MiB" if m in cells else "-"
+                                     for m, _ in modes])
+    return _rows(["tokens per group", *(label for _, label in modes)], rows)
+
+
+TABLES["h200_kernels"] = h200_kernels
+TABLES["logprob_floor"] = logprob_floor
+TABLES["long_grpo_gpu"] = long_grpo_gpu
+
+def figures() -> dict[str, Callable[[], str]]:
+    """``FIGURES`` of benchmarks/figures.py, the prose figures (imported at the end of this module:
+    it reads its files through this one's helpers)."""
+    return _figures.FIGURES
 
 
 def pages() -> list[Path]:
@@ -663,9 +734,10 @@ def render(text: str) -> str:
 
     def figure(match: re.Match) -> str:
         name = match.group("name")
-        if name not in FIGURES:
-            raise KeyError(f"no figure named {name!r} (known: {', '.join(FIGURES)})")
-        return match.group(1) + FIGURES[name]() + match.group(4)
+        known = figures()
+        if name not in known:
+            raise KeyError(f"no figure named {name!r} (known: {', '.join(known)})")
+        return match.group(1) + known[name]() + match.group(4)
 
     return FIGURE.sub(figure, MARKER.sub(replace, text))
 
@@ -689,6 +761,10 @@ def main(argv: list[str] | None = None) -> int:
     print(("rewrote " + ", ".join(map(str, stale))) if stale and not args.check else "tables match benchmarks/results")
     return 0
 
+
+if __name__ == "__main__":
+    sys.modules.setdefault("render_tables", sys.modules["__main__"])  # so figures.py imports this module, not a second copy
+import figures as _figures  # noqa: E402  (after the helpers it imports from here)
 
 if __name__ == "__main__":
     sys.exit(main())
