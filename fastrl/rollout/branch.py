@@ -13,7 +13,8 @@ distribution) and a group always has ``G`` rows.
 
 The shared part of a path is sampled once:
 
-- ``HFGroupSampler`` (the fork path): one multi-turn state (``start`` / ``continue_``),
+- a sampler that declares the multi-turn capability (``supports_multi_turn``: ``HFGroupSampler``;
+  the fork path): one multi-turn state (``start`` / ``continue_``),
   each node a trajectory of it; at a branch point the node's trajectory is *forked*
   (:func:`fork_trajectories`: its suffix keys/values copied into new rows, the prompt's
   stored once for all) and each child continues from that copy, so no token of a shared
@@ -48,7 +49,7 @@ from typing import Any, Sequence
 import torch
 
 from fastrl.errors import InputError
-from fastrl.rollout.base import RolloutBatch, RolloutStats, SamplingConfig, validate_prompt_seeds
+from fastrl.rollout.base import RolloutBatch, RolloutStats, SamplingConfig, supports_multi_turn, validate_prompt_seeds
 
 __all__ = ["BranchSchedule", "TreeRolloutBatch", "TreeSpans", "fork_trajectories", "sample_tree", "LEVEL_SEED_STRIDE"]
 
@@ -322,10 +323,8 @@ def sample_tree(sampler: Any, prompts: Sequence[Sequence[int]], *, schedule: Bra
     budget = [b - a for a, b in zip(schedule.depths, ends)]
     seeds = None if sampling.greedy else _prompt_seeds(prompt_seeds, sampling, N)
     nodes = [_Node(parent=-1, group=i, level=-1, first_leaf=0) for i in range(N)]
-    from fastrl.rollout.hf import HFGroupSampler
-
     hit_rate = None
-    if isinstance(sampler, HFGroupSampler):
+    if supports_multi_turn(sampler):
         prefill, peak = _grow_hf(sampler, prompts, nodes, schedule, sampling, seeds, budget)
         reused = G * sum(len(p) for p in prompts) - prefill  # every row's prompt, stored once per distinct prompt
     else:
