@@ -72,16 +72,8 @@ class TurnSchedule(BranchCounts):
     """Policy turn (0 = the first) of each branch point, strictly increasing."""
 
     def __post_init__(self) -> None:
-        branches = tuple(int(k) for k in self.branches)
-        turns = tuple(int(t) for t in self.turns)
-        object.__setattr__(self, "branches", branches)
-        object.__setattr__(self, "turns", turns)
-        if not branches or any(k < 1 for k in branches):
-            raise InputError(f"tree_branches must be one or more ints >= 1 (continuations per branch point), got {list(branches)}")
-        if len(turns) != len(branches):
-            raise InputError(f"tree_turns must give one turn per entry of tree_branches ({len(branches)}), got {list(turns)}")
-        if turns[0] < 0 or any(b <= a for a, b in zip(turns, turns[1:])):
-            raise InputError(f"tree_turns must be policy turns >= 0 (0: the first), strictly increasing, got {list(turns)}")
+        self.validate_points("turns", children="continuations per branch point", one_per="one turn per entry",
+                           order="be policy turns >= 0 (0: the first), strictly increasing", first_zero=False)
 
     def level(self, turn: int) -> int | None:
         """The branch point at the start of ``turn`` (None: not a branch point)."""
@@ -89,9 +81,7 @@ class TurnSchedule(BranchCounts):
 
     def check(self, *, group_size: int, max_turns: int) -> None:
         """The schedule fits a run: ``group_size`` leaves, every branch point a turn the run can reach."""
-        if self.leaves != group_size:
-            raise InputError(f"tree_branches {list(self.branches)} give {self.leaves} leaves per row; their product must be "
-                             f"group_size ({group_size})")
+        self.check_leaves(group_size, per="row")
         if self.turns[-1] >= max_turns:
             raise InputError(f"tree_turns {list(self.turns)}: every branch point must be a policy turn below max_turns "
                              f"({max_turns}; turn 0 is the first)")
