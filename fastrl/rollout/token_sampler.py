@@ -23,13 +23,10 @@ driver's ``Continuation`` is this record).
 from __future__ import annotations
 
 from dataclasses import dataclass, replace
-from typing import TYPE_CHECKING, Any, Sequence
+from typing import Any, Sequence
 
 from fastrl.rollout.base import GroupSampler, SamplingConfig, supports_multi_turn
 from fastrl.rollout.branch import fork_trajectories
-
-if TYPE_CHECKING:
-    from fastrl.rollout.hf import MultiTurnState
 
 __all__ = ["TurnOutput", "GroupSamplerTokens", "HFTokenSampler", "ForkingTokenSampler", "token_sampler_for"]
 
@@ -99,7 +96,8 @@ class HFTokenSampler:
         self.sampler = sampler
         self.sampling = sampling
         self.max_length = sampler.max_length
-        self.state: MultiTurnState | None = None
+        self.state: Any = None
+        """The open multi-turn state (``sampler.start``'s: ``fastrl.rollout.hf.MultiTurnState``), or None."""
         self._tokens: dict[int, list[int]] = {}
         """Each live trajectory's tokens (prompt and history): what a sequence must extend to continue it."""
         self.restarts = 0
