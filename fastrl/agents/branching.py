@@ -17,9 +17,10 @@ The shared part is played once:
   trajectory's (``EnvRuntime.fork``: the environment's own ``fork()`` in its worker, else
   replay of ``reset(row, seed)`` and the recorded actions, each answer checked against the
   recorded one; see ``fastrl.agents.env``);
-- the sampler: with the HF sampler (``ForkingTokenSampler``) the siblings' trajectories in
-  the multi-turn state are forked (``fastrl.rollout.branch.fork_trajectories``: the suffix
-  keys/values copied, the prompt's kept once), so no shared token is recomputed; vLLM and
+- the sampler: with the HF sampler (``ForkingTokenSampler``, ``fastrl.rollout.token_sampler``)
+  the siblings' trajectories in the multi-turn state are forked
+  (``fastrl.rollout.branch.fork_trajectories``: the suffix keys/values copied, the prompt's
+  kept once), so no shared token is recomputed; vLLM and
   the server get each sibling's whole history as token ids (``GroupSamplerTokens``) and
   their prefix caching finds the shared blocks.
 
@@ -54,6 +55,7 @@ from fastrl.agents import metric_names as names
 from fastrl.agents.trajectory import Trajectory
 from fastrl.errors import InputError
 from fastrl.rollout.branch import BranchCounts
+from fastrl.rollout.token_sampler import ForkingTokenSampler, token_sampler_for
 from fastrl.workers import OK
 
 __all__ = ["TurnSchedule", "TurnTree", "ForkingTokenSampler", "tree_token_sampler"]
@@ -70,16 +72,8 @@ class TurnSchedule(BranchCounts):
     """Policy turn (0 = the first) of each branch point, strictly increasing."""
 
     def __post_init__(self) -> None:
-        branches = tuple(int(k) for k in self.branches)
-        turns = tuple(int(t) for t in self.turns)
-        object.__setattr__(self, "branches", branches)
-        object.__setattr__(self, "turns", turns)
-        if not branches or any(k < 1 for k in branches):
-            raise InputError(f"tree_branches must be one or more ints >= 1 (continuations per branch point), got {list(branches)}")
-        if len(turns) != len(branches):
-            raise InputError(f"tree_turns must give one turn per entry of tree_branches ({len(branches)}), got {list(turns)}")
-        if turns[0] < 0 or any(b <= a for a, b in zip(turns, turns[1:])):
-            raise InputError(f"tree_turns must be policy turns >= 0 (0: the first), strictly increasing, got {list(turns)}")
+        self.validate_points("turns", children="continuations per branch point", one_per="one turn per entry",
+                           order="be policy turns >= 0 (0: the first), strictly increasing", first_zero=False)
 
     def level(self, turn: int) -> int | None:
         """The branch point at the start of ``turn`` (None: not a branch point)."""
@@ -87,9 +81,7 @@ class TurnSchedule(BranchCounts):
 
     def check(self, *, group_size: int, max_turns: int) -> None:
         """The schedule fits a run: ``group_size`` leaves, every branch point a turn the run can reach."""
-        if self.leaves != group_size:
-            raise InputError(f"tree_branches {list(self.branches)} give {self.leaves} leaves per row; their product must be "
-                             f"group_size ({group_size})")
+        self.check_leaves(group_size, per="row")
         if self.turns[-1] >= max_turns:
             raise InputError(f"tree_turns {list(self.turns)}: every branch point must be a policy turn below max_turns "
                              f"({max_turns}; turn 0 is the first)")
@@ -262,66 +254,8 @@ class TurnTree:
         }
 
 
-class ForkingTokenSampler:
-    """The driver's ``TokenSampler`` over an ``HFGroupSampler`` for branching rollouts: an
-    ``HFTokenSampler`` (each sequence continues the live trajectory whose tokens it extends)
-    that, when several sequences extend the same live trajectory (siblings right after a
-    branch point), forks that trajectory (``fork_trajectories``) so each sibling continues its
-    own copy of the shared keys/values instead of prefilling the history again. It reads the
-    ``HFTokenSampler``'s table of live trajectories' tokens and adds the forks to it, so the
-    sampler's decode path is untouched."""
-
-    def __init__(self, sampler: Any, sampling: Any) -> None:
-        from fastrl.rollout.hf import HFTokenSampler
-
-        self.inner = HFTokenSampler(sampler, sampling)
-        self.max_length = self.inner.max_length
-        self.forked = 0
-        """Trajectories forked in the multi-turn state (shared keys/values copied, not recomputed)."""
-
-    def _fork_siblings(self, sequences: list[list[int]]) -> None:
-        from fastrl.rollout.branch import fork_trajectories
-
-        inner = self.inner
-        if inner.state is None:
-            return
-        index: dict[tuple[int, ...], list[int]] = {}
-        for t, toks in inner._tokens.items():
-            index.setdefault(tuple(toks), []).append(t)
-        lengths = sorted({len(k) for k in index}, reverse=True)
-        demand: dict[tuple[int, ...], int] = {}
-        for seq in sequences:
-            for n in lengths:
-                key = tuple(seq[:n])
-                if n <= len(seq) and key in index:
-                    demand[key] = demand.get(key, 0) + 1
-                    break
-        parents = [index[key][0] for key, n in demand.items() for _ in range(n - len(index[key]))]
-        if parents:
-            for t, parent in zip(fork_trajectories(inner.state, parents), parents):
-                inner._tokens[t] = list(inner._tokens[parent])
-            self.forked += len(parents)
-
-    def continue_sequences(self, sequences: Sequence[Sequence[int]], *, max_new_tokens: Sequence[int],
-                           seeds: Sequence[int]) -> list[Any]:
-        seqs = [[int(x) for x in s] for s in sequences]
-        self._fork_siblings(seqs)
-        return self.inner.continue_sequences(seqs, max_new_tokens=max_new_tokens, seeds=seeds)
-
-    @property
-    def restarts(self) -> int:
-        return self.inner.restarts
-
-    def close(self) -> None:
-        self.inner.close()
-
-
 def tree_token_sampler(sampler: Any, sampling: Any) -> Any:
-    """The driver's ``TokenSampler`` for a branching rollout: ``ForkingTokenSampler`` over the HF
-    sampler, each turn's token ids for the others (vLLM's prefix caching shares the prefix)."""
-    from fastrl.agents.driver import GroupSamplerTokens
-    from fastrl.rollout.hf import HFGroupSampler
-
-    if isinstance(sampler, HFGroupSampler):
-        return ForkingTokenSampler(sampler, sampling)
-    return GroupSamplerTokens(sampler, sampling)
+    """The driver's ``TokenSampler`` for a branching rollout: ``ForkingTokenSampler`` over a
+    multi-turn sampler (the HF sampler), each turn's token ids for the others (vLLM's prefix
+    caching shares the prefix): ``fastrl.rollout.token_sampler.token_sampler_for(fork=True)``."""
+    return token_sampler_for(sampler, sampling, fork=True)

@@ -20,7 +20,7 @@ environment's own (``info["stop_reason"]`` when done, e.g. ``answer``, ``repeate
 from __future__ import annotations
 
 import time
-from dataclasses import dataclass, replace
+from dataclasses import dataclass
 from typing import Any, Literal, Protocol, Sequence
 
 from fastrl.agents import metric_names as names
@@ -30,6 +30,8 @@ from fastrl.agents.tools import FAILURE_KINDS
 from fastrl.agents.trajectory import Trajectory, TrajectorySample
 from fastrl.errors import InputError
 from fastrl.rollout.hf import TURN_SEED_STRIDE  # one stride for the driver and the sampler's own sessions
+from fastrl.rollout.token_sampler import GroupSamplerTokens  # noqa: F401 (the token samplers' one home; its import path here)
+from fastrl.rollout.token_sampler import TurnOutput as Continuation
 from fastrl.workers import CRASHED, OK, RAISED, TIMEOUT
 
 __all__ = [
@@ -105,60 +107,11 @@ class AgentConfig:
             raise InputError(f"failed_trajectories must be 'zero' or 'mask', got {self.failed_trajectories!r}")
 
 
-@dataclass
-class Continuation:
-    token_ids: list[int]
-    """The new tokens (ending with the stop token when ``stopped``)."""
-    logprobs: list[float]
-    """The sampler's log-prob of each new token."""
-    stopped: bool
-    """A stop token ended it (else the token limit did)."""
-
-
 class TokenSampler(Protocol):
     """"Continue these token sequences by up to n tokens": the driver's only sampler need."""
 
     def continue_sequences(self, sequences: Sequence[Sequence[int]], *, max_new_tokens: Sequence[int],
                            seeds: Sequence[int]) -> list[Continuation]: ...
-
-
-class GroupSamplerTokens:
-    """``TokenSampler`` over any ``GroupSampler`` (``HFGroupSampler``, vLLM, server).
-
-    Each turn passes the whole history as the prompt (``group_size=1``, one seed per
-    sequence), so the history is prefilled again every turn: correct, not fast. Identical
-    sequences (a group's first turn) are prefilled once by ``HFGroupSampler``. Continuing
-    each trajectory's own KV across turns (turn k prefills only its new environment tokens)
-    is later work in the samplers.
-    """
-
-    def __init__(self, sampler: Any, sampling: Any) -> None:
-        self.sampler = sampler
-        self.sampling = sampling
-        self.max_length = getattr(sampler, "max_length", None) or getattr(sampler, "max_model_len", None)
-        """Longest sequence the sampler accepts (prompt + new tokens), or None."""
-        self.prefix_hits: list[float] = []
-        """Each call's prefix-cache hit rate, where the sampler reports one (vLLM)."""
-
-    def continue_sequences(self, sequences: Sequence[Sequence[int]], *, max_new_tokens: Sequence[int],
-                           seeds: Sequence[int]) -> list[Continuation]:
-        out: list[Continuation | None] = [None] * len(sequences)
-        by_budget: dict[int, list[int]] = {}
-        for index, n in enumerate(max_new_tokens):
-            by_budget.setdefault(int(n), []).append(index)
-        for n, indices in sorted(by_budget.items()):
-            batch = self.sampler.generate(
-                [list(sequences[i]) for i in indices], group_size=1,
-                sampling=replace(self.sampling, max_new_tokens=n), prompt_seeds=[seeds[i] for i in indices],
-            )
-            if batch.stats.prefix_cache_hit_rate is not None:
-                self.prefix_hits.append(float(batch.stats.prefix_cache_hit_rate))
-            for k, index in enumerate(indices):
-                out[index] = Continuation(
-                    list(batch.completion_ids[k]), [float(x) for x in batch.completion_logp[k].tolist()],
-                    batch.finish_reasons[k] == "stop",
-                )
-        return out  # type: ignore[return-value]
 
 
 def truncate_text(tokenizer: Any, text: str, limit: int, side: str = "end") -> str:

@@ -5,7 +5,7 @@ returns (``RolloutBatch``), the batch with its scores (``GroupRollout``), and th
 from __future__ import annotations
 
 from dataclasses import dataclass, field
-from typing import Any, Iterable, Protocol, runtime_checkable
+from typing import Any, ClassVar, Iterable, Protocol, Sequence, runtime_checkable
 
 import torch
 
@@ -172,7 +172,11 @@ def merge_rollouts(kept: list[tuple[GroupRollout, list[int]]], *, group_size: in
 
 @runtime_checkable
 class GroupSampler(Protocol):
-    """What the trainer asks of a sampler (``fastrl/train/build.py`` registers each one)."""
+    """What the trainer asks of a sampler (``fastrl/train/build.py`` registers each one).
+
+    Capabilities beyond these: a sampler class that also keeps trajectories' keys/values across
+    calls declares ``multi_turn = True`` (:class:`MultiTurnSampler`); callers ask
+    :func:`supports_multi_turn`, never the sampler's class."""
 
     pad_token_id: int
     """Id that right-pads the ``[B, T]`` batch."""
@@ -189,6 +193,44 @@ class GroupSampler(Protocol):
         """Load the policy's ``(name, tensor)`` pairs; returns the sampler's weights version
         after the load (a server counts its loads), or None when it keeps none."""
         ...
+
+
+class MultiTurnSampler(GroupSampler, Protocol):
+    """A ``GroupSampler`` whose trajectories keep their keys/values across calls (``HFGroupSampler``).
+
+    Its class declares ``multi_turn = True``. ``start`` opens a state (the prompts prefilled
+    once), each ``continue_`` appends tokens to named live trajectories and samples after them
+    (running only the new tokens), ``close`` releases the state. The state is one that
+    ``fastrl.rollout.branch.fork_trajectories`` can fork (``kv``, ``prompts``, ``history``,
+    ``pending``, ``live``, ``first_logits``: ``fastrl.rollout.hf.MultiTurnState``). What uses it:
+    the agents driver's KV-continuing token samplers (``fastrl.rollout.token_sampler``) and the
+    fork path of tree rollouts (``fastrl.rollout.branch.sample_tree``).
+    """
+
+    multi_turn: ClassVar[bool]
+    max_length: int | None
+
+    def start(self, prompts: list[list[int]], *, group_size: int, sampling: SamplingConfig | None = None,
+              prompt_seeds: Sequence[int] | None = None) -> Any:
+        """Open a multi-turn state: trajectory ``i * group_size + j`` is sample ``j`` of prompt ``i``."""
+        ...
+
+    def continue_(self, state: Any, appended: Sequence[Sequence[int]], *, trajectories: Sequence[int] | None = None,
+                  max_new_tokens: int | Sequence[int], seeds: Sequence[int] | None = None) -> list[Any]:
+        """One turn: append ``appended[i]`` to trajectory ``trajectories[i]`` and sample up to
+        ``max_new_tokens`` after it (``TurnOutput`` per trajectory); the others drop out."""
+        ...
+
+    def close(self, state: Any = None) -> None:
+        """Release a state's keys/values."""
+        ...
+
+
+def supports_multi_turn(sampler: object) -> bool:
+    """Whether ``sampler``'s class declares the multi-turn capability (``multi_turn = True``:
+    :class:`MultiTurnSampler`). Read from the class, not the instance, so a wrapper that forwards
+    attributes to a multi-turn sampler (but answers ``generate`` itself) does not claim it."""
+    return getattr(type(sampler), "multi_turn", False) is True
 
 
 def validate_prompts(prompts: object, *, group_size: object, vocab_size: int, max_length: int | None, max_new_tokens: int) -> list[list[int]]:

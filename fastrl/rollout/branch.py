@@ -13,7 +13,8 @@ distribution) and a group always has ``G`` rows.
 
 The shared part of a path is sampled once:
 
-- ``HFGroupSampler`` (the fork path): one multi-turn state (``start`` / ``continue_``),
+- a sampler that declares the multi-turn capability (``supports_multi_turn``: ``HFGroupSampler``;
+  the fork path): one multi-turn state (``start`` / ``continue_``),
   each node a trajectory of it; at a branch point the node's trajectory is *forked*
   (:func:`fork_trajectories`: its suffix keys/values copied into new rows, the prompt's
   stored once for all) and each child continues from that copy, so no token of a shared
@@ -48,7 +49,7 @@ from typing import Any, Sequence
 import torch
 
 from fastrl.errors import InputError
-from fastrl.rollout.base import RolloutBatch, RolloutStats, SamplingConfig, validate_prompt_seeds
+from fastrl.rollout.base import RolloutBatch, RolloutStats, SamplingConfig, supports_multi_turn, validate_prompt_seeds
 
 __all__ = ["BranchSchedule", "TreeRolloutBatch", "TreeSpans", "fork_trajectories", "sample_tree", "LEVEL_SEED_STRIDE"]
 
@@ -63,6 +64,29 @@ class BranchCounts:
     ``l`` (``BranchSchedule`` over token depths, ``fastrl.agents.branching.TurnSchedule`` over turns)."""
 
     branches: tuple[int, ...]
+
+    def validate_points(self, points: str, *, children: str, one_per: str, order: str, first_zero: bool) -> None:
+        """Normalise ``branches`` and the branch points (field ``points``: ``depths`` or ``turns``)
+        to tuples of ints and check them: one or more branches, each >= 1 (``children``: what
+        one is); one point per branch (``one_per``); the points strictly increasing from 0
+        (``first_zero``) or from any point >= 0 (``order``: how the message says so). The
+        config names ``tree_branches`` / ``tree_<points>`` are those of the messages."""
+        branches = tuple(int(k) for k in self.branches)
+        at = tuple(int(x) for x in getattr(self, points))
+        object.__setattr__(self, "branches", branches)
+        object.__setattr__(self, points, at)
+        if not branches or any(k < 1 for k in branches):
+            raise InputError(f"tree_branches must be one or more ints >= 1 ({children}), got {list(branches)}")
+        if len(at) != len(branches):
+            raise InputError(f"tree_{points} must give {one_per} of tree_branches ({len(branches)}), got {list(at)}")
+        if (at[0] != 0 if first_zero else at[0] < 0) or any(b <= a for a, b in zip(at, at[1:])):
+            raise InputError(f"tree_{points} must {order}, got {list(at)}")
+
+    def check_leaves(self, group_size: int, *, per: str) -> None:
+        """The leaves per ``per`` (prompt, row) are ``group_size``."""
+        if self.leaves != group_size:
+            raise InputError(f"tree_branches {list(self.branches)} give {self.leaves} leaves per {per}; "
+                             f"their product must be group_size ({group_size})")
 
     @property
     def leaves(self) -> int:
@@ -85,22 +109,12 @@ class BranchSchedule(BranchCounts):
     """Completion depth (tokens) of each level's branch point: 0, then strictly increasing."""
 
     def __post_init__(self) -> None:
-        branches = tuple(int(k) for k in self.branches)
-        depths = tuple(int(d) for d in self.depths)
-        object.__setattr__(self, "branches", branches)
-        object.__setattr__(self, "depths", depths)
-        if not branches or any(k < 1 for k in branches):
-            raise InputError(f"tree_branches must be one or more ints >= 1 (children per level), got {list(branches)}")
-        if len(depths) != len(branches):
-            raise InputError(f"tree_depths must give one depth per level of tree_branches ({len(branches)}), got {list(depths)}")
-        if depths[0] != 0 or any(b <= a for a, b in zip(depths, depths[1:])):
-            raise InputError(f"tree_depths must start at 0 and increase strictly (token depths of the branch points), got {list(depths)}")
+        self.validate_points("depths", children="children per level", one_per="one depth per level",
+                           order="start at 0 and increase strictly (token depths of the branch points)", first_zero=True)
 
     def check(self, *, group_size: int, max_new_tokens: int) -> None:
         """The schedule fits a run: ``group_size`` leaves, every branch point inside the completion."""
-        if self.leaves != group_size:
-            raise InputError(f"tree_branches {list(self.branches)} give {self.leaves} leaves per prompt; "
-                             f"their product must be group_size ({group_size})")
+        self.check_leaves(group_size, per="prompt")
         if self.depths[-1] >= max_new_tokens:
             raise InputError(f"tree_depths {list(self.depths)}: every branch point must lie before max_new_tokens "
                              f"({max_new_tokens})")
@@ -322,10 +336,8 @@ def sample_tree(sampler: Any, prompts: Sequence[Sequence[int]], *, schedule: Bra
     budget = [b - a for a, b in zip(schedule.depths, ends)]
     seeds = None if sampling.greedy else _prompt_seeds(prompt_seeds, sampling, N)
     nodes = [_Node(parent=-1, group=i, level=-1, first_leaf=0) for i in range(N)]
-    from fastrl.rollout.hf import HFGroupSampler
-
     hit_rate = None
-    if isinstance(sampler, HFGroupSampler):
+    if supports_multi_turn(sampler):
         prefill, peak = _grow_hf(sampler, prompts, nodes, schedule, sampling, seeds, budget)
         reused = G * sum(len(p) for p in prompts) - prefill  # every row's prompt, stored once per distinct prompt
     else:

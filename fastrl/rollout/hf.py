@@ -48,21 +48,10 @@ turn ``k`` runs only the tokens appended to it (different lengths per trajectory
 left-padded forward); the G trajectories of a prompt keep sharing its stored prompt;
 trajectories that stop drop out and their rows are released. See :meth:`HFGroupSampler.start`.
 
-Sampling and log-probs (:func:`sample_tokens`): the next-token logits are taken in fp32 and
-divided by the temperature; top-k then top-p filtering set the dropped tokens to ``-inf``
-(both by a partial sort); the sampled token's log-prob is ``log_softmax`` of that filtered,
-tempered distribution (renormalised over the kept tokens) -- the distribution the token was
-actually drawn from -- computed at the sampled entry only (``x - max - log sum exp``), never
-as a ``[B, V]`` log-softmax. With ``top_k=0, top_p=1`` this equals
-``log_softmax(model(input_ids).logits / temperature)`` recomputed by the training forward.
-With filtering on, it is larger than that (by ``-log`` of the kept probability mass) and
-importance ratios against the unfiltered training distribution are not 1 at the first
-step; ``greedy=True`` takes the argmax and reports its log-prob under the same (tempered,
-filtered) distribution. Draws: with per-prompt seeds, the inverse CDF of seeded uniforms over
-``exp(x - max)``, found by a two-level fp64 search (block sums, then one block: no
-full-vocabulary fp64 cumulative sum), which picks the same tokens as a full fp64 CDF (bar
-thresholds within fp64 rounding of a boundary); with ``sampling.seed`` alone,
-``torch.multinomial`` with a seeded generator (over the rows still sampling).
+The rooms beside this one: :mod:`fastrl.rollout.kv_store` (the KV store, ``CascadeKV``, and the
+attention entry point), :mod:`fastrl.rollout.sampling` (logit warping, the draw and its
+log-prob: ``sample_tokens``), :mod:`fastrl.rollout.token_sampler` (the agents driver's token
+samplers over this sampler's multi-turn state, and the factory that picks one).
 
 Supported models: decoder-only causal LMs whose attention layers call
 ``ALL_ATTENTION_FUNCTIONS`` (Llama, Qwen2/3, Mistral, ... in transformers >= 4.48) with
@@ -81,25 +70,21 @@ import torch.nn.functional as F
 
 from fastrl._checks import check_choice, resolve_backend
 from fastrl.errors import InputError
-from fastrl.ops.decode_attention import DecodeAttentionPlan, PrefixRows, padded_prefix_attention, prepare_decode_attention
-from fastrl.rollout.lean_decode import lean_decoder
 from fastrl.rollout.base import RolloutBatch, RolloutStats, SamplingConfig, validate_prompt_seeds, validate_prompts
+from fastrl.rollout.kv_store import ATTN_NAME, KV_KWARG, PREFILL_PAD_WASTE, CascadeKV, register_attention  # noqa: F401 (PREFILL_PAD_WASTE: its old import path)
+from fastrl.rollout.lean_decode import lean_decoder
+from fastrl.rollout.sampling import (  # noqa: F401 (all but sample_tokens: their old import path)
+    CDF_BLOCK,
+    CDF_CAST_ELEMENTS,
+    TOP_P_FIRST_K,
+    process_logits,
+    sample_tokens,
+    warp_logits,
+)
+from fastrl.rollout.token_sampler import HFTokenSampler, TurnOutput
 
-ATTN_NAME = "fastrl_shared_prefix"
-_KV_KWARG = "fastrl_shared_prefix_kv"
 TURN_SEED_STRIDE = 1009
 """Seeds of consecutive turns of one trajectory are this far apart (the agents driver's stride)."""
-CDF_BLOCK = 1024
-"""Tokens per block of the two-level inverse-CDF search (block sums, then one block)."""
-PREFILL_PAD_WASTE = 2.0
-"""The prefill attends the distinct prompts in one right-padded batch when that costs at most
-this many times the attention over the prompts alone (``U * P_max^2 <= 2 * sum P^2``), else
-one attention call per prompt."""
-CDF_CAST_ELEMENTS = 1 << 17
-"""The block sums are taken over rows holding at most this many entries at a time (their fp64
-cast, 1 MiB, stays in cache instead of a fresh ``[B, V]`` fp64 buffer each step)."""
-TOP_P_FIRST_K = 1024
-"""Candidates the top-p filter sorts first (the full sort runs only if their mass is short of ``top_p``)."""
 TRANSPOSED_HEAD_MAX_ROWS = 16
 """On CPU the LM head is applied as ``hidden @ W^T`` with ``W^T`` stored contiguous (a copy made
 once per rollout) when at most this many rows step together: for 1-16 rows MKL's GEMM is
@@ -126,314 +111,9 @@ decode steps' attention reads), so it waits until a quarter of the rows run are 
 ``log(B) / log(4 / 3)`` copies per decode (17 for 128 rows), and at most a third more rows run
 than are sampled. ``0`` never narrows."""
 
+# CascadeKV and ATTN_NAME live in kv_store, TurnOutput and HFTokenSampler in token_sampler,
+# sample_tokens / warp_logits / process_logits in sampling: this module keeps exporting them
 __all__ = ["HFGroupSampler", "CascadeKV", "ATTN_NAME", "MultiTurnState", "TurnOutput", "HFTokenSampler"]
-
-
-class CascadeKV:
-    """Per-layer KV store of one rollout: the distinct prompts (padded) and each row's suffix.
-
-    ``prefix_k[l]``/``prefix_v[l]``: ``[Hkv, U, P, D]``, the ``U`` distinct prompts padded to
-    the longest ``P`` (written once by the prefill). ``suffix_k[l]``/``suffix_v[l]``:
-    ``[B, Hkv, capacity, D]``, zero-initialised, written in place: row ``b``'s first
-    ``suffix_len[b]`` slots hold the keys/values of the tokens it has run after its prompt
-    (sampled tokens, and in multi-turn rollouts the appended environment tokens); the last
-    slot is a scratch slot that padded query positions write to and nothing reads.
-
-    Narrowed (:meth:`narrow`, by the eager decode once enough rows have stopped): the forwards
-    run only some rows, whose suffix rows were moved to the front (``order[i]``: the batch row
-    held in suffix row ``i``); ``batch``, ``prefix_of``, ``suffix_len`` and the layout are
-    theirs, and the forwards read and write the first ``batch`` suffix rows (views of the
-    full tensors). :meth:`widen` restores the batch's order.
-    """
-
-    def __init__(self, *, num_layers: int, prompt_lens: list[int], backend: str, device: torch.device):
-        self.num_layers = num_layers
-        self.prompt_lens = prompt_lens
-        self.cu_seqlens = [0]
-        for n in prompt_lens:
-            self.cu_seqlens.append(self.cu_seqlens[-1] + n)
-        self.backend = backend
-        self.device = device
-        self.P = max(prompt_lens)
-        bias = torch.zeros(len(prompt_lens), self.P, device=device)
-        for u, n in enumerate(prompt_lens):
-            bias[u, n:] = float("-inf")
-        self.prefix_bias = bias if any(n < self.P for n in prompt_lens) else None  # None: no prompt is padded
-        # the prefill attends all prompts at once, right-padded, unless padding would cost more
-        # than PREFILL_PAD_WASTE times the attention of the prompts themselves
-        U, P = len(prompt_lens), self.P
-        self._prefill_padded = U * P * P <= PREFILL_PAD_WASTE * sum(n * n for n in prompt_lens)
-        if self._prefill_padded and U > 1:
-            t = torch.arange(P, device=device)
-            start = torch.tensor(self.cu_seqlens[:-1], device=device)[:, None]
-            n = torch.tensor(prompt_lens, device=device)[:, None]
-            self._prefill_index = start + torch.minimum(t[None, :], n - 1)  # [U, P]
-            self._prefill_real = (torch.arange(U, device=device)[:, None] * P + t[None, :])[t[None, :] < n]
-        self.mode = "prefill"
-        self.prefix_k: list[torch.Tensor | None] = [None] * num_layers
-        self.prefix_v: list[torch.Tensor | None] = [None] * num_layers
-        self.suffix_k: list[torch.Tensor | None] = [None] * num_layers
-        self.suffix_v: list[torch.Tensor | None] = [None] * num_layers
-        self.capacity = 0
-        self.peak_bytes = 0
-        self.order: list[int] | None = None  # None: not narrowed
-        self._dropped_len: list[int] = []  # narrowed: the suffix length of each row when it was left out
-        self.rows_run = 0
-        """Rows run by the forwards after the prefill (:meth:`set_forward`), summed over them."""
-
-    # ---- layout of the rows
-    def set_rows(self, prefix_of: list[int], *, group_size: int = 1) -> None:
-        """Row ``b`` reads prompt ``prefix_of[b]`` (``group_size``: rows come in groups of
-        that many consecutive rows with one prompt, which the Triton kernel exploits). Every
-        row's suffix is empty."""
-        self.full_prefix_of = list(prefix_of)
-        self.full_group_size = group_size
-        self.order = None
-        self._splits: int | None = None  # the Triton prefix split of the full batch, kept when narrowed
-        self._layout(self.full_prefix_of, group_size)
-        self.suffix_len = [0] * self.batch
-
-    def _layout(self, prefix_of: list[int], group_size: int) -> None:
-        """The layout of the rows a forward runs (``batch``: the first rows of the suffix
-        tensors); suffix lengths untouched."""
-        self.prefix_of = list(prefix_of)
-        self.rows = PrefixRows.build(self.prefix_of, len(self.prompt_lens), self.device)
-        self.group_size = group_size if self.rows.identity and self.rows.per_prefix == group_size else 1
-        self.batch = len(prefix_of)
-        first = self.prefix_of[:: self.group_size]
-        self._tri_start = torch.tensor([u * self.P for u in first], dtype=torch.int32, device=self.device)
-        self._tri_len = torch.tensor([self.prompt_lens[u] for u in first], dtype=torch.int32, device=self.device)
-        self._plan: DecodeAttentionPlan | None = None  # made at the layout's first one-token Triton step
-        self.prompt_len_rows = torch.tensor([self.prompt_lens[u] for u in self.prefix_of], dtype=torch.long, device=self.device)
-
-    def _permute(self, index: list[int]) -> None:
-        """Suffix row ``i`` becomes the current row ``index[i]`` (one ``index_select`` per tensor)."""
-        index_t = torch.tensor(index, dtype=torch.long, device=self.device)
-        for ts in (self.suffix_k, self.suffix_v):
-            for layer, t in enumerate(ts):
-                if t is not None:
-                    ts[layer] = t.index_select(0, index_t)
-
-    def narrow(self, rows: list[int]) -> None:
-        """Run only these rows (ascending indices into the full batch, a subset of the rows run
-        now) in the following forwards: their suffix rows are moved first (the others keep
-        their keys/values and length, unread, after them) and the layout is theirs.
-        :meth:`widen` restores the full batch."""
-        current = self.order[: self.batch] if self.order is not None else list(range(self.batch))
-        if rows == current:
-            return
-        kept = set(rows)
-        if len(kept) != len(rows) or rows != sorted(rows) or not kept <= set(current):
-            raise ValueError(f"narrow: rows must be ascending rows of the current forward {current}, got {rows}")
-        if self.order is None:
-            self.order = list(range(self.batch))
-            self._dropped_len = [0] * self.batch
-        for b, n in zip(current, self.suffix_len):
-            if b not in kept:
-                self._dropped_len[b] = n
-        where = {b: i for i, b in enumerate(self.order)}
-        order = rows + [b for b in self.order if b not in kept]
-        self._permute([where[b] for b in order])
-        self.order = order
-        length = dict(zip(current, self.suffix_len))
-        self.suffix_len = [length[b] for b in rows]
-        self._layout([self.full_prefix_of[b] for b in rows], self.full_group_size)
-
-    def widen(self) -> None:
-        """Undo :meth:`narrow`: the suffix rows back in the batch's order, the full layout;
-        a row left out keeps the suffix length it had when it was left out."""
-        if self.order is None:
-            return
-        lens = self._dropped_len
-        for b, n in zip(self.order, self.suffix_len):
-            lens[b] = n
-        where = {b: i for i, b in enumerate(self.order)}
-        self._permute([where[b] for b in range(len(self.order))])
-        self.order = None
-        self._layout(self.full_prefix_of, self.full_group_size)
-        self.suffix_len = lens
-
-    def keep(self, rows: list[int]) -> None:
-        """Keep only these rows (in this order): the others' suffix memory is released."""
-        assert self.order is None, "keep: the store is narrowed (widen() first)"
-        if rows == list(range(self.batch)):
-            return
-        index = torch.tensor(rows, dtype=torch.long, device=self.device)
-        for ts in (self.suffix_k, self.suffix_v):
-            for layer, t in enumerate(ts):
-                if t is not None:
-                    ts[layer] = t.index_select(0, index)
-        lens = [self.suffix_len[b] for b in rows]
-        self.set_rows([self.prefix_of[b] for b in rows])
-        self.suffix_len = lens
-
-    def reserve(self, slots: int) -> None:
-        """Room for ``slots`` suffix tokens per row (plus the scratch slot); grows by copying."""
-        assert self.order is None, "reserve: the store is narrowed (widen() first)"
-        need = slots + 1
-        if need <= self.capacity:
-            return
-        new_cap = max(need, 2 * self.capacity) if self.capacity else need
-        for ts in (self.suffix_k, self.suffix_v):
-            for layer in range(self.num_layers):
-                Hkv, _, _, D = self.prefix_k[layer].shape
-                t = self.prefix_k[layer].new_zeros(self.batch, Hkv, new_cap, D)
-                if ts[layer] is not None:
-                    t[:, :, : self.capacity - 1] = ts[layer][:, :, : self.capacity - 1]
-                ts[layer] = t
-        self.capacity = new_cap
-        self.peak_bytes = max(self.peak_bytes, self.bytes())
-
-    # ---- one forward of T query positions per row (left-padded)
-    def set_forward(self, counts: list[int], T: int) -> torch.Tensor:
-        """Before a forward of ``T`` positions per row of which the last ``counts[b]`` are row
-        ``b``'s new tokens (the rest padding). Returns the ``[B, T]`` position ids."""
-        self.mode = "decode"
-        B, starts = self.batch, self.suffix_len
-        self.rows_run += B
-        dev = self.device
-        self.T = T
-        uniform = all(c == T for c in counts) and all(s == starts[0] for s in starts)
-        if uniform:  # every row writes slots [s, s + T): a slice; T == 1 needs no mask
-            s0 = starts[0]
-            self.write = (s0, s0 + T)
-            self.S = s0 + T
-            self.suffix_bias = None if T == 1 else torch.zeros(T, self.S, device=dev).masked_fill_(
-                torch.arange(self.S, device=dev)[None, :] > (s0 + torch.arange(T, device=dev))[:, None], float("-inf")
-            ).expand(B, T, self.S)
-            pos = self.prompt_len_rows[:, None] + (s0 + torch.arange(T, device=dev))[None, :]
-        else:
-            start_t = torch.tensor(starts, dtype=torch.long, device=dev)[:, None]
-            pad_t = T - torch.tensor(counts, dtype=torch.long, device=dev)[:, None]
-            t = torch.arange(T, device=dev)[None, :]
-            rel = t - pad_t  # index among the row's new tokens; < 0 on padding
-            real = rel >= 0
-            slot = torch.where(real, start_t + rel, torch.full_like(rel, self.capacity - 1))
-            self.write = (torch.arange(B, device=dev)[:, None].expand(B, T), slot)
-            self.S = max(s + c for s, c in zip(starts, counts))
-            j = torch.arange(self.S, device=dev)[None, None, :]
-            see = j <= (start_t + rel)[:, :, None]  # padding sees no slot (its output is dropped)
-            self.suffix_bias = torch.zeros(B, T, self.S, device=dev).masked_fill_(~see, float("-inf"))
-            pos = (self.prompt_len_rows[:, None] + start_t + rel).clamp_min(0)
-        self.suffix_len = [s + c for s, c in zip(starts, counts)]
-        self._tri_slen = None
-        if T == 1 and self.backend == "triton":
-            self._tri_slen = torch.tensor(self.suffix_len, dtype=torch.int32, device=dev)
-        return pos
-
-    # ---- static-shape decode steps (one token per row; capturable in a CUDA graph)
-    def start_static(self) -> None:
-        """Before static decode steps: each row's next write slot lives on the device
-        (``static_slot``, advanced in place by :meth:`static_step_end`), and attention reads
-        the whole suffix capacity under a mask built from it, so no shape or host value
-        changes from step to step."""
-        dev = self.device
-        self.static_slot = torch.tensor(self.suffix_len, dtype=torch.long, device=dev)
-        self._static_slen = torch.empty_like(self.static_slot)  # suffix lengths the Triton kernels read
-        self._brange = torch.arange(self.batch, device=dev)
-        self._slots = torch.arange(self.capacity, device=dev)
-
-    def static_step_begin(self) -> torch.Tensor:
-        """Device ops of a static step before the forward; returns the ``[B, 1]`` positions."""
-        self.mode = "static"
-        if self.backend == "triton":  # the eager step's kernels, lengths from the device
-            torch.add(self.static_slot, 1, out=self._static_slen)
-        else:
-            see = self._slots[None, :] <= self.static_slot[:, None]  # slots written so far plus this one
-            self.static_bias = torch.zeros(see.shape, device=self.device).masked_fill_(~see, float("-inf"))[:, None, :]
-        return (self.prompt_len_rows + self.static_slot)[:, None]
-
-    def static_step_end(self) -> None:
-        self.static_slot.add_(1)
-
-    def bytes(self) -> int:
-        total = 0
-        for ts in (self.prefix_k, self.prefix_v, self.suffix_k, self.suffix_v):
-            for t in ts:
-                if t is not None:
-                    total += t.numel() * t.element_size()
-        return total
-
-    def _cascade(self, layer: int, query: torch.Tensor, sk: torch.Tensor, sv: torch.Tensor, slen: torch.Tensor,
-                 scaling: float) -> torch.Tensor:
-        """One query per row through the Triton cascade (``[B, Hq, 1, D]`` -> ``[B, 1, Hq, D]``). The
-        plan is checked and built at the layout's first step and reused by every layer and step
-        after it (no checks or allocation per call); its prefix split is the full batch's. The
-        result is the plan's output buffer: the layer's output projection reads it before the
-        next layer's call overwrites it."""
-        pk, pv = self.prefix_k[layer], self.prefix_v[layer]
-        Hkv, U, P, D = pk.shape
-        args = (query[:, :, 0], pk.view(Hkv, U * P, D), pv.view(Hkv, U * P, D), self._tri_start, self._tri_len, sk, sv, slen)
-        if self._plan is None:
-            self._plan = prepare_decode_attention(*args, group_size=self.group_size, scale=scaling, backend="triton",
-                                                  max_prefix_len=P, splits=self._splits)
-            self._splits = self._plan.splits
-        return self._plan(*args).unsqueeze(1)
-
-    def attend(self, module: torch.nn.Module, query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, scaling: float) -> torch.Tensor:
-        layer = module.layer_idx
-        if self.mode == "prefill":
-            # query [1, Hq, sum P, D], key/value [1, Hkv, sum P, D]; causal within each prompt
-            cu = self.cu_seqlens
-            U = len(self.prompt_lens)
-            Hkv, D = key.shape[1], key.shape[3]
-            gqa = query.shape[1] != key.shape[1]
-            if U > 1 and self._prefill_padded:
-                # all prompts at once, right-padded to P (pad slots repeat a prompt's last token:
-                # causal attention keeps them out of every real query, and the decode steps'
-                # prefix_bias masks them); one gather in, one SDPA, one gather out
-                P, Hq = self.P, query.shape[1]
-                pad_idx = self._prefill_index  # [U, P] packed positions
-                pk = key[0][:, pad_idx]  # [Hkv, U, P, D]
-                pv = value[0][:, pad_idx]
-                out = F.scaled_dot_product_attention(
-                    query[0][:, pad_idx].transpose(0, 1), pk.transpose(0, 1), pv.transpose(0, 1), is_causal=True, scale=scaling,
-                    enable_gqa=gqa,
-                )  # [U, Hq, P, D]
-                self.prefix_k[layer], self.prefix_v[layer] = pk, pv
-                self.peak_bytes = max(self.peak_bytes, self.bytes())
-                out = out.transpose(1, 2).reshape(U * P, Hq, D).index_select(0, self._prefill_real)
-                return out[None]  # [1, sum P, Hq, D]
-            outs = []
-            pk = key.new_zeros(Hkv, U, self.P, D)
-            pv = value.new_zeros(Hkv, U, self.P, D)
-            for u, (a, b) in enumerate(zip(cu[:-1], cu[1:])):  # once per rollout, not per token
-                pk[:, u, : b - a] = key[0, :, a:b]
-                pv[:, u, : b - a] = value[0, :, a:b]
-                outs.append(
-                    F.scaled_dot_product_attention(
-                        query[:, :, a:b], key[:, :, a:b], value[:, :, a:b], is_causal=True, scale=scaling, enable_gqa=gqa
-                    )
-                )
-            self.prefix_k[layer], self.prefix_v[layer] = pk, pv
-            self.peak_bytes = max(self.peak_bytes, self.bytes())
-            out = outs[0] if len(outs) == 1 else torch.cat(outs, dim=2)
-            return out.transpose(1, 2)  # [1, sum P, Hq, D]
-        # query [B, Hq, T, D], key/value [B, Hkv, T, D]: write the new keys/values in place,
-        # into the first B rows of the suffix tensors (all of them unless narrowed)
-        sk, sv = self.suffix_k[layer][: self.batch], self.suffix_v[layer][: self.batch]
-        if self.mode == "static":  # T == 1, slots and mask from device tensors, the full capacity
-            sk[self._brange, :, self.static_slot] = key[:, :, 0]
-            sv[self._brange, :, self.static_slot] = value[:, :, 0]
-            if self.backend == "triton":  # the same kernels as the eager step, so the same numbers
-                return self._cascade(layer, query, sk, sv, self._static_slen, scaling)
-            return padded_prefix_attention(
-                query, self.prefix_k[layer], self.prefix_v[layer], self.prefix_bias, self.rows, sk, sv, self.static_bias, scale=scaling,
-            )
-        if isinstance(self.write[0], int):
-            a, b = self.write
-            sk[:, :, a:b] = key
-            sv[:, :, a:b] = value
-        else:
-            rows, slots = self.write
-            sk[rows, :, slots] = key.transpose(1, 2)
-            sv[rows, :, slots] = value.transpose(1, 2)
-        if self._tri_slen is not None:  # one query per row: the Triton cascade kernels
-            return self._cascade(layer, query, sk, sv, self._tri_slen, scaling)
-        return padded_prefix_attention(
-            query, self.prefix_k[layer], self.prefix_v[layer], self.prefix_bias, self.rows,
-            sk[:, :, : self.S], sv[:, :, : self.S], self.suffix_bias, scale=scaling,
-        )
 
 
 class _CudaGraphStep:
@@ -499,157 +179,10 @@ class _LMHead:
         return y.float()
 
 
-def _shared_prefix_attention(module, query, key, value, attention_mask, scaling=None, dropout=0.0, **kwargs):
-    """transformers attention-interface entry point (registered as ``ATTN_NAME``)."""
-    kv: CascadeKV | None = kwargs.get(_KV_KWARG)
-    if kv is None:
-        raise RuntimeError(
-            f"attention implementation {ATTN_NAME!r} only runs inside HFGroupSampler "
-            "(it needs the sampler's shared-prefix KV store)"
-        )
-    if kwargs.get("sliding_window") is not None:
-        raise ValueError("sliding-window attention layers are not supported by HFGroupSampler")
-    if scaling is None:
-        scaling = query.shape[-1] ** -0.5
-    return kv.attend(module, query, key, value, float(scaling)), None
-
-
-def _register() -> None:
-    from transformers import AttentionInterface
-
-    AttentionInterface.register(ATTN_NAME, _shared_prefix_attention)
-
-
 def _eos_ids(model: torch.nn.Module) -> tuple[int, ...]:
     from fastrl.rollout.stop_tokens import model_eos_ids  # one stop set for the sampler and the agent renderer
 
     return model_eos_ids(model)
-
-
-def process_logits(logits: torch.Tensor, sampling: SamplingConfig) -> torch.Tensor:
-    """Log-probs ``[B, V]`` (fp32) of the distribution tokens are drawn from:
-    ``log_softmax(warp_logits(logits, sampling))``."""
-    return torch.log_softmax(warp_logits(logits, sampling), dim=-1)
-
-
-def sample_tokens(
-    logits: torch.Tensor, sampling: SamplingConfig, *, uniforms: torch.Tensor | None = None, generator: torch.Generator | None = None,
-    work: torch.Tensor | None = None,
-) -> tuple[torch.Tensor, torch.Tensor]:
-    """One token per row of ``logits`` ``[B, V]`` and its log-prob under the processed
-    distribution (``process_logits``), without materialising that ``[B, V]`` log-softmax.
-
-    ``x = warp_logits(logits)``; ``greedy``: ``argmax x``. Otherwise ``e = exp(x - max x)``
-    (unnormalised probabilities, one pass) is drawn from: by the inverse CDF at ``uniforms``
-    (``[B]`` in [0, 1), fp64; the two-level search of :func:`_inverse_cdf_sample`, whose fp64
-    block sums also give the row total), else ``torch.multinomial`` with ``generator``. The
-    log-prob is ``x[tok] - max x - log(sum e)``: log-softmax's own formula at one entry.
-    ``work``: an fp32 buffer of at least ``[B, V]`` for ``e`` (reused across steps).
-    """
-    x = warp_logits(logits, sampling)
-    if sampling.greedy:
-        tok = torch.argmax(x, dim=-1)
-        return tok, x.gather(1, tok[:, None])[:, 0] - torch.logsumexp(x, dim=-1)
-    m = x.amax(-1, keepdim=True)
-    e = (x - m if work is None else torch.sub(x, m, out=work[: x.shape[0], : x.shape[1]])).exp_()
-    if uniforms is not None:
-        tok, total = _inverse_cdf(e, uniforms)
-    else:
-        tok = torch.multinomial(e, 1, generator=generator)[:, 0]
-        total = e.sum(-1, dtype=torch.float64)
-    logp = x.gather(1, tok[:, None])[:, 0] - m[:, 0] - torch.log(total).float()
-    return tok, logp
-
-
-def warp_logits(logits: torch.Tensor, sampling: SamplingConfig) -> torch.Tensor:
-    """The logits of the distribution tokens are drawn from ``[B, V]`` (fp32, not normalised).
-
-    ``logits / temperature``, then top-k (ties with the k-th value are kept), then top-p
-    (the smallest set of most likely tokens whose probability reaches ``top_p``; the most
-    likely token is always kept); dropped tokens get ``-inf``; ``log_softmax`` renormalises.
-    Both filters use a partial sort: top-k a ``topk``; top-p the ``TOP_P_FIRST_K`` most
-    likely tokens, and the full sort only where some row's nucleus reaches past them (a
-    flat distribution). The kept set is the full sort's, bar a boundary token whose
-    preceding mass is within fp32 rounding of ``top_p`` (the candidates' probabilities are
-    normalised by the whole row's log-sum-exp rather than the sorted row's sum).
-    """
-    x = logits.float()
-    if sampling.temperature != 1.0:  # x / 1 == x: skip a full-vocabulary pass
-        x = x / sampling.temperature
-    V = x.shape[-1]
-    if 0 < sampling.top_k < V:
-        kth = torch.topk(x, sampling.top_k, dim=-1).values[:, -1:]
-        x = x.masked_fill(x < kth, float("-inf"))
-    if sampling.top_p < 1.0:
-        k = min(TOP_P_FIRST_K, V)
-        top, order = torch.topk(x, k, dim=-1)  # sorted, most likely first
-        probs = (top - torch.logsumexp(x, dim=-1, keepdim=True)).exp()
-        drop_sorted = (torch.cumsum(probs, dim=-1) - probs) >= sampling.top_p  # mass of the strictly more likely tokens
-        if k < V and bool(drop_sorted[:, -1].all()):  # every row's nucleus lies inside the candidates
-            keep = torch.zeros_like(x, dtype=torch.bool).scatter_(-1, order, ~drop_sorted)
-            x = x.masked_fill(~keep, float("-inf"))
-        else:  # a nucleus reaches past them (a flat distribution): the full sort, as before
-            sorted_x, order = torch.sort(x, dim=-1, descending=True)
-            probs = torch.softmax(sorted_x, dim=-1)
-            drop_sorted = (torch.cumsum(probs, dim=-1) - probs) >= sampling.top_p
-            x = x.masked_fill(torch.zeros_like(drop_sorted).scatter(-1, order, drop_sorted), float("-inf"))
-    return x
-
-
-def _inverse_cdf_sample(probs: torch.Tensor, u: torch.Tensor, *, block: int = CDF_BLOCK) -> torch.Tensor:
-    """Row b's token: the first index whose cumulative probability exceeds ``u[b] * total``
-    (``u`` in [0, 1)). A zero-probability token is never picked.
-
-    Two-level search in fp64: the sums of blocks of ``block`` tokens, the block where the
-    threshold falls, then the cumulative sum inside that one block. The same index as a
-    full-vocabulary fp64 cumulative sum except where the threshold lies within fp64
-    rounding (~1e-13 of the total) of a boundary, without its ``[B, V]`` fp64 buffer.
-    """
-    return _inverse_cdf(probs, u, block=block)[0]
-
-
-def _inverse_cdf(probs: torch.Tensor, u: torch.Tensor, *, block: int = CDF_BLOCK) -> tuple[torch.Tensor, torch.Tensor]:
-    """:func:`_inverse_cdf_sample`, also returning each row's fp64 total ``[B]``."""
-    Bn, V = probs.shape
-    if V <= block:  # one block: the full fp64 CDF itself
-        cdf = probs.double().cumsum(-1)
-        total = cdf[:, -1]
-        x = torch.minimum(u.to(torch.float64) * total, torch.nextafter(total, torch.zeros_like(total)))
-        return torch.searchsorted(cdf, x[:, None], right=True)[:, 0].clamp(max=V - 1), total
-    nb = -(-V // block)
-    full = (V // block) * block
-    sums = probs.new_empty(Bn, nb, dtype=torch.float64)
-    rows = max(1, CDF_CAST_ELEMENTS // max(full, 1))  # the fp64 cast of a few rows at a time stays in cache
-    for r in range(0, Bn if full else 0, rows):
-        torch.sum(probs[r : r + rows, :full].reshape(-1, V // block, block), -1, dtype=torch.float64, out=sums[r : r + rows, : V // block])
-    if full < V:
-        torch.sum(probs[:, full:], -1, dtype=torch.float64, keepdim=True, out=sums[:, V // block :])
-    cdf_blocks = sums.cumsum(-1)  # [B, nb]
-    total = cdf_blocks[:, -1]
-    x = torch.minimum(u.to(torch.float64) * total, torch.nextafter(total, torch.zeros_like(total)))
-    k = torch.searchsorted(cdf_blocks, x[:, None], right=True)[:, 0].clamp(max=nb - 1)
-    offset = torch.where(k > 0, cdf_blocks.gather(1, (k - 1).clamp(min=0)[:, None])[:, 0], torch.zeros_like(total))
-    idx = k[:, None] * block + torch.arange(block, device=probs.device)[None, :]  # [B, block]
-    inside = idx < V
-    p = torch.where(inside, probs.gather(1, idx.clamp(max=V - 1)), torch.zeros((), dtype=probs.dtype, device=probs.device))
-    cdf = p.double().cumsum(-1) + offset[:, None]
-    j = torch.searchsorted(cdf, x[:, None], right=True)[:, 0]
-    # j == block only if rounding put the threshold past the block's own sum: its last likely token
-    last = torch.where(p > 0, torch.arange(block, device=probs.device)[None, :], -1).amax(-1)
-    j = torch.where(j >= block, last, j)
-    return (k * block + j).clamp(max=V - 1), total
-
-
-@dataclass
-class TurnOutput:
-    """One trajectory's new tokens of a turn (the fields of the agents driver's ``Continuation``)."""
-
-    token_ids: list[int]
-    """The sampled tokens (ending with the stop token when ``stopped``)."""
-    logprobs: list[float]
-    """The sampler's log-prob of each (the tempered, filtered distribution)."""
-    stopped: bool
-    """A stop token ended the turn (else its token limit did)."""
 
 
 @dataclass
@@ -698,6 +231,10 @@ class HFGroupSampler:
             replayed; CUDA only).
     """
 
+    multi_turn = True
+    """Trajectories keep their keys/values across calls (``start`` / ``continue_`` / ``close``:
+    the ``MultiTurnSampler`` capability of ``fastrl.rollout.base``)."""
+
     def __init__(self, model: torch.nn.Module, *, pad_token_id: int | None = None, backend: str = "auto", max_length: int | None = None,
                  decode: str = "eager"):
         config = getattr(model, "config", None)
@@ -733,7 +270,7 @@ class HFGroupSampler:
         self._lean = lean_decoder(model)
         """The lean decode forward (None: the model's own), trusted once ``_lean_checked``."""
         self._lean_checked = False
-        _register()
+        register_attention()
 
     # ------------------------------------------------------------------ weights
     @torch.no_grad()
@@ -792,9 +329,9 @@ class HFGroupSampler:
         if head is not None:
             if self._lean is not None and self._lean_checked:
                 return self._lean(ids, pos, kv.attend)[:, -1]
-            out = self.model.base_model(input_ids=ids, position_ids=pos, use_cache=False, **{_KV_KWARG: kv})
+            out = self.model.base_model(input_ids=ids, position_ids=pos, use_cache=False, **{KV_KWARG: kv})
             return out.last_hidden_state[:, -1]
-        out = self.model(input_ids=ids, position_ids=pos, use_cache=False, logits_to_keep=1, **{_KV_KWARG: kv})
+        out = self.model(input_ids=ids, position_ids=pos, use_cache=False, logits_to_keep=1, **{KV_KWARG: kv})
         return out.logits[:, -1].float()
 
     @staticmethod
@@ -827,7 +364,7 @@ class HFGroupSampler:
         if self._split is None or check_lean:
             hook = self.model.base_model.register_forward_hook(lambda m, a, out: seen.append(getattr(out, "last_hidden_state", None)))
         try:
-            out = self.model(input_ids=ids, position_ids=pos, use_cache=False, logits_to_keep=last, **{_KV_KWARG: kv})
+            out = self.model(input_ids=ids, position_ids=pos, use_cache=False, logits_to_keep=last, **{KV_KWARG: kv})
         finally:
             if hook is not None:
                 hook.remove()
@@ -1190,63 +727,3 @@ class HFGroupSampler:
         state.live = []
         state.closed = True
 
-
-class HFTokenSampler:
-    """The agents driver's ``TokenSampler`` (``continue_sequences``) over one
-    :class:`HFGroupSampler` multi-turn state: each sequence is matched to the live
-    trajectory whose tokens it extends, and only the difference is run through the model.
-
-    Sequences that extend no live trajectory (the first turn, or a sample the driver
-    restarted from the template) start a new state for all sequences of that call (their
-    prompts are prefilled; identical ones once). ``restarts`` counts those calls.
-    """
-
-    def __init__(self, sampler: HFGroupSampler, sampling: SamplingConfig) -> None:
-        self.sampler = sampler
-        self.sampling = sampling
-        self.max_length = sampler.max_length
-        self.state: MultiTurnState | None = None
-        self._tokens: dict[int, list[int]] = {}
-        self.restarts = 0
-
-    def _match(self, sequences: list[list[int]]) -> list[int] | None:
-        if self.state is None:
-            return None
-        index: dict[tuple[int, ...], list[int]] = {}
-        for t, toks in self._tokens.items():
-            index.setdefault(tuple(toks), []).append(t)
-        lengths = sorted({len(k) for k in index}, reverse=True)
-        out = []
-        for seq in sequences:
-            hit = None
-            for n in lengths:
-                ids = index.get(tuple(seq[:n])) if n <= len(seq) else None
-                if ids:
-                    hit = ids.pop()
-                    break
-            if hit is None:
-                return None
-            out.append(hit)
-        return out
-
-    def continue_sequences(self, sequences: Sequence[Sequence[int]], *, max_new_tokens: Sequence[int],
-                           seeds: Sequence[int]) -> list[TurnOutput]:
-        seqs = [[int(x) for x in s] for s in sequences]
-        ids = self._match(seqs)
-        if ids is None:
-            if self.state is not None:
-                self.sampler.close(self.state)
-            self.restarts += 1
-            self.state = self.sampler.start(seqs, group_size=1, sampling=self.sampling)
-            self._tokens = {t: list(s) for t, s in enumerate(seqs)}
-            ids = list(range(len(seqs)))
-        appended = [s[len(self._tokens[t]):] for t, s in zip(ids, seqs)]
-        out = self.sampler.continue_(self.state, appended, trajectories=ids, max_new_tokens=list(max_new_tokens), seeds=list(seeds))
-        self._tokens = {t: s + o.token_ids for t, s, o in zip(ids, seqs, out)}
-        return out
-
-    def close(self) -> None:
-        if self.state is not None:
-            self.sampler.close(self.state)
-        self.state = None
-        self._tokens = {}

@@ -52,12 +52,10 @@ __all__ = ["AgentRollout", "AgentCollector", "play_episodes", "sampler_renderer"
 
 def token_sampler(sampler: Any, sampling: SamplingConfig) -> Any:
     """The driver's ``TokenSampler`` over the run's sampler: KV-continuing sessions for the HF
-    sampler, each turn's token ids for the others."""
-    from fastrl.rollout.hf import HFGroupSampler, HFTokenSampler
+    sampler, each turn's token ids for the others (``fastrl.rollout.token_sampler.token_sampler_for``)."""
+    from fastrl.rollout.token_sampler import token_sampler_for
 
-    if isinstance(sampler, HFGroupSampler):
-        return HFTokenSampler(sampler, sampling)
-    return GroupSamplerTokens(sampler, sampling)
+    return token_sampler_for(sampler, sampling)
 
 
 def sampler_renderer(renderer: ChatRenderer, sampler: Any) -> ChatRenderer:

@@ -284,7 +284,7 @@ def full_cdf_sample(probs, u):
 
 @pytest.mark.parametrize("V, block", [(7, 1024), (1024, 1024), (5000, 1024), (300, 16)])
 def test_two_level_inverse_cdf_draws_the_same_tokens_as_the_full_cdf(V, block):
-    from fastrl.rollout.hf import _inverse_cdf_sample
+    from fastrl.rollout.sampling import _inverse_cdf_sample
 
     g = torch.Generator().manual_seed(V)
     n = 4000
@@ -299,7 +299,7 @@ def test_two_level_inverse_cdf_draws_the_same_tokens_as_the_full_cdf(V, block):
 
 
 def test_two_level_inverse_cdf_passes_a_chi_square_test():
-    from fastrl.rollout.hf import _inverse_cdf_sample
+    from fastrl.rollout.sampling import _inverse_cdf_sample
 
     g = torch.Generator().manual_seed(0)
     p = torch.softmax(torch.randn(40, generator=g), dim=0)

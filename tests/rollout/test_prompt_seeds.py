@@ -7,7 +7,7 @@ import torch
 from transformers import LlamaConfig, LlamaForCausalLM
 
 from fastrl.rollout import HFGroupSampler, SamplingConfig
-from fastrl.rollout.hf import _inverse_cdf_sample
+from fastrl.rollout.sampling import _inverse_cdf_sample
 
 PROMPTS = [[5, 6, 7, 8, 9], [12, 13, 14], [20, 21, 22, 23, 24, 25, 26], [30, 31]]
 
