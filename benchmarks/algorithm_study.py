@@ -191,7 +191,7 @@ def power_table(spread: dict[str, dict[str, Any]]) -> dict[str, dict[str, Any]]:
 
 # ============================================================================ the plan
 def task_budget(task: str) -> str:
-    from fastrl.train.compare import ENV_COMPARE_DEFAULTS
+    from fastrl.commands.compare import ENV_COMPARE_DEFAULTS
 
     return ENV_COMPARE_DEFAULTS[task].budget if task in ENV_TASKS else DEFAULT_TASK_BUDGET
 
@@ -455,7 +455,7 @@ def _locked(path: Path):
 
 
 def _compare_plan(cell: Cell, output_dir: Path, extra: Sequence[str] = (), algorithm: str | None = None):
-    from fastrl.train.compare import plan_compare
+    from fastrl.commands.compare import plan_compare
 
     argv = [*task_args(cell.task), *cell.start_args, "--algorithms", algorithm or cell.algorithm, "--seeds", "1",
             "--budget", cell.budget, "--output_dir", str(output_dir), "--overwrite", "--threads", "1", "--jobs", "1", *extra]
@@ -471,7 +471,7 @@ def ensure_start(cell: Cell, work: Path) -> tuple[dict[str, Any], dict[str, Any]
         if marker.exists():
             return json.loads(marker.read_text()), json.loads((directory / "start" / "start.json").read_text()), False
         shutil.rmtree(directory, ignore_errors=True)  # a build that was killed
-        from fastrl.train.compare import prepare_start
+        from fastrl.commands.compare import prepare_start
 
         plan = _compare_plan(cell, directory, algorithm="grpo")
         (directory / "start").mkdir(parents=True, exist_ok=True)
@@ -496,7 +496,7 @@ def _random_model_like(model_dir: Path, out: Path, seed: int = 0) -> None:
 
 
 def _phase_logs(record: dict[str, Any]) -> list[tuple[list[dict], list[dict]]]:
-    from fastrl.train.compare import read_metrics_jsonl
+    from fastrl.commands.compare import read_metrics_jsonl
 
     return [read_metrics_jsonl(Path(p["dir"]) / "metrics.jsonl") for p in record.get("phases", [])]
 
@@ -523,7 +523,8 @@ def cell_measures(record: dict[str, Any]) -> dict[str, Any]:
 def run_cell_child(cell: Cell, out: Path, work: Path) -> int:
     """``_cell``: the start (built if missing), the run, the result at ``out``; exit status 0
     when the run finished (completed, or stopped by a NaN: a stability result), 1 otherwise."""
-    from fastrl.train.compare import RunProcesses, _strict_json, run_one
+    from fastrl.commands.compare import RunProcesses, run_one
+    from fastrl.commands.compare.report import _strict_json
     from fastrl.workers import set_parent_death_signal
 
     set_parent_death_signal(signal.SIGTERM)  # a runner killed outright leaves no cell behind

@@ -16,7 +16,12 @@ import importlib.util
 import sys
 from types import ModuleType
 
-MOVED_MODULES: dict[str, str] = {}
+MOVED_MODULES: dict[str, str] = {
+    # the commands that are programs of their own left the trainer's folder (issue 40)
+    "fastrl.train.compare": "fastrl.commands.compare",
+    "fastrl.train.plan": "fastrl.commands.plan",
+    "fastrl.train.paired": "fastrl.commands.paired",
+}
 """Old dotted module name -> its new one (filled as modules move; read by the finder at import time)."""
 
 
