@@ -523,8 +523,7 @@ def cell_measures(record: dict[str, Any]) -> dict[str, Any]:
 def run_cell_child(cell: Cell, out: Path, work: Path) -> int:
     """``_cell``: the start (built if missing), the run, the result at ``out``; exit status 0
     when the run finished (completed, or stopped by a NaN: a stability result), 1 otherwise."""
-    from fastrl.commands.compare import RunProcesses, run_one
-    from fastrl.commands.compare.report import _strict_json
+    from fastrl.commands.compare import RunProcesses, run_one, strict_json
     from fastrl.workers import set_parent_death_signal
 
     set_parent_death_signal(signal.SIGTERM)  # a runner killed outright leaves no cell behind
@@ -551,7 +550,7 @@ def run_cell_child(cell: Cell, out: Path, work: Path) -> int:
         "what": "one cell of the algorithm-choice study (benchmarks/algorithm_study.py)",
         "status": record["status"], "stopped_by": record.get("stopped_by"),
         "code": code_version(), "date": time.strftime("%Y-%m-%d %H:%M:%S UTC", time.gmtime()),
-        "train_options": _strict_json(plan.user_fields), "eval_every": plan.eval_every,
+        "train_options": strict_json(plan.user_fields), "eval_every": plan.eval_every,
         "start": {"key": cell.start_key, "built_by_this_cell": built, "seconds_in_this_cell": start_seconds,
                   "warmup_seconds": start_info.get("seconds"), "warmup_cpu_seconds": start_info.get("cpu_seconds"),
                   "eval_rows": start_info.get("eval_rows"), "sft": start_info.get("sft")},
@@ -560,7 +559,7 @@ def run_cell_child(cell: Cell, out: Path, work: Path) -> int:
         "run_wall_seconds": record["wall_seconds"], "phases": record["phases"],
         **cell_measures(record),
     }
-    write_atomic(out, _strict_json(result))
+    write_atomic(out, strict_json(result))
     return 0
 
 

@@ -47,6 +47,7 @@ from fastrl.commands.compare.analysis import (
     SAMPLES_METRIC,
     SMOOTHING_STEPS,
     STAGES,
+    as_float,
     chain_phases,
     cumulative,
     moving_average,
@@ -92,12 +93,22 @@ from fastrl.commands.compare.processes import (
     RunsStopped,
     cpu_seconds_used,
     run_all,
+    self_cpu_seconds,
     stop_signals_exit,
 )
-from fastrl.commands.compare.report import build_report
+from fastrl.commands.compare.report import build_report, describe_run, strict_json
 from fastrl.commands.compare.runs import PARENT_PID_ENV, RUN_MODULE, read_metrics_jsonl, run_fields_for, run_one
 from fastrl.commands.compare.start import prepare_start
-from fastrl.commands.compare.summary import METRICS, Metric, axis_verdict, format_table, mean_std, summarize, verdicts
+from fastrl.commands.compare.summary import (
+    METRICS,
+    Metric,
+    axis_verdict,
+    format_table,
+    format_value,
+    mean_std,
+    summarize,
+    verdicts,
+)
 
 __all__ = [
     # defaults
@@ -126,6 +137,7 @@ __all__ = [
     "SAMPLES_METRIC",
     "SMOOTHING_STEPS",
     "STAGES",
+    "as_float",
     "chain_phases",
     "cumulative",
     "moving_average",
@@ -137,6 +149,7 @@ __all__ = [
     "Metric",
     "axis_verdict",
     "format_table",
+    "format_value",
     "mean_std",
     "summarize",
     "verdicts",
@@ -159,6 +172,7 @@ __all__ = [
     "RunsStopped",
     "cpu_seconds_used",
     "run_all",
+    "self_cpu_seconds",
     "stop_signals_exit",
     # runs
     "PARENT_PID_ENV",
@@ -168,6 +182,8 @@ __all__ = [
     "run_one",
     # report
     "build_report",
+    "describe_run",
+    "strict_json",
     # command
     "run_compare",
 ]

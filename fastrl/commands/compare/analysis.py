@@ -31,7 +31,7 @@ STAGES = ("generate", "reward", "old_logp", "ref_logp", "values", "advantages", 
 without the critic's ``values`` pass, which the trainer times inside it)."""
 
 
-def _num(value: Any) -> float:
+def as_float(value: Any) -> float:
     """A logged value as a float ("nan"/"inf" strings are how the log writes non-finite numbers)."""
     if value is None:
         return float("nan")
@@ -102,13 +102,13 @@ def run_metrics(steps: Sequence[dict[str, Any]], evals: Sequence[dict[str, Any]]
     """
     steps = sorted(steps, key=lambda r: r["step"])
     step_ids = [int(r["step"]) for r in steps]
-    seconds = cumulative([_num(r.get("time/step")) for r in steps])
-    generated = cumulative([_num(r.get(metric_names.GENERATED_TOKENS)) for r in steps])
+    seconds = cumulative([as_float(r.get("time/step")) for r in steps])
+    generated = cumulative([as_float(r.get(metric_names.GENERATED_TOKENS)) for r in steps])
     # the trainer logs the update's throughput: tokens through the training forward x epochs
-    trained = cumulative([_num(r.get("throughput/train_tokens_per_s")) * _num(r.get("time/update")) for r in steps])
-    rewards = [_num(r.get("reward/mean")) for r in steps]
-    kls = [_num(r["kl/ref"]) for r in steps if "kl/ref" in r]
-    entropies = [_num(r.get("entropy/mean")) for r in steps if "entropy/mean" in r]
+    trained = cumulative([as_float(r.get("throughput/train_tokens_per_s")) * as_float(r.get("time/update")) for r in steps])
+    rewards = [as_float(r.get("reward/mean")) for r in steps]
+    kls = [as_float(r["kl/ref"]) for r in steps if "kl/ref" in r]
+    entropies = [as_float(r.get("entropy/mean")) for r in steps if "entropy/mean" in r]
 
     at = {0: (0.0, 0.0)}
     for s, t, g in zip(step_ids, seconds, generated):
@@ -119,41 +119,41 @@ def run_metrics(steps: Sequence[dict[str, Any]], evals: Sequence[dict[str, Any]]
             continue
         s = int(e["step"])
         t, g = at.get(s, (float("nan"), float("nan")))
-        point = {"step": s, "seconds": t, "generated_tokens": g, "accuracy": _num(e["eval/accuracy"])}
+        point = {"step": s, "seconds": t, "generated_tokens": g, "accuracy": as_float(e["eval/accuracy"])}
         if pass_k and f"eval/pass@{pass_k}" in e:
-            point[f"pass@{pass_k}"] = _num(e[f"eval/pass@{pass_k}"])
+            point[f"pass@{pass_k}"] = as_float(e[f"eval/pass@{pass_k}"])
         eval_points.append(point)
     accuracies = [p["accuracy"] for p in eval_points if math.isfinite(p["accuracy"])]
 
     non_finite = sum(
-        1 for r in steps for k in ("loss/total", "grad_norm", "reward/mean") if k in r and not math.isfinite(_num(r[k]))
+        1 for r in steps for k in ("loss/total", "grad_norm", "reward/mean") if k in r and not math.isfinite(as_float(r[k]))
     )
     first_entropy = next((e for e in entropies if math.isfinite(e)), float("nan"))
-    stage_seconds = {st: sum(_num(r.get(f"time/{st}", 0.0)) for r in steps) for st in STAGES}
+    stage_seconds = {st: sum(as_float(r.get(f"time/{st}", 0.0)) for r in steps) for st in STAGES}
     # the trainer times the critic's values inside the advantages stage: keep the stages disjoint
     stage_seconds["advantages"] = max(0.0, stage_seconds["advantages"] - stage_seconds["values"])
     stage_seconds = {k: v for k, v in stage_seconds.items() if v > 0}
-    peaks = [_num(r.get("memory/peak_gb")) for r in steps]
+    peaks = [as_float(r.get("memory/peak_gb")) for r in steps]
     last = rewards[-SMOOTHING_STEPS:]
     agent = any(metric_names.ENV_CALLS in r for r in steps)
     nan = float("nan")
-    env_calls = sum(_num(r.get(metric_names.ENV_CALLS, 0.0)) for r in steps) if agent else nan
-    trajectories = sum(_num(r.get(SAMPLES_METRIC, 0.0)) for r in steps) if agent else nan
-    tool_calls = (sum(_num(r.get(metric_names.TOOL_CALLS_PER_TRAJECTORY, 0.0)) * _num(r.get(SAMPLES_METRIC, 0.0)) for r in steps)
+    env_calls = sum(as_float(r.get(metric_names.ENV_CALLS, 0.0)) for r in steps) if agent else nan
+    trajectories = sum(as_float(r.get(SAMPLES_METRIC, 0.0)) for r in steps) if agent else nan
+    tool_calls = (sum(as_float(r.get(metric_names.TOOL_CALLS_PER_TRAJECTORY, 0.0)) * as_float(r.get(SAMPLES_METRIC, 0.0)) for r in steps)
                   if agent else nan)
     prompts = trajectories / group_size if agent and group_size else nan
     tree = any(metric_names.TREE_LEAF_TOKENS in r for r in steps)
-    leaf_tokens = sum(_num(r.get(metric_names.TREE_LEAF_TOKENS, 0.0)) for r in steps) if tree else nan
-    leaf_env_calls = (sum(_num(r.get(metric_names.TREE_LEAF_ENV_CALLS, 0.0)) for r in steps)
+    leaf_tokens = sum(as_float(r.get(metric_names.TREE_LEAF_TOKENS, 0.0)) for r in steps) if tree else nan
+    leaf_env_calls = (sum(as_float(r.get(metric_names.TREE_LEAF_ENV_CALLS, 0.0)) for r in steps)
                       if agent and any(metric_names.TREE_LEAF_ENV_CALLS in r for r in steps) else nan)
-    best_reward = max((v for v in (_num(r.get("reward/max")) for r in steps) if math.isfinite(v)), default=float("nan"))
-    collapse, collapse_at = reward_std_collapse([_num(r.get("reward/std")) for r in steps], rewards, best_reward)
+    best_reward = max((v for v in (as_float(r.get("reward/max")) for r in steps) if math.isfinite(v)), default=float("nan"))
+    collapse, collapse_at = reward_std_collapse([as_float(r.get("reward/std")) for r in steps], rewards, best_reward)
     return {
         "curve": {
             "step": step_ids, "seconds": seconds, "generated_tokens": generated, "trained_tokens": trained,
-            "reward": rewards, "reward_std": [_num(r.get("reward/std")) for r in steps],
-            "reward_max": [_num(r.get("reward/max")) for r in steps],
-            "kl": [_num(r.get("kl/ref")) for r in steps], "entropy": [_num(r.get("entropy/mean")) for r in steps],
+            "reward": rewards, "reward_std": [as_float(r.get("reward/std")) for r in steps],
+            "reward_max": [as_float(r.get("reward/max")) for r in steps],
+            "kl": [as_float(r.get("kl/ref")) for r in steps], "entropy": [as_float(r.get("entropy/mean")) for r in steps],
         },
         "evals": eval_points,
         "success": {
@@ -176,7 +176,7 @@ def run_metrics(steps: Sequence[dict[str, Any]], evals: Sequence[dict[str, Any]]
         "cost": {
             "steps": len(steps),
             "train_seconds": seconds[-1] if seconds else 0.0,
-            "eval_seconds": sum(_num(e.get("time/eval", 0.0)) for e in evals),
+            "eval_seconds": sum(as_float(e.get("time/eval", 0.0)) for e in evals),
             "generated_tokens": generated[-1] if generated else 0.0,
             "trained_tokens": trained[-1] if trained else 0.0,
             "peak_memory_gb": max((p for p in peaks if math.isfinite(p)), default=float("nan")),
@@ -251,6 +251,6 @@ def chain_phases(first: dict[str, Any], second: dict[str, Any]) -> dict[str, Any
         "stage_seconds": stages,
     }
     for key in ("env_calls", "tool_calls", "trajectories", "prompts", "leaf_tokens", "leaf_env_calls"):
-        cost[key] = _num(k1.get(key)) + _num(k2.get(key))
+        cost[key] = as_float(k1.get(key)) + as_float(k2.get(key))
     cost["env_calls_per_prompt"] = cost["env_calls"] / cost["prompts"] if cost["prompts"] > 0 else float("nan")
     return {"curve": curve, "evals": evals, "success": success, "stability": stability, "cost": cost}

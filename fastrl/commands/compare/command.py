@@ -12,7 +12,7 @@ from typing import Sequence
 from fastrl.commands.compare.defaults import CompareError
 from fastrl.commands.compare.options import ComparePlan, plan_compare
 from fastrl.commands.compare.processes import INTERRUPTED_STATUS, RunProcesses, cpu_seconds_used, run_all, stop_signals_exit
-from fastrl.commands.compare.report import _describe_run, build_report
+from fastrl.commands.compare.report import build_report, describe_run
 from fastrl.commands.compare.runs import run_one
 from fastrl.commands.compare.start import prepare_start
 
@@ -70,7 +70,7 @@ def run_compare(argv: Sequence[str]) -> int:
             runs = run_all([lambda a=a, s=s: run_one(plan, start["fields"], a, s, processes) for a, s in order],
                            jobs=plan.jobs, processes=processes,
                            on_start=lambda i: say(f"[{i + 1}/{n_runs}] {order[i][0]} seed {order[i][1]} ..."),
-                           on_done=lambda i, r: say(f"[{i + 1}/{n_runs}] {order[i][0]} seed {order[i][1]}: {_describe_run(r)}"))
+                           on_done=lambda i, r: say(f"[{i + 1}/{n_runs}] {order[i][0]} seed {order[i][1]}: {describe_run(r)}"))
     except KeyboardInterrupt:
         print("fastrl compare: interrupted: every live run was killed; no report (each run's directory is under "
               f"{plan.output_dir / 'runs'})", file=sys.stderr)

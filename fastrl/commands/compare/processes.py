@@ -122,7 +122,7 @@ def stop_signals_exit() -> Any:
             signal.signal(sig, handler)
 
 
-def _self_cpu_seconds() -> float:
+def self_cpu_seconds() -> float:
     """CPU seconds (user + system) of this process alone (the shared start runs in it)."""
     import resource
 

@@ -18,15 +18,17 @@ from fastrl.commands.compare.analysis import (
 from fastrl.commands.compare.defaults import HYBRID
 from fastrl.commands.compare.options import ComparePlan
 from fastrl.commands.compare.plot import plot_runs
-from fastrl.commands.compare.summary import _fmt, format_table, summarize, verdicts
+from fastrl.commands.compare.summary import format_table, format_value, summarize, verdicts
 
 
-def _describe_run(r: dict[str, Any]) -> str:
+def describe_run(r: dict[str, Any]) -> str:
+    """One finished run in a line: accuracy start -> end (best), steps, RL seconds, tokens, wall
+    seconds; or why it failed."""
     if not r.get("success"):
         return f"{r['status']}: {r.get('error')}"
     s, c = r["success"], r["cost"]
-    text = (f"accuracy {_fmt(s['initial_accuracy'], '.3f')} -> {_fmt(s['final_accuracy'], '.3f')} "
-            f"(best {_fmt(s['best_accuracy'], '.3f')}), {c['steps']} steps, {c['train_seconds']:.0f} s RL, "
+    text = (f"accuracy {format_value(s['initial_accuracy'], '.3f')} -> {format_value(s['final_accuracy'], '.3f')} "
+            f"(best {format_value(s['best_accuracy'], '.3f')}), {c['steps']} steps, {c['train_seconds']:.0f} s RL, "
             f"{c['generated_tokens']:,.0f} tokens, {r['wall_seconds']:.0f} s wall")
     if r["status"] != "ok":
         text += f"; {r['status']}: {r.get('error')}"
@@ -76,25 +78,25 @@ def build_report(plan: ComparePlan, runs: list[dict[str, Any]], *, start: dict[s
         "cpu_seconds": cpu_seconds,
         "load_average": {"start": load_average[0], "end": load_average[1]} if load_average else None,
     }
-    (plan.output_dir / "compare.json").write_text(json.dumps(_strict_json(report), indent=1, allow_nan=False))
+    (plan.output_dir / "compare.json").write_text(json.dumps(strict_json(report), indent=1, allow_nan=False))
     (plan.output_dir / "compare.txt").write_text(table + "\n")
     return report
 
 
-def _strict_json(value: Any) -> Any:
+def strict_json(value: Any) -> Any:
     """Plain JSON: NaN (not measured) -> null, +-inf -> "inf"/"-inf", paths -> strings."""
     if isinstance(value, float):
         if math.isnan(value):
             return None
         return value if math.isfinite(value) else ("inf" if value > 0 else "-inf")
     if isinstance(value, dict):
-        return {str(k): _strict_json(v) for k, v in value.items()}
+        return {str(k): strict_json(v) for k, v in value.items()}
     if isinstance(value, (list, tuple)):
-        return [_strict_json(v) for v in value]
+        return [strict_json(v) for v in value]
     if isinstance(value, Path):
         return str(value)
     if value is None or isinstance(value, (str, int, bool)):
         return value
     if hasattr(value, "tolist"):
-        return _strict_json(value.tolist())
+        return strict_json(value.tolist())
     return str(value)

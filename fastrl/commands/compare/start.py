@@ -10,7 +10,7 @@ from typing import Any
 
 from fastrl.commands.compare.defaults import HYBRID, CompareError
 from fastrl.commands.compare.options import ComparePlan
-from fastrl.commands.compare.processes import _self_cpu_seconds
+from fastrl.commands.compare.processes import self_cpu_seconds
 from fastrl.train.config import AGENT_FIELDS, TrainConfig
 
 
@@ -40,7 +40,7 @@ def prepare_start(plan: ComparePlan) -> dict[str, Any]:
     first = plan.algorithms[0] if plan.algorithms[0] != HYBRID else "grpo"  # a configuration already checked
     fields = {**plan.user_fields, "algorithm": first, "seed": warmup_seed, "output_dir": str(start / "trainer"),
               "steps": 1, "progress": False, "tensorboard": False, "overwrite": True}
-    t0, cpu0 = time.perf_counter(), _self_cpu_seconds()
+    t0, cpu0 = time.perf_counter(), self_cpu_seconds()
     with Trainer(TrainConfig(**fields)) as trainer:
         model_dir = None
         if trainer.builtin or trainer.warmup.metrics:
@@ -51,7 +51,7 @@ def prepare_start(plan: ComparePlan) -> dict[str, Any]:
             with open(start / name, "w", encoding="utf-8") as f:
                 for row in rows:
                     f.write(json.dumps(_jsonable_row(row)) + "\n")
-        info = {"seconds": time.perf_counter() - t0, "cpu_seconds": _self_cpu_seconds() - cpu0,
+        info = {"seconds": time.perf_counter() - t0, "cpu_seconds": self_cpu_seconds() - cpu0,
                 "warmup_seed": warmup_seed, "sft": dict(trainer.warmup.metrics),
                 "model": str(model_dir) if model_dir else plan.base.model, "train_rows": len(trainer.train_rows),
                 "eval_rows": len(trainer.eval_rows)}

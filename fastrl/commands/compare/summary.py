@@ -13,7 +13,7 @@ from fastrl.commands.compare.analysis import (
     KL_BLOWUP,
     SMOOTHING_STEPS,
     STAGES,
-    _num,
+    as_float,
 )
 
 
@@ -69,12 +69,12 @@ METRICS: tuple[Metric, ...] = (
 
 def _run_value(run: dict[str, Any], metric: Metric) -> float:
     if metric.key == "wall_seconds":
-        return _num(run.get("wall_seconds"))
+        return as_float(run.get("wall_seconds"))
     section = run.get(metric.axis, {})
     if metric.key == "final_pass@k":
         found = [v for k, v in section.items() if k.startswith("final_pass@")]
-        return _num(found[0]) if found else float("nan")
-    return _num(section.get(metric.key))
+        return as_float(found[0]) if found else float("nan")
+    return as_float(section.get(metric.key))
 
 
 def summarize(runs: Sequence[dict[str, Any]]) -> dict[str, dict[str, Any]]:
@@ -102,7 +102,8 @@ def summarize(runs: Sequence[dict[str, Any]]) -> dict[str, dict[str, Any]]:
     return out
 
 
-def _fmt(value: float, fmt: str) -> str:
+def format_value(value: float, fmt: str) -> str:
+    """``value`` in ``fmt``; ``n/a`` for NaN or None (not measured), ``inf`` as itself."""
     if value is None or not math.isfinite(value):
         return "n/a" if value is None or math.isnan(value) else str(value)
     return format(value, fmt)
@@ -112,7 +113,7 @@ def _pm(mean: float, std: float, n: int, fmt: str) -> str:
     """``mean ± std`` (``mean`` alone for one value, ``n/a`` when not measured)."""
     if mean is None or math.isnan(mean):
         return "n/a"
-    return f"{_fmt(mean, fmt)} ± {_fmt(std, fmt)}" if n > 1 else _fmt(mean, fmt)
+    return f"{format_value(mean, fmt)} ± {format_value(std, fmt)}" if n > 1 else format_value(mean, fmt)
 
 
 def axis_verdict(
@@ -153,7 +154,7 @@ def axis_verdict(
 
     def pm(a: str) -> str:
         m, s, n = stats[a]
-        return f"{_fmt(m, fmt)} ± {_fmt(s, fmt)}" if n > 1 else f"{_fmt(m, fmt)} (1 seed)"
+        return f"{format_value(m, fmt)} ± {format_value(s, fmt)}" if n > 1 else f"{format_value(m, fmt)} (1 seed)"
 
     if len(ranking) == 1:
         result["text"] = head + f"only {best} measured it: {pm(best)}" + (f"; {note}" if note else "")
@@ -168,7 +169,7 @@ def axis_verdict(
         result["winner"] = None
         distinguishable = False if min(bn, sn) > 1 else None
     else:
-        by = f"{'+' if diff > 0 else ''}{_fmt(diff, fmt)}"
+        by = f"{'+' if diff > 0 else ''}{format_value(diff, fmt)}"
         if math.isfinite(ratio):
             by += f", {ratio:.2f}x"
         verdict = f"{best} wins, {pm(best)} vs {second} {pm(second)} ({by})"
@@ -214,7 +215,7 @@ def verdicts(summary: dict[str, dict[str, Any]], *, budget_kind: str) -> list[di
                         f"in {trapped} seed(s)")
         if bits:
             trouble.append(f"{a}: " + ", ".join(bits))
-    spread = ", ".join(f"{a} {_fmt(e['final_accuracy']['std'], '.3f')}" for a, e in summary.items())
+    spread = ", ".join(f"{a} {format_value(e['final_accuracy']['std'], '.3f')}" for a, e in summary.items())
     note = f"seed spread of the final accuracy (std): {spread}; " + ("; ".join(trouble) if trouble else "no NaN stops, blow-ups or reward-std collapse")
     out.append(axis_verdict("stability", "worst drop of the reward curve", vals("reward_drop"), higher_is_better=False, note=note))
     if budget_kind == "seconds":
@@ -224,7 +225,7 @@ def verdicts(summary: dict[str, dict[str, Any]], *, budget_kind: str) -> list[di
         out.append(axis_verdict("cost", "RL seconds for the budget", vals("train_seconds"), higher_is_better=False, fmt=".1f"))
     if any(math.isfinite(v) for e in summary.values() for v in e["env_calls"]["values"]):
         # agent runs: what the environment is asked for, the cost GRPO's G trajectories per prompt multiply
-        per_prompt = ", ".join(f"{a} {_fmt(e['env_calls_per_prompt']['mean'], '.1f')}" for a, e in summary.items())
+        per_prompt = ", ".join(f"{a} {format_value(e['env_calls_per_prompt']['mean'], '.1f')}" for a, e in summary.items())
         out.append(axis_verdict("cost", "environment calls for the budget", vals("env_calls"), higher_is_better=False,
                                 fmt=".0f", note=f"environment calls per prompt: {per_prompt}"))
     out.append(axis_verdict("memory", "peak memory in GB", vals("peak_memory_gb"), higher_is_better=False, fmt=".2f"))
@@ -255,14 +256,14 @@ def format_table(summary: dict[str, dict[str, Any]], verdict_list: Sequence[dict
         lines.append(f"  {label:<{label_w - 2}}" + "".join(f"{c:>{col_w}}" for c in cells))
         if metric.key == "reward_drop":
             lines.append(f"  {'final accuracy spread (max-min)':<{label_w - 2}}"
-                         + "".join(f"{_fmt(summary[a]['final_accuracy_range'], '.3f'):>{col_w}}" for a in algos))
+                         + "".join(f"{format_value(summary[a]['final_accuracy_range'], '.3f'):>{col_w}}" for a in algos))
             lines.append(f"  {'NaN stops / failed runs':<{label_w - 2}}"
                          + "".join(f"{str(summary[a]['nan_stops']) + ' / ' + str(summary[a]['failed']):>{col_w}}" for a in algos))
     stages = [st for st in STAGES if any(st in summary[a]["stage_seconds"] for a in algos)]
     if stages:
         lines.append("-- seconds per stage (mean over seeds)")
         for st in stages:
-            lines.append(f"  {st:<{label_w - 2}}" + "".join(f"{_fmt(summary[a]['stage_seconds'].get(st, 0.0), '.1f'):>{col_w}}" for a in algos))
+            lines.append(f"  {st:<{label_w - 2}}" + "".join(f"{format_value(summary[a]['stage_seconds'].get(st, 0.0), '.1f'):>{col_w}}" for a in algos))
     lines.append("")
     lines.extend(v["text"] for v in verdict_list)
     return "\n".join(lines)
