@@ -191,7 +191,7 @@ def power_table(spread: dict[str, dict[str, Any]]) -> dict[str, dict[str, Any]]:
 
 # ============================================================================ the plan
 def task_budget(task: str) -> str:
-    from fastrl.train.compare import ENV_COMPARE_DEFAULTS
+    from fastrl.commands.compare import ENV_COMPARE_DEFAULTS
 
     return ENV_COMPARE_DEFAULTS[task].budget if task in ENV_TASKS else DEFAULT_TASK_BUDGET
 
@@ -455,7 +455,7 @@ def _locked(path: Path):
 
 
 def _compare_plan(cell: Cell, output_dir: Path, extra: Sequence[str] = (), algorithm: str | None = None):
-    from fastrl.train.compare import plan_compare
+    from fastrl.commands.compare import plan_compare
 
     argv = [*task_args(cell.task), *cell.start_args, "--algorithms", algorithm or cell.algorithm, "--seeds", "1",
             "--budget", cell.budget, "--output_dir", str(output_dir), "--overwrite", "--threads", "1", "--jobs", "1", *extra]
@@ -471,7 +471,7 @@ def ensure_start(cell: Cell, work: Path) -> tuple[dict[str, Any], dict[str, Any]
         if marker.exists():
             return json.loads(marker.read_text()), json.loads((directory / "start" / "start.json").read_text()), False
         shutil.rmtree(directory, ignore_errors=True)  # a build that was killed
-        from fastrl.train.compare import prepare_start
+        from fastrl.commands.compare import prepare_start
 
         plan = _compare_plan(cell, directory, algorithm="grpo")
         (directory / "start").mkdir(parents=True, exist_ok=True)
@@ -496,7 +496,7 @@ def _random_model_like(model_dir: Path, out: Path, seed: int = 0) -> None:
 
 
 def _phase_logs(record: dict[str, Any]) -> list[tuple[list[dict], list[dict]]]:
-    from fastrl.train.compare import read_metrics_jsonl
+    from fastrl.commands.compare import read_metrics_jsonl
 
     return [read_metrics_jsonl(Path(p["dir"]) / "metrics.jsonl") for p in record.get("phases", [])]
 
@@ -523,7 +523,7 @@ def cell_measures(record: dict[str, Any]) -> dict[str, Any]:
 def run_cell_child(cell: Cell, out: Path, work: Path) -> int:
     """``_cell``: the start (built if missing), the run, the result at ``out``; exit status 0
     when the run finished (completed, or stopped by a NaN: a stability result), 1 otherwise."""
-    from fastrl.train.compare import RunProcesses, _strict_json, run_one
+    from fastrl.commands.compare import RunProcesses, run_one, strict_json
     from fastrl.workers import set_parent_death_signal
 
     set_parent_death_signal(signal.SIGTERM)  # a runner killed outright leaves no cell behind
@@ -550,7 +550,7 @@ def run_cell_child(cell: Cell, out: Path, work: Path) -> int:
         "what": "one cell of the algorithm-choice study (benchmarks/algorithm_study.py)",
         "status": record["status"], "stopped_by": record.get("stopped_by"),
         "code": code_version(), "date": time.strftime("%Y-%m-%d %H:%M:%S UTC", time.gmtime()),
-        "train_options": _strict_json(plan.user_fields), "eval_every": plan.eval_every,
+        "train_options": strict_json(plan.user_fields), "eval_every": plan.eval_every,
         "start": {"key": cell.start_key, "built_by_this_cell": built, "seconds_in_this_cell": start_seconds,
                   "warmup_seconds": start_info.get("seconds"), "warmup_cpu_seconds": start_info.get("cpu_seconds"),
                   "eval_rows": start_info.get("eval_rows"), "sft": start_info.get("sft")},
@@ -559,7 +559,7 @@ def run_cell_child(cell: Cell, out: Path, work: Path) -> int:
         "run_wall_seconds": record["wall_seconds"], "phases": record["phases"],
         **cell_measures(record),
     }
-    write_atomic(out, _strict_json(result))
+    write_atomic(out, strict_json(result))
     return 0
 
 

@@ -23,7 +23,7 @@ ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
 from benchmarks.env_train_seeds import code_version  # noqa: E402
-from fastrl.train.paired import paired_change  # noqa: E402
+from fastrl.commands.paired import paired_change  # noqa: E402
 
 COMMAND = "OMP_NUM_THREADS=1 fastrl train --seed S --threads 1"
 

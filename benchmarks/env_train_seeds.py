@@ -1,7 +1,7 @@
 """`fastrl train --env NAME` (a built-in environment with its defaults) per seed: the warm-up,
 held-out success and tool-call rate at step 0 (after the warm-up, before RL) and after RL, the
 held-out rows gained and lost between the two with the exact McNemar p-value
-(``fastrl.train.paired``: the same rows evaluated twice), the median RL step, the whole run's
+(``fastrl.commands.paired``: the same rows evaluated twice), the median RL step, the whole run's
 wall time.
 
     nice python benchmarks/env_train_seeds.py --env calculator --seeds 0 1 2 \
@@ -37,7 +37,7 @@ from pathlib import Path
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
-from fastrl.train.paired import paired_change  # noqa: E402
+from fastrl.commands.paired import paired_change  # noqa: E402
 
 COMMANDS = {"1": "OMP_NUM_THREADS=1 fastrl train --env {env} --seed S --threads 1", "default": "fastrl train --env {env} --seed S"}
 """The command a seed runs, per ``--threads`` choice."""

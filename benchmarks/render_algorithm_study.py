@@ -34,7 +34,7 @@ from benchmarks.algorithm_study import (  # noqa: E402
     ALPHA, DETECT, POWER, RESULTS, pooled_sd, power_table, seeds_by_task, seeds_needed, spread_from_compare,
     spread_fresh_warmup)
 from benchmarks.study_factors import FACTORS, Factor, Level  # noqa: E402
-from fastrl.train.paired import _mcnemar_exact  # noqa: E402
+from fastrl.commands.paired import _mcnemar_exact  # noqa: E402
 
 PAGE = ROOT / "docs" / "choosing.md"
 PLOT = ROOT / "docs" / "choosing.png"

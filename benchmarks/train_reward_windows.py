@@ -18,7 +18,7 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from fastrl.train.compare import read_metrics_jsonl  # noqa: E402
+from fastrl.commands.compare import read_metrics_jsonl  # noqa: E402
 
 WINDOW = 20
 """RL steps per window."""

@@ -17,7 +17,11 @@ import sys
 from types import ModuleType
 
 MOVED_MODULES: dict[str, str] = {
-    # issue 40, config/rewards/names: the step's micro-batching classes are no longer called *Layout
+    # the commands that are programs of their own left the trainer's folder (issue 40)
+    "fastrl.train.compare": "fastrl.commands.compare",
+    "fastrl.train.plan": "fastrl.commands.plan",
+    "fastrl.train.paired": "fastrl.commands.paired",
+    # the step's micro-batching classes are no longer called *Layout (issue 40)
     "fastrl.train.layout": "fastrl.train.batching",
 }
 """Old dotted module name -> its new one (filled as modules move; read by the finder at import time)."""

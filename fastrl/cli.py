@@ -319,7 +319,7 @@ def build_parser() -> argparse.ArgumentParser:
                        help=f"JSON output path (default: bench-<device>-<mode>-<time>.json in {RESULTS_LOCATION_HELP})")
     bench.set_defaults(func=cmd_bench)
 
-    from fastrl.train.plan import add_plan_arguments, run_plan
+    from fastrl.commands.plan import add_plan_arguments, run_plan
 
     plan = sub.add_parser("plan", help="peak memory of a GRPO/PPO step per component; longest trajectory that fits")
     add_plan_arguments(plan).set_defaults(func=run_plan)
@@ -350,7 +350,7 @@ def main(argv: list[str] | None = None) -> int:
 
         return cli_style.run_reporting_input_errors("train", lambda: run_train(argv[1:]), debug=debug)
     if argv and argv[0] == "compare":
-        from fastrl.train.compare import run_compare
+        from fastrl.commands.compare import run_compare
 
         return cli_style.run_reporting_input_errors("compare", lambda: run_compare(argv[1:]), debug=debug)
     parser = build_parser()

@@ -94,7 +94,7 @@ def test_every_documented_command_line_parses(page, index, argv, tmp_path, monke
     (tmp_path / "run.yaml").write_text("steps: 10\n")  # the pages' `--config run.yaml`
     from fastrl.cli import build_parser
     from fastrl.train.cli import build_train_parser, expand_sampler_url
-    from fastrl.train.compare import build_compare_parser
+    from fastrl.commands.compare import build_compare_parser
 
     if "--help" in argv or "--version" in argv:  # these print and exit: that they exit 0 is checked
         with pytest.raises(SystemExit) as e:

@@ -20,7 +20,7 @@ from fastrl.config import PolicyLossConfig
 from fastrl.ops.policy_loss import policy_loss
 from fastrl.rollout import HFGroupSampler, SamplingConfig
 from fastrl.rollout.branch import BranchSchedule, sample_tree
-from fastrl.train.compare import format_table, run_metrics, summarize
+from fastrl.commands.compare import format_table, run_metrics, summarize
 from fastrl.train.experience import Experience
 from fastrl.train.batching import AutoTreeBatching, PaddedBatching, TreePackedBatching, make_batching, prefers_tree
 from fastrl.train.task import char_tokenizer, tiny_model

@@ -1,7 +1,7 @@
-"""``fastrl.train.plan``: the planned peak against the measured peak of real training steps.
+"""``fastrl.commands.plan``: the planned peak against the measured peak of real training steps.
 
 Each configuration runs in a fresh Python process (``fastrl.bench.memory`` with the builder
-``fastrl.train.plan.build_measured_step``): the process imports torch and transformers and
+``fastrl.commands.plan.build_measured_step``): the process imports torch and transformers and
 runs a tiny warm-up step of the same architecture (lazily imported modeling code, the
 autograd engine and thread pools exist before the baseline); the baseline is taken; then the
 measured call builds the models (policy, reference, critic), the AdamW optimizers and their
@@ -30,7 +30,7 @@ from concurrent.futures import ThreadPoolExecutor
 import pytest
 
 from fastrl.bench.memory import measure_in_subprocess
-from fastrl.train.plan import MemoryPlan, load_model_shape, longest_trajectory, plan_memory
+from fastrl.commands.plan import MemoryPlan, load_model_shape, longest_trajectory, plan_memory
 
 MiB = 2**20
 CHUNK_MB = 8  # the fused head's work buffer in the children (FASTRL_LOGPROBS_CHUNK_MB)
@@ -80,7 +80,7 @@ def measured():
     def one(item):
         name, kw = item
         # no time limit that a loaded machine could exceed: the child ends when its step does
-        return name, measure_in_subprocess("fastrl.train.plan:build_measured_step", kw, env=env, cpu_method="allocator")
+        return name, measure_in_subprocess("fastrl.commands.plan:build_measured_step", kw, env=env, cpu_method="allocator")
 
     with ThreadPoolExecutor(max_workers=2) as pool:  # one child per core; each measures its own allocations
         return dict(pool.map(one, CONFIGS))
@@ -124,7 +124,7 @@ def test_parameter_count_equals_a_real_transformers_model():
 
 
 def _hf_config_for_test(arch, tied):
-    from fastrl.train.plan import _hf_config
+    from fastrl.commands.plan import _hf_config
 
     return _hf_config(arch, hidden=96, layers=3, heads=6, kv_heads=2, inter=200, vocab=1000, attention="sdpa", tied=tied)
 

@@ -54,7 +54,7 @@ Not counted: the CUDA context and allocator fragmentation (add ~1-2 GiB on a GPU
 ``overhead_gb`` option), the Python/torch runtime, tensors smaller than one per token per
 layer (RoPE tables, masks), multi-GPU sharding (divide the sharded parts by hand).
 
-Checked against real steps (``tests/train/test_plan.py``: tiny Llama/Qwen2 models on CPU,
+Checked against real steps (``tests/commands/test_plan.py``: tiny Llama/Qwen2 models on CPU,
 fresh process per configuration, peak RSS above a warmed-up baseline): GRPO with and
 without a reference, PPO with a critic, fused and naive heads, SDPA and eager attention,
 checkpointing, fp32 and bf16 agree within about 5%. Not measured there: bf16-mixed, the

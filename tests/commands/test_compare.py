@@ -11,7 +11,7 @@ import yaml
 
 from fastrl.agents import metric_names as names
 from fastrl.cli import main
-from fastrl.train.compare import (
+from fastrl.commands.compare import (
     HYBRID,
     Budget,
     CompareError,
@@ -412,7 +412,7 @@ def test_ppo_group_size_gives_ppo_fewer_samples_per_prompt_and_more_prompts(tmp_
 
 def test_a_builtin_environment_brings_its_own_default_budget_seeds_and_evaluations(capsys):
     from fastrl.agents.envs import BUILTIN_ENVS
-    from fastrl.train.compare import DEFAULT_BUDGET, DEFAULT_SEEDS, ENV_COMPARE_DEFAULTS, build_compare_parser
+    from fastrl.commands.compare import DEFAULT_BUDGET, DEFAULT_SEEDS, ENV_COMPARE_DEFAULTS, build_compare_parser
 
     assert set(ENV_COMPARE_DEFAULTS) == set(BUILTIN_ENVS)
     algos = ["--algorithms", "grpo", "gigpo", "ppo", HYBRID]

@@ -1,4 +1,4 @@
-"""The paired change between two evaluations of the same held-out rows (fastrl.train.paired),
+"""The paired change between two evaluations of the same held-out rows (fastrl.commands.paired),
 against hand-computed exact McNemar p-values."""
 
 from __future__ import annotations
@@ -7,7 +7,7 @@ from math import comb
 
 import pytest
 
-from fastrl.train.paired import paired_change
+from fastrl.commands.paired import paired_change
 
 
 def test_counts_only_the_rows_that_changed():

@@ -12,7 +12,7 @@ import threading
 
 import pytest
 
-from fastrl.train.compare import (
+from fastrl.commands.compare import (
     DEFAULT_JOBS,
     PARENT_PID_ENV,
     RUN_MODULE,
