@@ -121,7 +121,7 @@ def env_train_seeds() -> str:
         said = "; ".join(f"{command} ({where})" for command, where in notes)
     return table + "\n" + said + "; step 0 is after the warm-up, before RL; rows gained / lost: held-out rows " \
         "failed at step 0 and solved at the end / the reverse, with the exact two-sided McNemar p-value " \
-        "(fastrl.train.paired; - for runs logged before per-row results); load average = runnable " \
+        "(fastrl.commands.paired; - for runs logged before per-row results); load average = runnable " \
         "processes (2 cores); whole run = wall time (the run's own CPU time); frozenlake has no tools (a move is the " \
         "action), so its tool-call rate is 0.\n"
 

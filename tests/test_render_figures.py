@@ -64,7 +64,7 @@ def test_the_calculator_account_is_the_readme_tables_run(modules):
 
 def test_the_pooled_mcnemar_p_value_is_the_exact_binomial_one(modules):
     _, figures = modules
-    # +9 / -2: 2 * (C(11,0) + C(11,1) + C(11,2)) / 2**11 = 2 * 67 / 2048, as fastrl.train.paired logged for sql seed 0
+    # +9 / -2: 2 * (C(11,0) + C(11,1) + C(11,2)) / 2**11 = 2 * 67 / 2048, as fastrl.commands.paired logged for sql seed 0
     assert figures._mcnemar(9, 2) == pytest.approx(134 / 2048)
     assert figures._mcnemar(0, 2) == pytest.approx(0.5) and figures._mcnemar(5, 5) == 1.0 and figures._mcnemar(0, 0) == 1.0
 
