@@ -55,6 +55,19 @@ INTERPRETER_RANGE_OK = tuple(int(x) for x in triton.__version__.split(".")[:2]) 
 
 
 @triton.jit
+def _kv_block(q, base_k, base_v, s0, end, offs_n, offs_d, d_ok, stride_kn, stride_vn, m_i, l_i, acc, scale,
+              UPCAST: tl.constexpr):
+    """The keys/values ``s0 + offs_n`` (those below ``end``) loaded and folded into the online
+    softmax state (the body of both kernels' KV loops, in their ``for`` and ``while`` forms)."""
+    keys = s0 + offs_n
+    k_ok = keys < end
+    kv_mask = k_ok[:, None] & d_ok[None, :]
+    k = tl.load(base_k + keys[:, None] * stride_kn + offs_d[None, :], mask=kv_mask, other=0.0)
+    v = tl.load(base_v + keys[:, None] * stride_vn + offs_d[None, :], mask=kv_mask, other=0.0)
+    return _online_block(q, k, v, k_ok, m_i, l_i, acc, scale, UPCAST)
+
+
+@triton.jit
 def _online_block(q, k, v, k_ok, m_i, l_i, acc, scale, UPCAST: tl.constexpr):
     """One key/value block of an online softmax: ``q [M, D]``, ``k``/``v [N, D]``."""
     if UPCAST:  # exact fp32 dots ("ieee", no TF32)
@@ -122,21 +135,13 @@ def _prefix_attn_kernel(
     base_v = V + h * stride_vh + start * stride_vn
     if LOOP_FOR:
         for s0 in range(lo, hi, BLOCK_N):
-            keys = s0 + offs_n
-            k_ok = keys < hi
-            kv_mask = k_ok[:, None] & d_ok[None, :]
-            k = tl.load(base_k + keys[:, None] * stride_kn + offs_d[None, :], mask=kv_mask, other=0.0)
-            v = tl.load(base_v + keys[:, None] * stride_vn + offs_d[None, :], mask=kv_mask, other=0.0)
-            m_i, l_i, acc = _online_block(q, k, v, k_ok, m_i, l_i, acc, scale, UPCAST)
+            m_i, l_i, acc = _kv_block(q, base_k, base_v, s0, hi, offs_n, offs_d, d_ok, stride_kn, stride_vn, m_i, l_i,
+                                      acc, scale, UPCAST)
     else:
         s0 = lo
         while s0 < hi:
-            keys = s0 + offs_n
-            k_ok = keys < hi
-            kv_mask = k_ok[:, None] & d_ok[None, :]
-            k = tl.load(base_k + keys[:, None] * stride_kn + offs_d[None, :], mask=kv_mask, other=0.0)
-            v = tl.load(base_v + keys[:, None] * stride_vn + offs_d[None, :], mask=kv_mask, other=0.0)
-            m_i, l_i, acc = _online_block(q, k, v, k_ok, m_i, l_i, acc, scale, UPCAST)
+            m_i, l_i, acc = _kv_block(q, base_k, base_v, s0, hi, offs_n, offs_d, d_ok, stride_kn, stride_vn, m_i, l_i,
+                                      acc, scale, UPCAST)
             s0 += BLOCK_N
 
     o = tl.where(l_i[:, None] > 0, acc / l_i[:, None], 0.0)  # an empty chunk contributes nothing (lse -inf)
@@ -185,21 +190,13 @@ def _suffix_merge_kernel(
     base_v = VS + b * stride_vb + h * stride_vh
     if LOOP_FOR:
         for s0 in range(0, length, BLOCK_N):
-            keys = s0 + offs_n
-            k_ok = keys < length
-            kv_mask = k_ok[:, None] & d_ok[None, :]
-            k = tl.load(base_k + keys[:, None] * stride_kn + offs_d[None, :], mask=kv_mask, other=0.0)
-            v = tl.load(base_v + keys[:, None] * stride_vn + offs_d[None, :], mask=kv_mask, other=0.0)
-            m_i, l_i, acc = _online_block(q, k, v, k_ok, m_i, l_i, acc, scale, UPCAST)
+            m_i, l_i, acc = _kv_block(q, base_k, base_v, s0, length, offs_n, offs_d, d_ok, stride_kn, stride_vn, m_i, l_i,
+                                      acc, scale, UPCAST)
     else:
         s0 = 0
         while s0 < length:
-            keys = s0 + offs_n
-            k_ok = keys < length
-            kv_mask = k_ok[:, None] & d_ok[None, :]
-            k = tl.load(base_k + keys[:, None] * stride_kn + offs_d[None, :], mask=kv_mask, other=0.0)
-            v = tl.load(base_v + keys[:, None] * stride_vn + offs_d[None, :], mask=kv_mask, other=0.0)
-            m_i, l_i, acc = _online_block(q, k, v, k_ok, m_i, l_i, acc, scale, UPCAST)
+            m_i, l_i, acc = _kv_block(q, base_k, base_v, s0, length, offs_n, offs_d, d_ok, stride_kn, stride_vn, m_i, l_i,
+                                      acc, scale, UPCAST)
             s0 += BLOCK_N
 
     # Merge: (m_i, l_i, acc) is the suffix's state (acc un-normalised, scaled to e^{m_i});

@@ -55,9 +55,11 @@ def test_a_wrong_kernel_is_not_timed(tmp_path, monkeypatch):
     import importlib
 
     ta = importlib.import_module("fastrl.ops.tree_attention")  # (fastrl.ops.tree_attention is also the op's name)
+    spa = importlib.import_module("fastrl.ops.shared_prefix_attention")  # runs the same kernels (imported by name)
 
     real = ta.triton_tree_attention
-    monkeypatch.setattr(ta, "triton_tree_attention", lambda q, k, v, layout, scale: real(q, k, v, layout, scale) * 1.1)
+    for module in (ta, spa):
+        monkeypatch.setattr(module, "triton_tree_attention", lambda q, k, v, layout, scale: real(q, k, v, layout, scale) * 1.1)
     out = tmp_path / "train_attention.json"
     assert bench.main(["--dry-run", "--out", str(out)]) == 1
     for r in json.loads(out.read_text())["rows"]:

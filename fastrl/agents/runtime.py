@@ -52,7 +52,7 @@ from typing import Any, Callable, Sequence
 
 from fastrl.agents.env import check_messages, check_step_result
 from fastrl.errors import InputError
-from fastrl.workers import CRASHED, OK, RAISED, TIMEOUT, WorkerPool
+from fastrl.workers import CRASHED, OK, RAISED, TIMEOUT, Closeable, WorkerPool
 
 __all__ = ["EnvReply", "EnvRuntime", "ForkInfo", "InProcessRuntime", "ReplayDivergence", "probe_environment"]
 
@@ -216,7 +216,7 @@ class _Episodes:
             table.pop(tid, None)
 
 
-class EnvRuntime:
+class EnvRuntime(Closeable):
     """Environments in worker processes (see the module docstring).
 
     Args:
@@ -224,6 +224,9 @@ class EnvRuntime:
         num_workers: worker processes (slots), >= 1.
         step_timeout_s: limit of one ``reset`` or ``step`` call.
         trajectory_timeout_s: limit of all environment calls of one trajectory together.
+
+    Use as a context manager or call ``close`` (``fastrl.workers.Closeable``: once, and on the
+    way out of ``with`` even on an error).
     """
 
     def __init__(self, factory: Callable[[], Any], *, num_workers: int = 2, step_timeout_s: float = 10.0,
@@ -249,21 +252,15 @@ class EnvRuntime:
             raise
         self._threads = ThreadPoolExecutor(max_workers=num_workers, thread_name_prefix="fastrl-env-slot")
 
-    # ------------------------------------------------------------------ public API
-    def __enter__(self) -> "EnvRuntime":
-        return self
-
-    def __exit__(self, *exc_info: Any) -> None:
-        self.close()
-
-    def close(self) -> None:
-        """Stop every worker (killing their process groups). Idempotent."""
+    def _release(self) -> None:
+        """Stop every worker (killing their process groups); ``close`` calls it once."""
         for pool in self._pools:
             pool.close()
-        threads = getattr(self, "_threads", None)
+        threads = getattr(self, "_threads", None)  # absent when a worker failed to start
         if threads is not None:
             threads.shutdown(wait=True)
 
+    # ------------------------------------------------------------------ public API
     @property
     def worker_pids(self) -> list[int]:
         return [pid for pool in self._pools for pid in pool.worker_pids]
@@ -363,21 +360,16 @@ class EnvRuntime:
         return [r if r is not None else EnvReply(CRASHED, message="lost request") for r in replies]
 
 
-class InProcessRuntime:
+class InProcessRuntime(Closeable):
     """The same contract with the environments in this process: no time limits, no
-    isolation (debugging, and environments known to be safe). Exceptions become ``raised``."""
+    isolation (debugging, and environments known to be safe). Exceptions become ``raised``.
+    ``close`` (once; ``with`` closes) closes the environments still open."""
 
     def __init__(self, factory: Callable[[], Any]) -> None:
         self._state = {"factory": factory, "envs": {}}
         self._episodes = _Episodes()
 
-    def __enter__(self) -> "InProcessRuntime":
-        return self
-
-    def __exit__(self, *exc_info: Any) -> None:
-        self.close()
-
-    def close(self) -> None:
+    def _release(self) -> None:
         _handle(self._state, ("release", -1, list(self._state["envs"])))
 
     def _call(self, request: tuple) -> EnvReply:

@@ -161,6 +161,20 @@ def _get(config: Any, name: str, default: Any = None) -> Any:
 
 
 # ----------------------------------------------------------------------------- advantages
+def _outcome_advantage(mode: str, token_level_rewards, response_mask, index, epsilon: float) -> tuple[torch.Tensor, torch.Tensor]:
+    """verl's outcome estimators: each row's score (its reward sum) against its ``index`` group's by
+    ``group_advantages(mode=...)``, broadcast over the response mask; a single-member group keeps
+    its raw score (under ``grpo`` divided by ``1 + epsilon``: verl's mean 0, std 1)."""
+    with torch.no_grad():
+        scores = token_level_rewards.sum(dim=-1)
+        gid, size = _group_ids(index, scores.device)
+        adv, _ = _ops.group_advantages(scores, gid, mode=mode, eps=epsilon)
+        single = scores / (1.0 + epsilon) if mode == "grpo" else scores
+        adv = torch.where(size == 1, single.to(adv.dtype), adv).to(scores.dtype)
+        adv = adv.unsqueeze(-1) * response_mask
+    return adv, adv
+
+
 def compute_gae_advantage_return(
     token_level_rewards: torch.Tensor,
     values: torch.Tensor,
@@ -194,15 +208,8 @@ def compute_grpo_outcome_advantage(
     score - mean_g with ``norm_adv_by_std_in_grpo=False`` (Dr. GRPO); broadcast over the
     response mask. A single-member group keeps its raw score (verl: mean 0, std 1).
     """
-    with torch.no_grad():
-        scores = token_level_rewards.sum(dim=-1)
-        gid, size = _group_ids(index, scores.device)
-        mode = "grpo" if norm_adv_by_std_in_grpo else "dr_grpo"
-        adv, _ = _ops.group_advantages(scores, gid, mode=mode, eps=epsilon)
-        single = scores / (1.0 + epsilon) if norm_adv_by_std_in_grpo else scores
-        adv = torch.where(size == 1, single.to(adv.dtype), adv).to(scores.dtype)
-        adv = adv.unsqueeze(-1) * response_mask
-    return adv, adv
+    return _outcome_advantage("grpo" if norm_adv_by_std_in_grpo else "dr_grpo", token_level_rewards, response_mask, index,
+                              epsilon)
 
 
 def compute_rloo_outcome_advantage(
@@ -215,13 +222,7 @@ def compute_rloo_outcome_advantage(
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """verl's RLOO: score - mean of the other members of its group; a single-member group
     keeps its raw score. Broadcast over the response mask."""
-    with torch.no_grad():
-        scores = token_level_rewards.sum(dim=-1)
-        gid, size = _group_ids(index, scores.device)
-        adv, _ = _ops.group_advantages(scores, gid, mode="rloo", eps=epsilon)
-        adv = torch.where(size == 1, scores.to(adv.dtype), adv).to(scores.dtype)
-        adv = adv.unsqueeze(-1) * response_mask
-    return adv, adv
+    return _outcome_advantage("rloo", token_level_rewards, response_mask, index, epsilon)
 
 
 def compute_reinforce_plus_plus_outcome_advantage(

@@ -22,7 +22,7 @@ Backends of ``shared_prefix_attention`` (``backend=``):
   depth-2 tree (FlashAttention-2 shaped forward and backward; see ``triton_tree_attention``).
   Not yet timed on a GPU: ``auto`` runs ``flex`` on CUDA until it is (``CUDA_AUTO_BACKEND``).
 - ``torch`` (default on CPU): ``sdpa`` up to ``DENSE_MAX_TOKENS`` tokens, ``segments``
-  above (measured, see the constant).
+  above (measured: see the constant in ``fastrl.ops._packed_attention``).
 - ``sdpa``: one ``scaled_dot_product_attention`` call with the dense ``[N, N]`` boolean
   mask (memory ``N^2`` bytes for the mask).
 - ``segments``: per document, the prefix with causal SDPA and each segment with SDPA over
@@ -42,20 +42,21 @@ from dataclasses import dataclass, field
 from typing import Sequence
 
 import torch
-import torch.nn.functional as F
 
-from fastrl._checks import check_choice, check_float, resolve_backend
+from fastrl.ops._packed_attention import (
+    DENSE_MAX_TOKENS,
+    check_packed_attention_inputs,
+    resolve_packed_backend,
+    run_flex,
+    sdpa_after_context,
+    sdpa_dense,
+)
+from fastrl.ops._packed_attention import CUDA_AUTO_BACKEND, cuda_auto_backend  # noqa: F401  (their home is _packed_attention; named here as before)
+from fastrl.ops.tree_attention import TreeLayout, triton_tree_attention
 
 __all__ = ["SharedPrefixLayout", "PackedGroups", "shared_prefix_attention", "DENSE_MAX_TOKENS"]
 
 BACKENDS = ("auto", "triton", "torch", "sdpa", "segments", "flex", "flash_attn")
-
-# Up to this many tokens the CPU default is the dense-mask SDPA (one call: wins with many
-# short segments, e.g. N=288 in 64 segments: 49 vs 94 ms fwd+bwd); above it the
-# per-segment SDPA (no N^2 mask: N=576 in 4 groups of 16: 99 vs 217 ms; N=3072, one
-# group of 8: 2.1 vs 5.4 s). Single thread, best of 3, Hq=8, Hkv=2, D=64, fp32, on a
-# shared (loaded) 2-core machine.
-DENSE_MAX_TOKENS = 512
 
 
 def _as_lengths(name: str, values: object, *, minimum: int) -> tuple[int, ...]:
@@ -370,15 +371,6 @@ class PackedGroups:
 # torch backends
 
 
-def _sdpa_dense(q, k, v, layout: SharedPrefixLayout, scale: float) -> torch.Tensor:
-    gqa = q.shape[1] != k.shape[1]
-    out = F.scaled_dot_product_attention(
-        q.transpose(0, 1)[None], k.transpose(0, 1)[None], v.transpose(0, 1)[None],
-        attn_mask=layout.dense_mask(), scale=scale, enable_gqa=gqa,
-    )
-    return out[0].transpose(0, 1)
-
-
 def _sdpa_segments(q, k, v, layout: SharedPrefixLayout, scale: float) -> torch.Tensor:
     """Per document: causal SDPA over the prefix; per segment: SDPA over [prefix ; segment]
     keys with the bottom-right-aligned causal mask (all prefix keys, causal in the segment).
@@ -386,7 +378,6 @@ def _sdpa_segments(q, k, v, layout: SharedPrefixLayout, scale: float) -> torch.T
     The row is cut with one ``torch.split`` per tensor (its backward is one concatenation;
     slicing the full row per piece would make every piece's backward allocate and add a
     zero-filled row-sized gradient)."""
-    gqa = q.shape[1] != k.shape[1]
     sizes = []
     for p, lens in zip(layout.prefix_lens, layout.segment_lens):
         sizes.append(p)
@@ -398,26 +389,17 @@ def _sdpa_segments(q, k, v, layout: SharedPrefixLayout, scale: float) -> torch.T
     for p, lens in zip(layout.prefix_lens, layout.segment_lens):
         kp, vp = ks[i], vs[i]
         if p:
-            outs.append(F.scaled_dot_product_attention(qs[i][None], kp[None], vp[None], is_causal=True, scale=scale, enable_gqa=gqa)[0])
+            outs.append(sdpa_after_context(qs[i], kp, vp, 0, scale, masks))
         i += 1
-        for n in lens:
+        for _ in lens:
             if p == 0:
-                outs.append(F.scaled_dot_product_attention(qs[i][None], ks[i][None], vs[i][None], is_causal=True, scale=scale, enable_gqa=gqa)[0])
+                outs.append(sdpa_after_context(qs[i], ks[i], vs[i], 0, scale, masks))
             else:
-                mask = masks.get((n, p))
-                if mask is None:
-                    t = torch.arange(n, device=q.device)
-                    mask = torch.cat([torch.ones(n, p, dtype=torch.bool, device=q.device), t[None, :] <= t[:, None]], dim=1)
-                    masks[(n, p)] = mask
-                kc = torch.cat([kp, ks[i]], dim=1)[None]
-                vc = torch.cat([vp, vs[i]], dim=1)[None]
-                outs.append(F.scaled_dot_product_attention(qs[i][None], kc, vc, attn_mask=mask, scale=scale, enable_gqa=gqa)[0])
+                kc, vc = torch.cat([kp, ks[i]], dim=1), torch.cat([vp, vs[i]], dim=1)
+                outs.append(sdpa_after_context(qs[i], kc, vc, p, scale, masks))
             i += 1
     out = outs[0] if len(outs) == 1 else torch.cat(outs, dim=1)
     return out.transpose(0, 1)
-
-
-_FLEX_COMPILED = None
 
 
 def _flex(q, k, v, layout: SharedPrefixLayout, scale: float) -> torch.Tensor:
@@ -435,23 +417,6 @@ def _flex(q, k, v, layout: SharedPrefixLayout, scale: float) -> torch.Tensor:
         block_mask = create_block_mask(mask_mod, None, None, N, N, device=q.device)
         layout._cache[key] = block_mask
     return run_flex(q, k, v, block_mask, scale)
-
-
-def run_flex(q, k, v, block_mask, scale: float) -> torch.Tensor:
-    """FlexAttention of packed ``[N, heads, D]`` tensors under ``block_mask`` (any packed
-    layout's: the shared-prefix and the prefix-tree ops build their own)."""
-    from torch.nn.attention.flex_attention import flex_attention
-
-    global _FLEX_COMPILED
-    if q.device.type == "cuda":
-        if _FLEX_COMPILED is None:  # one compiled function for all layouts (dynamic shapes: no recompile per N)
-            _FLEX_COMPILED = torch.compile(flex_attention)
-        fn = _FLEX_COMPILED
-    else:  # eager on CPU (forward only in torch 2.13; compiling costs ~30 s)
-        fn = flex_attention
-    gqa = q.shape[1] != k.shape[1]
-    out = fn(q.transpose(0, 1)[None], k.transpose(0, 1)[None], v.transpose(0, 1)[None], block_mask=block_mask, scale=scale, enable_gqa=gqa)
-    return out[0].transpose(0, 1)
 
 
 def _flash_metadata(layout: SharedPrefixLayout, device: torch.device) -> dict:
@@ -517,8 +482,6 @@ def _flash_attn(q, k, v, layout: SharedPrefixLayout, scale: float) -> torch.Tens
 
 
 def _triton(q, k, v, layout: SharedPrefixLayout, scale: float) -> torch.Tensor:
-    from fastrl.ops.tree_attention import TreeLayout, triton_tree_attention
-
     tree = layout._cache.get("tree")
     if tree is None:  # built once per layout; its block lists and dK/dV items are cached on it
         tree = TreeLayout.from_shared_prefix(layout)
@@ -526,38 +489,11 @@ def _triton(q, k, v, layout: SharedPrefixLayout, scale: float) -> torch.Tensor:
     return triton_tree_attention(q, k, v, tree, scale)
 
 
-# ``auto`` on CUDA. The backend a measurement picked per shape belongs here; none has measured
-# the FlashAttention-2-shaped Triton kernels yet (benchmarks/gpu/bench_train_attention.py
-# times them beside FlexAttention and SDPA over the repeated prompt). Until it has, ``auto``
-# runs FlexAttention, the fastest measured: the 1.5B GRPO step at 32K tokens per group took
-# 1.25 s with it against 1.46 s with the previous (unpipelined) Triton kernels on an H200
-# (benchmarks/results/gpu_h200_20261204/). fp64 has no FlexAttention path worth the name: Triton.
-CUDA_AUTO_BACKEND = "flex"
-
-
-def cuda_auto_backend(q: torch.Tensor) -> str:
-    """What ``backend="auto"`` runs for CUDA inputs like ``q`` (see ``CUDA_AUTO_BACKEND``)."""
-    if q.dtype == torch.float64:
-        return "triton"
-    try:
-        from torch.nn.attention import flex_attention  # noqa: F401
-    except ImportError:  # torch < 2.5
-        return "triton"
-    return CUDA_AUTO_BACKEND
-
-
 def _resolve(backend: str, q: torch.Tensor, layout: SharedPrefixLayout) -> str:
-    check_choice("backend", backend, BACKENDS)
-    if backend == "auto" and q.device.type == "cuda":
-        return cuda_auto_backend(q)
-    if backend in ("auto", "triton"):
-        backend = resolve_backend(backend, q.device)
-    if backend == "torch":
-        return "sdpa" if layout.num_tokens <= DENSE_MAX_TOKENS else "segments"
-    return backend
+    return resolve_packed_backend(backend, BACKENDS, q, layout.num_tokens)
 
 
-_IMPLS = {"sdpa": _sdpa_dense, "segments": _sdpa_segments, "flex": _flex, "flash_attn": _flash_attn, "triton": _triton}
+_IMPLS = {"sdpa": sdpa_dense, "segments": _sdpa_segments, "flex": _flex, "flash_attn": _flash_attn, "triton": _triton}
 
 
 def shared_prefix_attention(
@@ -593,31 +529,3 @@ def shared_prefix_attention(
 
 def _check(q, k, v, layout, scale) -> None:
     check_packed_attention_inputs(q, k, v, layout, scale, layout_type=SharedPrefixLayout)
-
-
-def check_packed_attention_inputs(q, k, v, layout, scale, *, layout_type: type) -> None:
-    """The input rules of a packed attention op (``[N, H, D]`` q/k/v over a layout of
-    ``layout_type`` with ``num_tokens`` and ``device``): shared by the shared-prefix and the
-    prefix-tree ops."""
-    check_float("q", q, ndim=3)
-    N, Hq, D = q.shape
-    check_float("k", k, ndim=3)
-    if k.shape[0] != N or k.shape[2] != D:
-        raise ValueError(f"k must have shape ({N}, Hkv, {D}) like q, got {tuple(k.shape)}")
-    check_float("v", v, shape=tuple(k.shape))
-    Hkv = k.shape[1]
-    if Hkv == 0 or Hq % Hkv != 0:
-        raise ValueError(f"q has {Hq} heads, which is not a multiple of k's {Hkv} kv heads")
-    if q.dtype != k.dtype or q.dtype != v.dtype:
-        raise TypeError(f"q, k and v must share one dtype, got {q.dtype}, {k.dtype}, {v.dtype}")
-    if not isinstance(layout, layout_type):
-        raise TypeError(f"layout must be a {layout_type.__name__}, got {type(layout).__name__}")
-    if layout.num_tokens != N:
-        raise ValueError(f"layout describes {layout.num_tokens} tokens, q has {N}")
-    if layout.device != q.device or k.device != q.device or v.device != q.device:
-        raise ValueError(f"q, k, v and the layout must share one device, got {q.device}, {k.device}, {v.device}, {layout.device}")
-    if isinstance(scale, bool) or not isinstance(scale, (int, float)) or not scale > 0:
-        raise ValueError(f"scale must be a positive number, got {scale!r}")
-    for name, t in (("q", q), ("k", k), ("v", v)):
-        if t.stride(-1) != 1:
-            raise ValueError(f"{name} must be contiguous in its last (head) dimension")

@@ -23,7 +23,7 @@ Backends of ``tree_attention`` (``backend=``):
   block-sparse over the key blocks each query tile needs, dK/dV split over (key tile, query
   chunk, query head)). Tested under the CPU interpreter and compiled for sm_90 here; not yet
   timed on a GPU, so ``auto`` runs ``flex`` on CUDA until it is
-  (``fastrl.ops.shared_prefix_attention.CUDA_AUTO_BACKEND``).
+  (``fastrl.ops._packed_attention.CUDA_AUTO_BACKEND``).
 - ``torch`` (default on CPU): ``sdpa`` up to ``DENSE_MAX_TOKENS`` tokens, ``segments`` above.
 - ``sdpa``: one ``scaled_dot_product_attention`` with the dense ``[N, N]`` boolean mask.
 - ``segments``: per segment, SDPA over ``[ancestors ; segment]`` keys (the ancestors'
@@ -35,23 +35,41 @@ Backends of ``tree_attention`` (``backend=``):
 from __future__ import annotations
 
 from dataclasses import dataclass, field
-from typing import Sequence
+from typing import Protocol, Sequence
 
 import torch
-import torch.nn.functional as F
 
-from fastrl._checks import check_choice, resolve_backend
-from fastrl.ops.shared_prefix_attention import (
-    DENSE_MAX_TOKENS,
-    SharedPrefixLayout,
+from fastrl.ops._packed_attention import (
+    DENSE_MAX_TOKENS,  # noqa: F401  (named in the docstrings; fastrl.ops.tree_attention.DENSE_MAX_TOKENS as before)
     check_packed_attention_inputs,
-    cuda_auto_backend,
+    resolve_packed_backend,
     run_flex,
+    sdpa_after_context,
+    sdpa_dense,
 )
 
 __all__ = ["TreeLayout", "PackedTree", "tree_attention", "trie_size"]
 
 BACKENDS = ("auto", "triton", "torch", "sdpa", "segments", "flex")
+
+
+class Depth2Layout(Protocol):
+    """What ``TreeLayout.from_shared_prefix`` reads of a depth-2 layout
+    (``fastrl.ops.SharedPrefixLayout``; declared here because the shared-prefix module imports
+    this one for its Triton path, so this one does not import it)."""
+
+    @property
+    def prefix_lens(self) -> tuple[int, ...]: ...
+    @property
+    def segment_lens(self) -> tuple[tuple[int, ...], ...]: ...
+    @property
+    def device(self) -> torch.device: ...
+    @property
+    def q_doc_start(self) -> torch.Tensor: ...
+    @property
+    def q_prefix_end(self) -> torch.Tensor: ...
+    @property
+    def q_seg_start(self) -> torch.Tensor: ...
 
 
 def _int_tuple(name: str, values: object, *, minimum: int) -> tuple[int, ...]:
@@ -154,7 +172,7 @@ class TreeLayout:
         )
 
     @classmethod
-    def from_shared_prefix(cls, layout: SharedPrefixLayout, *, device: torch.device | str | None = None) -> "TreeLayout":
+    def from_shared_prefix(cls, layout: Depth2Layout, *, device: torch.device | str | None = None) -> "TreeLayout":
         """The depth-2 tree of a shared-prefix layout: each document's prefix a root, its
         segments the root's children (a document without prefix: its segments are roots)."""
         lens: list[int] = []
@@ -409,15 +427,6 @@ class PackedTree:
 # torch backends
 
 
-def _sdpa_dense(q, k, v, layout: TreeLayout, scale: float) -> torch.Tensor:
-    gqa = q.shape[1] != k.shape[1]
-    out = F.scaled_dot_product_attention(
-        q.transpose(0, 1)[None], k.transpose(0, 1)[None], v.transpose(0, 1)[None],
-        attn_mask=layout.dense_mask(), scale=scale, enable_gqa=gqa,
-    )
-    return out[0].transpose(0, 1)
-
-
 def _segment_plan(layout: TreeLayout) -> dict:
     """Per non-empty segment: its ancestors' token count; and one index that gathers every
     segment's ``[ancestors ; segment]`` keys back to back (one gather, one backward scatter)."""
@@ -439,7 +448,6 @@ def _segment_plan(layout: TreeLayout) -> dict:
 
 
 def _sdpa_segments(q, k, v, layout: TreeLayout, scale: float) -> torch.Tensor:
-    gqa = q.shape[1] != k.shape[1]
     plan = _segment_plan(layout)
     pieces = plan["pieces"]
     qs = torch.split(q.transpose(0, 1), [n for n, _ in pieces], dim=1)
@@ -447,17 +455,7 @@ def _sdpa_segments(q, k, v, layout: TreeLayout, scale: float) -> torch.Tensor:
     ks = torch.split(k.index_select(0, plan["index"]).transpose(0, 1), kv_sizes, dim=1)
     vs = torch.split(v.index_select(0, plan["index"]).transpose(0, 1), kv_sizes, dim=1)
     masks: dict[tuple[int, int], torch.Tensor] = {}
-    outs = []
-    for qi, ki, vi, (n, a) in zip(qs, ks, vs, pieces):
-        if a == 0:
-            outs.append(F.scaled_dot_product_attention(qi[None], ki[None], vi[None], is_causal=True, scale=scale, enable_gqa=gqa)[0])
-            continue
-        mask = masks.get((n, a))
-        if mask is None:
-            t = torch.arange(n, device=q.device)
-            mask = torch.cat([torch.ones(n, a, dtype=torch.bool, device=q.device), t[None, :] <= t[:, None]], dim=1)
-            masks[(n, a)] = mask
-        outs.append(F.scaled_dot_product_attention(qi[None], ki[None], vi[None], attn_mask=mask, scale=scale, enable_gqa=gqa)[0])
+    outs = [sdpa_after_context(qi, ki, vi, a, scale, masks) for qi, ki, vi, (_, a) in zip(qs, ks, vs, pieces)]
     out = outs[0] if len(outs) == 1 else torch.cat(outs, dim=1)
     return out.transpose(0, 1)
 
@@ -516,18 +514,11 @@ def triton_tree_attention(q, k, v, layout: TreeLayout, scale: float) -> torch.Te
     return _TritonTreeAttention.apply(q, k, v, layout, float(scale))
 
 
-_IMPLS = {"sdpa": _sdpa_dense, "segments": _sdpa_segments, "flex": _flex}
+_IMPLS = {"sdpa": sdpa_dense, "segments": _sdpa_segments, "flex": _flex}
 
 
 def _resolve(backend: str, q: torch.Tensor, layout: TreeLayout) -> str:
-    check_choice("backend", backend, BACKENDS)
-    if backend == "auto" and q.device.type == "cuda":
-        return cuda_auto_backend(q)
-    if backend in ("auto", "triton"):
-        backend = resolve_backend(backend, q.device)
-    if backend == "torch":
-        return "sdpa" if layout.num_tokens <= DENSE_MAX_TOKENS else "segments"
-    return backend
+    return resolve_packed_backend(backend, BACKENDS, q, layout.num_tokens)
 
 
 def tree_attention(

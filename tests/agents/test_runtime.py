@@ -227,3 +227,30 @@ def test_a_trl_environment_in_worker_processes_with_hermes_calls():
     assert [t.outcome_reward for t in trajectories] == [1.0, 0.0]  # get_reward(): reached the target or not
     assert trajectories[0].messages[0]["content"] == "Count. Reach 5."
     assert trajectories[0].tool_failures == {"bad_arguments": 1} and trajectories[0].tool_calls == 3
+
+
+class Counted(Faulty):
+    """Counts its closes in the class (the in-process runtime shares this process)."""
+
+    closes = 0
+
+    def close(self):
+        type(self).closes += 1
+
+
+def test_with_closes_a_runtime_once_even_on_an_error():
+    with pytest.raises(RuntimeError, match="the caller broke"):
+        with EnvRuntime(Faulty, num_workers=2) as runtime:
+            runtime.reset([(0, {"name": "0"}, 0)])
+            pids = runtime.worker_pids
+            raise RuntimeError("the caller broke")
+    assert runtime.closed and len(pids) == 2 and not any(_alive(pid) for pid in pids)
+    runtime.close()  # a second close does nothing
+    Counted.closes = 0
+    with pytest.raises(RuntimeError, match="the caller broke"):
+        with InProcessRuntime(Counted) as local:
+            local.reset([(0, {"name": "0"}, 0), (1, {"name": "1"}, 0)])
+            raise RuntimeError("the caller broke")
+    assert local.closed and Counted.closes == 2
+    local.close()
+    assert Counted.closes == 2
