@@ -172,7 +172,7 @@ def merge_rollouts(kept: list[tuple[GroupRollout, list[int]]], *, group_size: in
 
 @runtime_checkable
 class GroupSampler(Protocol):
-    """What the trainer asks of a sampler (``fastrl/train/build.py`` registers each one)."""
+    """What the trainer asks of a sampler (``fastrl/train/samplers.py`` registers each one)."""
 
     pad_token_id: int
     """Id that right-pads the ``[B, T]`` batch."""

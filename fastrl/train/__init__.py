@@ -1,8 +1,8 @@
 """The lean GRPO/PPO trainer: ``Trainer(TrainConfig(...)).train()`` or ``fastrl train``.
 
 Rooms (each a small module): ``trainer`` (the loop) over an ``experience.Experience``;
-``layout`` (padded rows or packed groups), ``ranks`` (one process or many), ``build``
-(models, optimisers, the sampler registry), ``collect`` (rollout and dynamic sampling),
+``layout`` (padded rows or packed groups), ``ranks`` (one process or many), ``samplers``
+(the sampler registry), ``policy``, ``prompts``, ``optimizers``, ``collect`` (rollout and dynamic sampling),
 ``advantages``, ``weights`` (sync and probe), ``evaluate``, ``checkpoint``, ``metrics``,
 ``seeds``, ``score``; ``data`` (prompts, batching), ``rewards`` (TRL-signature reward
 functions in a process pool with time limits), ``sft`` (the optional supervised warm-up),

@@ -64,10 +64,10 @@ class AgentSetup:
 def env_rows(cfg: TrainConfig, train_rows: Sequence[dict] | None, eval_rows: Sequence[dict] | None) -> tuple[list[dict], list[dict]]:
     """``(train, held-out)`` rows of an env run: given, ``dataset``'s, the built-in
     environment's seeded rows, or ``{"index": i}`` rows for a user's environment."""
-    from fastrl.train import build
+    from fastrl.train.prompts import run_rows
 
     if train_rows is not None or cfg.dataset is not None:
-        return build.load_rows(cfg, train_rows, eval_rows)
+        return run_rows(cfg, train_rows, eval_rows)
     if cfg.env in BUILTIN_ENVS:
         train, heldout = BUILTIN_ENVS[cfg.env].rows(num_train=cfg.task_train_size, num_heldout=cfg.task_eval_size, seed=cfg.seed)
     else:
@@ -122,11 +122,11 @@ def build_agent(cfg: TrainConfig, tokenizer: Any, *, train_rows: Sequence[dict] 
 
 
 def agent_prompts(cfg: TrainConfig, setup: AgentSetup, *, max_length: int | None, sharded: bool):
-    """The run's ``build.Prompts`` for an env run: the batcher over the training rows (each
+    """The run's ``prompts.Prompts`` for an env run: the batcher over the training rows (each
     row's identity is its JSON, so a resumed run checks it has the same rows), the probe
     prompt as the only encoded prompt (the weight-sync probe's), no encoded held-out prompts
     (the agent evaluator renders its own)."""
-    from fastrl.train.build import Prompts
+    from fastrl.train.prompts import Prompts
     from fastrl.train.data import PromptBatcher
 
     identities = [list(json.dumps(row, sort_keys=True, default=str).encode()) for row in setup.train_rows]

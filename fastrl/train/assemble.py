@@ -19,9 +19,10 @@ checks run in (whatever a user can get wrong fails before any long work):
 9. ``build_loop``       ``Loop``: the step's collector and the held-out evaluator
 
 Between 7 and 8 the trainer makes its KL controller and layout and restores a resumed
-run's state. The builders' bodies are ``build.py`` (what every run has, and single-turn
-runs) and ``agent_build.py`` (``--env``); a stage here picks which to call and checks what
-comes back.
+run's state. The builders' bodies live in the rooms of what they build (``policy.py``,
+``prompts.py``, ``samplers.py``, ``reference_policy.py``, ``critic.py``, ``optimizers.py``,
+``sft.py``, ``distributed.py``) and, for ``--env``, ``agent_build.py``; a stage here picks
+which to call and checks what comes back.
 """
 
 from __future__ import annotations
@@ -35,21 +36,25 @@ import torch
 
 from fastrl.errors import InputError
 from fastrl.rollout.base import GroupSampler, SamplingConfig
-from fastrl.train import agent_build, build, seeds
+from fastrl.train import agent_build, seeds
 from fastrl.train import distributed as dist_mod
 from fastrl.train.agent_build import AgentSetup
 from fastrl.train.async_collect import make_collector
-from fastrl.train.build import Optimizers, Prompts, SamplerSpec
 from fastrl.train.checkpoint import RunCheckpoint, claim_output_dir, resolve_resume
 from fastrl.train.config import TrainConfig
-from fastrl.train.critic import ValueModel
+from fastrl.train.data import model_context_length
+from fastrl.train.critic import ValueModel, build_critic
 from fastrl.train.evaluate import HeldOutEvaluator
 from fastrl.train.heap import maps_large_blocks_for, mmap_large_blocks
+from fastrl.train.optimizers import Optimizers, build_optimizers
+from fastrl.train.policy import check_shared_prefix_support, device_of, enable_checkpointing, load_model
+from fastrl.train.prompts import Prompts, encode_prompts, run_rows
 from fastrl.train.ranks import Ranks
-from fastrl.train.reference_policy import ReferencePolicy, offload_reference
+from fastrl.train.reference_policy import ReferencePolicy, load_reference, offload_reference
 from fastrl.train.rundir import RunDirectoryLock, lock_run_directory
+from fastrl.train.samplers import SamplerContext, SamplerSpec, build_sampler, check_served_model
 from fastrl.train.score import GroupScorer
-from fastrl.train.sft import WarmupPaused, WarmupResult
+from fastrl.train.sft import WarmupPaused, WarmupResult, warm_up_on_answers
 from fastrl.train.warmup_checkpoint import is_warmup_checkpoint, load_warmup_checkpoint, save_warmup_checkpoint
 
 __all__ = [
@@ -98,9 +103,9 @@ def open_run(cfg: TrainConfig, *, run_files: Sequence[str]) -> RunSite:
     check_run_sources(cfg)
     if cfg.threads:
         torch.set_num_threads(cfg.threads)
-    ranks = Ranks.join(cfg.device, local_device=build.device_of)
+    ranks = Ranks.join(cfg.device, local_device=device_of)
     if ranks.sharded:
-        build.check_distributed(cfg, ranks.ctx)
+        dist_mod.check_distributed(cfg, ranks.ctx)
     out = Path(cfg.output_dir)
     run_lock = lock_run_directory(out) if ranks.is_main else None
     out.mkdir(parents=True, exist_ok=True)
@@ -139,17 +144,17 @@ class LoadedPolicy:
 
 
 def load_policy(cfg: TrainConfig, site: RunSite, *, model: torch.nn.Module | None, tokenizer: Any) -> LoadedPolicy:
-    """``build.load_policy`` (a resumed checkpoint's, the given model, the built-in one or
+    """``policy.load_model`` (a resumed checkpoint's, the given model, the built-in one or
     ``cfg.model``), checked against its tokenizer and, for packed layouts, its attention. A
     CPU policy large enough for it gets ``mmap_large_blocks`` (``fastrl.train.heap``: freed
     activations leave the process instead of staying resident)."""
     from fastrl.train.data import check_tokenizer_matches_model
 
-    tok, policy = build.load_policy(cfg, model=model, tokenizer=tokenizer, resume_dir=site.resume_dir, device=site.device)
+    tok, policy = load_model(cfg, model=model, tokenizer=tokenizer, resume_dir=site.resume_dir, device=site.device)
     check_tokenizer_matches_model(tok, policy)
     set_threads(cfg, site, parameters=sum(p.numel() for p in policy.parameters()))
     if cfg.shared_prefix or cfg.prefix_tree is True:
-        build.check_shared_prefix_support(policy)
+        check_shared_prefix_support(policy)
     parameter_bytes = sum(p.numel() * p.element_size() for p in policy.parameters())
     if maps_large_blocks_for(device_type=site.device.type, parameter_bytes=parameter_bytes):
         mmap_large_blocks()
@@ -182,13 +187,12 @@ class Task:
 def build_task(cfg: TrainConfig, site: RunSite, policy: LoadedPolicy, *, train_rows: Sequence[dict] | None,
                eval_rows: Sequence[dict] | None) -> Task:
     """An env run's ``AgentSetup`` and its prompts (``agent_build``), else the rows encoded
-    against the model's context (``build.encode_prompts``)."""
+    against the model's context (``prompts.encode_prompts``)."""
     sharded = site.ranks.sharded
     if cfg.env is None:
-        prompts = build.encode_prompts(cfg, policy.tokenizer, policy.module, *build.load_rows(cfg, train_rows, eval_rows),
-                                       sharded=sharded)
+        prompts = encode_prompts(cfg, policy.tokenizer, policy.module, *run_rows(cfg, train_rows, eval_rows), sharded=sharded)
         return Task(prompts=prompts, agent=None)
-    context = build.model_context_length(policy.module)
+    context = model_context_length(policy.module)
     agent = agent_build.build_agent(cfg, policy.tokenizer, train_rows=train_rows, eval_rows=eval_rows, max_length=context)
     return Task(prompts=agent_build.agent_prompts(cfg, agent, max_length=context, sharded=sharded), agent=agent)
 
@@ -200,7 +204,7 @@ def connect_sampler(cfg: TrainConfig, spec: SamplerSpec, policy: LoadedPolicy, t
     if spec.connect is None:
         return None
     connected = spec.connect(cfg)
-    build.check_served_model(connected, cfg=cfg, policy=policy.module, longest=task.longest(cfg, held_out=True))
+    check_served_model(connected, cfg=cfg, policy=policy.module, longest=task.longest(cfg, held_out=True))
     return connected
 
 
@@ -281,8 +285,8 @@ def warm_up(cfg: TrainConfig, site: RunSite, policy: LoadedPolicy, task: Task, s
         if task.agent is not None:
             result = agent_build.agent_warm_up(cfg, policy.module, policy.tokenizer, task.agent, ranks=site.ranks, **run)
         else:
-            result = build.warm_up(cfg, policy.module, policy.tokenizer, task.prompts.train_rows,
-                                   score_fn=scoring.scorer.answer_score, **run)
+            result = warm_up_on_answers(cfg, policy.module, policy.tokenizer, task.prompts.train_rows,
+                                        score_fn=scoring.scorer.answer_score, **run)
     except WarmupPaused as paused:
         paused.state.global_rng = rng_state()
         saved = save_warmup_checkpoint(site.out, paused.state) if site.is_main else None
@@ -328,17 +332,17 @@ def build_models(cfg: TrainConfig, site: RunSite, policy: LoadedPolicy, task: Ta
     device, sharded, module = site.device, site.ranks.sharded, policy.module
     reference = None
     if cfg.uses_reference:
-        reference = build.load_reference(module, path=site.out / "reference", resume=site.resume_dir is not None, save=site.is_main,
-                                         device=device, offload=offload_reference(cfg.reference_offload, device=device, sharded=sharded))
-    critic = build.build_critic(cfg, module, resume_dir=site.resume_dir, device=device) if cfg.uses_critic else None
+        reference = load_reference(module, path=site.out / "reference", resume=site.resume_dir is not None, save=site.is_main,
+                                   device=device, offload=offload_reference(cfg.reference_offload, device=device, sharded=sharded))
+    critic = build_critic(cfg, module, resume_dir=site.resume_dir, device=device) if cfg.uses_critic else None
     full_copy = None
     if sharded:
-        full_copy = build.shard_models(module, critic, param_dtype=site.autocast_dtype if device.type == "cuda" else None)
-    opt = build.build_optimizers(cfg, module, critic)
+        full_copy = dist_mod.shard_models(module, critic, param_dtype=site.autocast_dtype if device.type == "cuda" else None)
+    opt = build_optimizers(cfg, module, critic)
     checkpoint = RunCheckpoint(policy=module, optimizer=opt.optimizer, scheduler=opt.scheduler, critic=critic,
                                critic_optimizer=opt.critic_optimizer, critic_scheduler=opt.critic_scheduler)
     if checkpointing:
-        build.enable_checkpointing([module, critic.body if critic is not None else None])
+        enable_checkpointing([module, critic.body if critic is not None else None])
     return Models(checkpointing=checkpointing, reference=reference, critic=critic, full_copy=full_copy, optimizers=opt,
                   checkpoint=checkpoint)
 
@@ -346,9 +350,9 @@ def build_models(cfg: TrainConfig, site: RunSite, policy: LoadedPolicy, task: Ta
 # ---------------------------------------------------------------------------- 8. the sampler
 def open_sampler(cfg: TrainConfig, spec: SamplerSpec, site: RunSite, policy: LoadedPolicy, task: Task, models: Models,
                  connected: Any) -> GroupSampler:
-    """The registry entry's sampler (``build.SAMPLERS``) on the policy (under torchrun its
+    """The registry entry's sampler (``samplers.SAMPLERS``) on the policy (under torchrun its
     full copy), or the server ``connect_sampler`` reached."""
-    return build.build_sampler(spec, build.SamplerContext(
+    return build_sampler(spec, SamplerContext(
         cfg=cfg, policy=policy.module, full_copy=models.full_copy, pad_token_id=policy.tokenizer.pad_token_id,
         output_dir=site.out, max_length=task.prompts.max_length, connected=connected,
     ))

@@ -19,8 +19,8 @@
 The rooms around the loop: ``assemble.py`` (``__init__``'s stages, in order, each returning
 the named object the loop uses), ``experience.py`` (the step's tensors by name), ``layout.py``
 (padded rows or packed groups: micro-batches, forwards, gather/scatter), ``ranks.py``
-(everything cross-process; the identity in one process), ``build.py`` (models, optimisers,
-the sampler registry), ``weights.py`` (sync and probe), ``evaluate.py``, ``checkpoint.py``,
+(everything cross-process; the identity in one process), ``samplers.py`` (the sampler
+registry), ``policy.py``, ``optimizers.py``, ``weights.py`` (sync and probe), ``evaluate.py``, ``checkpoint.py``,
 ``seeds.py``, ``score.py``, ``metrics.py``. Every number is computed by a fastrl op
 (``fastrl.ops``); this file only moves tensors between them.
 """
@@ -42,7 +42,7 @@ from fastrl.agents.metric_names import GENERATED_TOKENS
 from fastrl.ops import GlobalCounts, policy_loss, value_loss
 from fastrl.ops.stats import every_kth, sampled_mean
 from fastrl.rollout.base import RolloutBatch, SamplingConfig
-from fastrl.train import advantages, assemble, build, seeds
+from fastrl.train import advantages, assemble, seeds
 from fastrl.train.checkpoint import check_algorithm, checkpoint_dir, save_final, set_rng_state
 from fastrl.train.collect import rollout_sampling
 from fastrl.train.config import TrainConfig
@@ -54,6 +54,7 @@ from fastrl.train.metrics import (
     LOSS_SHARES, LogpGap, MetricsLogger, SilentLogger, StageTimer, peak_memory_bytes, update_metric_name,
 )
 from fastrl.train.progress import describe_evaluation, rl_progress_label
+from fastrl.train.samplers import sampler_spec
 from fastrl.train.schedule import AdaptiveKLController
 from fastrl.train.warmup_checkpoint import remove_warmup_checkpoints
 from fastrl.train.weights import WeightSyncError, check_gap, probe_gap, push_weights
@@ -125,7 +126,7 @@ class Trainer:
         self._stop = stop
         # the stages of ``assemble.py``, in its order (the order the global RNG is drawn in)
         self.cfg = cfg = config.resolved(model_given=model is not None)
-        self.spec = build.sampler_spec(cfg.sampler)
+        self.spec = sampler_spec(cfg.sampler)
         self.loss_config = cfg.policy_loss_config()
         self.site = site = assemble.open_run(cfg, run_files=RUN_FILES)
         self.timer = StageTimer(site.device)
