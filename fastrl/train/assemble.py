@@ -21,7 +21,7 @@ checks run in (whatever a user can get wrong fails before any long work):
 Between 7 and 8 the trainer makes its KL controller and layout and restores a resumed
 run's state. The builders' bodies live in the rooms of what they build (``policy.py``,
 ``prompts.py``, ``samplers.py``, ``reference_policy.py``, ``critic.py``, ``optimizers.py``,
-``sft.py``, ``distributed.py``) and, for ``--env``, ``agent_build.py``; a stage here picks
+``sft.py``, ``distributed.py``) and, for ``--env``, ``agent.build.py``; a stage here picks
 which to call and checks what comes back.
 """
 
@@ -36,9 +36,10 @@ import torch
 
 from fastrl.errors import InputError
 from fastrl.rollout.base import GroupSampler, SamplingConfig
-from fastrl.train import agent_build, seeds
+from fastrl.train import seeds
+from fastrl.train.agent import build as agent_build
 from fastrl.train import distributed as dist_mod
-from fastrl.train.agent_build import AgentSetup
+from fastrl.train.agent.build import AgentSetup
 from fastrl.train.async_collect import make_collector
 from fastrl.train.checkpoint import RunCheckpoint, claim_output_dir, resolve_resume
 from fastrl.train.config import TrainConfig
@@ -186,7 +187,7 @@ class Task:
 
 def build_task(cfg: TrainConfig, site: RunSite, policy: LoadedPolicy, *, train_rows: Sequence[dict] | None,
                eval_rows: Sequence[dict] | None) -> Task:
-    """An env run's ``AgentSetup`` and its prompts (``agent_build``), else the rows encoded
+    """An env run's ``AgentSetup`` and its prompts (``agent.build``), else the rows encoded
     against the model's context (``prompts.encode_prompts``)."""
     sharded = site.ranks.sharded
     if cfg.env is None:
@@ -223,7 +224,7 @@ class Scoring:
 
 def build_scoring(cfg: TrainConfig, policy: LoadedPolicy, task: Task, reward_functions: Sequence[Callable | str] | None) -> Scoring:
     """The reward pool on ``reward_functions`` (else ``cfg.rewards``), checked on real rows
-    before any training work (an env run's: ``agent_build.agent_scorer``)."""
+    before any training work (an env run's: ``agent.build.agent_scorer``)."""
     from fastrl.train.rewards import RewardPool
 
     specs = list(reward_functions) if reward_functions is not None else list(cfg.rewards)
@@ -283,7 +284,7 @@ def warm_up(cfg: TrainConfig, site: RunSite, policy: LoadedPolicy, task: Task, s
         stop.deferring = True  # a first signal from now on ends the warm-up at a step boundary
     try:
         if task.agent is not None:
-            result = agent_build.agent_warm_up(cfg, policy.module, policy.tokenizer, task.agent, ranks=site.ranks, **run)
+            result = agent_build.warm_up_on_transcripts(cfg, policy.module, policy.tokenizer, task.agent, ranks=site.ranks, **run)
         else:
             result = warm_up_on_answers(cfg, policy.module, policy.tokenizer, task.prompts.train_rows,
                                         score_fn=scoring.scorer.answer_score, **run)
@@ -376,7 +377,7 @@ def _prompt_seeds(sampling: SamplingConfig, first: int, count: int) -> list[int]
 
 def build_loop(cfg: TrainConfig, site: RunSite, policy: LoadedPolicy, task: Task, scoring: Scoring, models: Models, *,
                sampler: GroupSampler) -> Loop:
-    """An env run's (``agent_build.agent_loop``), else ``make_collector``'s (with
+    """An env run's (``agent.build.agent_loop``), else ``make_collector``'s (with
     ``async_steps``, its sampler process forked now from the current weights) and the
     ``HeldOutEvaluator`` over the encoded held-out prompts."""
     pad_token_id = policy.tokenizer.pad_token_id

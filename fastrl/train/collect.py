@@ -45,7 +45,7 @@ class Collector:
     """``collect(sampler=, step=, timer=)``: one step's rollout and its ``dynamic/...`` metrics;
     ``experience``, ``step_metrics`` and ``samples`` of it for the loop, ``checkpoint_extra()``
     (this rank's objects for the checkpoint) and ``close()``: the interface
-    ``agent_collect.AgentCollector`` and ``async_collect.AsyncCollector`` share."""
+    ``agent.collect.AgentCollector`` and ``async_collect.AsyncCollector`` share."""
 
     def __init__(self, *, cfg: TrainConfig, batcher: Any, ranks: Any, scorer: Any):
         self.cfg, self.batcher, self.ranks, self.scorer = cfg, batcher, ranks, scorer

@@ -8,7 +8,7 @@ together each turn, their environment steps concurrent in the ``EnvRuntime`` wor
 trajectories as the step's ``[R, T]`` tensors (``AgentBatch``), and from those the
 ``Experience`` (``Experience.from_agent_batch``: packed groups when the trajectories of
 every group share the prompt and none was split, padded rows otherwise). Each trajectory's
-reward is the ``TrajectoryScorer``'s (``agent_score``: ``env_reward_weight`` times the
+reward is the ``TrajectoryScorer``'s (``agent.score``: ``env_reward_weight`` times the
 environment's outcome plus the ``--rewards`` functions on the whole trajectory, scored in the
 reward pool's workers); every sample of a trajectory carries it.
 
@@ -41,7 +41,7 @@ from fastrl.agents.render import ChatRenderer
 from fastrl.agents.trajectory import Trajectory, format_trajectory
 from fastrl.rollout.base import SamplingConfig
 from fastrl.train import seeds
-from fastrl.train.agent_score import TrajectoryScorer, TrajectoryScores
+from fastrl.train.agent.score import TrajectoryScorer, TrajectoryScores
 from fastrl.train.collect import rollout_sampling
 from fastrl.train.config import TrainConfig
 from fastrl.train.experience import Experience
@@ -97,7 +97,7 @@ class AgentRollout:
     scores: TrajectoryScores
     """Each trajectory's reward and its terms (``batch.rewards`` is ``scores.rewards`` per row)."""
     tree: Any = None
-    """A branching rollout's ``fastrl.agents.branching.TurnTree`` (``agent_tree_collect``), else None."""
+    """A branching rollout's ``fastrl.agents.branching.TurnTree`` (``agent.tree_collect``), else None."""
 
 
 class AgentCollector:

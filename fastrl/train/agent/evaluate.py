@@ -7,7 +7,7 @@ for both). Metrics: ``eval/accuracy`` (the success rate), ``eval/reward_mean`` (
 ``eval/tool_call_rate`` (share of trajectories with at least one tool call),
 ``eval/turns_mean``, ``time/eval``, and with a ``scorer`` that has reward functions (``--rewards``)
 ``eval/reward/<name>``: each function's mean over the held-out trajectories (its raw value, as
-``agent_score.TrajectoryScorer`` gives it: 0 where it failed or the environment did). Success
+``agent.score.TrajectoryScorer`` gives it: 0 where it failed or the environment did). Success
 stays the environment's outcome; the functions only add figures.
 """
 
@@ -22,7 +22,7 @@ from fastrl.agents.driver import AgentConfig
 from fastrl.agents.render import ChatRenderer
 from fastrl.rollout.base import SamplingConfig
 from fastrl.train import seeds
-from fastrl.train.agent_collect import play_episodes
+from fastrl.train.agent.collect import play_episodes
 from fastrl.train.evaluate import EVAL_SEED_OFFSET, succeeded
 
 __all__ = ["AgentEvaluator", "EVAL_ROWS_PER_CALL"]

@@ -35,7 +35,7 @@ from fastrl.agents.branching import TurnTree, tree_token_sampler
 from fastrl.agents.driver import run_episodes
 from fastrl.agents.trajectory import Trajectory
 from fastrl.rollout.base import SamplingConfig
-from fastrl.train.agent_collect import AgentCollector, AgentRollout, sampler_renderer, turn_sampling
+from fastrl.train.agent.collect import AgentCollector, AgentRollout, sampler_renderer, turn_sampling
 from fastrl.train.experience import Experience
 
 __all__ = ["AgentTreeCollector", "TREE_SUMMED_METRICS"]

@@ -8,10 +8,10 @@ environment workers (``EnvRuntime``), builds the ``ChatRenderer`` (a tools run w
 template that does not render tools is an ``InputError``) and resets one environment on the
 first training row (a ``reset`` that fails, hangs or returns the wrong type is an
 ``InputError``): everything a user can get wrong fails before the first step.
-``agent_scorer`` builds the run's ``TrajectoryScorer`` (``agent_score``): the ``--rewards``
+``agent_scorer`` builds the run's ``TrajectoryScorer`` (``agent.score``): the ``--rewards``
 functions in the reward pool's workers, probed on that row's first observation.
 
-``agent_warm_up``: the supervised warm-up of a built-in environment on its oracle's
+``warm_up_on_transcripts``: the supervised warm-up of a built-in environment on its oracle's
 transcripts (``synthetic_transcripts``), laid out exactly as RL's trajectories
 (``demonstration_sample``: loss on the policy turns only), until greedy episodes on
 training rows succeed ``sft_target_accuracy`` of the time.
@@ -33,12 +33,12 @@ from fastrl.agents.render import ChatRenderer, demonstration_sample
 from fastrl.agents.runtime import EnvRuntime
 from fastrl.agents.tools import tool_schemas
 from fastrl.errors import InputError
-from fastrl.train.agent_task import USER_ENV_ROWS
+from fastrl.train.agent.defaults import USER_ENV_ROWS
 from fastrl.train.config import TrainConfig
 from fastrl.train.sft import ProbeSchedule, WarmupResult
 from fastrl.workers import OK
 
-__all__ = ["AgentSetup", "build_agent", "agent_prompts", "agent_loop", "agent_scorer", "agent_warm_up", "env_rows"]
+__all__ = ["AgentSetup", "build_agent", "agent_prompts", "agent_loop", "agent_scorer", "warm_up_on_transcripts", "env_rows"]
 
 
 @dataclass
@@ -142,7 +142,7 @@ def agent_scorer(cfg: TrainConfig, setup: AgentSetup, specs: Sequence[Any]) -> A
     ``reward_workers`` processes, checked on the first training row's first observation (a
     function that cannot be called, raises or returns the wrong count is an ``InputError``
     here). Close its ``rewards`` pool (when not None) with the run."""
-    from fastrl.train.agent_score import TrajectoryScorer, reward_names
+    from fastrl.train.agent.score import TrajectoryScorer, reward_names
     from fastrl.train.rewards import RewardPool
 
     pool = None
@@ -165,9 +165,9 @@ def agent_loop(cfg: TrainConfig, setup: AgentSetup, *, batcher: Any, ranks: Any,
     with ``rollout=tree``: branching trajectories; rewards from ``scorer``, ``agent_scorer``'s)
     and ``AgentEvaluator`` (held-out success is the environment's; ``scorer``'s functions add
     their held-out means)."""
-    from fastrl.train.agent_collect import AgentCollector
-    from fastrl.train.agent_evaluate import AgentEvaluator
-    from fastrl.train.agent_tree_collect import AgentTreeCollector
+    from fastrl.train.agent.collect import AgentCollector
+    from fastrl.train.agent.evaluate import AgentEvaluator
+    from fastrl.train.agent.tree_collect import AgentTreeCollector
 
     collector_class = AgentTreeCollector if cfg.rollout == "tree" else AgentCollector
     collector = collector_class(cfg=cfg, batcher=batcher, ranks=ranks, runtime=setup.runtime, renderer=setup.renderer,
@@ -177,9 +177,9 @@ def agent_loop(cfg: TrainConfig, setup: AgentSetup, *, batcher: Any, ranks: Any,
     return collector, evaluator
 
 
-def agent_warm_up(cfg: TrainConfig, policy: torch.nn.Module, tokenizer: Any, setup: AgentSetup, *, ranks: Any,
-                  progress: bool, schedule: ProbeSchedule | None = None, resume: Any = None,
-                  pause: Callable[[], bool] | None = None) -> WarmupResult:
+def warm_up_on_transcripts(cfg: TrainConfig, policy: torch.nn.Module, tokenizer: Any, setup: AgentSetup, *, ranks: Any,
+                           progress: bool, schedule: ProbeSchedule | None = None, resume: Any = None,
+                           pause: Callable[[], bool] | None = None) -> WarmupResult:
     """The supervised warm-up of a built-in environment (module docstring); returns its
     ``sft/...`` metrics and probes, the policy back in train mode. The probe plays greedy episodes with
     the HF sampler on the first ``sft_probe_rows`` training rows, when ``schedule`` says (its
@@ -188,7 +188,7 @@ def agent_warm_up(cfg: TrainConfig, policy: torch.nn.Module, tokenizer: Any, set
     steps as they are. ``resume`` (a paused warm-up's ``WarmupState``, its probes and the next one's step
     included) and ``pause`` as for ``fastrl.train.sft.sft_batches``."""
     from fastrl.rollout import HFGroupSampler
-    from fastrl.train.agent_evaluate import AgentEvaluator
+    from fastrl.train.agent.evaluate import AgentEvaluator
     from fastrl.train.progress import WarmupProgress
     from fastrl.train.sft import paused_with_probes, probe_when_due, sft_batches
 
