@@ -16,7 +16,8 @@ checks run in (whatever a user can get wrong fails before any long work):
 7. ``build_models``     ``Models``: activation checkpointing, reference, critic, FSDP,
                         optimisers, what a checkpoint holds
 8. ``open_sampler``     the sampler (after the resume, so it starts from the restored weights)
-9. ``build_loop``       ``Loop``: the step's collector and the held-out evaluator
+9. ``build_loop``       ``Loop``: the step's collector (``collectors.make_collector``) and the
+                        held-out evaluator (``contracts``: what the loop asks of each)
 
 Between 7 and 8 the trainer makes its KL controller and layout and restores a resumed
 run's state. The builders' bodies live in the rooms of what they build (``policy.py``,
@@ -40,9 +41,10 @@ from fastrl.train import seeds
 from fastrl.train.agent import build as agent_build
 from fastrl.train import distributed as dist_mod
 from fastrl.train.agent.build import AgentSetup
-from fastrl.train.async_collect import make_collector
+from fastrl.train.collectors import make_collector
 from fastrl.train.checkpoint import RunCheckpoint, claim_output_dir, resolve_resume
 from fastrl.train.config import TrainConfig
+from fastrl.train.contracts import Collector, Evaluator
 from fastrl.train.data import model_context_length
 from fastrl.train.critic import ValueModel, build_critic
 from fastrl.train.evaluate import HeldOutEvaluator
@@ -364,9 +366,9 @@ def open_sampler(cfg: TrainConfig, spec: SamplerSpec, site: RunSite, policy: Loa
 class Loop:
     """The two objects the loop drives: each step's rollouts, and the held-out evaluation."""
 
-    collector: Any
-    """The ``Collector`` interface (``collect.py``): ``Collector``, ``TreeCollector``, ``AsyncCollector``, ``AgentCollector``..."""
-    evaluator: Any
+    collector: Collector
+    """``GroupCollector``, ``TreeCollector``, ``AsyncCollector``, ``AgentCollector``, ``AgentTreeCollector``."""
+    evaluator: Evaluator
     """``HeldOutEvaluator`` or an env run's ``AgentEvaluator``; called with no argument."""
 
 
@@ -377,20 +379,22 @@ def _prompt_seeds(sampling: SamplingConfig, first: int, count: int) -> list[int]
 
 def build_loop(cfg: TrainConfig, site: RunSite, policy: LoadedPolicy, task: Task, scoring: Scoring, models: Models, *,
                sampler: GroupSampler) -> Loop:
-    """An env run's (``agent.build.agent_loop``), else ``make_collector``'s (with
-    ``async_steps``, its sampler process forked now from the current weights) and the
-    ``HeldOutEvaluator`` over the encoded held-out prompts."""
+    """The step's collector (``collectors.make_collector``: single-turn, tree, async or agent;
+    with ``async_steps`` its sampler process forked now from the current weights) and the
+    evaluator: an env run's ``AgentEvaluator``, else the ``HeldOutEvaluator`` over the encoded
+    held-out prompts."""
     pad_token_id = policy.tokenizer.pad_token_id
-    if task.agent is not None:
-        collector, evaluator = agent_build.agent_loop(cfg, task.agent, batcher=task.prompts.batcher, ranks=site.ranks,
-                                                      sampler=sampler, pad_token_id=pad_token_id, scorer=scoring.agent_scorer)
-        return Loop(collector=collector, evaluator=evaluator)
-    collector = make_collector(cfg=cfg, batcher=task.prompts.batcher, ranks=site.ranks, scorer=scoring.scorer,
+    collector = make_collector(cfg, batcher=task.prompts.batcher, ranks=site.ranks, scorer=scoring.scorer, agent=task.agent,
+                               agent_scorer=scoring.agent_scorer,
                                weights=models.full_copy if models.full_copy is not None else policy.module,
                                pad_token_id=pad_token_id, device=site.device, resume_dir=site.resume_dir)
-    evaluator = HeldOutEvaluator(
-        sampler=sampler, scorer=scoring.scorer, ranks=site.ranks, rows=task.prompts.eval_rows, prompt_ids=task.prompts.eval_ids,
-        max_new_tokens=cfg.max_new_tokens, pass_k=cfg.pass_k, temperature=cfg.temperature, top_p=cfg.top_p,
-        top_k=cfg.top_k, seed=cfg.seed, prompt_seeds=_prompt_seeds,
-    )
+    if task.agent is not None:
+        evaluator: Evaluator = agent_build.agent_evaluator(cfg, task.agent, sampler=sampler, ranks=site.ranks,
+                                                           scorer=scoring.agent_scorer)
+    else:
+        evaluator = HeldOutEvaluator(
+            sampler=sampler, scorer=scoring.scorer, ranks=site.ranks, rows=task.prompts.eval_rows,
+            prompt_ids=task.prompts.eval_ids, max_new_tokens=cfg.max_new_tokens, pass_k=cfg.pass_k,
+            temperature=cfg.temperature, top_p=cfg.top_p, top_k=cfg.top_k, seed=cfg.seed, prompt_seeds=_prompt_seeds,
+        )
     return Loop(collector=collector, evaluator=evaluator)

@@ -17,7 +17,7 @@ from fastrl.train.config import TrainConfig
 from fastrl.train.experience import Experience
 from fastrl.train.metrics import best_and_worst, rollout_metrics
 
-__all__ = ["Collector", "RolloutRequest", "rollout_sampling"]
+__all__ = ["GroupCollector", "RolloutRequest", "rollout_sampling"]
 
 
 def rollout_sampling(cfg: TrainConfig, *, step: int, salt: int) -> SamplingConfig:
@@ -28,7 +28,7 @@ def rollout_sampling(cfg: TrainConfig, *, step: int, salt: int) -> SamplingConfi
 
 @dataclass
 class RolloutRequest:
-    """One rollout round to sample: this rank's prompts and how (``Collector.draw``)."""
+    """One rollout round to sample: this rank's prompts and how (``GroupCollector.draw``)."""
 
     prompt_batch: Any
     """This rank's share of the prompt batch (``PromptBatch``: rows, prompt ids, indices)."""
@@ -41,11 +41,12 @@ class RolloutRequest:
         return sampler.generate(self.prompt_batch.prompt_ids, group_size=group_size, sampling=self.sampling, **extra)
 
 
-class Collector:
-    """``collect(sampler=, step=, timer=)``: one step's rollout and its ``dynamic/...`` metrics;
-    ``experience``, ``step_metrics`` and ``samples`` of it for the loop, ``checkpoint_extra()``
-    (this rank's objects for the checkpoint) and ``close()``: the interface
-    ``agent.collect.AgentCollector`` and ``async_collect.AsyncCollector`` share."""
+class GroupCollector:
+    """The single-turn ``contracts.Collector``: ``collect(sampler=, step=, timer=)``, one step's
+    groups of completions and its ``dynamic/...`` metrics; ``experience``, ``step_metrics`` and
+    ``samples`` of it for the loop, ``checkpoint_extra()`` (this rank's objects for the
+    checkpoint) and ``close()``. ``draw``, ``score`` and ``refill`` are the stages
+    ``async_collect.AsyncCollector`` reuses."""
 
     def __init__(self, *, cfg: TrainConfig, batcher: Any, ranks: Any, scorer: Any):
         self.cfg, self.batcher, self.ranks, self.scorer = cfg, batcher, ranks, scorer

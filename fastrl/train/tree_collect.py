@@ -1,6 +1,6 @@
 """``TreeCollector`` (``rollout=tree``): the collector whose groups are grown as trees.
 
-The same interface and stages as ``collect.Collector`` (draw this rank's prompts and seeds,
+The same interface and stages as ``collect.GroupCollector`` (draw this rank's prompts and seeds,
 sample, score); the sampling is ``fastrl.rollout.branch.sample_tree`` with the run's
 ``BranchSchedule`` (``TrainConfig.tree_schedule``) instead of ``generate``, and the
 experience carries the trees (``Experience.tree_nodes`` / ``tree_parents``) for the
@@ -20,14 +20,14 @@ import torch
 from fastrl.agents import metric_names as names
 from fastrl.rollout.base import GroupRollout
 from fastrl.rollout.branch import sample_tree
-from fastrl.train.collect import Collector
+from fastrl.train.collect import GroupCollector
 from fastrl.train.experience import Experience
 
 __all__ = ["TreeCollector"]
 
 
-class TreeCollector(Collector):
-    """``Collector`` over tree rollouts (see the module docstring)."""
+class TreeCollector(GroupCollector):
+    """``GroupCollector`` over tree rollouts (see the module docstring)."""
 
     def __init__(self, **kwargs: Any):
         super().__init__(**kwargs)

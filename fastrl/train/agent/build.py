@@ -20,7 +20,7 @@ training rows succeed ``sft_target_accuracy`` of the time.
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Any, Callable, Sequence
+from typing import TYPE_CHECKING, Any, Callable, Sequence
 
 import json
 
@@ -35,10 +35,16 @@ from fastrl.agents.tools import tool_schemas
 from fastrl.errors import InputError
 from fastrl.train.agent.defaults import USER_ENV_ROWS
 from fastrl.train.config import TrainConfig
+from fastrl.train.ranks import Ranks
 from fastrl.train.sft import ProbeSchedule, WarmupResult
 from fastrl.workers import OK
 
-__all__ = ["AgentSetup", "build_agent", "agent_prompts", "agent_loop", "agent_scorer", "warm_up_on_transcripts", "env_rows"]
+if TYPE_CHECKING:
+    from fastrl.rollout.base import GroupSampler
+    from fastrl.train.agent.evaluate import AgentEvaluator
+    from fastrl.train.agent.score import TrajectoryScorer
+
+__all__ = ["AgentSetup", "build_agent", "agent_prompts", "agent_evaluator", "agent_scorer", "warm_up_on_transcripts", "env_rows"]
 
 
 @dataclass
@@ -159,22 +165,14 @@ def agent_scorer(cfg: TrainConfig, setup: AgentSetup, specs: Sequence[Any]) -> A
     return scorer
 
 
-def agent_loop(cfg: TrainConfig, setup: AgentSetup, *, batcher: Any, ranks: Any, sampler: Any, pad_token_id: int,
-               scorer: Any):
-    """The loop's ``(collector, evaluator)`` of an env run: ``AgentCollector`` (``AgentTreeCollector``
-    with ``rollout=tree``: branching trajectories; rewards from ``scorer``, ``agent_scorer``'s)
-    and ``AgentEvaluator`` (held-out success is the environment's; ``scorer``'s functions add
-    their held-out means)."""
-    from fastrl.train.agent.collect import AgentCollector
+def agent_evaluator(cfg: TrainConfig, setup: AgentSetup, *, sampler: GroupSampler, ranks: Ranks,
+                    scorer: TrajectoryScorer) -> AgentEvaluator:
+    """An env run's ``contracts.Evaluator``: greedy held-out episodes (success is the
+    environment's; ``scorer``'s functions add their held-out means)."""
     from fastrl.train.agent.evaluate import AgentEvaluator
-    from fastrl.train.agent.tree_collect import AgentTreeCollector
 
-    collector_class = AgentTreeCollector if cfg.rollout == "tree" else AgentCollector
-    collector = collector_class(cfg=cfg, batcher=batcher, ranks=ranks, runtime=setup.runtime, renderer=setup.renderer,
-                                pad_token_id=pad_token_id, scorer=scorer)
-    evaluator = AgentEvaluator(sampler=sampler, ranks=ranks, rows=setup.eval_rows, runtime=setup.runtime, renderer=setup.renderer,
-                               agent=setup.agent, seed=cfg.seed, scorer=scorer)
-    return collector, evaluator
+    return AgentEvaluator(sampler=sampler, ranks=ranks, rows=setup.eval_rows, runtime=setup.runtime, renderer=setup.renderer,
+                          agent=setup.agent, seed=cfg.seed, scorer=scorer)
 
 
 def warm_up_on_transcripts(cfg: TrainConfig, policy: torch.nn.Module, tokenizer: Any, setup: AgentSetup, *, ranks: Any,

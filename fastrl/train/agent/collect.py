@@ -1,5 +1,5 @@
 """Collection for agent runs (``fastrl train --env``): the next rows played as multi-turn
-trajectories, into one step's ``AgentRollout`` -- the agent counterpart of ``collect.Collector``,
+trajectories, into one step's ``AgentRollout`` -- the agent counterpart of ``collect.GroupCollector``,
 with the same interface, so the loop does not ask which one it runs.
 
 One step: the batcher's next rows (this rank's share), ``group_size`` trajectories per row
