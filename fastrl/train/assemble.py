@@ -31,7 +31,7 @@ from __future__ import annotations
 import sys
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any, Callable, Sequence
+from typing import TYPE_CHECKING, Any, Callable, Sequence
 
 import torch
 
@@ -59,6 +59,12 @@ from fastrl.train.samplers import SamplerContext, SamplerSpec, build_sampler, ch
 from fastrl.train.score import GroupScorer
 from fastrl.train.sft import WarmupPaused, WarmupResult, warm_up_on_answers
 from fastrl.train.warmup_checkpoint import is_warmup_checkpoint, load_warmup_checkpoint, save_warmup_checkpoint
+
+if TYPE_CHECKING:
+    from transformers import PreTrainedTokenizerBase
+
+    from fastrl.train.interrupt import StopRequests
+
 
 __all__ = [
     "AUTO_CHECKPOINTING_TOKENS", "LoadedPolicy", "Loop", "Models", "RunSite", "Scoring", "Task", "build_loop", "build_models",
@@ -146,7 +152,8 @@ class LoadedPolicy:
     """The built-in tiny model (no model given or named)."""
 
 
-def load_policy(cfg: TrainConfig, site: RunSite, *, model: torch.nn.Module | None, tokenizer: Any) -> LoadedPolicy:
+def load_policy(cfg: TrainConfig, site: RunSite, *, model: torch.nn.Module | None,
+                tokenizer: PreTrainedTokenizerBase | None) -> LoadedPolicy:
     """``policy.load_model`` (a resumed checkpoint's, the given model, the built-in one or
     ``cfg.model``), checked against its tokenizer and, for packed layouts, its attention. A
     CPU policy large enough for it gets ``mmap_large_blocks`` (``fastrl.train.heap``: freed
@@ -245,7 +252,7 @@ def build_scoring(cfg: TrainConfig, policy: LoadedPolicy, task: Task, reward_fun
 
 # ---------------------------------------------------------------------------- 6. the warm-up
 def warm_up(cfg: TrainConfig, site: RunSite, policy: LoadedPolicy, task: Task, scoring: Scoring, *,
-            stop: Any = None) -> WarmupResult:
+            stop: StopRequests | None = None) -> WarmupResult:
     """The supervised warm-up (``sft_steps``; not on an RL resume: the checkpoint has the warmed-up
     policy): an env run's on its oracle's transcripts, else on the rows' answers. Returns its
     ``sft/...`` metrics and probes (empty without one). Under torchrun every rank ran the same seeded
@@ -352,7 +359,7 @@ def build_models(cfg: TrainConfig, site: RunSite, policy: LoadedPolicy, task: Ta
 
 # ---------------------------------------------------------------------------- 8. the sampler
 def open_sampler(cfg: TrainConfig, spec: SamplerSpec, site: RunSite, policy: LoadedPolicy, task: Task, models: Models,
-                 connected: Any) -> GroupSampler:
+                 connected: GroupSampler | None) -> GroupSampler:
     """The registry entry's sampler (``samplers.SAMPLERS``) on the policy (under torchrun its
     full copy), or the server ``connect_sampler`` reached."""
     return build_sampler(spec, SamplerContext(

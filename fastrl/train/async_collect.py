@@ -51,7 +51,7 @@ import logging
 from collections import deque
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import torch
 
@@ -62,6 +62,14 @@ from fastrl.train.checkpoint import extra_file, load_extra
 from fastrl.train.collect import GroupCollector, RolloutRequest
 from fastrl.train.config import TrainConfig
 from fastrl.train.ranks import Ranks
+
+if TYPE_CHECKING:
+    from transformers import PreTrainedTokenizerBase
+
+    from fastrl.rollout.base import GroupSampler
+    from fastrl.train.experience import Experience
+    from fastrl.train.metrics import StageTimer
+
 
 __all__ = ["AsyncCollector", "IN_FLIGHT", "drop_in_flight", "start_async"]
 
@@ -114,7 +122,7 @@ class AsyncCollector:
         self.next_step: int | None = self.pending[-1].step + 1 if self.pending else None
 
     # ------------------------------------------------------------------ the interface
-    def collect(self, *, sampler: Any, step: int, timer: Any) -> tuple[GroupRollout, dict[str, float]]:
+    def collect(self, *, sampler: GroupSampler, step: int, timer: StageTimer) -> tuple[GroupRollout, dict[str, float]]:
         """Step ``step``'s rollout (``sampler``, the trainer's in-process one, is not used)."""
         refills = self.inner.cfg.dynamic_sampling
         if not refills:
@@ -139,13 +147,13 @@ class AsyncCollector:
             self._submit_up_to(step, timer=timer)
         return rollout, info
 
-    def experience(self, rollout: GroupRollout, *, device: Any) -> Any:
+    def experience(self, rollout: GroupRollout, *, device: torch.device) -> Any:
         return self.inner.experience(rollout, device=device)
 
-    def step_metrics(self, rollout: GroupRollout, exp: Any) -> tuple[dict[str, float], dict[str, list[float]]]:
+    def step_metrics(self, rollout: GroupRollout, exp: Experience) -> tuple[dict[str, float], dict[str, list[float]]]:
         return self.inner.step_metrics(rollout, exp)
 
-    def samples(self, rollout: GroupRollout, tokenizer: Any) -> Any:
+    def samples(self, rollout: GroupRollout, tokenizer: PreTrainedTokenizerBase) -> Any:
         return self.inner.samples(rollout, tokenizer)
 
     def checkpoint_extra(self) -> dict[str, Any]:
@@ -157,7 +165,7 @@ class AsyncCollector:
         self.sampler.close()
 
     # ------------------------------------------------------------------ internals
-    def _submit_up_to(self, step: int, *, timer: Any, ahead: int | None = None) -> None:
+    def _submit_up_to(self, step: int, *, timer: StageTimer, ahead: int | None = None) -> None:
         """Submit the rollouts of steps ``next_step .. min(step + ahead, steps - 1)`` (``ahead``:
         ``async_steps`` unless given), sampled with the weights of now."""
         if self.next_step is None:
@@ -173,7 +181,7 @@ class AsyncCollector:
             self.pending.append(InFlight(step=self.next_step, version=step, request=request, future=future, slot=slot))
             self.next_step += 1
 
-    def _refill_round(self, *, step: int, salt: int, timer: Any) -> GroupRollout:
+    def _refill_round(self, *, step: int, salt: int, timer: StageTimer) -> GroupRollout:
         """A dynamic-sampling round of step ``step``: its next prompts, sampled by the sampler
         process with the trainer's weights of now (0 updates old) and scored."""
         request = self.inner.draw(step=step, salt=salt)
@@ -185,7 +193,7 @@ class AsyncCollector:
         with timer("reward"):
             return self.inner.score(request, batch)
 
-    def _receive(self, item: InFlight, *, timer: Any) -> tuple[RolloutBatch, SamplerTimes]:
+    def _receive(self, item: InFlight, *, timer: StageTimer) -> tuple[RolloutBatch, SamplerTimes]:
         """``item``'s rollout, waited for and decoded; its weight slot released."""
         with timer("generate"):  # only the wait that the update did not hide
             reply = item.future.result()

@@ -11,13 +11,16 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any, Callable
+from typing import TYPE_CHECKING, Callable
 
 import torch
 
 from fastrl.errors import InputError
 from fastrl.rollout.base import GroupSampler
 from fastrl.train.config import TrainConfig
+
+if TYPE_CHECKING:
+    from fastrl.rollout.remote import VLLMServerSampler
 
 __all__ = ["SAMPLERS", "SamplerContext", "SamplerSpec", "build_sampler", "check_served_model", "sampler_spec"]
 
@@ -35,7 +38,7 @@ class SamplerContext:
     pad_token_id: int
     output_dir: Path
     max_length: int | None
-    connected: Any = None
+    connected: GroupSampler | None = None
     """What the entry's ``connect`` returned (a server client), else None."""
 
 
@@ -52,7 +55,7 @@ class SamplerSpec:
     """None: usable under torchrun; else the reason it is not (an error before any work)."""
     needs_url: bool = False
     """Takes ``sampler_url`` (a server shared by every rank)."""
-    connect: Callable[[TrainConfig], Any] | None = None
+    connect: Callable[[TrainConfig], GroupSampler] | None = None
     """Reached before any long work (a server: is it up, what does it serve); its result is
     ``SamplerContext.connected``."""
     push_on_start: bool = False
@@ -113,7 +116,7 @@ def build_sampler(spec: SamplerSpec, ctx: SamplerContext) -> GroupSampler:
     return spec.build(ctx)
 
 
-def check_served_model(sampler: Any, *, cfg: TrainConfig, policy: torch.nn.Module, longest: int) -> None:
+def check_served_model(sampler: VLLMServerSampler, *, cfg: TrainConfig, policy: torch.nn.Module, longest: int) -> None:
     """A server sampler serves the policy's architecture and takes the run's longest sequence."""
     served = getattr(sampler, "info", {}).get("model") or {}
     differ = [f"{k} {v!r} (policy: {getattr(policy.config, k, None)!r})" for k, v in served.items()

@@ -170,7 +170,8 @@ class ProbeSchedule:
         return False
 
 
-def probe_when_due(schedule: Any, probe: Callable[[], float], *, on_probe: Callable[[int, float], None] | None = None,
+def probe_when_due(schedule: ProbeSchedule, probe: Callable[[], float], *, on_probe: Callable[[int, float],
+                   None] | None = None,
                    history: Sequence[tuple[int, float]] = ()) -> tuple[Callable[[int, float], bool], list[tuple[int, float]]]:
     """A warm-up's ``callback`` (``sft_batches``) that runs ``probe()`` (an accuracy) when
     ``schedule`` (a ``ProbeSchedule``, or anything with its ``due`` / ``reached``) says, calls
@@ -191,7 +192,7 @@ def probe_when_due(schedule: Any, probe: Callable[[], float], *, on_probe: Calla
 
 
 @contextlib.contextmanager
-def paused_with_probes(history: list[tuple[int, float]], schedule: Any):
+def paused_with_probes(history: list[tuple[int, float]], schedule: ProbeSchedule | None):
     """Around a probing warm-up: a ``WarmupPaused`` leaving it carries the probes so far and
     the step the next is due at (``schedule.next_at``; None: no schedule)."""
     try:
@@ -203,7 +204,7 @@ def paused_with_probes(history: list[tuple[int, float]], schedule: Any):
 
 
 def encode_sft_example(
-    tokenizer: Any, prompt: Any, answer: str, *, chat_template: bool | None = None
+    tokenizer: PreTrainedTokenizerBase, prompt: Any, answer: str, *, chat_template: bool | None = None
 ) -> tuple[list[int], int]:
     """``(prompt ids + answer ids + [eos], prompt length)`` for one example."""
     if tokenizer.eos_token_id is None:
@@ -311,7 +312,7 @@ def _learning_rate(step: int, *, steps: int, lr: float, warmup_steps: int, sched
 
 def sft_warmup(
     model: torch.nn.Module,
-    tokenizer: Any,
+    tokenizer: PreTrainedTokenizerBase,
     rows: Sequence[dict],
     *,
     steps: int,
@@ -504,7 +505,7 @@ def _as_trie(input_ids: torch.Tensor, attention_mask: torch.Tensor, loss_mask: t
 
 def sft_to_target(
     model: torch.nn.Module,
-    tokenizer: Any,
+    tokenizer: PreTrainedTokenizerBase,
     rows: Sequence[dict],
     *,
     score_fn: Callable[[list, list[str], list], list[float]],

@@ -34,14 +34,14 @@ import operator
 import time
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any, Callable, Sequence
+from typing import TYPE_CHECKING, Any, Callable, Sequence
 
 import torch
 
-from fastrl.agents.metric_names import GENERATED_TOKENS
 from fastrl.ops import GlobalCounts, policy_loss, value_loss
 from fastrl.ops.stats import every_kth, sampled_mean
 from fastrl.rollout.base import RolloutBatch, SamplingConfig
+from fastrl.rollout.metric_names import GENERATED_TOKENS
 from fastrl.train import advantages, assemble, seeds
 from fastrl.train.checkpoint import check_algorithm, checkpoint_dir, save_final, set_rng_state
 from fastrl.train.collect import rollout_sampling
@@ -58,6 +58,13 @@ from fastrl.train.samplers import sampler_spec
 from fastrl.train.schedule import AdaptiveKLController
 from fastrl.train.warmup_checkpoint import remove_warmup_checkpoints
 from fastrl.train.weights import WeightSyncError, check_gap, probe_gap, push_weights
+
+if TYPE_CHECKING:
+    from torch.optim.lr_scheduler import LRScheduler
+    from transformers import PreTrainedTokenizerBase
+
+    from fastrl.train.interrupt import StopRequests
+
 
 __all__ = ["Trainer", "TrainResult", "TrainingDivergedError", "WeightSyncError"]
 
@@ -113,11 +120,11 @@ class Trainer:
         config: TrainConfig,
         *,
         model: torch.nn.Module | None = None,
-        tokenizer: Any = None,
+        tokenizer: PreTrainedTokenizerBase | None = None,
         train_rows: Sequence[dict[str, Any]] | None = None,
         eval_rows: Sequence[dict[str, Any]] | None = None,
         reward_functions: Sequence[Callable | str] | None = None,
-        stop: Any = None,
+        stop: StopRequests | None = None,
     ):
         """``stop``: a ``fastrl.train.interrupt.StopRequests`` (the command line's signal
         handlers): a signal during the warm-up saves its state at the next warm-up step and raises
@@ -188,7 +195,7 @@ class Trainer:
     optimizer = _part("models.optimizers.optimizer")
 
     # ================================================================== the run
-    def train(self, *, stop_after: int | None = None, stop: Any = None) -> TrainResult:
+    def train(self, *, stop_after: int | None = None, stop: StopRequests | None = None) -> TrainResult:
         """Run to ``config.steps``; evaluate, log and checkpoint on the way; save the final model.
 
         ``stop_after=n`` pauses after step ``n`` instead (a checkpoint is written, no final
@@ -266,7 +273,7 @@ class Trainer:
                 stop.deferring = False
             self.logger.close()
 
-    def _stop_or_overdue(self, stop: Any) -> tuple[int, bool]:
+    def _stop_or_overdue(self, stop: StopRequests | None) -> tuple[int, bool]:
         """After a step: the signal that asks the run to stop (0: none) and whether a
         wall-time checkpoint is due (``save_every_minutes``); under torchrun every rank takes
         the largest of each, so all stop and save at the same step."""
@@ -482,7 +489,7 @@ class Trainer:
         total.backward()
         return loss.detach(), metrics
 
-    def _optimizer_step(self, optimizer: torch.optim.Optimizer, scheduler: Any) -> None:
+    def _optimizer_step(self, optimizer: torch.optim.Optimizer, scheduler: LRScheduler) -> None:
         optimizer.step()
         scheduler.step()
         optimizer.zero_grad(set_to_none=True)

@@ -40,9 +40,12 @@ from fastrl.train.sft import ProbeSchedule, WarmupResult
 from fastrl.workers import OK
 
 if TYPE_CHECKING:
+    from transformers import PreTrainedTokenizerBase
+
     from fastrl.rollout.base import GroupSampler
     from fastrl.train.agent.evaluate import AgentEvaluator
     from fastrl.train.agent.score import TrajectoryScorer
+    from fastrl.train.sft import WarmupState
 
 __all__ = ["AgentSetup", "build_agent", "agent_prompts", "agent_evaluator", "agent_scorer", "warm_up_on_transcripts", "env_rows"]
 
@@ -86,7 +89,7 @@ def env_rows(cfg: TrainConfig, train_rows: Sequence[dict] | None, eval_rows: Seq
     return train, heldout[: cfg.eval_prompts]
 
 
-def build_agent(cfg: TrainConfig, tokenizer: Any, *, train_rows: Sequence[dict] | None = None,
+def build_agent(cfg: TrainConfig, tokenizer: PreTrainedTokenizerBase, *, train_rows: Sequence[dict] | None = None,
                 eval_rows: Sequence[dict] | None = None, max_length: int | None = None) -> AgentSetup:
     """The environment, its rows, workers and renderer, checked on a real row (module docstring).
     ``max_length``: the model's context; a trajectory limit past it is an ``InputError``."""
@@ -175,8 +178,8 @@ def agent_evaluator(cfg: TrainConfig, setup: AgentSetup, *, sampler: GroupSample
                           agent=setup.agent, seed=cfg.seed, scorer=scorer)
 
 
-def warm_up_on_transcripts(cfg: TrainConfig, policy: torch.nn.Module, tokenizer: Any, setup: AgentSetup, *, ranks: Any,
-                           progress: bool, schedule: ProbeSchedule | None = None, resume: Any = None,
+def warm_up_on_transcripts(cfg: TrainConfig, policy: torch.nn.Module, tokenizer: PreTrainedTokenizerBase, setup: AgentSetup, *,
+                           ranks: Ranks, progress: bool, schedule: ProbeSchedule | None = None, resume: WarmupState | None = None,
                            pause: Callable[[], bool] | None = None) -> WarmupResult:
     """The supervised warm-up of a built-in environment (module docstring); returns its
     ``sft/...`` metrics and probes, the policy back in train mode. The probe plays greedy episodes with

@@ -14,7 +14,7 @@ stays the environment's outcome; the functions only add figures.
 from __future__ import annotations
 
 import time
-from typing import Any, Sequence
+from typing import TYPE_CHECKING, Sequence
 
 import torch
 
@@ -24,6 +24,13 @@ from fastrl.rollout.base import SamplingConfig
 from fastrl.train import seeds
 from fastrl.train.agent.collect import play_episodes
 from fastrl.train.evaluate import EVAL_SEED_OFFSET, succeeded
+
+if TYPE_CHECKING:
+    from fastrl.agents.runtime import EnvRuntime
+    from fastrl.rollout.base import GroupSampler
+    from fastrl.train.agent.score import TrajectoryScorer
+    from fastrl.train.ranks import Ranks
+
 
 __all__ = ["AgentEvaluator", "EVAL_ROWS_PER_CALL"]
 
@@ -35,8 +42,8 @@ class AgentEvaluator:
     """``evaluator()`` -> the ``eval/...`` metrics of greedy episodes on ``rows`` (module docstring);
     ``success_rate(rows)`` for the warm-up's probe on training rows."""
 
-    def __init__(self, *, sampler: Any, ranks: Any, rows: Sequence[dict], runtime: Any, renderer: ChatRenderer,
-                 agent: AgentConfig, seed: int, scorer: Any = None):
+    def __init__(self, *, sampler: GroupSampler, ranks: Ranks, rows: Sequence[dict], runtime: EnvRuntime, renderer: ChatRenderer,
+                 agent: AgentConfig, seed: int, scorer: TrajectoryScorer | None = None):
         self.sampler, self.ranks, self.rows = sampler, ranks, list(rows)
         self.scorer = scorer
         pool = getattr(scorer, "rewards", None)
