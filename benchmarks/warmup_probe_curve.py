@@ -58,7 +58,7 @@ def probe_curve(cfg, grid: Grid):
     task = None
     try:
         loaded = assemble.load_policy(cfg, site, model=None, tokenizer=None)
-        task = assemble.build_task(cfg, site, loaded, train_rows=None, eval_rows=None)
+        task = assemble.build_inputs(cfg, site, loaded, train_rows=None, eval_rows=None)
         result = agent_build.warm_up_on_transcripts(cfg, loaded.module, loaded.tokenizer, task.agent, ranks=site.ranks,
                                            progress=False, schedule=grid)
         return result, loaded.module

@@ -7,8 +7,8 @@ checks run in (whatever a user can get wrong fails before any long work):
 1. ``open_run``         ``RunSite``: threads, the processes (``Ranks``), the device, the
                         output folder locked and claimed, the resume point, the seed
 2. ``load_policy``      ``LoadedPolicy``: the tokenizer and the policy, checked together
-3. ``build_task``       ``Task``: the encoded prompts and their batcher (an env run's
-                        environment side too, checked on a real row)
+3. ``build_inputs``     ``RunInputs``: what the run trains on, its encoded prompts and their
+                        batcher (an env run's environment side too, checked on a real row)
 4. ``connect_sampler``  a shared server's client, checked against the policy (else None)
 5. ``build_scoring``    ``Scoring``: the reward pool and the scorers, checked on real rows
 6. ``warm_up``          ``WarmupResult``: the supervised warm-up's ``sft/...`` metrics and
@@ -22,8 +22,11 @@ checks run in (whatever a user can get wrong fails before any long work):
 Between 7 and 8 the trainer makes its KL controller and layout and restores a resumed
 run's state. The builders' bodies live in the rooms of what they build (``policy.py``,
 ``prompts.py``, ``samplers.py``, ``reference_policy.py``, ``critic.py``, ``optimizers.py``,
-``sft.py``, ``distributed.py``) and, for ``--env``, ``agent.build.py``; a stage here picks
-which to call and checks what comes back.
+``sft.py``, ``distributed.py``) and, for ``--env``, the agent wing (``agent/build.py``); a
+stage here picks which to call and checks what comes back. One name, one meaning: the stage
+``load_policy`` calls ``policy.load_model``; the stage ``warm_up`` calls
+``sft.warm_up_on_answers`` or ``agent.build.warm_up_on_transcripts``; ``RunInputs`` is not a
+task (``task.DefaultTask`` and ``agent.defaults.EnvTask`` are the built-in tasks' defaults).
 """
 
 from __future__ import annotations
@@ -31,22 +34,22 @@ from __future__ import annotations
 import sys
 from dataclasses import dataclass
 from pathlib import Path
-from typing import TYPE_CHECKING, Any, Callable, Sequence
+from typing import TYPE_CHECKING, Callable, Sequence
 
 import torch
 
 from fastrl.errors import InputError
 from fastrl.rollout.base import GroupSampler, SamplingConfig
+from fastrl.train import distributed as dist_mod
 from fastrl.train import seeds
 from fastrl.train.agent import build as agent_build
-from fastrl.train import distributed as dist_mod
 from fastrl.train.agent.build import AgentSetup
-from fastrl.train.collectors import make_collector
 from fastrl.train.checkpoint import RunCheckpoint, claim_output_dir, resolve_resume
+from fastrl.train.collectors import make_collector
 from fastrl.train.config import TrainConfig
 from fastrl.train.contracts import Collector, Evaluator
-from fastrl.train.data import model_context_length
 from fastrl.train.critic import ValueModel, build_critic
+from fastrl.train.data import model_context_length
 from fastrl.train.evaluate import HeldOutEvaluator
 from fastrl.train.heap import maps_large_blocks_for, mmap_large_blocks
 from fastrl.train.optimizers import Optimizers, build_optimizers
@@ -63,13 +66,15 @@ from fastrl.train.warmup_checkpoint import is_warmup_checkpoint, load_warmup_che
 if TYPE_CHECKING:
     from transformers import PreTrainedTokenizerBase
 
+    from fastrl.train.agent.score import TrajectoryScorer
     from fastrl.train.interrupt import StopRequests
+    from fastrl.train.rewards import RewardPool
 
 
 __all__ = [
-    "AUTO_CHECKPOINTING_TOKENS", "LoadedPolicy", "Loop", "Models", "RunSite", "Scoring", "Task", "build_loop", "build_models",
-    "build_scoring", "build_task", "connect_sampler", "load_policy", "open_run", "open_sampler", "uses_activation_checkpointing",
-    "warm_up",
+    "AUTO_CHECKPOINTING_TOKENS", "LoadedPolicy", "Loop", "Models", "RunInputs", "RunSite", "Scoring", "build_inputs",
+    "build_loop", "build_models", "build_scoring", "connect_sampler", "load_policy", "open_run", "open_sampler",
+    "uses_activation_checkpointing", "warm_up",
 ]
 
 AUTO_CHECKPOINTING_TOKENS = 2048
@@ -146,7 +151,7 @@ def set_threads(cfg: TrainConfig, site: RunSite, *, parameters: int) -> None:
 class LoadedPolicy:
     """The tokenizer and the policy module (train mode, on the run's device)."""
 
-    tokenizer: Any
+    tokenizer: PreTrainedTokenizerBase
     module: torch.nn.Module
     builtin: bool
     """The built-in tiny model (no model given or named)."""
@@ -173,7 +178,7 @@ def load_policy(cfg: TrainConfig, site: RunSite, *, model: torch.nn.Module | Non
 
 # ---------------------------------------------------------------------------- 3. the task
 @dataclass
-class Task:
+class RunInputs:
     """What the run trains on: its prompts, and an env run's environment side."""
 
     prompts: Prompts
@@ -194,27 +199,27 @@ class Task:
         return max(len(p) for p in ids) + cfg.max_new_tokens
 
 
-def build_task(cfg: TrainConfig, site: RunSite, policy: LoadedPolicy, *, train_rows: Sequence[dict] | None,
-               eval_rows: Sequence[dict] | None) -> Task:
+def build_inputs(cfg: TrainConfig, site: RunSite, policy: LoadedPolicy, *, train_rows: Sequence[dict] | None,
+                 eval_rows: Sequence[dict] | None) -> RunInputs:
     """An env run's ``AgentSetup`` and its prompts (``agent.build``), else the rows encoded
     against the model's context (``prompts.encode_prompts``)."""
     sharded = site.ranks.sharded
     if cfg.env is None:
         prompts = encode_prompts(cfg, policy.tokenizer, policy.module, *run_rows(cfg, train_rows, eval_rows), sharded=sharded)
-        return Task(prompts=prompts, agent=None)
+        return RunInputs(prompts=prompts, agent=None)
     context = model_context_length(policy.module)
     agent = agent_build.build_agent(cfg, policy.tokenizer, train_rows=train_rows, eval_rows=eval_rows, max_length=context)
-    return Task(prompts=agent_build.agent_prompts(cfg, agent, max_length=context, sharded=sharded), agent=agent)
+    return RunInputs(prompts=agent_build.agent_prompts(cfg, agent, max_length=context, sharded=sharded), agent=agent)
 
 
 # ---------------------------------------------------------------------------- 4. a sampler to reach
-def connect_sampler(cfg: TrainConfig, spec: SamplerSpec, policy: LoadedPolicy, task: Task) -> Any:
+def connect_sampler(cfg: TrainConfig, spec: SamplerSpec, policy: LoadedPolicy, inputs: RunInputs) -> GroupSampler | None:
     """A sampler that must be reached (a shared server): reachable and serving this
     architecture at this length before any long work. None for an in-process sampler."""
     if spec.connect is None:
         return None
     connected = spec.connect(cfg)
-    check_served_model(connected, cfg=cfg, policy=policy.module, longest=task.longest(cfg, held_out=True))
+    check_served_model(connected, cfg=cfg, policy=policy.module, longest=inputs.longest(cfg, held_out=True))
     return connected
 
 
@@ -223,35 +228,36 @@ def connect_sampler(cfg: TrainConfig, spec: SamplerSpec, policy: LoadedPolicy, t
 class Scoring:
     """How a step's samples are scored."""
 
-    rewards: Any
+    rewards: RewardPool | None
     """The ``RewardPool`` (worker processes; closed with the run), or None: an env run without functions."""
     scorer: GroupScorer
     """The reward pool's call for a batch of single-turn samples (and the warm-up's probe)."""
-    agent_scorer: Any
+    agent_scorer: TrajectoryScorer | None
     """An env run's ``TrajectoryScorer`` (the environment's outcome and the functions); None single-turn."""
 
 
-def build_scoring(cfg: TrainConfig, policy: LoadedPolicy, task: Task, reward_functions: Sequence[Callable | str] | None) -> Scoring:
+def build_scoring(cfg: TrainConfig, policy: LoadedPolicy, inputs: RunInputs,
+                  reward_functions: Sequence[Callable | str] | None) -> Scoring:
     """The reward pool on ``reward_functions`` (else ``cfg.rewards``), checked on real rows
     before any training work (an env run's: ``agent.build.agent_scorer``)."""
     from fastrl.train.rewards import RewardPool
 
     specs = list(reward_functions) if reward_functions is not None else list(cfg.rewards)
     agent_scorer = None
-    if task.agent is None:
+    if inputs.agent is None:
         rewards = RewardPool(specs, weights=cfg.reward_weights, timeout_s=cfg.reward_timeout, num_workers=cfg.reward_workers)
     else:
-        agent_scorer = agent_build.agent_scorer(cfg, task.agent, specs)
+        agent_scorer = agent_build.agent_scorer(cfg, inputs.agent, specs)
         rewards = agent_scorer.rewards
     scorer = GroupScorer(tokenizer=policy.tokenizer, rewards=rewards, prompt_column=cfg.prompt_column)
-    if task.agent is None:
-        probe_rows = task.prompts.train_rows[: min(2, len(task.prompts.train_rows))]
+    if inputs.agent is None:
+        probe_rows = inputs.prompts.train_rows[: min(2, len(inputs.prompts.train_rows))]
         rewards.validate([r[cfg.prompt_column] for r in probe_rows], ["" for _ in probe_rows], scorer.columns(probe_rows))
     return Scoring(rewards=rewards, scorer=scorer, agent_scorer=agent_scorer)
 
 
 # ---------------------------------------------------------------------------- 6. the warm-up
-def warm_up(cfg: TrainConfig, site: RunSite, policy: LoadedPolicy, task: Task, scoring: Scoring, *,
+def warm_up(cfg: TrainConfig, site: RunSite, policy: LoadedPolicy, inputs: RunInputs, scoring: Scoring, *,
             stop: StopRequests | None = None) -> WarmupResult:
     """The supervised warm-up (``sft_steps``; not on an RL resume: the checkpoint has the warmed-up
     policy): an env run's on its oracle's transcripts, else on the rows' answers. Returns its
@@ -292,10 +298,10 @@ def warm_up(cfg: TrainConfig, site: RunSite, policy: LoadedPolicy, task: Task, s
     if stop is not None:
         stop.deferring = True  # a first signal from now on ends the warm-up at a step boundary
     try:
-        if task.agent is not None:
-            result = agent_build.warm_up_on_transcripts(cfg, policy.module, policy.tokenizer, task.agent, ranks=site.ranks, **run)
+        if inputs.agent is not None:
+            result = agent_build.warm_up_on_transcripts(cfg, policy.module, policy.tokenizer, inputs.agent, ranks=site.ranks, **run)
         else:
-            result = warm_up_on_answers(cfg, policy.module, policy.tokenizer, task.prompts.train_rows,
+            result = warm_up_on_answers(cfg, policy.module, policy.tokenizer, inputs.prompts.train_rows,
                                         score_fn=scoring.scorer.answer_score, **run)
     except WarmupPaused as paused:
         paused.state.global_rng = rng_state()
@@ -333,10 +339,10 @@ class Models:
     checkpoint: RunCheckpoint
 
 
-def build_models(cfg: TrainConfig, site: RunSite, policy: LoadedPolicy, task: Task) -> Models:
+def build_models(cfg: TrainConfig, site: RunSite, policy: LoadedPolicy, inputs: RunInputs) -> Models:
     """The reference (saved once under ``out/reference``), the critic, FSDP2 sharding under
     torchrun, the optimisers and schedules, activation checkpointing on what is trained."""
-    checkpointing = uses_activation_checkpointing(cfg.activation_checkpointing, longest=task.longest(cfg, held_out=False))
+    checkpointing = uses_activation_checkpointing(cfg.activation_checkpointing, longest=inputs.longest(cfg, held_out=False))
     if cfg.offload_activations and not checkpointing:
         raise ValueError("offload_activations offloads the layer inputs that checkpointing keeps: set activation_checkpointing=layer")
     device, sharded, module = site.device, site.ranks.sharded, policy.module
@@ -358,13 +364,13 @@ def build_models(cfg: TrainConfig, site: RunSite, policy: LoadedPolicy, task: Ta
 
 
 # ---------------------------------------------------------------------------- 8. the sampler
-def open_sampler(cfg: TrainConfig, spec: SamplerSpec, site: RunSite, policy: LoadedPolicy, task: Task, models: Models,
+def open_sampler(cfg: TrainConfig, spec: SamplerSpec, site: RunSite, policy: LoadedPolicy, inputs: RunInputs, models: Models,
                  connected: GroupSampler | None) -> GroupSampler:
     """The registry entry's sampler (``samplers.SAMPLERS``) on the policy (under torchrun its
     full copy), or the server ``connect_sampler`` reached."""
     return build_sampler(spec, SamplerContext(
         cfg=cfg, policy=policy.module, full_copy=models.full_copy, pad_token_id=policy.tokenizer.pad_token_id,
-        output_dir=site.out, max_length=task.prompts.max_length, connected=connected,
+        output_dir=site.out, max_length=inputs.prompts.max_length, connected=connected,
     ))
 
 
@@ -384,24 +390,24 @@ def _prompt_seeds(sampling: SamplingConfig, first: int, count: int) -> list[int]
     return seeds.prompt_seeds(sampling.seed, first, count)
 
 
-def build_loop(cfg: TrainConfig, site: RunSite, policy: LoadedPolicy, task: Task, scoring: Scoring, models: Models, *,
+def build_loop(cfg: TrainConfig, site: RunSite, policy: LoadedPolicy, inputs: RunInputs, scoring: Scoring, models: Models, *,
                sampler: GroupSampler) -> Loop:
     """The step's collector (``collectors.make_collector``: single-turn, tree, async or agent;
     with ``async_steps`` its sampler process forked now from the current weights) and the
     evaluator: an env run's ``AgentEvaluator``, else the ``HeldOutEvaluator`` over the encoded
     held-out prompts."""
     pad_token_id = policy.tokenizer.pad_token_id
-    collector = make_collector(cfg, batcher=task.prompts.batcher, ranks=site.ranks, scorer=scoring.scorer, agent=task.agent,
+    collector = make_collector(cfg, batcher=inputs.prompts.batcher, ranks=site.ranks, scorer=scoring.scorer, agent=inputs.agent,
                                agent_scorer=scoring.agent_scorer,
                                weights=models.full_copy if models.full_copy is not None else policy.module,
                                pad_token_id=pad_token_id, device=site.device, resume_dir=site.resume_dir)
-    if task.agent is not None:
-        evaluator: Evaluator = agent_build.agent_evaluator(cfg, task.agent, sampler=sampler, ranks=site.ranks,
+    if inputs.agent is not None:
+        evaluator: Evaluator = agent_build.agent_evaluator(cfg, inputs.agent, sampler=sampler, ranks=site.ranks,
                                                            scorer=scoring.agent_scorer)
     else:
         evaluator = HeldOutEvaluator(
-            sampler=sampler, scorer=scoring.scorer, ranks=site.ranks, rows=task.prompts.eval_rows,
-            prompt_ids=task.prompts.eval_ids, max_new_tokens=cfg.max_new_tokens, pass_k=cfg.pass_k,
+            sampler=sampler, scorer=scoring.scorer, ranks=site.ranks, rows=inputs.prompts.eval_rows,
+            prompt_ids=inputs.prompts.eval_ids, max_new_tokens=cfg.max_new_tokens, pass_k=cfg.pass_k,
             temperature=cfg.temperature, top_p=cfg.top_p, top_k=cfg.top_k, seed=cfg.seed, prompt_seeds=_prompt_seeds,
         )
     return Loop(collector=collector, evaluator=evaluator)

@@ -138,20 +138,20 @@ class Trainer:
         self.site = site = assemble.open_run(cfg, run_files=RUN_FILES)
         self.timer = StageTimer(site.device)
         self.loaded = loaded = assemble.load_policy(cfg, site, model=model, tokenizer=tokenizer)
-        self.task = task = assemble.build_task(cfg, site, loaded, train_rows=train_rows, eval_rows=eval_rows)
-        connected = assemble.connect_sampler(cfg, self.spec, loaded, task)
-        self.scoring = scoring = assemble.build_scoring(cfg, loaded, task, reward_functions)
+        self.inputs = inputs = assemble.build_inputs(cfg, site, loaded, train_rows=train_rows, eval_rows=eval_rows)
+        connected = assemble.connect_sampler(cfg, self.spec, loaded, inputs)
+        self.scoring = scoring = assemble.build_scoring(cfg, loaded, inputs, reward_functions)
         try:
-            self.warmup = assemble.warm_up(cfg, site, loaded, task, scoring, stop=stop)
+            self.warmup = assemble.warm_up(cfg, site, loaded, inputs, scoring, stop=stop)
         except BaseException:  # a stopped (or failed) warm-up: its worker processes and the folder's lock go now
             if site.run_lock is not None:
                 site.run_lock.release()
             if scoring.rewards is not None:
                 scoring.rewards.close()
-            if task.agent is not None:
-                task.agent.close()
+            if inputs.agent is not None:
+                inputs.agent.close()
             raise
-        self.models = models = assemble.build_models(cfg, site, loaded, task)
+        self.models = models = assemble.build_models(cfg, site, loaded, inputs)
         self.kl_ctl = AdaptiveKLController(float(cfg.kl_coef or 0.0), target=cfg.kl_target, horizon=cfg.kl_horizon)
         self.layout = make_layout(shared_prefix=cfg.shared_prefix, prefix_tree=cfg.prefix_tree,
                                   token_budget=cfg.micro_batch_tokens, device=site.device,
@@ -167,12 +167,12 @@ class Trainer:
         if site.resume_dir is not None:
             self._load_checkpoint(site.resume_dir)
 
-        self.sampler = assemble.open_sampler(cfg, self.spec, site, loaded, task, models, connected)
+        self.sampler = assemble.open_sampler(cfg, self.spec, site, loaded, inputs, models, connected)
         self.sampler_shares_weights = not self.spec.own_weights and models.full_copy is None
         """The sampler runs the policy module itself: nothing to push, the probe is a guard."""
         if self.spec.push_on_start:
             self._push_weights()  # the policy's weights (after warm-up or resume) before the first rollout
-        loop = assemble.build_loop(cfg, site, loaded, task, scoring, models, sampler=self.sampler)
+        loop = assemble.build_loop(cfg, site, loaded, inputs, scoring, models, sampler=self.sampler)
         self.collector, self.evaluator = loop.collector, loop.evaluator  # attributes: tests wrap or swap them
         self._write_config()
 
@@ -185,9 +185,9 @@ class Trainer:
     policy = _part("loaded.module")
     tokenizer = _part("loaded.tokenizer")
     builtin = _part("loaded.builtin")
-    train_rows = _part("task.prompts.train_rows")
-    encoded = _part("task.prompts.train_ids")
-    eval_rows = _part("task.prompts.eval_rows")
+    train_rows = _part("inputs.prompts.train_rows")
+    encoded = _part("inputs.prompts.train_ids")
+    eval_rows = _part("inputs.prompts.eval_rows")
     rewards = _part("scoring.rewards")
     checkpointing = _part("models.checkpointing")
     reference = _part("models.reference")
@@ -328,8 +328,8 @@ class Trainer:
         # ---- metrics
         step_metrics, self._reward_histogram = self.collector.step_metrics(rollout, exp)
         metrics.update(step_metrics)
-        if self.task.prompts.dropped:
-            metrics["data/dropped_long_prompts"] = float(self.task.prompts.dropped)
+        if self.inputs.prompts.dropped:
+            metrics["data/dropped_long_prompts"] = float(self.inputs.prompts.dropped)
         if self.logger is not None:  # the logged samples are this rank's (rank 0 logs)
             self.logger.write_samples(self.step, *self.collector.samples(rollout, self.tokenizer))
         metrics["time/step"] = time.perf_counter() - t_step
@@ -533,7 +533,7 @@ class Trainer:
         every = self.cfg.sync_probe_every or (SHARED_WEIGHTS_PROBE_EVERY if self.sampler_shares_weights else 1)
         if self.step % every:
             return None
-        gap = probe_gap(self.sampler, self.policy, self.task.probe_prompt, max_new_tokens=self.cfg.max_new_tokens, device=self.device)
+        gap = probe_gap(self.sampler, self.policy, self.inputs.probe_prompt, max_new_tokens=self.cfg.max_new_tokens, device=self.device)
         self.sync_gaps.append(gap)
         check_gap(gap, tolerance=self.cfg.sync_probe_tolerance, step=self.step)
         return gap
@@ -565,7 +565,7 @@ class Trainer:
 
     def save_checkpoint(self) -> Path:
         """The policy, critic, optimizers, schedulers, RNG and trainer state (``checkpoint.RunCheckpoint``)."""
-        state = {"step": self.step, "batcher": self.task.prompts.batcher.state_dict(), "kl_controller": self.kl_ctl.state_dict(),
+        state = {"step": self.step, "batcher": self.inputs.prompts.batcher.state_dict(), "kl_controller": self.kl_ctl.state_dict(),
                  "eval_history": self.eval_history, "algorithm": self.cfg.algorithm}
         self.last_checkpoint = self.models.checkpoint.save(
             checkpoint_dir(self.out, self.step), tokenizer=self.tokenizer, state=state, keep=self.cfg.keep_checkpoints,
@@ -578,7 +578,7 @@ class Trainer:
     def _load_checkpoint(self, directory: Path) -> None:
         state, rng = self.models.checkpoint.load(directory, algorithm=self.cfg.algorithm, sharded=self.ranks.sharded, rank=self.ranks.rank)
         check_algorithm(state, self.cfg.algorithm)
-        self.task.prompts.batcher.load_state_dict(state["batcher"])
+        self.inputs.prompts.batcher.load_state_dict(state["batcher"])
         self.kl_ctl.load_state_dict(state["kl_controller"])
         self.eval_history = list(state.get("eval_history", []))
         self.step = int(state["step"])
@@ -595,8 +595,8 @@ class Trainer:
         if self.rewards is not None:
             self.rewards.close()
         self.collector.close()
-        if self.task.agent is not None:
-            self.task.agent.close()
+        if self.inputs.agent is not None:
+            self.inputs.agent.close()
         if hasattr(self.sampler, "close"):
             self.sampler.close()
         self.ranks.close()
