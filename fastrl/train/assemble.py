@@ -22,10 +22,10 @@ checks run in (whatever a user can get wrong fails before any long work):
 Between 7 and 8 the trainer makes its KL controller and layout and restores a resumed
 run's state. The builders' bodies live in the rooms of what they build (``policy.py``,
 ``prompts.py``, ``samplers.py``, ``reference_policy.py``, ``critic.py``, ``optimizers.py``,
-``sft.py``, ``distributed.py``) and, for ``--env``, the agent wing (``agent/build.py``); a
+``warmup.py``, ``distributed.py``) and, for ``--env``, the agent wing (``agent/build.py``); a
 stage here picks which to call and checks what comes back. One name, one meaning: the stage
 ``load_policy`` calls ``policy.load_model``; the stage ``warm_up`` calls
-``sft.warm_up_on_answers`` or ``agent.build.warm_up_on_transcripts``; ``RunInputs`` is not a
+``warmup.warm_up_on_answers`` or ``agent.build.warm_up_on_transcripts``; ``RunInputs`` is not a
 task (``task.DefaultTask`` and ``agent.defaults.EnvTask`` are the built-in tasks' defaults).
 """
 
@@ -58,15 +58,17 @@ from fastrl.train.prompts import Prompts, encode_prompts, run_rows
 from fastrl.train.ranks import Ranks
 from fastrl.train.reference_policy import ReferencePolicy, load_reference, offload_reference
 from fastrl.train.rundir import RunDirectoryLock, lock_run_directory
-from fastrl.train.samplers import SamplerContext, SamplerSpec, build_sampler, check_served_model
+from fastrl.train.samplers import SamplerContext, SamplerSpec, build_sampler, check_served_model, sampler_spec
 from fastrl.train.score import GroupScorer
-from fastrl.train.sft import WarmupPaused, WarmupResult, warm_up_on_answers
+from fastrl.train.sft import WarmupPaused, WarmupResult
+from fastrl.train.warmup import warm_up_on_answers
 from fastrl.train.warmup_checkpoint import is_warmup_checkpoint, load_warmup_checkpoint, save_warmup_checkpoint
 
 if TYPE_CHECKING:
     from transformers import PreTrainedTokenizerBase
 
     from fastrl.train.agent.score import TrajectoryScorer
+    from fastrl.train.distributed import DistContext
     from fastrl.train.interrupt import StopRequests
     from fastrl.train.rewards import RewardPool
 
@@ -119,7 +121,7 @@ def open_run(cfg: TrainConfig, *, run_files: Sequence[str]) -> RunSite:
         torch.set_num_threads(cfg.threads)
     ranks = Ranks.join(cfg.device, local_device=device_of)
     if ranks.sharded:
-        dist_mod.check_distributed(cfg, ranks.ctx)
+        check_distributed(cfg, ranks.ctx)
     out = Path(cfg.output_dir)
     run_lock = lock_run_directory(out) if ranks.is_main else None
     out.mkdir(parents=True, exist_ok=True)
@@ -132,6 +134,31 @@ def open_run(cfg: TrainConfig, *, run_files: Sequence[str]) -> RunSite:
     ranks.barrier()  # no rank writes into output_dir before rank 0 has claimed it
     return RunSite(ranks=ranks, out=out, run_lock=run_lock, resume_dir=None if warmup_dir is not None else resumed,
                    autocast_dtype=autocast_dtype, warmup_dir=warmup_dir)
+
+
+def check_distributed(cfg: TrainConfig, ctx: DistContext) -> None:
+    """What data parallel cannot run: a clear InputError on every rank before any work."""
+    # first, so every later check sees the same config on every rank
+    ctx.check_same("configuration", dist_mod.config_fingerprint(cfg))
+    world = ctx.world_size
+    refusal = sampler_spec(cfg.sampler).torchrun
+    if refusal is not None:
+        raise InputError(refusal)
+    if cfg.env is not None:
+        raise InputError("--env (agent training) runs in one process for now; start it without torchrun")
+    if cfg.prompt_token_budget is not None:
+        raise InputError("prompt_token_budget gives batches of varying prompt counts; under torchrun use prompts_per_step")
+    if cfg.prompts_per_step % world:
+        raise InputError(
+            f"prompts_per_step={cfg.prompts_per_step} is not divisible by the world size {world}: every rank samples "
+            f"whole groups of an equal share of the prompts (use a multiple of {world})"
+        )
+    per_rank = cfg.prompts_per_step // world
+    if per_rank < cfg.mini_batches:
+        raise InputError(
+            f"mini_batches={cfg.mini_batches} but each of the {world} ranks has only {per_rank} prompts per step; "
+            f"raise prompts_per_step to at least {world * cfg.mini_batches}"
+        )
 
 
 def set_threads(cfg: TrainConfig, site: RunSite, *, parameters: int) -> None:
@@ -353,7 +380,7 @@ def build_models(cfg: TrainConfig, site: RunSite, policy: LoadedPolicy, inputs: 
     critic = build_critic(cfg, module, resume_dir=site.resume_dir, device=device) if cfg.uses_critic else None
     full_copy = None
     if sharded:
-        full_copy = dist_mod.shard_models(module, critic, param_dtype=site.autocast_dtype if device.type == "cuda" else None)
+        full_copy = dist_mod.shard_models(module, critic.body if critic is not None else None, param_dtype=site.autocast_dtype if device.type == "cuda" else None)
     opt = build_optimizers(cfg, module, critic)
     checkpoint = RunCheckpoint(policy=module, optimizer=opt.optimizer, scheduler=opt.scheduler, critic=critic,
                                critic_optimizer=opt.critic_optimizer, critic_scheduler=opt.critic_scheduler)

@@ -30,8 +30,6 @@ if TYPE_CHECKING:
     from torch.optim.lr_scheduler import LRScheduler
     from transformers import PreTrainedTokenizerBase
 
-    from fastrl.train.critic import ValueModel
-
 
 STATE_FILE = "trainer_state.json"
 logger = logging.getLogger(__name__)
@@ -372,7 +370,7 @@ class RunCheckpoint:
     single-process or the sharded (torchrun) format."""
 
     def __init__(self, *, policy: torch.nn.Module, optimizer: torch.optim.Optimizer, scheduler: LRScheduler,
-                 critic: ValueModel | None = None, critic_optimizer: torch.optim.Optimizer | None = None,
+                 critic: torch.nn.Module | None = None, critic_optimizer: torch.optim.Optimizer | None = None,
                  critic_scheduler: LRScheduler | None = None):
         self.policy, self.optimizer, self.scheduler = policy, optimizer, scheduler
         self.critic, self.critic_optimizer, self.critic_scheduler = critic, critic_optimizer, critic_scheduler
@@ -459,7 +457,7 @@ def claim_output_dir(out: Path, *, names: tuple[str, ...], overwrite: bool) -> N
         shutil.rmtree(p) if p.is_dir() else p.unlink()
 
 
-def save_final(directory: Path, *, policy: torch.nn.Module, critic: ValueModel | None, critic_dir: Path,
+def save_final(directory: Path, *, policy: torch.nn.Module, critic: torch.nn.Module | None, critic_dir: Path,
                tokenizer: PreTrainedTokenizerBase, sharded: bool = False,
                full_policy: torch.nn.Module | None = None, is_main: bool = True) -> None:
     """The trained policy as a Hugging Face directory (with the tokenizer) and the critic beside
@@ -474,8 +472,6 @@ def save_final(directory: Path, *, policy: torch.nn.Module, critic: ValueModel |
     import copy
 
     from fastrl.train import distributed as dist_mod
-    from fastrl.train.critic import ValueModel
-
     critic_state = dict(dist_mod.full_named_tensors(critic)) if critic is not None else None
     if is_main:
         full_policy.save_pretrained(directory, safe_serialization=True)

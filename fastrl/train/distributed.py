@@ -29,16 +29,13 @@ import json
 import copy
 import os
 from dataclasses import dataclass
-from typing import TYPE_CHECKING, Any, Iterable, Iterator
+from typing import Any, Iterable, Iterator
 
 import torch
 import torch.distributed as dist
 
 from fastrl.errors import InputError
 
-if TYPE_CHECKING:
-    from fastrl.train.config import TrainConfig
-    from fastrl.train.critic import ValueModel
 
 __all__ = [
     "DistContext",
@@ -47,7 +44,6 @@ __all__ = [
     "sync_replicated_grads",
     "clip_grad_norm",
     "full_named_tensors",
-    "check_distributed",
     "shard_models",
 ]
 
@@ -257,41 +253,14 @@ def shard_slice(total: int, rank: int, world: int) -> slice:
     return slice(rank * per, (rank + 1) * per)
 
 
-def shard_models(policy: torch.nn.Module, critic: ValueModel | None, *, param_dtype: torch.dtype | None) -> torch.nn.Module:
-    """FSDP2 on the policy (and critic); returns a full, unsharded copy of the policy for the
+def shard_models(policy: torch.nn.Module, critic_body: torch.nn.Module | None, *,
+                 param_dtype: torch.dtype | None) -> torch.nn.Module:
+    """FSDP2 on the policy (and the critic's body, ``ValueModel.body``); returns a full, unsharded copy of the policy for the
     sampler. Generation runs a rank-dependent number of forwards (completions stop at
     different steps), which FSDP's per-forward all-gathers cannot follow, and a copy synced
     after each update costs one all-gather per step instead of one per token."""
     full_copy = copy.deepcopy(policy).eval().requires_grad_(False)
     shard_causal_lm(policy, param_dtype=param_dtype)
-    if critic is not None:
-        shard_causal_lm(critic.body, param_dtype=param_dtype)
+    if critic_body is not None:
+        shard_causal_lm(critic_body, param_dtype=param_dtype)
     return full_copy
-
-
-def check_distributed(cfg: TrainConfig, ctx: DistContext) -> None:
-    """What data parallel cannot run: a clear InputError on every rank before any work."""
-    from fastrl.train.samplers import sampler_spec
-
-    # first, so every later check sees the same config on every rank
-    ctx.check_same("configuration", config_fingerprint(cfg))
-    world = ctx.world_size
-    refusal = sampler_spec(cfg.sampler).torchrun
-    if refusal is not None:
-        raise InputError(refusal)
-    if cfg.env is not None:
-        raise InputError("--env (agent training) runs in one process for now; start it without torchrun")
-    if cfg.prompt_token_budget is not None:
-        raise InputError("prompt_token_budget gives batches of varying prompt counts; under torchrun use prompts_per_step")
-    if cfg.prompts_per_step % world:
-        raise InputError(
-            f"prompts_per_step={cfg.prompts_per_step} is not divisible by the world size {world}: every rank samples "
-            f"whole groups of an equal share of the prompts (use a multiple of {world})"
-        )
-    per_rank = cfg.prompts_per_step // world
-    if per_rank < cfg.mini_batches:
-        raise InputError(
-            f"mini_batches={cfg.mini_batches} but each of the {world} ranks has only {per_rank} prompts per step; "
-            f"raise prompts_per_step to at least {world * cfg.mini_batches}"
-        )
-

@@ -29,18 +29,15 @@ from typing import TYPE_CHECKING, Any, Callable, Sequence
 import numpy as np
 import torch
 
-from fastrl.errors import InputError
 from fastrl.ops.hf import causal_lm_logprobs
 from fastrl.train.data import check_rows, encode_prompt
 
 if TYPE_CHECKING:
     from transformers import PreTrainedTokenizerBase
 
-    from fastrl.train.config import TrainConfig
-
 __all__ = ["encode_sft_example", "collate_sft", "sft_loss", "sft_warmup", "sft_batches", "sft_to_target", "SFT_LAYOUTS",
            "SFT_TRIE_MIN_SAVING", "TrieBatch", "trie_batch", "trie_sft_loss", "ProbeSchedule", "WarmupResult",
-           "probe_when_due", "WarmupState", "WarmupPaused", "warm_up_on_answers"]
+           "probe_when_due", "WarmupState", "WarmupPaused"]
 
 SFT_LAYOUTS = ("auto", "padded", "trie")
 """How a warm-up batch runs (module docstring)."""
@@ -558,36 +555,3 @@ def sft_to_target(
         )
     out["probe"] = history
     return out
-
-
-def warm_up_on_answers(cfg: TrainConfig, policy: torch.nn.Module, tokenizer: PreTrainedTokenizerBase, rows: Sequence[dict], *,
-                       score_fn: Callable[[list, list[str], list], list[float]], progress: bool, resume: WarmupState | None = None,
-                       pause: Callable[[], bool] | None = None) -> WarmupResult:
-    """The supervised warm-up (``sft_steps``; to ``sft_target_accuracy`` when set, probing with
-    ``score_fn``); returns its ``sft/...`` metrics and probes, the policy back in train mode. ``progress``:
-    show its progress (``WarmupProgress``). ``resume`` (a paused warm-up's ``WarmupState``) and
-    ``pause`` as for ``fastrl.train.sft.sft_batches``."""
-    from fastrl.train.progress import WarmupProgress
-
-    if not all("answer" in r for r in rows):
-        raise InputError("sft_steps > 0 needs an 'answer' column in the dataset (the warm-up targets)")
-    warm = WarmupProgress(cfg.sft_steps, target_accuracy=cfg.sft_target_accuracy, enabled=progress,
-                          initial=resume.steps_done if resume is not None else 0)
-    common = dict(steps=cfg.sft_steps, lr=cfg.sft_lr, batch_size=cfg.sft_batch_size, seed=cfg.seed, warmup_steps=cfg.sft_warmup_steps,
-                  prompt_column=cfg.prompt_column, chat_template=cfg.chat_template, on_step=warm.on_step, layout=cfg.sft_layout,
-                  resume=resume, pause=pause)
-    try:
-        if cfg.sft_target_accuracy is not None:
-            common["max_steps"] = common.pop("steps")
-            result = sft_to_target(
-                policy, tokenizer, rows, score_fn=score_fn, target_accuracy=cfg.sft_target_accuracy,
-                check_every=cfg.sft_check_every, probe_rows=cfg.sft_probe_rows, max_new_tokens=cfg.max_new_tokens,
-                on_probe=warm.on_probe, sooner_near_target=cfg.sft_probe_sooner, **common,
-            )
-        else:
-            result = sft_warmup(policy, tokenizer, rows, **common)
-    finally:
-        warm.close()
-    policy.train()
-    return WarmupResult.of_run(result, result.get("probe", ()))
-
