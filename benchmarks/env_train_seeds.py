@@ -44,7 +44,7 @@ COMMANDS = {"1": "OMP_NUM_THREADS=1 fastrl train --env {env} --seed S --threads 
 LOAD_SAMPLE_SECONDS = 15.0
 """How often the load average is sampled during a run."""
 EVAL_KEYS = {"accuracy": "eval/accuracy", "tool_call_rate": "eval/tool_call_rate", "turns_mean": "eval/turns_mean"}
-"""What each held-out evaluation record gives (``fastrl.train.agent_evaluate``)."""
+"""What each held-out evaluation record gives (``fastrl.train.agent.evaluate``)."""
 
 
 def code_version(*, results: Path | None = None) -> str:

@@ -61,9 +61,9 @@ def main() -> int:
     from fastrl.agents.envs.sql import QUESTIONS
     from fastrl.rollout import HFGroupSampler
     from fastrl.rollout.base import SamplingConfig
-    from fastrl.train.agent_build import build_agent
-    from fastrl.train.agent_collect import play_episodes
-    from fastrl.train.agent_task import apply_env_defaults
+    from fastrl.train.agent.build import build_agent
+    from fastrl.train.agent.collect import play_episodes
+    from fastrl.train.agent.defaults import apply_env_defaults
     from fastrl.train.config import TrainConfig
     from fastrl.train.task import char_tokenizer
 

@@ -49,7 +49,8 @@ class Grid:
 def probe_curve(cfg, grid: Grid):
     """The warm-up of ``cfg`` (a ``TrainConfig`` of a built-in environment) probed on ``grid``:
     ``(WarmupResult, the warmed-up policy module)``."""
-    from fastrl.train import agent_build, assemble
+    from fastrl.train import assemble
+    from fastrl.train.agent import build as agent_build
     from fastrl.train.trainer import RUN_FILES
 
     cfg = cfg.resolved(model_given=False)
@@ -57,8 +58,8 @@ def probe_curve(cfg, grid: Grid):
     task = None
     try:
         loaded = assemble.load_policy(cfg, site, model=None, tokenizer=None)
-        task = assemble.build_task(cfg, site, loaded, train_rows=None, eval_rows=None)
-        result = agent_build.agent_warm_up(cfg, loaded.module, loaded.tokenizer, task.agent, ranks=site.ranks,
+        task = assemble.build_inputs(cfg, site, loaded, train_rows=None, eval_rows=None)
+        result = agent_build.warm_up_on_transcripts(cfg, loaded.module, loaded.tokenizer, task.agent, ranks=site.ranks,
                                            progress=False, schedule=grid)
         return result, loaded.module
     finally:

@@ -23,6 +23,13 @@ MOVED_MODULES: dict[str, str] = {
     "fastrl.train.paired": "fastrl.commands.paired",
     # the step's micro-batching classes are no longer called *Layout (issue 40)
     "fastrl.train.layout": "fastrl.train.batching",
+    # the trainer's agent wing (issue 40): fastrl/train/agent_*.py -> fastrl/train/agent/
+    "fastrl.train.agent_build": "fastrl.train.agent.build",
+    "fastrl.train.agent_collect": "fastrl.train.agent.collect",
+    "fastrl.train.agent_tree_collect": "fastrl.train.agent.tree_collect",
+    "fastrl.train.agent_evaluate": "fastrl.train.agent.evaluate",
+    "fastrl.train.agent_score": "fastrl.train.agent.score",
+    "fastrl.train.agent_task": "fastrl.train.agent.defaults",
 }
 """Old dotted module name -> its new one (filled as modules move; read by the finder at import time)."""
 

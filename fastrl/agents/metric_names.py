@@ -3,11 +3,15 @@
 compare``, the tests) both name it from. A name is what users' dashboards key on: renaming one
 is a breaking change, so a new figure gets a new name here rather than an old one reused.
 
-The tree figures are named here, in the lowest package that writes them, although a plain tree
-rollout (``--rollout tree`` without ``--env``) logs the same ones, and the plain rollout the same
-``GENERATED_TOKENS``."""
+The figures every rollout logs (``rollout/generated_tokens`` and a tree's ``rollout/...``) have
+their home in ``fastrl.rollout.metric_names``, below the trainer and the agents; they are
+listed here too, so this module stays the whole list of what an agent rollout logs."""
 
 from __future__ import annotations
+
+from fastrl.rollout.metric_names import (  # noqa: F401  (listed with the agent figures)
+    GENERATED_TOKENS, KV_FORKS, PREFIX_CACHE_HIT_RATE, TREE_BRANCH_POINTS, TREE_COPIES, TREE_LEAF_TOKENS,
+)
 
 # ---------------------------------------------------------------- per rollout (driver.agent_metrics)
 TURNS_MEAN = "agent/turns_mean"
@@ -42,20 +46,13 @@ ENV_REPLAYS = "env/replays"
 TRAJECTORY_TOKENS_MEAN = "agent/trajectory_tokens_mean"
 ENV_TIME_SHARE = "agent/env_time_share"
 
-# ---------------------------------------------------------------- tree rollouts (branching.TurnTree.metrics)
-GENERATED_TOKENS = "rollout/generated_tokens"
-"""Completion tokens sampled: a tree's shared segment counted once (the budget a run spends)."""
-TREE_LEAF_TOKENS = "rollout/tree_leaf_tokens"
-"""The leaves' completion tokens: what independent samples of those lengths would have generated."""
-TREE_BRANCH_POINTS = "rollout/tree_branch_points"
-TREE_COPIES = "rollout/tree_copies"
+# ---------------------------------------------------------------- tree rollouts (branching.TurnTree.metrics;
+# its rollout/... names are fastrl.rollout.metric_names's)
 TREE_LEAF_ENV_CALLS = "agent/tree_leaf_env_calls"
 """The environment calls the leaves would have made independently (``ENV_CALLS`` counts those made)."""
 FORKS_NATIVE = "env/forks_native"
 FORKS_REPLAYED = "env/forks_replayed"
 FORK_FAILURES = "env/fork_failures"
-KV_FORKS = "rollout/kv_forks"
-PREFIX_CACHE_HIT_RATE = "rollout/prefix_cache_hit_rate"
 
 
 def tool_failures(kind: str) -> str:

@@ -856,7 +856,7 @@ def _plan_settings(args: argparse.Namespace) -> dict[str, Any]:
 def builtin_train_model_shape(train: Any = None) -> ModelShape:
     """The shape of ``fastrl train``'s built-in model (no ``--model``) for the resolved
     ``TrainConfig`` ``train`` (its ``model_hidden_size``, ``model_layers``; an env run's
-    context is its ``max_trajectory_tokens``, as ``build.load_policy`` makes it); None: the
+    context is its ``max_trajectory_tokens``, as ``policy.load_model`` makes it); None: the
     built-in task's."""
     from fastrl.train.task import DefaultTask, char_tokenizer, tiny_model
 

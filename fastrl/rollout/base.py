@@ -172,7 +172,7 @@ def merge_rollouts(kept: list[tuple[GroupRollout, list[int]]], *, group_size: in
 
 @runtime_checkable
 class GroupSampler(Protocol):
-    """What the trainer asks of a sampler (``fastrl/train/build.py`` registers each one).
+    """What the trainer asks of a sampler (``fastrl/train/samplers.py`` registers each one).
 
     Capabilities beyond these: a sampler class that also keeps trajectories' keys/values across
     calls declares ``multi_turn = True`` (:class:`MultiTurnSampler`); callers ask

@@ -1,13 +1,16 @@
 """The lean GRPO/PPO trainer: ``Trainer(TrainConfig(...)).train()`` or ``fastrl train``.
 
-Rooms (each a small module): ``trainer`` (the loop) over an ``experience.Experience``;
-``layout`` (padded rows or packed groups), ``ranks`` (one process or many), ``build``
-(models, optimisers, the sampler registry), ``collect`` (rollout and dynamic sampling),
-``advantages``, ``weights`` (sync and probe), ``evaluate``, ``checkpoint``, ``metrics``,
-``seeds``, ``score``; ``data`` (prompts, batching), ``rewards`` (TRL-signature reward
-functions in a process pool with time limits), ``sft`` (the optional supervised warm-up),
-``critic`` (PPO value model), ``schedule``; ``task`` holds the built-in task, tokenizer and
-tiny model of the embedded default. ARCHITECTURE.md maps them.
+Rooms (each a small module): ``trainer`` (the loop) over an ``experience.Experience``, its
+parts built by ``assemble``'s stages; the stages behind ``contracts`` (``Collector``,
+``Evaluator``): ``collect`` / ``tree_collect`` / ``async_collect`` (chosen in ``collectors``),
+``score``, ``advantages``, ``weights`` (sync and probe), ``evaluate``, ``checkpoint``,
+``metrics``; ``layout`` (padded rows or packed groups), ``ranks`` (one process or many);
+what a run is built from: ``policy``, ``prompts`` (over ``data``: loading, batching),
+``samplers`` (the sampler registry), ``reference_policy``, ``critic`` (PPO value model),
+``optimizers``, ``warmup`` (the supervised warm-up stage, over ``sft``), ``rewards`` (TRL-signature
+reward functions in a process pool with time limits); ``agent/`` is the wing of ``--env``
+runs (the same contracts); ``task`` holds the built-in task, tokenizer and tiny model of the
+embedded default. ARCHITECTURE.md maps them.
 """
 
 from fastrl.train.config import ALGORITHM_PRESETS, ALGORITHMS, TrainConfig

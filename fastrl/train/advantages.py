@@ -320,7 +320,7 @@ def estimate(exp: Experience, *, cfg: TrainConfig, ranks, kl_coef: float,
 
 def tree_step_credit(exp: Experience, *, cfg: TrainConfig, ranks) -> dict[str, float]:
     """Tree rollouts (``rollout=tree``, ``exp.tree_nodes`` set; single-turn, or agent trajectories
-    branching at turns, ``agent_tree_collect``), group modes: the leaves' group
+    branching at turns, ``agent.tree_collect``), group modes: the leaves' group
     advantage ``A^E_b`` (already in ``exp.advantages``, ``[B]``) plus ``step_coef`` times each
     token's step advantage among the siblings of its segment (``tree_step_advantages`` over the
     outcome rewards, F_norm ``turn_norm``; the formulas are in ``fastrl.reference.tree_advantages``):

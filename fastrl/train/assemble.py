@@ -7,8 +7,8 @@ checks run in (whatever a user can get wrong fails before any long work):
 1. ``open_run``         ``RunSite``: threads, the processes (``Ranks``), the device, the
                         output folder locked and claimed, the resume point, the seed
 2. ``load_policy``      ``LoadedPolicy``: the tokenizer and the policy, checked together
-3. ``build_task``       ``Task``: the encoded prompts and their batcher (an env run's
-                        environment side too, checked on a real row)
+3. ``build_inputs``     ``RunInputs``: what the run trains on, its encoded prompts and their
+                        batcher (an env run's environment side too, checked on a real row)
 4. ``connect_sampler``  a shared server's client, checked against the policy (else None)
 5. ``build_scoring``    ``Scoring``: the reward pool and the scorers, checked on real rows
 6. ``warm_up``          ``WarmupResult``: the supervised warm-up's ``sft/...`` metrics and
@@ -16,12 +16,17 @@ checks run in (whatever a user can get wrong fails before any long work):
 7. ``build_models``     ``Models``: activation checkpointing, reference, critic, FSDP,
                         optimisers, what a checkpoint holds
 8. ``open_sampler``     the sampler (after the resume, so it starts from the restored weights)
-9. ``build_loop``       ``Loop``: the step's collector and the held-out evaluator
+9. ``build_loop``       ``Loop``: the step's collector (``collectors.make_collector``) and the
+                        held-out evaluator (``contracts``: what the loop asks of each)
 
 Between 7 and 8 the trainer makes its KL controller and layout and restores a resumed
-run's state. The builders' bodies are ``build.py`` (what every run has, and single-turn
-runs) and ``agent_build.py`` (``--env``); a stage here picks which to call and checks what
-comes back.
+run's state. The builders' bodies live in the rooms of what they build (``policy.py``,
+``prompts.py``, ``samplers.py``, ``reference_policy.py``, ``critic.py``, ``optimizers.py``,
+``warmup.py``, ``distributed.py``) and, for ``--env``, the agent wing (``agent/build.py``); a
+stage here picks which to call and checks what comes back. One name, one meaning: the stage
+``load_policy`` calls ``policy.load_model``; the stage ``warm_up`` calls
+``warmup.warm_up_on_answers`` or ``agent.build.warm_up_on_transcripts``; ``RunInputs`` is not a
+task (``task.DefaultTask`` and ``agent.defaults.EnvTask`` are the built-in tasks' defaults).
 """
 
 from __future__ import annotations
@@ -29,34 +34,50 @@ from __future__ import annotations
 import sys
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any, Callable, Sequence
+from typing import TYPE_CHECKING, Callable, Sequence
 
 import torch
 
 from fastrl.errors import InputError
 from fastrl.rollout.base import GroupSampler, SamplingConfig
-from fastrl.train import agent_build, build, seeds
 from fastrl.train import distributed as dist_mod
-from fastrl.train.agent_build import AgentSetup
-from fastrl.train.async_collect import make_collector
-from fastrl.train.build import Optimizers, Prompts, SamplerSpec
+from fastrl.train import seeds
+from fastrl.train.agent import build as agent_build
+from fastrl.train.agent.build import AgentSetup
 from fastrl.train.checkpoint import RunCheckpoint, claim_output_dir, resolve_resume
+from fastrl.train.collectors import make_collector
 from fastrl.train.config import TrainConfig
-from fastrl.train.critic import ValueModel
+from fastrl.train.contracts import Collector, Evaluator
+from fastrl.train.critic import ValueModel, build_critic
+from fastrl.train.data import model_context_length
 from fastrl.train.evaluate import HeldOutEvaluator
 from fastrl.train.heap import maps_large_blocks_for, mmap_large_blocks
+from fastrl.train.optimizers import Optimizers, build_optimizers
+from fastrl.train.policy import check_shared_prefix_support, device_of, enable_checkpointing, load_model
+from fastrl.train.prompts import Prompts, encode_prompts, run_rows
 from fastrl.train.ranks import Ranks
-from fastrl.train.reference_policy import ReferencePolicy, offload_reference
+from fastrl.train.reference_policy import ReferencePolicy, load_reference, offload_reference
 from fastrl.train.rundir import RunDirectoryLock, lock_run_directory
+from fastrl.train.samplers import SamplerContext, SamplerSpec, build_sampler, check_served_model, sampler_spec
 from fastrl.train.score import GroupScorer
 from fastrl.train.threads import ThreadGovernor
 from fastrl.train.sft import WarmupPaused, WarmupResult
+from fastrl.train.warmup import warm_up_on_answers
 from fastrl.train.warmup_checkpoint import is_warmup_checkpoint, load_warmup_checkpoint, save_warmup_checkpoint
 
+if TYPE_CHECKING:
+    from transformers import PreTrainedTokenizerBase
+
+    from fastrl.train.agent.score import TrajectoryScorer
+    from fastrl.train.distributed import DistContext
+    from fastrl.train.interrupt import StopRequests
+    from fastrl.train.reward_pool import RewardPool
+
+
 __all__ = [
-    "AUTO_CHECKPOINTING_TOKENS", "LoadedPolicy", "Loop", "Models", "RunSite", "Scoring", "Task", "build_loop", "build_models",
-    "build_scoring", "build_task", "connect_sampler", "load_policy", "open_run", "open_sampler", "uses_activation_checkpointing",
-    "warm_up",
+    "AUTO_CHECKPOINTING_TOKENS", "LoadedPolicy", "Loop", "Models", "RunInputs", "RunSite", "Scoring", "build_inputs",
+    "build_loop", "build_models", "build_scoring", "connect_sampler", "load_policy", "open_run", "open_sampler",
+    "uses_activation_checkpointing", "warm_up",
 ]
 
 AUTO_CHECKPOINTING_TOKENS = 2048
@@ -108,9 +129,9 @@ def open_run(cfg: TrainConfig, *, run_files: Sequence[str]) -> RunSite:
     check_run_sources(cfg)
     if cfg.threads:
         torch.set_num_threads(cfg.threads)
-    ranks = Ranks.join(cfg.device, local_device=build.device_of)
+    ranks = Ranks.join(cfg.device, local_device=device_of)
     if ranks.sharded:
-        build.check_distributed(cfg, ranks.ctx)
+        check_distributed(cfg, ranks.ctx)
     out = Path(cfg.output_dir)
     run_lock = lock_run_directory(out) if ranks.is_main else None
     out.mkdir(parents=True, exist_ok=True)
@@ -123,6 +144,31 @@ def open_run(cfg: TrainConfig, *, run_files: Sequence[str]) -> RunSite:
     ranks.barrier()  # no rank writes into output_dir before rank 0 has claimed it
     return RunSite(ranks=ranks, out=out, run_lock=run_lock, resume_dir=None if warmup_dir is not None else resumed,
                    autocast_dtype=autocast_dtype, warmup_dir=warmup_dir)
+
+
+def check_distributed(cfg: TrainConfig, ctx: DistContext) -> None:
+    """What data parallel cannot run: a clear InputError on every rank before any work."""
+    # first, so every later check sees the same config on every rank
+    ctx.check_same("configuration", dist_mod.config_fingerprint(cfg))
+    world = ctx.world_size
+    refusal = sampler_spec(cfg.sampler).torchrun
+    if refusal is not None:
+        raise InputError(refusal)
+    if cfg.env is not None:
+        raise InputError("--env (agent training) runs in one process for now; start it without torchrun")
+    if cfg.prompt_token_budget is not None:
+        raise InputError("prompt_token_budget gives batches of varying prompt counts; under torchrun use prompts_per_step")
+    if cfg.prompts_per_step % world:
+        raise InputError(
+            f"prompts_per_step={cfg.prompts_per_step} is not divisible by the world size {world}: every rank samples "
+            f"whole groups of an equal share of the prompts (use a multiple of {world})"
+        )
+    per_rank = cfg.prompts_per_step // world
+    if per_rank < cfg.mini_batches:
+        raise InputError(
+            f"mini_batches={cfg.mini_batches} but each of the {world} ranks has only {per_rank} prompts per step; "
+            f"raise prompts_per_step to at least {world * cfg.mini_batches}"
+        )
 
 
 def set_threads(cfg: TrainConfig, site: RunSite, policy: torch.nn.Module) -> None:
@@ -154,24 +200,25 @@ def set_threads(cfg: TrainConfig, site: RunSite, policy: torch.nn.Module) -> Non
 class LoadedPolicy:
     """The tokenizer and the policy module (train mode, on the run's device)."""
 
-    tokenizer: Any
+    tokenizer: PreTrainedTokenizerBase
     module: torch.nn.Module
     builtin: bool
     """The built-in tiny model (no model given or named)."""
 
 
-def load_policy(cfg: TrainConfig, site: RunSite, *, model: torch.nn.Module | None, tokenizer: Any) -> LoadedPolicy:
-    """``build.load_policy`` (a resumed checkpoint's, the given model, the built-in one or
+def load_policy(cfg: TrainConfig, site: RunSite, *, model: torch.nn.Module | None,
+                tokenizer: PreTrainedTokenizerBase | None) -> LoadedPolicy:
+    """``policy.load_model`` (a resumed checkpoint's, the given model, the built-in one or
     ``cfg.model``), checked against its tokenizer and, for packed layouts, its attention. A
     CPU policy large enough for it gets ``mmap_large_blocks`` (``fastrl.train.heap``: freed
     activations leave the process instead of staying resident)."""
     from fastrl.train.data import check_tokenizer_matches_model
 
-    tok, policy = build.load_policy(cfg, model=model, tokenizer=tokenizer, resume_dir=site.resume_dir, device=site.device)
+    tok, policy = load_model(cfg, model=model, tokenizer=tokenizer, resume_dir=site.resume_dir, device=site.device)
     check_tokenizer_matches_model(tok, policy)
     set_threads(cfg, site, policy)
     if cfg.shared_prefix or cfg.prefix_tree is True:
-        build.check_shared_prefix_support(policy)
+        check_shared_prefix_support(policy)
     parameter_bytes = sum(p.numel() * p.element_size() for p in policy.parameters())
     if maps_large_blocks_for(device_type=site.device.type, parameter_bytes=parameter_bytes):
         mmap_large_blocks()
@@ -180,7 +227,7 @@ def load_policy(cfg: TrainConfig, site: RunSite, *, model: torch.nn.Module | Non
 
 # ---------------------------------------------------------------------------- 3. the task
 @dataclass
-class Task:
+class RunInputs:
     """What the run trains on: its prompts, and an env run's environment side."""
 
     prompts: Prompts
@@ -201,28 +248,27 @@ class Task:
         return max(len(p) for p in ids) + cfg.max_new_tokens
 
 
-def build_task(cfg: TrainConfig, site: RunSite, policy: LoadedPolicy, *, train_rows: Sequence[dict] | None,
-               eval_rows: Sequence[dict] | None) -> Task:
-    """An env run's ``AgentSetup`` and its prompts (``agent_build``), else the rows encoded
-    against the model's context (``build.encode_prompts``)."""
+def build_inputs(cfg: TrainConfig, site: RunSite, policy: LoadedPolicy, *, train_rows: Sequence[dict] | None,
+                 eval_rows: Sequence[dict] | None) -> RunInputs:
+    """An env run's ``AgentSetup`` and its prompts (``agent.build``), else the rows encoded
+    against the model's context (``prompts.encode_prompts``)."""
     sharded = site.ranks.sharded
     if cfg.env is None:
-        prompts = build.encode_prompts(cfg, policy.tokenizer, policy.module, *build.load_rows(cfg, train_rows, eval_rows),
-                                       sharded=sharded)
-        return Task(prompts=prompts, agent=None)
-    context = build.model_context_length(policy.module)
+        prompts = encode_prompts(cfg, policy.tokenizer, policy.module, *run_rows(cfg, train_rows, eval_rows), sharded=sharded)
+        return RunInputs(prompts=prompts, agent=None)
+    context = model_context_length(policy.module)
     agent = agent_build.build_agent(cfg, policy.tokenizer, train_rows=train_rows, eval_rows=eval_rows, max_length=context)
-    return Task(prompts=agent_build.agent_prompts(cfg, agent, max_length=context, sharded=sharded), agent=agent)
+    return RunInputs(prompts=agent_build.agent_prompts(cfg, agent, max_length=context, sharded=sharded), agent=agent)
 
 
 # ---------------------------------------------------------------------------- 4. a sampler to reach
-def connect_sampler(cfg: TrainConfig, spec: SamplerSpec, policy: LoadedPolicy, task: Task) -> Any:
+def connect_sampler(cfg: TrainConfig, spec: SamplerSpec, policy: LoadedPolicy, inputs: RunInputs) -> GroupSampler | None:
     """A sampler that must be reached (a shared server): reachable and serving this
     architecture at this length before any long work. None for an in-process sampler."""
     if spec.connect is None:
         return None
     connected = spec.connect(cfg)
-    build.check_served_model(connected, cfg=cfg, policy=policy.module, longest=task.longest(cfg, held_out=True))
+    check_served_model(connected, cfg=cfg, policy=policy.module, longest=inputs.longest(cfg, held_out=True))
     return connected
 
 
@@ -231,36 +277,37 @@ def connect_sampler(cfg: TrainConfig, spec: SamplerSpec, policy: LoadedPolicy, t
 class Scoring:
     """How a step's samples are scored."""
 
-    rewards: Any
+    rewards: RewardPool | None
     """The ``RewardPool`` (worker processes; closed with the run), or None: an env run without functions."""
     scorer: GroupScorer
     """The reward pool's call for a batch of single-turn samples (and the warm-up's probe)."""
-    agent_scorer: Any
+    agent_scorer: TrajectoryScorer | None
     """An env run's ``TrajectoryScorer`` (the environment's outcome and the functions); None single-turn."""
 
 
-def build_scoring(cfg: TrainConfig, policy: LoadedPolicy, task: Task, reward_functions: Sequence[Callable | str] | None) -> Scoring:
+def build_scoring(cfg: TrainConfig, policy: LoadedPolicy, inputs: RunInputs,
+                  reward_functions: Sequence[Callable | str] | None) -> Scoring:
     """The reward pool on ``reward_functions`` (else ``cfg.rewards``), checked on real rows
-    before any training work (an env run's: ``agent_build.agent_scorer``)."""
+    before any training work (an env run's: ``agent.build.agent_scorer``)."""
     from fastrl.train.reward_pool import RewardPool
 
     specs = list(reward_functions) if reward_functions is not None else list(cfg.rewards)
     agent_scorer = None
-    if task.agent is None:
+    if inputs.agent is None:
         rewards = RewardPool(specs, weights=cfg.reward_weights, timeout_s=cfg.reward_timeout, num_workers=cfg.reward_workers)
     else:
-        agent_scorer = agent_build.agent_scorer(cfg, task.agent, specs)
+        agent_scorer = agent_build.agent_scorer(cfg, inputs.agent, specs)
         rewards = agent_scorer.rewards
     scorer = GroupScorer(tokenizer=policy.tokenizer, rewards=rewards, prompt_column=cfg.prompt_column)
-    if task.agent is None:
-        probe_rows = task.prompts.train_rows[: min(2, len(task.prompts.train_rows))]
+    if inputs.agent is None:
+        probe_rows = inputs.prompts.train_rows[: min(2, len(inputs.prompts.train_rows))]
         rewards.validate([r[cfg.prompt_column] for r in probe_rows], ["" for _ in probe_rows], scorer.columns(probe_rows))
     return Scoring(rewards=rewards, scorer=scorer, agent_scorer=agent_scorer)
 
 
 # ---------------------------------------------------------------------------- 6. the warm-up
-def warm_up(cfg: TrainConfig, site: RunSite, policy: LoadedPolicy, task: Task, scoring: Scoring, *,
-            stop: Any = None) -> WarmupResult:
+def warm_up(cfg: TrainConfig, site: RunSite, policy: LoadedPolicy, inputs: RunInputs, scoring: Scoring, *,
+            stop: StopRequests | None = None) -> WarmupResult:
     """The supervised warm-up (``sft_steps``; not on an RL resume: the checkpoint has the warmed-up
     policy): an env run's on its oracle's transcripts, else on the rows' answers. Returns its
     ``sft/...`` metrics and probes (empty without one). Under torchrun every rank ran the same seeded
@@ -300,11 +347,11 @@ def warm_up(cfg: TrainConfig, site: RunSite, policy: LoadedPolicy, task: Task, s
     if stop is not None:
         stop.deferring = True  # a first signal from now on ends the warm-up at a step boundary
     try:
-        if task.agent is not None:
-            result = agent_build.agent_warm_up(cfg, policy.module, policy.tokenizer, task.agent, ranks=site.ranks, **run)
+        if inputs.agent is not None:
+            result = agent_build.warm_up_on_transcripts(cfg, policy.module, policy.tokenizer, inputs.agent, ranks=site.ranks, **run)
         else:
-            result = build.warm_up(cfg, policy.module, policy.tokenizer, task.prompts.train_rows,
-                                   score_fn=scoring.scorer.answer_score, **run)
+            result = warm_up_on_answers(cfg, policy.module, policy.tokenizer, inputs.prompts.train_rows,
+                                        score_fn=scoring.scorer.answer_score, **run)
     except WarmupPaused as paused:
         paused.state.global_rng = rng_state()
         saved = save_warmup_checkpoint(site.out, paused.state) if site.is_main else None
@@ -341,38 +388,38 @@ class Models:
     checkpoint: RunCheckpoint
 
 
-def build_models(cfg: TrainConfig, site: RunSite, policy: LoadedPolicy, task: Task) -> Models:
+def build_models(cfg: TrainConfig, site: RunSite, policy: LoadedPolicy, inputs: RunInputs) -> Models:
     """The reference (saved once under ``out/reference``), the critic, FSDP2 sharding under
     torchrun, the optimisers and schedules, activation checkpointing on what is trained."""
-    checkpointing = uses_activation_checkpointing(cfg.activation_checkpointing, longest=task.longest(cfg, held_out=False))
+    checkpointing = uses_activation_checkpointing(cfg.activation_checkpointing, longest=inputs.longest(cfg, held_out=False))
     if cfg.offload_activations and not checkpointing:
         raise ValueError("offload_activations offloads the layer inputs that checkpointing keeps: set activation_checkpointing=layer")
     device, sharded, module = site.device, site.ranks.sharded, policy.module
     reference = None
     if cfg.uses_reference:
-        reference = build.load_reference(module, path=site.out / "reference", resume=site.resume_dir is not None, save=site.is_main,
-                                         device=device, offload=offload_reference(cfg.reference_offload, device=device, sharded=sharded))
-    critic = build.build_critic(cfg, module, resume_dir=site.resume_dir, device=device) if cfg.uses_critic else None
+        reference = load_reference(module, path=site.out / "reference", resume=site.resume_dir is not None, save=site.is_main,
+                                   device=device, offload=offload_reference(cfg.reference_offload, device=device, sharded=sharded))
+    critic = build_critic(cfg, module, resume_dir=site.resume_dir, device=device) if cfg.uses_critic else None
     full_copy = None
     if sharded:
-        full_copy = build.shard_models(module, critic, param_dtype=site.autocast_dtype if device.type == "cuda" else None)
-    opt = build.build_optimizers(cfg, module, critic)
+        full_copy = dist_mod.shard_models(module, critic.body if critic is not None else None, param_dtype=site.autocast_dtype if device.type == "cuda" else None)
+    opt = build_optimizers(cfg, module, critic)
     checkpoint = RunCheckpoint(policy=module, optimizer=opt.optimizer, scheduler=opt.scheduler, critic=critic,
                                critic_optimizer=opt.critic_optimizer, critic_scheduler=opt.critic_scheduler)
     if checkpointing:
-        build.enable_checkpointing([module, critic.body if critic is not None else None])
+        enable_checkpointing([module, critic.body if critic is not None else None])
     return Models(checkpointing=checkpointing, reference=reference, critic=critic, full_copy=full_copy, optimizers=opt,
                   checkpoint=checkpoint)
 
 
 # ---------------------------------------------------------------------------- 8. the sampler
-def open_sampler(cfg: TrainConfig, spec: SamplerSpec, site: RunSite, policy: LoadedPolicy, task: Task, models: Models,
-                 connected: Any) -> GroupSampler:
-    """The registry entry's sampler (``build.SAMPLERS``) on the policy (under torchrun its
+def open_sampler(cfg: TrainConfig, spec: SamplerSpec, site: RunSite, policy: LoadedPolicy, inputs: RunInputs, models: Models,
+                 connected: GroupSampler | None) -> GroupSampler:
+    """The registry entry's sampler (``samplers.SAMPLERS``) on the policy (under torchrun its
     full copy), or the server ``connect_sampler`` reached."""
-    return build.build_sampler(spec, build.SamplerContext(
+    return build_sampler(spec, SamplerContext(
         cfg=cfg, policy=policy.module, full_copy=models.full_copy, pad_token_id=policy.tokenizer.pad_token_id,
-        output_dir=site.out, max_length=task.prompts.max_length, connected=connected,
+        output_dir=site.out, max_length=inputs.prompts.max_length, connected=connected,
     ))
 
 
@@ -381,9 +428,9 @@ def open_sampler(cfg: TrainConfig, spec: SamplerSpec, site: RunSite, policy: Loa
 class Loop:
     """The two objects the loop drives: each step's rollouts, and the held-out evaluation."""
 
-    collector: Any
-    """The ``Collector`` interface (``collect.py``): ``Collector``, ``TreeCollector``, ``AsyncCollector``, ``AgentCollector``..."""
-    evaluator: Any
+    collector: Collector
+    """``GroupCollector``, ``TreeCollector``, ``AsyncCollector``, ``AgentCollector``, ``AgentTreeCollector``."""
+    evaluator: Evaluator
     """``HeldOutEvaluator`` or an env run's ``AgentEvaluator``; called with no argument."""
 
 
@@ -392,22 +439,24 @@ def _prompt_seeds(sampling: SamplingConfig, first: int, count: int) -> list[int]
     return seeds.prompt_seeds(sampling.seed, first, count)
 
 
-def build_loop(cfg: TrainConfig, site: RunSite, policy: LoadedPolicy, task: Task, scoring: Scoring, models: Models, *,
+def build_loop(cfg: TrainConfig, site: RunSite, policy: LoadedPolicy, inputs: RunInputs, scoring: Scoring, models: Models, *,
                sampler: GroupSampler) -> Loop:
-    """An env run's (``agent_build.agent_loop``), else ``make_collector``'s (with
-    ``async_steps``, its sampler process forked now from the current weights) and the
-    ``HeldOutEvaluator`` over the encoded held-out prompts."""
+    """The step's collector (``collectors.make_collector``: single-turn, tree, async or agent;
+    with ``async_steps`` its sampler process forked now from the current weights) and the
+    evaluator: an env run's ``AgentEvaluator``, else the ``HeldOutEvaluator`` over the encoded
+    held-out prompts."""
     pad_token_id = policy.tokenizer.pad_token_id
-    if task.agent is not None:
-        collector, evaluator = agent_build.agent_loop(cfg, task.agent, batcher=task.prompts.batcher, ranks=site.ranks,
-                                                      sampler=sampler, pad_token_id=pad_token_id, scorer=scoring.agent_scorer)
-        return Loop(collector=collector, evaluator=evaluator)
-    collector = make_collector(cfg=cfg, batcher=task.prompts.batcher, ranks=site.ranks, scorer=scoring.scorer,
+    collector = make_collector(cfg, batcher=inputs.prompts.batcher, ranks=site.ranks, scorer=scoring.scorer, agent=inputs.agent,
+                               agent_scorer=scoring.agent_scorer,
                                weights=models.full_copy if models.full_copy is not None else policy.module,
                                pad_token_id=pad_token_id, device=site.device, resume_dir=site.resume_dir)
-    evaluator = HeldOutEvaluator(
-        sampler=sampler, scorer=scoring.scorer, ranks=site.ranks, rows=task.prompts.eval_rows, prompt_ids=task.prompts.eval_ids,
-        max_new_tokens=cfg.max_new_tokens, pass_k=cfg.pass_k, temperature=cfg.temperature, top_p=cfg.top_p,
-        top_k=cfg.top_k, seed=cfg.seed, prompt_seeds=_prompt_seeds,
-    )
+    if inputs.agent is not None:
+        evaluator: Evaluator = agent_build.agent_evaluator(cfg, inputs.agent, sampler=sampler, ranks=site.ranks,
+                                                           scorer=scoring.agent_scorer)
+    else:
+        evaluator = HeldOutEvaluator(
+            sampler=sampler, scorer=scoring.scorer, ranks=site.ranks, rows=inputs.prompts.eval_rows,
+            prompt_ids=inputs.prompts.eval_ids, max_new_tokens=cfg.max_new_tokens, pass_k=cfg.pass_k,
+            temperature=cfg.temperature, top_p=cfg.top_p, top_k=cfg.top_k, seed=cfg.seed, prompt_seeds=_prompt_seeds,
+        )
     return Loop(collector=collector, evaluator=evaluator)

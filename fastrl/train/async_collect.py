@@ -1,7 +1,7 @@
 """Asynchronous collection (``TrainConfig.async_steps = n >= 1``): the rollouts of the next
 ``n`` steps are sampled by a process of its own while the trainer updates.
 
-``AsyncCollector`` has the ``Collector`` interface (``collect(sampler=, step=, timer=)``
+``AsyncCollector`` is a ``contracts.Collector`` (``collect(sampler=, step=, timer=)``
 returns one step's ``GroupRollout`` and its metrics). At step ``s`` it copies the
 trainer's current weights ``w_s`` (the policy after ``s`` updates) into a free weight slot
 of the sampler process (``async_steps + 1`` slots; a slot is held until every rollout
@@ -16,7 +16,7 @@ old: ``async/staleness`` (updates between the rollout's weights and the trainer'
 logged every step and checked.
 
 Dynamic sampling (DAPO, ``dynamic_sampling``): step ``s``'s rollout is refilled as the
-synchronous collector does (``Collector.refill``: its all-equal groups dropped, further
+synchronous collector does (``GroupCollector.refill``: its all-equal groups dropped, further
 rounds of the step's next prompts drawn), each round sampled by the sampler process with
 the trainer's weights of now (0 updates old) and waited for; the rollouts of the next steps
 are submitted after the refill (with ``async_steps`` 1 nothing is ahead of a round in the
@@ -51,7 +51,7 @@ import logging
 from collections import deque
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import torch
 
@@ -59,10 +59,19 @@ from fastrl.errors import InputError
 from fastrl.rollout.base import GroupRollout, RolloutBatch
 from fastrl.rollout.process import ProcessSampler, SamplerReply, SamplerTimes, decode_batch, encode_batch
 from fastrl.train.checkpoint import extra_file, load_extra
-from fastrl.train.collect import Collector, RolloutRequest
+from fastrl.train.collect import GroupCollector, RolloutRequest
 from fastrl.train.config import TrainConfig
+from fastrl.train.ranks import Ranks
 
-__all__ = ["AsyncCollector", "IN_FLIGHT", "make_collector"]
+if TYPE_CHECKING:
+    from transformers import PreTrainedTokenizerBase
+
+    from fastrl.rollout.base import GroupSampler
+    from fastrl.train.experience import Experience
+    from fastrl.train.metrics import StageTimer
+
+
+__all__ = ["AsyncCollector", "IN_FLIGHT", "drop_in_flight", "start_async"]
 
 logger = logging.getLogger(__name__)
 
@@ -97,13 +106,13 @@ class InFlight:
 
 
 class AsyncCollector:
-    """``Collector``'s interface over a ``ProcessSampler`` (see the module docstring).
+    """A ``contracts.Collector`` over a ``ProcessSampler`` (see the module docstring).
 
     ``inner``: the synchronous collector whose ``draw`` and ``score`` it uses; ``weights``:
     the module whose state is the trainer's current policy (its full copy under torchrun);
     ``in_flight``: the saved rollouts of a checkpoint being resumed (``load_extra``)."""
 
-    def __init__(self, *, inner: Collector, sampler: ProcessSampler, weights: torch.nn.Module, async_steps: int,
+    def __init__(self, *, inner: GroupCollector, sampler: ProcessSampler, weights: torch.nn.Module, async_steps: int,
                  steps: int, in_flight: list[dict[str, Any]] | None = None):
         self.inner, self.sampler, self.weights = inner, sampler, weights
         self.async_steps, self.steps = async_steps, steps
@@ -113,7 +122,7 @@ class AsyncCollector:
         self.next_step: int | None = self.pending[-1].step + 1 if self.pending else None
 
     # ------------------------------------------------------------------ the interface
-    def collect(self, *, sampler: Any, step: int, timer: Any) -> tuple[GroupRollout, dict[str, float]]:
+    def collect(self, *, sampler: GroupSampler, step: int, timer: StageTimer) -> tuple[GroupRollout, dict[str, float]]:
         """Step ``step``'s rollout (``sampler``, the trainer's in-process one, is not used)."""
         refills = self.inner.cfg.dynamic_sampling
         if not refills:
@@ -138,13 +147,13 @@ class AsyncCollector:
             self._submit_up_to(step, timer=timer)
         return rollout, info
 
-    def experience(self, rollout: GroupRollout, *, device: Any) -> Any:
+    def experience(self, rollout: GroupRollout, *, device: torch.device) -> Any:
         return self.inner.experience(rollout, device=device)
 
-    def step_metrics(self, rollout: GroupRollout, exp: Any) -> tuple[dict[str, float], dict[str, list[float]]]:
+    def step_metrics(self, rollout: GroupRollout, exp: Experience) -> tuple[dict[str, float], dict[str, list[float]]]:
         return self.inner.step_metrics(rollout, exp)
 
-    def samples(self, rollout: GroupRollout, tokenizer: Any) -> Any:
+    def samples(self, rollout: GroupRollout, tokenizer: PreTrainedTokenizerBase) -> Any:
         return self.inner.samples(rollout, tokenizer)
 
     def checkpoint_extra(self) -> dict[str, Any]:
@@ -156,7 +165,7 @@ class AsyncCollector:
         self.sampler.close()
 
     # ------------------------------------------------------------------ internals
-    def _submit_up_to(self, step: int, *, timer: Any, ahead: int | None = None) -> None:
+    def _submit_up_to(self, step: int, *, timer: StageTimer, ahead: int | None = None) -> None:
         """Submit the rollouts of steps ``next_step .. min(step + ahead, steps - 1)`` (``ahead``:
         ``async_steps`` unless given), sampled with the weights of now."""
         if self.next_step is None:
@@ -172,7 +181,7 @@ class AsyncCollector:
             self.pending.append(InFlight(step=self.next_step, version=step, request=request, future=future, slot=slot))
             self.next_step += 1
 
-    def _refill_round(self, *, step: int, salt: int, timer: Any) -> GroupRollout:
+    def _refill_round(self, *, step: int, salt: int, timer: StageTimer) -> GroupRollout:
         """A dynamic-sampling round of step ``step``: its next prompts, sampled by the sampler
         process with the trainer's weights of now (0 updates old) and scored."""
         request = self.inner.draw(step=step, salt=salt)
@@ -184,7 +193,7 @@ class AsyncCollector:
         with timer("reward"):
             return self.inner.score(request, batch)
 
-    def _receive(self, item: InFlight, *, timer: Any) -> tuple[RolloutBatch, SamplerTimes]:
+    def _receive(self, item: InFlight, *, timer: StageTimer) -> tuple[RolloutBatch, SamplerTimes]:
         """``item``'s rollout, waited for and decoded; its weight slot released."""
         with timer("generate"):  # only the wait that the update did not hide
             reply = item.future.result()
@@ -206,19 +215,10 @@ def sampler_metrics(times: SamplerTimes) -> dict[str, float]:
             "async/sampler_waited_seconds": times.waited}
 
 
-def make_collector(*, cfg: TrainConfig, batcher: Any, ranks: Any, scorer: Any, weights: torch.nn.Module,
-                   pad_token_id: int, device: torch.device, resume_dir: Path | None) -> Collector | AsyncCollector:
-    """The step's collector: ``Collector``, or with ``async_steps`` an ``AsyncCollector``
-    (its sampler process forked now, from ``weights``; a resumed run's rollouts in flight
-    restored from ``resume_dir``)."""
-    from fastrl.train.tree_collect import TreeCollector
-
-    inner = (TreeCollector if cfg.rollout == "tree" else Collector)(cfg=cfg, batcher=batcher, ranks=ranks, scorer=scorer)
-    if not cfg.async_steps:
-        if resume_dir is not None and load_extra(resume_dir, IN_FLIGHT, rank=ranks.rank):
-            logger.warning("resume without async_steps: the %s checkpoint's rollouts in flight are dropped (their prompts "
-                           "are skipped)", resume_dir)
-        return inner
+def start_async(inner: GroupCollector, *, cfg: TrainConfig, ranks: Ranks, weights: torch.nn.Module, pad_token_id: int,
+                device: torch.device, resume_dir: Path | None) -> AsyncCollector:
+    """``inner`` behind an ``AsyncCollector`` (``async_steps``): its sampler process forked now,
+    from ``weights``; a resumed run's rollouts in flight restored from ``resume_dir``."""
     if device.type != "cpu":
         raise InputError(f"async_steps={cfg.async_steps}: the sampler process runs on the CPU (forked from the trainer); "
                          f"this run's device is {device} (use --device cpu)")
@@ -235,3 +235,11 @@ def make_collector(*, cfg: TrainConfig, batcher: Any, ranks: Any, scorer: Any, w
                              weight_slots=cfg.async_steps + 1)
     return AsyncCollector(inner=inner, sampler=sampler, weights=weights, async_steps=cfg.async_steps, steps=cfg.steps,
                           in_flight=in_flight)
+
+
+def drop_in_flight(resume_dir: Path | None, *, ranks: Ranks) -> None:
+    """A run without ``async_steps`` resumed from a checkpoint that holds rollouts in flight
+    says that it drops them (their prompts are skipped)."""
+    if resume_dir is not None and load_extra(resume_dir, IN_FLIGHT, rank=ranks.rank):
+        logger.warning("resume without async_steps: the %s checkpoint's rollouts in flight are dropped (their prompts "
+                       "are skipped)", resume_dir)

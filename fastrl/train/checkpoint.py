@@ -17,7 +17,7 @@ import random
 import re
 import shutil
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import numpy as np
 import torch
@@ -25,6 +25,11 @@ import torch
 from fastrl.errors import InputError
 from fastrl.train import manifest
 from fastrl.train.faults import NonFiniteWeightsError, disk_full_errno, disk_full_error
+
+if TYPE_CHECKING:
+    from torch.optim.lr_scheduler import LRScheduler
+    from transformers import PreTrainedTokenizerBase
+
 
 STATE_FILE = "trainer_state.json"
 logger = logging.getLogger(__name__)
@@ -110,7 +115,7 @@ def save_checkpoint(
     directory: Path,
     *,
     models: dict[str, Any],
-    tokenizer: Any,
+    tokenizer: PreTrainedTokenizerBase,
     objects: dict[str, Any],
     state: dict[str, Any],
     keep: int,
@@ -194,7 +199,7 @@ def save_distributed_checkpoint(
     schedulers: dict[str, Any],
     state: dict[str, Any],
     hf_policy: torch.nn.Module,
-    tokenizer: Any,
+    tokenizer: PreTrainedTokenizerBase,
     rank: int,
     barrier,
     keep: int,
@@ -364,8 +369,9 @@ class RunCheckpoint:
     scheduler, and the critic with its own when there is one. ``save``/``load`` pick the
     single-process or the sharded (torchrun) format."""
 
-    def __init__(self, *, policy: torch.nn.Module, optimizer: Any, scheduler: Any, critic: Any = None,
-                 critic_optimizer: Any = None, critic_scheduler: Any = None):
+    def __init__(self, *, policy: torch.nn.Module, optimizer: torch.optim.Optimizer, scheduler: LRScheduler,
+                 critic: torch.nn.Module | None = None, critic_optimizer: torch.optim.Optimizer | None = None,
+                 critic_scheduler: LRScheduler | None = None):
         self.policy, self.optimizer, self.scheduler = policy, optimizer, scheduler
         self.critic, self.critic_optimizer, self.critic_scheduler = critic, critic_optimizer, critic_scheduler
 
@@ -394,7 +400,8 @@ class RunCheckpoint:
             out.update(critic_optimizer=self.critic_optimizer, critic_scheduler=self.critic_scheduler)
         return out
 
-    def save(self, directory: Path, *, tokenizer: Any, state: dict[str, Any], keep: int, sharded: bool = False,
+    def save(self, directory: Path, *, tokenizer: PreTrainedTokenizerBase, state: dict[str, Any], keep: int,
+             sharded: bool = False,
              full_policy: torch.nn.Module | None = None, rank: int = 0, world_size: int = 1, barrier=None,
              extra: dict[str, Any] | None = None) -> Path:
         """One checkpoint; ``sharded`` (torchrun, a collective): ``torch.distributed.checkpoint``
@@ -450,7 +457,8 @@ def claim_output_dir(out: Path, *, names: tuple[str, ...], overwrite: bool) -> N
         shutil.rmtree(p) if p.is_dir() else p.unlink()
 
 
-def save_final(directory: Path, *, policy: torch.nn.Module, critic: Any, critic_dir: Path, tokenizer: Any, sharded: bool = False,
+def save_final(directory: Path, *, policy: torch.nn.Module, critic: torch.nn.Module | None, critic_dir: Path,
+               tokenizer: PreTrainedTokenizerBase, sharded: bool = False,
                full_policy: torch.nn.Module | None = None, is_main: bool = True) -> None:
     """The trained policy as a Hugging Face directory (with the tokenizer) and the critic beside
     it. ``sharded`` (torchrun, a collective): the policy from the trainer's full copy, the
@@ -464,8 +472,6 @@ def save_final(directory: Path, *, policy: torch.nn.Module, critic: Any, critic_
     import copy
 
     from fastrl.train import distributed as dist_mod
-    from fastrl.train.critic import ValueModel
-
     critic_state = dict(dist_mod.full_named_tensors(critic)) if critic is not None else None
     if is_main:
         full_policy.save_pretrained(directory, safe_serialization=True)

@@ -9,7 +9,7 @@ many informative groups as prompts (or ``max_resample_rounds`` is spent).
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Any, Callable
+from typing import TYPE_CHECKING, Any, Callable
 
 from fastrl.rollout.base import GroupRollout, RolloutBatch, SamplingConfig, merge_rollouts
 from fastrl.train import seeds
@@ -17,7 +17,18 @@ from fastrl.train.config import TrainConfig
 from fastrl.train.experience import Experience
 from fastrl.train.metrics import best_and_worst, rollout_metrics
 
-__all__ = ["Collector", "RolloutRequest", "rollout_sampling"]
+if TYPE_CHECKING:
+    import torch
+    from transformers import PreTrainedTokenizerBase
+
+    from fastrl.rollout.base import GroupSampler
+    from fastrl.train.data import PromptBatcher
+    from fastrl.train.metrics import StageTimer
+    from fastrl.train.ranks import Ranks
+    from fastrl.train.score import GroupScorer
+
+
+__all__ = ["GroupCollector", "RolloutRequest", "rollout_sampling"]
 
 
 def rollout_sampling(cfg: TrainConfig, *, step: int, salt: int) -> SamplingConfig:
@@ -28,7 +39,7 @@ def rollout_sampling(cfg: TrainConfig, *, step: int, salt: int) -> SamplingConfi
 
 @dataclass
 class RolloutRequest:
-    """One rollout round to sample: this rank's prompts and how (``Collector.draw``)."""
+    """One rollout round to sample: this rank's prompts and how (``GroupCollector.draw``)."""
 
     prompt_batch: Any
     """This rank's share of the prompt batch (``PromptBatch``: rows, prompt ids, indices)."""
@@ -36,21 +47,22 @@ class RolloutRequest:
     prompt_seeds: list[int] | None
     """One sampling seed per prompt (``seeds.prompt_seeds``), or None."""
 
-    def generate(self, sampler: Any, *, group_size: int) -> RolloutBatch:
+    def generate(self, sampler: GroupSampler, *, group_size: int) -> RolloutBatch:
         extra = {"prompt_seeds": self.prompt_seeds} if self.prompt_seeds is not None else {}
         return sampler.generate(self.prompt_batch.prompt_ids, group_size=group_size, sampling=self.sampling, **extra)
 
 
-class Collector:
-    """``collect(sampler=, step=, timer=)``: one step's rollout and its ``dynamic/...`` metrics;
-    ``experience``, ``step_metrics`` and ``samples`` of it for the loop, ``checkpoint_extra()``
-    (this rank's objects for the checkpoint) and ``close()``: the interface
-    ``agent_collect.AgentCollector`` and ``async_collect.AsyncCollector`` share."""
+class GroupCollector:
+    """The single-turn ``contracts.Collector``: ``collect(sampler=, step=, timer=)``, one step's
+    groups of completions and its ``dynamic/...`` metrics; ``experience``, ``step_metrics`` and
+    ``samples`` of it for the loop, ``checkpoint_extra()`` (this rank's objects for the
+    checkpoint) and ``close()``. ``draw``, ``score`` and ``refill`` are the stages
+    ``async_collect.AsyncCollector`` reuses."""
 
-    def __init__(self, *, cfg: TrainConfig, batcher: Any, ranks: Any, scorer: Any):
+    def __init__(self, *, cfg: TrainConfig, batcher: PromptBatcher, ranks: Ranks, scorer: GroupScorer):
         self.cfg, self.batcher, self.ranks, self.scorer = cfg, batcher, ranks, scorer
 
-    def collect(self, *, sampler: Any, step: int, timer: Any) -> tuple[GroupRollout, dict[str, float]]:
+    def collect(self, *, sampler: GroupSampler, step: int, timer: StageTimer) -> tuple[GroupRollout, dict[str, float]]:
         first = self.rollout(sampler=sampler, step=step, salt=0, timer=timer)
         if not self.cfg.dynamic_sampling:
             return first, {"dynamic/rounds": 0.0, "dynamic/dropped_groups": 0.0}
@@ -87,7 +99,7 @@ class Collector:
             return first, info
         return merge_rollouts(kept, group_size=G, limit=target, pad_token_id=pad_token_id), info
 
-    def experience(self, rollout: GroupRollout, *, device: Any) -> Experience:
+    def experience(self, rollout: GroupRollout, *, device: torch.device) -> Experience:
         """The step's ``Experience`` of a collected rollout."""
         return Experience.from_rollout(rollout.batch, group_size=self.cfg.group_size, rewards=rollout.rewards, device=device)
 
@@ -95,11 +107,12 @@ class Collector:
         """Reward, length and rollout metrics, and the rewards' histogram (``metrics.rollout_metrics``)."""
         return rollout_metrics(rollout, self.ranks)
 
-    def samples(self, rollout: GroupRollout, tokenizer: Any) -> tuple[tuple[str, str, float], tuple[str, str, float]]:
+    def samples(self, rollout: GroupRollout, tokenizer: PreTrainedTokenizerBase) -> tuple[tuple[str, str, float], tuple[str,
+                str, float]]:
         """``(prompt, completion, reward)`` of the best and worst sample (``samples.txt``)."""
         return best_and_worst(rollout, tokenizer, self.cfg.group_size)
 
-    def rollout(self, *, sampler: Any, step: int, salt: int, timer: Any) -> GroupRollout:
+    def rollout(self, *, sampler: GroupSampler, step: int, salt: int, timer: StageTimer) -> GroupRollout:
         """Sample and score this rank's share of the next prompt batch."""
         request = self.draw(step=step, salt=salt)
         with timer("generate"):

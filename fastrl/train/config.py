@@ -190,7 +190,7 @@ class TrainConfig:
     """Training prompts the warm-up's accuracy probe evaluates."""
     sft_check_every: Optional[int] = None
     """Warm-up steps between accuracy probes (None: DefaultTask's 50; a built-in environment's
-    own, ``fastrl/train/agent_task.py``). Logged: ``sft/probes``, and each probe in the warm-up's record."""
+    own, ``fastrl/train/agent/defaults.py``). Logged: ``sft/probes``, and each probe in the warm-up's record."""
     sft_probe_sooner: bool = False
     """Probe the warm-up sooner as its accuracy nears the target: after a probe short of it, the
     next comes ``sft_check_every`` times the share of the target still missing
@@ -220,7 +220,7 @@ class TrainConfig:
     ``path/file.py:function`` with TRL's signature ``f(prompts, completions, **columns)``.
     None: exact_match; with ``--env``: none (the environment's outcome reward alone), and the
     functions given score each whole trajectory, added to ``env_reward_weight`` times the
-    environment's outcome (``fastrl/train/agent_score.py``)."""
+    environment's outcome (``fastrl/train/agent/score.py``)."""
     reward_weights: Optional[list[float]] = None
     """One weight per reward function (default: all 1)."""
     reward_timeout: float = 10.0
@@ -548,7 +548,7 @@ class TrainConfig:
         builtin_task = c.dataset is None and builtin_model and c.env is None
         default = _default_task()
         if c.env is not None:
-            from fastrl.train.agent_task import apply_env_defaults
+            from fastrl.train.agent.defaults import apply_env_defaults
 
             apply_env_defaults(c, builtin_model=builtin_model)
         if c.rewards is None:
@@ -661,7 +661,7 @@ class TrainConfig:
             positive_int(name, allow_zero=True)
         self._validate_agent(positive_int, number)
         if self.env is not None:
-            from fastrl.train.agent_task import ENV_TASKS
+            from fastrl.train.agent.defaults import ENV_TASKS
 
             if self.env not in ENV_TASKS and ":" not in self.env:
                 close = difflib.get_close_matches(self.env, list(ENV_TASKS), n=1, cutoff=0.6)

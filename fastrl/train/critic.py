@@ -13,6 +13,7 @@ import copy
 import json
 import os
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 import torch
 from torch import nn
@@ -20,6 +21,9 @@ from torch import nn
 from fastrl.errors import InputError
 from fastrl.ops.hf import causal_lm_hidden_states
 from fastrl.ops.stats import explained_variance  # noqa: F401  (its home is ops; imported here by older callers)
+
+if TYPE_CHECKING:
+    from fastrl.train.config import TrainConfig
 
 VALUE_HEAD_FILE = "value_head.safetensors"
 CRITIC_MARKER = "fastrl_critic.json"
@@ -81,3 +85,16 @@ class ValueModel(nn.Module):
         if head.exists():
             critic.value_head.load_state_dict(load_file(head, device=str(device)))
         return critic
+
+
+def build_critic(cfg: TrainConfig, policy: torch.nn.Module, *, resume_dir: Path | None, device: torch.device) -> ValueModel:
+    """PPO's critic: a single-process checkpoint's, ``critic_init``'s, or a copy of the policy
+    with a new value head (a torchrun checkpoint's shards load after sharding)."""
+    from fastrl.train.checkpoint import is_distributed_checkpoint
+
+    if resume_dir is not None and not is_distributed_checkpoint(resume_dir):
+        return ValueModel.load(resume_dir / "critic", device=device).train()
+    if cfg.critic_init is not None:
+        return ValueModel.load(cfg.critic_init, device=device).train()
+    return ValueModel.from_policy(policy).train()
+

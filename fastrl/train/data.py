@@ -18,11 +18,16 @@ import hashlib
 import json
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any, Iterator, Sequence
+from typing import TYPE_CHECKING, Any, Iterator, Sequence
 
 import numpy as np
 
 from fastrl.errors import InputError
+
+if TYPE_CHECKING:
+    import torch
+    from transformers import PreTrainedTokenizerBase
+
 
 __all__ = [
     "DatasetNotFoundError",
@@ -205,7 +210,8 @@ def check_rows(rows: Sequence[dict], *, prompt_column: str = "prompt", source: s
 # ---------------------------------------------------------------------------- encoding
 
 
-def encode_prompt(tokenizer: Any, prompt: str | Sequence[dict], *, chat_template: bool | None = None) -> list[int]:
+def encode_prompt(tokenizer: PreTrainedTokenizerBase, prompt: str | Sequence[dict], *,
+                  chat_template: bool | None = None) -> list[int]:
     """Token ids of ``prompt`` ready for generation.
 
     With a chat template (``chat_template`` True, or None and the tokenizer has one) the
@@ -238,7 +244,7 @@ def encode_prompt(tokenizer: Any, prompt: str | Sequence[dict], *, chat_template
     return ids
 
 
-def model_context_length(model: Any) -> int | None:
+def model_context_length(model: torch.nn.Module) -> int | None:
     """The longest sequence the model takes (``config.max_position_embeddings``), or None."""
     config = getattr(model, "config", None)
     for name in ("max_position_embeddings", "n_positions", "max_sequence_length"):
@@ -259,7 +265,7 @@ class EncodedRows:
 
 
 def encode_rows(
-    tokenizer: Any,
+    tokenizer: PreTrainedTokenizerBase,
     rows: Sequence[dict],
     *,
     prompt_column: str = "prompt",
@@ -298,7 +304,7 @@ def encode_rows(
     return EncodedRows(rows=kept_rows, prompt_ids=kept_ids, dropped=dropped)
 
 
-def check_tokenizer_matches_model(tokenizer: Any, model: Any) -> None:
+def check_tokenizer_matches_model(tokenizer: PreTrainedTokenizerBase, model: torch.nn.Module) -> None:
     """ValueError unless every token id the tokenizer can produce has a row in the model's
     input embedding (and output layer), and its special-token ids are in range."""
     embedding = model.get_input_embeddings()

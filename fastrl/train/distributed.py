@@ -26,6 +26,7 @@ from __future__ import annotations
 
 import hashlib
 import json
+import copy
 import os
 from dataclasses import dataclass
 from typing import Any, Iterable, Iterator
@@ -35,6 +36,7 @@ import torch.distributed as dist
 
 from fastrl.errors import InputError
 
+
 __all__ = [
     "DistContext",
     "detect",
@@ -42,6 +44,7 @@ __all__ = [
     "sync_replicated_grads",
     "clip_grad_norm",
     "full_named_tensors",
+    "shard_models",
 ]
 
 
@@ -248,3 +251,16 @@ def shard_slice(total: int, rank: int, world: int) -> slice:
     """The contiguous share of ``total`` items of ``rank`` (``total`` divisible by ``world``)."""
     per = total // world
     return slice(rank * per, (rank + 1) * per)
+
+
+def shard_models(policy: torch.nn.Module, critic_body: torch.nn.Module | None, *,
+                 param_dtype: torch.dtype | None) -> torch.nn.Module:
+    """FSDP2 on the policy (and the critic's body, ``ValueModel.body``); returns a full, unsharded copy of the policy for the
+    sampler. Generation runs a rank-dependent number of forwards (completions stop at
+    different steps), which FSDP's per-forward all-gathers cannot follow, and a copy synced
+    after each update costs one all-gather per step instead of one per token."""
+    full_copy = copy.deepcopy(policy).eval().requires_grad_(False)
+    shard_causal_lm(policy, param_dtype=param_dtype)
+    if critic_body is not None:
+        shard_causal_lm(critic_body, param_dtype=param_dtype)
+    return full_copy

@@ -16,12 +16,20 @@ from __future__ import annotations
 
 import math
 import time
-from typing import Any, Callable, Sequence
+from typing import TYPE_CHECKING, Any, Callable, Sequence
 
 import torch
 
 from fastrl.rollout import HFGroupSampler, SamplingConfig
 from fastrl.train.data import check_rows, encode_prompt
+
+if TYPE_CHECKING:
+    from transformers import PreTrainedTokenizerBase
+
+    from fastrl.rollout.base import GroupSampler
+    from fastrl.train.ranks import Ranks
+    from fastrl.train.score import GroupScorer
+
 
 __all__ = ["SUCCESS_THRESHOLD", "HeldOutEvaluator", "evaluate", "succeeded"]
 
@@ -50,7 +58,8 @@ class HeldOutEvaluator:
     the scores are gathered, in row order.
     """
 
-    def __init__(self, *, sampler: Any, scorer: Any, ranks: Any, rows: Sequence[dict], prompt_ids: Sequence[list[int]],
+    def __init__(self, *, sampler: GroupSampler, scorer: GroupScorer, ranks: Ranks, rows: Sequence[dict],
+                 prompt_ids: Sequence[list[int]],
                  max_new_tokens: int, pass_k: int, temperature: float, top_p: float, top_k: int, seed: int,
                  prompt_seeds: Callable[[SamplingConfig, int, int], list[int] | None]):
         self.sampler, self.scorer, self.ranks = sampler, scorer, ranks
@@ -60,7 +69,7 @@ class HeldOutEvaluator:
                                       seed=seed + EVAL_SEED_OFFSET)
         self.prompt_seeds = prompt_seeds
         self.last_row_success: list[int] | None = None
-        """The last evaluation's greedy success (0/1) per held-out row, in row order (``fastrl.train.paired``)."""
+        """The last evaluation's greedy success (0/1) per held-out row, in row order (``fastrl.commands.paired``)."""
 
     @torch.no_grad()
     def __call__(self) -> dict[str, float]:
@@ -111,8 +120,8 @@ def _scores(score_fn: ScoreFn, prompts: list, completions: list[str], answers: l
 
 
 def evaluate(
-    model: Any,
-    tokenizer: Any,
+    model: torch.nn.Module,
+    tokenizer: PreTrainedTokenizerBase,
     rows: Sequence[dict],
     *,
     score_fn: ScoreFn,

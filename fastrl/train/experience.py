@@ -16,7 +16,7 @@ as a positional list):
   scores token ``c + 1`` (the convention of ``causal_lm_logprobs``): ``loss_mask``,
   ``sampler_logp``, ``old_logp``, ``ref_logp``, ``token_kl``, ``values``,
   ``token_rewards``, ``returns`` and, for GAE, ``advantages``. The advantage ops (KL,
-  shaping, ``gae``, whitening) run on this grid; a layout (``layout.py``) gathers a
+  shaping, ``gae``, whitening) run on this grid; a batching (``batching.py``) gathers a
   micro-batch's inputs from it in the form its loss takes.
 - ``loss_mask`` says which tokens are trained on; it is distinct from ``attention_mask``
   (which tokens are attended to): a multi-turn trajectory attends to tool outputs it does

@@ -24,11 +24,18 @@ import resource
 import sys
 import time
 from pathlib import Path
-from typing import Any, Sequence
+from typing import TYPE_CHECKING, Any, Sequence
 
 import torch
 
-from fastrl.agents import metric_names as names
+from fastrl.rollout import metric_names as names
+
+if TYPE_CHECKING:
+    from transformers import PreTrainedTokenizerBase
+
+    from fastrl.rollout.base import GroupRollout
+    from fastrl.train.ranks import Ranks
+
 
 LOGP_GAP_MEAN, LOGP_GAP_MAX = "rollout/logp_gap_mean", "rollout/logp_gap_max"
 """Per step: mean and largest ``|trainer - sampler|`` log-prob over trained tokens (``LogpGap``)."""
@@ -55,7 +62,7 @@ class LogpGap:
         else:
             self._sum, self._count, self._max = self._sum + total, self._count + count, torch.maximum(self._max, largest)
 
-    def metrics(self, ranks: Any) -> dict[str, float]:
+    def metrics(self, ranks: Ranks) -> dict[str, float]:
         """``{LOGP_GAP_MEAN, LOGP_GAP_MAX}`` over every rank's tokens; empty when none was measured."""
         count = ranks.sum(float(self._count)) if self._count is not None else ranks.sum(0.0)
         if not count:
@@ -128,7 +135,7 @@ class MetricsLogger:
     def log_eval(self, step: int, metrics: dict[str, float], *, row_success: list[int] | None = None,
                  probes: Sequence[tuple[int, float]] = ()) -> None:
         """An ``event: eval`` record; ``row_success``: the success (0/1) per held-out row, in row
-        order (``row_success`` in the record: two evaluations compared row by row, ``fastrl.train.paired``);
+        order (``row_success`` in the record: two evaluations compared row by row, ``fastrl.commands.paired``);
         ``probes``: the warm-up's ``(steps done, accuracy)`` probes (``probes`` in the record, pairs)."""
         record = {"step": step, "time": time.time(), "event": "eval", **metrics}
         if row_success is not None:
@@ -269,7 +276,7 @@ class StageTimer:
             self.seconds[stage] = self.seconds.get(stage, 0.0) + time.perf_counter() - t0
 
 
-def rollout_metrics(rollout: Any, ranks: Any) -> tuple[dict[str, float], dict[str, list[float]]]:
+def rollout_metrics(rollout: GroupRollout, ranks: Ranks) -> tuple[dict[str, float], dict[str, list[float]]]:
     """Reward, length and rollout metrics of a ``GroupRollout`` over every rank's samples, and
     the rewards' histogram."""
     batch = rollout.batch
@@ -292,7 +299,8 @@ def rollout_metrics(rollout: Any, ranks: Any) -> tuple[dict[str, float], dict[st
     return metrics, histogram(r)
 
 
-def best_and_worst(rollout: Any, tokenizer: Any, group_size: int) -> tuple[tuple[str, str, float], tuple[str, str, float]]:
+def best_and_worst(rollout: GroupRollout, tokenizer: PreTrainedTokenizerBase,
+                   group_size: int) -> tuple[tuple[str, str, float], tuple[str, str, float]]:
     """``(prompt, completion, reward)`` of the rollout's best and worst sample (``write_samples``)."""
     r, batch = rollout.rewards, rollout.batch
     best, worst = int(r.argmax()), int(r.argmin())

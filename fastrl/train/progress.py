@@ -13,7 +13,11 @@ from __future__ import annotations
 import os
 import sys
 from pathlib import Path
-from typing import Any, TextIO
+from typing import TYPE_CHECKING, Any, TextIO
+
+if TYPE_CHECKING:
+    from fastrl.train.config import TrainConfig
+
 
 # The metrics the RL bar shows, with the label each is shown under.
 STEP_LABELS: dict[str, str] = {
@@ -29,11 +33,11 @@ PLAIN_LINE_EVERY = 10
 PLAIN_LINES_PER_BAR = 20
 
 
-def algorithm_label(cfg: Any) -> str:
+def algorithm_label(cfg: TrainConfig) -> str:
     return cfg.algorithm.upper().replace("_PP", "++").replace("DR_", "Dr. ")
 
 
-def describe_run(cfg: Any) -> str:
+def describe_run(cfg: TrainConfig) -> str:
     """The run's plan in one line, from a resolved ``TrainConfig`` (what is done, in order,
     and where the output goes)."""
     parts = []
@@ -60,7 +64,7 @@ def describe_run(cfg: Any) -> str:
     return f"fastrl train: {resume}" + ", ".join(parts) + f"; output in {where}"
 
 
-def describe_evaluation(cfg: Any, prompts: int, step: int) -> str:
+def describe_evaluation(cfg: TrainConfig, prompts: int, step: int) -> str:
     """The line shown when a held-out evaluation starts (it generates for every prompt)."""
     if getattr(cfg, "env", None) is not None:
         return (f"held-out evaluation at RL step {step}: {prompts} greedy episodes of {cfg.env} "
@@ -125,7 +129,7 @@ def step_values(metrics: dict[str, Any]) -> dict[str, float]:
     return {label: float(metrics[key]) for key, label in STEP_LABELS.items() if key in metrics}
 
 
-def rl_progress_label(cfg: Any) -> str:
+def rl_progress_label(cfg: TrainConfig) -> str:
     """The RL bar's label: the algorithm, e.g. ``GRPO (RL)``."""
     return f"{algorithm_label(cfg)} (RL)"
 

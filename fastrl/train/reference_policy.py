@@ -18,13 +18,14 @@ checked before every pass (the CRC reads pages the pass maps anyway; about 40 ms
 of a 151,936-entry vocabulary at hidden 256), and the mapped tensors' names, shapes and dtypes
 are checked against the module's. A file that was deleted, truncated, replaced or rewritten
 (another process in the run directory, a full disk, a damaged sector) is restored from
-``restore`` (the reference's saved HF copy, ``build.load_reference``) and rewritten, with a
+``restore`` (the reference's saved HF copy, ``load_reference``) and rewritten, with a
 warning; with no ``restore`` it raises ``ReferenceOffloadError`` naming the file.
 """
 
 from __future__ import annotations
 
 import contextlib
+import copy
 import mmap
 import os
 import warnings
@@ -34,7 +35,9 @@ from typing import Callable, Iterator, Mapping
 
 import torch
 
-__all__ = ["OFFLOAD_FILE", "REFERENCE_OFFLOADS", "ReferenceOffloadError", "ReferencePolicy", "offload_reference"]
+from fastrl.errors import InputError
+
+__all__ = ["OFFLOAD_FILE", "REFERENCE_OFFLOADS", "ReferenceOffloadError", "ReferencePolicy", "load_reference", "offload_reference"]
 
 REFERENCE_OFFLOADS = ("auto", "off", "disk")
 """``TrainConfig.reference_offload`` values: auto (disk for a single-process CPU run), off (in memory), disk."""
@@ -168,3 +171,27 @@ class ReferencePolicy:
             yield self._module
         finally:
             self._release()
+
+
+def load_reference(policy: torch.nn.Module, *, path: Path, resume: bool, save: bool, device: torch.device,
+                   offload: bool = False) -> ReferencePolicy:
+    """The frozen reference policy: the policy at the start of RL, saved once to ``path`` so a
+    resumed run keeps the same one. ``offload``: its weights stay in a file under ``path``
+    between its passes (``fastrl.train.reference_policy``)."""
+    import transformers
+
+    if resume:
+        if not (path / "config.json").exists():
+            raise InputError(f"resume: the reference policy of this run is missing ({path})")
+        ref = transformers.AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32).to(device)
+    else:
+        ref = copy.deepcopy(policy)
+        if save:
+            ref.save_pretrained(path, safe_serialization=True)
+    restore = None
+    if (path / "config.json").exists():  # the saved copy (every single-process run's main rank saves it)
+        def restore() -> dict[str, torch.Tensor]:
+            saved = transformers.AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32)
+            return {name: p.detach() for name, p in saved.named_parameters()}
+    return ReferencePolicy(ref, offload_path=path / OFFLOAD_FILE if offload else None, restore=restore)
+

@@ -8,9 +8,15 @@ warm-up's accuracy probe alike.
 
 from __future__ import annotations
 
-from typing import Any, Sequence
+from typing import TYPE_CHECKING, Any, Sequence
 
 from fastrl.rollout.base import RolloutBatch
+
+if TYPE_CHECKING:
+    from transformers import PreTrainedTokenizerBase
+
+    from fastrl.train.reward_pool import RewardPool
+
 
 __all__ = ["GroupScorer"]
 
@@ -18,7 +24,7 @@ __all__ = ["GroupScorer"]
 class GroupScorer:
     """``score(rows, batch, k)``: the reward pool's result for ``k`` samples per row."""
 
-    def __init__(self, *, tokenizer: Any, rewards: Any, prompt_column: str):
+    def __init__(self, *, tokenizer: PreTrainedTokenizerBase, rewards: RewardPool, prompt_column: str):
         self.tokenizer = tokenizer
         self.rewards = rewards
         self.prompt_column = prompt_column

@@ -24,13 +24,16 @@ import contextlib
 import math
 import time
 from dataclasses import dataclass, field
-from typing import Any, Callable, Sequence
+from typing import TYPE_CHECKING, Any, Callable, Sequence
 
 import numpy as np
 import torch
 
 from fastrl.ops.hf import causal_lm_logprobs
 from fastrl.train.data import check_rows, encode_prompt
+
+if TYPE_CHECKING:
+    from transformers import PreTrainedTokenizerBase
 
 __all__ = ["encode_sft_example", "collate_sft", "sft_loss", "sft_warmup", "sft_batches", "sft_to_target", "SFT_LAYOUTS",
            "SFT_TRIE_MIN_SAVING", "TrieBatch", "trie_batch", "trie_sft_loss", "ProbeSchedule", "WarmupResult",
@@ -164,7 +167,8 @@ class ProbeSchedule:
         return False
 
 
-def probe_when_due(schedule: Any, probe: Callable[[], float], *, on_probe: Callable[[int, float], None] | None = None,
+def probe_when_due(schedule: ProbeSchedule, probe: Callable[[], float], *, on_probe: Callable[[int, float],
+                   None] | None = None,
                    history: Sequence[tuple[int, float]] = ()) -> tuple[Callable[[int, float], bool], list[tuple[int, float]]]:
     """A warm-up's ``callback`` (``sft_batches``) that runs ``probe()`` (an accuracy) when
     ``schedule`` (a ``ProbeSchedule``, or anything with its ``due`` / ``reached``) says, calls
@@ -185,7 +189,7 @@ def probe_when_due(schedule: Any, probe: Callable[[], float], *, on_probe: Calla
 
 
 @contextlib.contextmanager
-def paused_with_probes(history: list[tuple[int, float]], schedule: Any):
+def paused_with_probes(history: list[tuple[int, float]], schedule: ProbeSchedule | None):
     """Around a probing warm-up: a ``WarmupPaused`` leaving it carries the probes so far and
     the step the next is due at (``schedule.next_at``; None: no schedule)."""
     try:
@@ -197,7 +201,7 @@ def paused_with_probes(history: list[tuple[int, float]], schedule: Any):
 
 
 def encode_sft_example(
-    tokenizer: Any, prompt: Any, answer: str, *, chat_template: bool | None = None
+    tokenizer: PreTrainedTokenizerBase, prompt: Any, answer: str, *, chat_template: bool | None = None
 ) -> tuple[list[int], int]:
     """``(prompt ids + answer ids + [eos], prompt length)`` for one example."""
     if tokenizer.eos_token_id is None:
@@ -305,7 +309,7 @@ def _learning_rate(step: int, *, steps: int, lr: float, warmup_steps: int, sched
 
 def sft_warmup(
     model: torch.nn.Module,
-    tokenizer: Any,
+    tokenizer: PreTrainedTokenizerBase,
     rows: Sequence[dict],
     *,
     steps: int,
@@ -498,7 +502,7 @@ def _as_trie(input_ids: torch.Tensor, attention_mask: torch.Tensor, loss_mask: t
 
 def sft_to_target(
     model: torch.nn.Module,
-    tokenizer: Any,
+    tokenizer: PreTrainedTokenizerBase,
     rows: Sequence[dict],
     *,
     score_fn: Callable[[list, list[str], list], list[float]],

@@ -19,8 +19,8 @@
 The rooms around the loop: ``assemble.py`` (``__init__``'s stages, in order, each returning
 the named object the loop uses), ``experience.py`` (the step's tensors by name), ``batching.py``
 (padded rows or packed groups: micro-batches, forwards, gather/scatter), ``ranks.py``
-(everything cross-process; the identity in one process), ``build.py`` (models, optimisers,
-the sampler registry), ``weights.py`` (sync and probe), ``evaluate.py``, ``checkpoint.py``,
+(everything cross-process; the identity in one process), ``samplers.py`` (the sampler
+registry), ``policy.py``, ``optimizers.py``, ``weights.py`` (sync and probe), ``evaluate.py``, ``checkpoint.py``,
 ``seeds.py``, ``score.py``, ``metrics.py``. Every number is computed by a fastrl op
 (``fastrl.ops``); this file only moves tensors between them.
 """
@@ -34,15 +34,15 @@ import operator
 import time
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any, Callable, Sequence
+from typing import TYPE_CHECKING, Any, Callable, Sequence
 
 import torch
 
-from fastrl.agents.metric_names import GENERATED_TOKENS
 from fastrl.ops import GlobalCounts, policy_loss, value_loss
 from fastrl.ops.stats import every_kth, sampled_mean
 from fastrl.rollout.base import RolloutBatch, SamplingConfig
-from fastrl.train import advantages, assemble, build, seeds
+from fastrl.rollout.metric_names import GENERATED_TOKENS
+from fastrl.train import advantages, assemble, seeds
 from fastrl.train.checkpoint import check_algorithm, checkpoint_dir, save_final, set_rng_state
 from fastrl.train.collect import rollout_sampling
 from fastrl.train.config import TrainConfig
@@ -54,9 +54,17 @@ from fastrl.train.metrics import (
     LOSS_SHARES, LogpGap, MetricsLogger, SilentLogger, StageTimer, peak_memory_bytes, update_metric_name,
 )
 from fastrl.train.progress import describe_evaluation, rl_progress_label
+from fastrl.train.samplers import sampler_spec
 from fastrl.train.schedule import AdaptiveKLController
 from fastrl.train.warmup_checkpoint import remove_warmup_checkpoints
 from fastrl.train.weights import WeightSyncError, check_gap, probe_gap, push_weights
+
+if TYPE_CHECKING:
+    from torch.optim.lr_scheduler import LRScheduler
+    from transformers import PreTrainedTokenizerBase
+
+    from fastrl.train.interrupt import StopRequests
+
 
 __all__ = ["Trainer", "TrainResult", "TrainingDivergedError", "WeightSyncError"]
 
@@ -112,11 +120,11 @@ class Trainer:
         config: TrainConfig,
         *,
         model: torch.nn.Module | None = None,
-        tokenizer: Any = None,
+        tokenizer: PreTrainedTokenizerBase | None = None,
         train_rows: Sequence[dict[str, Any]] | None = None,
         eval_rows: Sequence[dict[str, Any]] | None = None,
         reward_functions: Sequence[Callable | str] | None = None,
-        stop: Any = None,
+        stop: StopRequests | None = None,
     ):
         """``stop``: a ``fastrl.train.interrupt.StopRequests`` (the command line's signal
         handlers): a signal during the warm-up saves its state at the next warm-up step and raises
@@ -125,24 +133,24 @@ class Trainer:
         self._stop = stop
         # the stages of ``assemble.py``, in its order (the order the global RNG is drawn in)
         self.cfg = cfg = config.resolved(model_given=model is not None)
-        self.spec = build.sampler_spec(cfg.sampler)
+        self.spec = sampler_spec(cfg.sampler)
         self.loss_config = cfg.policy_loss_config()
         self.site = site = assemble.open_run(cfg, run_files=RUN_FILES)
         self.timer = StageTimer(site.device)
         self.loaded = loaded = assemble.load_policy(cfg, site, model=model, tokenizer=tokenizer)
-        self.task = task = assemble.build_task(cfg, site, loaded, train_rows=train_rows, eval_rows=eval_rows)
-        connected = assemble.connect_sampler(cfg, self.spec, loaded, task)
-        self.scoring = scoring = assemble.build_scoring(cfg, loaded, task, reward_functions)
+        self.inputs = inputs = assemble.build_inputs(cfg, site, loaded, train_rows=train_rows, eval_rows=eval_rows)
+        connected = assemble.connect_sampler(cfg, self.spec, loaded, inputs)
+        self.scoring = scoring = assemble.build_scoring(cfg, loaded, inputs, reward_functions)
         try:
-            self.warmup = assemble.warm_up(cfg, site, loaded, task, scoring, stop=stop)
+            self.warmup = assemble.warm_up(cfg, site, loaded, inputs, scoring, stop=stop)
         except BaseException:  # a stopped (or failed) warm-up: its worker processes and the folder's lock go now
             site.release()
             if scoring.rewards is not None:
                 scoring.rewards.close()
-            if task.agent is not None:
-                task.agent.close()
+            if inputs.agent is not None:
+                inputs.agent.close()
             raise
-        self.models = models = assemble.build_models(cfg, site, loaded, task)
+        self.models = models = assemble.build_models(cfg, site, loaded, inputs)
         self.kl_ctl = AdaptiveKLController(float(cfg.kl_coef or 0.0), target=cfg.kl_target, horizon=cfg.kl_horizon)
         self.layout = make_batching(shared_prefix=cfg.shared_prefix, prefix_tree=cfg.prefix_tree,
                                     token_budget=cfg.micro_batch_tokens, device=site.device,
@@ -158,12 +166,12 @@ class Trainer:
         if site.resume_dir is not None:
             self._load_checkpoint(site.resume_dir)
 
-        self.sampler = assemble.open_sampler(cfg, self.spec, site, loaded, task, models, connected)
+        self.sampler = assemble.open_sampler(cfg, self.spec, site, loaded, inputs, models, connected)
         self.sampler_shares_weights = not self.spec.own_weights and models.full_copy is None
         """The sampler runs the policy module itself: nothing to push, the probe is a guard."""
         if self.spec.push_on_start:
             self._push_weights()  # the policy's weights (after warm-up or resume) before the first rollout
-        loop = assemble.build_loop(cfg, site, loaded, task, scoring, models, sampler=self.sampler)
+        loop = assemble.build_loop(cfg, site, loaded, inputs, scoring, models, sampler=self.sampler)
         self.collector, self.evaluator = loop.collector, loop.evaluator  # attributes: tests wrap or swap them
         self._write_config()
 
@@ -176,9 +184,9 @@ class Trainer:
     policy = _part("loaded.module")
     tokenizer = _part("loaded.tokenizer")
     builtin = _part("loaded.builtin")
-    train_rows = _part("task.prompts.train_rows")
-    encoded = _part("task.prompts.train_ids")
-    eval_rows = _part("task.prompts.eval_rows")
+    train_rows = _part("inputs.prompts.train_rows")
+    encoded = _part("inputs.prompts.train_ids")
+    eval_rows = _part("inputs.prompts.eval_rows")
     rewards = _part("scoring.rewards")
     checkpointing = _part("models.checkpointing")
     reference = _part("models.reference")
@@ -186,7 +194,7 @@ class Trainer:
     optimizer = _part("models.optimizers.optimizer")
 
     # ================================================================== the run
-    def train(self, *, stop_after: int | None = None, stop: Any = None) -> TrainResult:
+    def train(self, *, stop_after: int | None = None, stop: StopRequests | None = None) -> TrainResult:
         """Run to ``config.steps``; evaluate, log and checkpoint on the way; save the final model.
 
         ``stop_after=n`` pauses after step ``n`` instead (a checkpoint is written, no final
@@ -264,7 +272,7 @@ class Trainer:
                 stop.deferring = False
             self.logger.close()
 
-    def _stop_or_overdue(self, stop: Any) -> tuple[int, bool]:
+    def _stop_or_overdue(self, stop: StopRequests | None) -> tuple[int, bool]:
         """After a step: the signal that asks the run to stop (0: none) and whether a
         wall-time checkpoint is due (``save_every_minutes``); under torchrun every rank takes
         the largest of each, so all stop and save at the same step."""
@@ -319,8 +327,8 @@ class Trainer:
         # ---- metrics
         step_metrics, self._reward_histogram = self.collector.step_metrics(rollout, exp)
         metrics.update(step_metrics)
-        if self.task.prompts.dropped:
-            metrics["data/dropped_long_prompts"] = float(self.task.prompts.dropped)
+        if self.inputs.prompts.dropped:
+            metrics["data/dropped_long_prompts"] = float(self.inputs.prompts.dropped)
         if self.logger is not None:  # the logged samples are this rank's (rank 0 logs)
             self.logger.write_samples(self.step, *self.collector.samples(rollout, self.tokenizer))
         metrics["time/step"] = time.perf_counter() - t_step
@@ -480,7 +488,7 @@ class Trainer:
         total.backward()
         return loss.detach(), metrics
 
-    def _optimizer_step(self, optimizer: torch.optim.Optimizer, scheduler: Any) -> None:
+    def _optimizer_step(self, optimizer: torch.optim.Optimizer, scheduler: LRScheduler) -> None:
         optimizer.step()
         scheduler.step()
         optimizer.zero_grad(set_to_none=True)
@@ -524,7 +532,7 @@ class Trainer:
         every = self.cfg.sync_probe_every or (SHARED_WEIGHTS_PROBE_EVERY if self.sampler_shares_weights else 1)
         if self.step % every:
             return None
-        gap = probe_gap(self.sampler, self.policy, self.task.probe_prompt, max_new_tokens=self.cfg.max_new_tokens, device=self.device)
+        gap = probe_gap(self.sampler, self.policy, self.inputs.probe_prompt, max_new_tokens=self.cfg.max_new_tokens, device=self.device)
         self.sync_gaps.append(gap)
         check_gap(gap, tolerance=self.cfg.sync_probe_tolerance, step=self.step)
         return gap
@@ -556,7 +564,7 @@ class Trainer:
 
     def save_checkpoint(self) -> Path:
         """The policy, critic, optimizers, schedulers, RNG and trainer state (``checkpoint.RunCheckpoint``)."""
-        state = {"step": self.step, "batcher": self.task.prompts.batcher.state_dict(), "kl_controller": self.kl_ctl.state_dict(),
+        state = {"step": self.step, "batcher": self.inputs.prompts.batcher.state_dict(), "kl_controller": self.kl_ctl.state_dict(),
                  "eval_history": self.eval_history, "algorithm": self.cfg.algorithm}
         self.last_checkpoint = self.models.checkpoint.save(
             checkpoint_dir(self.out, self.step), tokenizer=self.tokenizer, state=state, keep=self.cfg.keep_checkpoints,
@@ -569,7 +577,7 @@ class Trainer:
     def _load_checkpoint(self, directory: Path) -> None:
         state, rng = self.models.checkpoint.load(directory, algorithm=self.cfg.algorithm, sharded=self.ranks.sharded, rank=self.ranks.rank)
         check_algorithm(state, self.cfg.algorithm)
-        self.task.prompts.batcher.load_state_dict(state["batcher"])
+        self.inputs.prompts.batcher.load_state_dict(state["batcher"])
         self.kl_ctl.load_state_dict(state["kl_controller"])
         self.eval_history = list(state.get("eval_history", []))
         self.step = int(state["step"])
@@ -585,8 +593,8 @@ class Trainer:
         if self.rewards is not None:
             self.rewards.close()
         self.collector.close()
-        if self.task.agent is not None:
-            self.task.agent.close()
+        if self.inputs.agent is not None:
+            self.inputs.agent.close()
         if hasattr(self.sampler, "close"):
             self.sampler.close()
         self.ranks.close()

@@ -1,6 +1,6 @@
 """``TreeCollector`` (``rollout=tree``): the collector whose groups are grown as trees.
 
-The same interface and stages as ``collect.Collector`` (draw this rank's prompts and seeds,
+The same interface and stages as ``collect.GroupCollector`` (draw this rank's prompts and seeds,
 sample, score); the sampling is ``fastrl.rollout.branch.sample_tree`` with the run's
 ``BranchSchedule`` (``TrainConfig.tree_schedule``) instead of ``generate``, and the
 experience carries the trees (``Experience.tree_nodes`` / ``tree_parents``) for the
@@ -13,28 +13,33 @@ agents, environment calls) of every run.
 
 from __future__ import annotations
 
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import torch
 
-from fastrl.agents import metric_names as names
+from fastrl.rollout import metric_names as names
 from fastrl.rollout.base import GroupRollout
 from fastrl.rollout.branch import sample_tree
-from fastrl.train.collect import Collector
+from fastrl.train.collect import GroupCollector
 from fastrl.train.experience import Experience
+
+if TYPE_CHECKING:
+    from fastrl.rollout.base import GroupSampler
+    from fastrl.train.metrics import StageTimer
+
 
 __all__ = ["TreeCollector"]
 
 
-class TreeCollector(Collector):
-    """``Collector`` over tree rollouts (see the module docstring)."""
+class TreeCollector(GroupCollector):
+    """``GroupCollector`` over tree rollouts (see the module docstring)."""
 
     def __init__(self, **kwargs: Any):
         super().__init__(**kwargs)
         self.schedule = self.cfg.tree_schedule()
         self.schedule.check(group_size=self.cfg.group_size, max_new_tokens=self.cfg.max_new_tokens)
 
-    def rollout(self, *, sampler: Any, step: int, salt: int, timer: Any) -> GroupRollout:
+    def rollout(self, *, sampler: GroupSampler, step: int, salt: int, timer: StageTimer) -> GroupRollout:
         request = self.draw(step=step, salt=salt)
         with timer("generate"):
             batch = sample_tree(sampler, request.prompt_batch.prompt_ids, schedule=self.schedule, sampling=request.sampling,
@@ -42,7 +47,7 @@ class TreeCollector(Collector):
         with timer("reward"):
             return self.score(request, batch)
 
-    def experience(self, rollout: GroupRollout, *, device: Any) -> Experience:
+    def experience(self, rollout: GroupRollout, *, device: torch.device) -> Experience:
         exp = super().experience(rollout, device=device)
         batch, G = rollout.batch, self.cfg.group_size
         prompt_lengths = [len(batch.prompt_ids[b // G]) for b in range(exp.num_samples)]

@@ -19,13 +19,18 @@ and 4 one-row decode steps on the sampler, one 20-token forward on the trainer.
 from __future__ import annotations
 
 import math
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import torch
 
 from fastrl.ops.hf import causal_lm_logprobs
 from fastrl.rollout.base import SamplingConfig
 from fastrl.train import distributed as dist_mod
+
+if TYPE_CHECKING:
+    from fastrl.rollout.base import GroupSampler
+    from fastrl.train.ranks import Ranks
+
 
 __all__ = ["PROBE_PROMPT_TOKENS", "PROBE_TOKENS", "WeightSyncError", "check_gap", "probe_gap", "push_weights"]
 
@@ -51,8 +56,8 @@ def _copy_named_(module: torch.nn.Module, named) -> None:
         params[name].copy_(t)
 
 
-def push_weights(sampler: Any, *, policy: torch.nn.Module, full_copy: torch.nn.Module | None, own_weights: bool,
-                 ranks: Any) -> None:
+def push_weights(sampler: GroupSampler, *, policy: torch.nn.Module, full_copy: torch.nn.Module | None, own_weights: bool,
+                 ranks: Ranks) -> None:
     """The policy's current weights into ``sampler`` (see the module docstring).
 
     ``own_weights``: the sampler holds a copy of its own. ``full_copy``: under torchrun, the
@@ -80,7 +85,8 @@ def push_weights(sampler: Any, *, policy: torch.nn.Module, full_copy: torch.nn.M
 
 
 @torch.no_grad()
-def probe_gap(sampler: Any, policy: torch.nn.Module, prompt: list[int], *, max_new_tokens: int, device: torch.device) -> float:
+def probe_gap(sampler: GroupSampler, policy: torch.nn.Module, prompt: list[int], *, max_new_tokens: int,
+              device: torch.device) -> float:
     """Largest |sampler log-prob - trainer log-prob| over a greedy continuation of the last
     ``PROBE_PROMPT_TOKENS`` tokens of ``prompt`` (``PROBE_TOKENS`` tokens at most; see the
     module docstring for why a short sequence keeps the guarantee)."""

@@ -24,7 +24,7 @@ from fastrl.agents.runtime import InProcessRuntime  # noqa: E402
 from fastrl.rollout.base import SamplingConfig  # noqa: E402
 from fastrl.rollout.stop_tokens import model_eos_ids  # noqa: E402
 from fastrl.rollout.vllm import VLLMGroupSampler  # noqa: E402
-from fastrl.train.agent_collect import sampler_renderer  # noqa: E402
+from fastrl.train.agent.collect import sampler_renderer  # noqa: E402
 import real_bpe  # noqa: E402
 
 MAX_LEN = 512

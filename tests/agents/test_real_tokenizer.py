@@ -147,7 +147,7 @@ def qwen_model():
 
 def test_the_sampler_and_the_renderer_share_the_stop_set(real_tokenizers, qwen_model):
     from fastrl.rollout import HFGroupSampler
-    from fastrl.train.agent_collect import sampler_renderer
+    from fastrl.train.agent.collect import sampler_renderer
 
     tokenizer = real_tokenizers["qwen2.5"]
     model_stops = tuple(tokenizer.convert_tokens_to_ids(list(GENERATION_EOS["qwen2.5"])))

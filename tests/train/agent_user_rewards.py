@@ -1,6 +1,6 @@
 """Reward functions for ``fastrl train --env ... --rewards`` tests (imported by name, as a
 user's module would be). Each checks what an agent run promises to pass it (see
-``fastrl/train/agent_score.py``) and raises otherwise, so a broken promise shows up as
+``fastrl/train/agent/score.py``) and raises otherwise, so a broken promise shows up as
 ``reward/<name>/raised`` in the metrics."""
 
 

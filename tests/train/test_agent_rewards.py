@@ -1,4 +1,4 @@
-"""``--rewards`` on agent runs (``fastrl/train/agent_score.py``): what the functions receive of
+"""``--rewards`` on agent runs (``fastrl/train/agent/score.py``): what the functions receive of
 a whole trajectory, the combination with the environment's outcome, and a real tiny-model
 ``--env calculator`` loop whose rewards come from a user's module in the reward pool's worker
 process, the combined reward checked per trajectory and in the logged metrics."""
@@ -12,9 +12,10 @@ from fastrl.agents import metric_names as names
 from fastrl.agents.trajectory import Trajectory
 from fastrl.errors import InputError
 from fastrl.train import TrainConfig
-from fastrl.train.agent_score import TrajectoryScorer, trajectory_completion, trajectory_prompt
+from fastrl.train.agent.score import TrajectoryScorer, trajectory_completion, trajectory_prompt
 from fastrl.train.cli import parse_train_args
-from fastrl.train.rewards import RewardPool, completion_text, exact_match_reward, format_reward, math_reward
+from fastrl.train.reward_pool import RewardPool
+from fastrl.train.rewards import completion_text, exact_match_reward, format_reward, math_reward
 from fastrl.train.trainer import Trainer
 
 FEW_SHOT = [{"role": "user", "content": "Compute 1+1."}, {"role": "assistant", "content": "2"},

@@ -6,7 +6,7 @@ from __future__ import annotations
 import torch
 
 from fastrl.train import TrainConfig
-from fastrl.train.build import build_optimizers, fused_adamw
+from fastrl.train.optimizers import build_optimizers, fused_adamw
 from fastrl.train.task import char_tokenizer, tiny_model
 
 

@@ -94,7 +94,7 @@ DAMAGES = (_damage_by_truncation, _damage_by_deletion, _damage_by_other_weights,
 
 @pytest.mark.parametrize("damage", DAMAGES, ids=lambda f: f.__name__.removeprefix("_damage_by_"))
 def test_a_damaged_offload_file_is_rewritten_from_the_saved_reference(tmp_path, damage):
-    from fastrl.train.build import load_reference
+    from fastrl.train.reference_policy import load_reference
 
     policy = tiny_model(char_tokenizer(), hidden_size=32, layers=1, seed=0).eval()
     ids = torch.randint(3, 40, (2, 9))

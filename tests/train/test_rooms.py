@@ -10,7 +10,7 @@ import pytest
 import torch
 
 from fastrl.rollout import HFGroupSampler, SamplingConfig
-from fastrl.train.build import SAMPLERS, sampler_spec
+from fastrl.train.samplers import SAMPLERS, sampler_spec
 from fastrl.train.config import TrainConfig
 from fastrl.train.experience import Experience
 from fastrl.train.batching import GroupPackedBatching, PaddedBatching, TreePackedBatching

@@ -219,15 +219,15 @@ def test_the_warm_up_answer_weight_is_the_environments_and_an_agent_option():
 
 
 def test_the_built_in_models_heads_are_an_option_that_must_divide_its_width():
-    from fastrl.train.agent_task import ENV_TASKS
-    from fastrl.train.build import load_policy
+    from fastrl.train.agent.defaults import ENV_TASKS
+    from fastrl.train.policy import load_model
     from fastrl.commands.plan import builtin_train_model_shape
 
     assert TrainConfig().resolved().model_heads == 4
     assert TrainConfig(env="sql").resolved().model_heads == ENV_TASKS["sql"].heads
     cfg = TrainConfig(env="calculator", model_heads=2).resolved()
     assert builtin_train_model_shape(cfg).heads == 2
-    _, policy = load_policy(cfg, model=None, tokenizer=None, resume_dir=None, device=torch.device("cpu"))
+    _, policy = load_model(cfg, model=None, tokenizer=None, resume_dir=None, device=torch.device("cpu"))
     assert policy.config.num_attention_heads == 2 and policy.config.hidden_size // 2 == 32
     with pytest.raises(InputError, match="model_heads"):
         TrainConfig(model_heads=3).resolved().validate()

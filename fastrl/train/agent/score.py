@@ -40,12 +40,16 @@ logged as ``env_2``.
 from __future__ import annotations
 
 from dataclasses import dataclass, field
-from typing import Any, Sequence
+from typing import TYPE_CHECKING, Any, Sequence
 
 import torch
 
 from fastrl.agents.trajectory import Trajectory
 from fastrl.errors import InputError
+
+if TYPE_CHECKING:
+    from fastrl.train.reward_pool import RewardPool
+
 
 __all__ = ["ENV_REWARD", "TRAJECTORY_COLUMNS", "TrajectoryScores", "TrajectoryScorer", "policy_ids", "reward_names",
            "trajectory_prompt", "trajectory_completion"]
@@ -111,7 +115,7 @@ class TrajectoryScorer:
     """``score(trajectories)``: the combined rewards (module docstring). ``rewards``: the run's
     ``RewardPool``, or None (no ``--rewards``: the environment's outcome alone)."""
 
-    def __init__(self, *, rewards: Any, env_weight: float):
+    def __init__(self, *, rewards: RewardPool | None, env_weight: float):
         self.rewards = rewards
         self.env_weight = float(env_weight)
 

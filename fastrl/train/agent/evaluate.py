@@ -7,14 +7,14 @@ for both). Metrics: ``eval/accuracy`` (the success rate), ``eval/reward_mean`` (
 ``eval/tool_call_rate`` (share of trajectories with at least one tool call),
 ``eval/turns_mean``, ``time/eval``, and with a ``scorer`` that has reward functions (``--rewards``)
 ``eval/reward/<name>``: each function's mean over the held-out trajectories (its raw value, as
-``agent_score.TrajectoryScorer`` gives it: 0 where it failed or the environment did). Success
+``agent.score.TrajectoryScorer`` gives it: 0 where it failed or the environment did). Success
 stays the environment's outcome; the functions only add figures.
 """
 
 from __future__ import annotations
 
 import time
-from typing import Any, Sequence
+from typing import TYPE_CHECKING, Sequence
 
 import torch
 
@@ -22,8 +22,15 @@ from fastrl.agents.driver import AgentConfig
 from fastrl.agents.render import ChatRenderer
 from fastrl.rollout.base import SamplingConfig
 from fastrl.train import seeds
-from fastrl.train.agent_collect import play_episodes
+from fastrl.train.agent.collect import play_episodes
 from fastrl.train.evaluate import EVAL_SEED_OFFSET, succeeded
+
+if TYPE_CHECKING:
+    from fastrl.agents.runtime import EnvRuntime
+    from fastrl.rollout.base import GroupSampler
+    from fastrl.train.agent.score import TrajectoryScorer
+    from fastrl.train.ranks import Ranks
+
 
 __all__ = ["AgentEvaluator", "EVAL_ROWS_PER_CALL"]
 
@@ -35,8 +42,8 @@ class AgentEvaluator:
     """``evaluator()`` -> the ``eval/...`` metrics of greedy episodes on ``rows`` (module docstring);
     ``success_rate(rows)`` for the warm-up's probe on training rows."""
 
-    def __init__(self, *, sampler: Any, ranks: Any, rows: Sequence[dict], runtime: Any, renderer: ChatRenderer,
-                 agent: AgentConfig, seed: int, scorer: Any = None):
+    def __init__(self, *, sampler: GroupSampler, ranks: Ranks, rows: Sequence[dict], runtime: EnvRuntime, renderer: ChatRenderer,
+                 agent: AgentConfig, seed: int, scorer: TrajectoryScorer | None = None):
         self.sampler, self.ranks, self.rows = sampler, ranks, list(rows)
         self.scorer = scorer
         pool = getattr(scorer, "rewards", None)
@@ -45,7 +52,7 @@ class AgentEvaluator:
         self.runtime, self.renderer, self.agent = runtime, renderer, agent
         self.seed = seed + EVAL_SEED_OFFSET
         self.last_row_success: list[int] | None = None
-        """The last evaluation's success (0/1) per held-out row, in row order (``fastrl.train.paired``)."""
+        """The last evaluation's success (0/1) per held-out row, in row order (``fastrl.commands.paired``)."""
 
     @torch.no_grad()
     def __call__(self) -> dict[str, float]:

@@ -1,5 +1,5 @@
 """Collection for agent runs (``fastrl train --env``): the next rows played as multi-turn
-trajectories, into one step's ``AgentRollout`` -- the agent counterpart of ``collect.Collector``,
+trajectories, into one step's ``AgentRollout`` -- the agent counterpart of ``collect.GroupCollector``,
 with the same interface, so the loop does not ask which one it runs.
 
 One step: the batcher's next rows (this rank's share), ``group_size`` trajectories per row
@@ -8,7 +8,7 @@ together each turn, their environment steps concurrent in the ``EnvRuntime`` wor
 trajectories as the step's ``[R, T]`` tensors (``AgentBatch``), and from those the
 ``Experience`` (``Experience.from_agent_batch``: packed groups when the trajectories of
 every group share the prompt and none was split, padded rows otherwise). Each trajectory's
-reward is the ``TrajectoryScorer``'s (``agent_score``: ``env_reward_weight`` times the
+reward is the ``TrajectoryScorer``'s (``agent.score``: ``env_reward_weight`` times the
 environment's outcome plus the ``--rewards`` functions on the whole trajectory, scored in the
 reward pool's workers); every sample of a trajectory carries it.
 
@@ -30,7 +30,7 @@ and worst whole trajectories by that reward, with their roles, for ``samples.txt
 from __future__ import annotations
 
 from dataclasses import dataclass, replace
-from typing import Any, Sequence
+from typing import TYPE_CHECKING, Any, Sequence
 
 import torch
 
@@ -41,11 +41,21 @@ from fastrl.agents.render import ChatRenderer
 from fastrl.agents.trajectory import Trajectory, format_trajectory
 from fastrl.rollout.base import SamplingConfig
 from fastrl.train import seeds
-from fastrl.train.agent_score import TrajectoryScorer, TrajectoryScores
+from fastrl.train.agent.score import TrajectoryScorer, TrajectoryScores
 from fastrl.train.collect import rollout_sampling
 from fastrl.train.config import TrainConfig
 from fastrl.train.experience import Experience
 from fastrl.train.metrics import histogram
+
+if TYPE_CHECKING:
+    from transformers import PreTrainedTokenizerBase
+
+    from fastrl.agents.runtime import EnvRuntime
+    from fastrl.rollout.base import GroupSampler
+    from fastrl.train.data import PromptBatcher
+    from fastrl.train.metrics import StageTimer
+    from fastrl.train.ranks import Ranks
+
 
 __all__ = ["AgentRollout", "AgentCollector", "play_episodes", "sampler_renderer", "token_sampler", "turn_sampling"]
 
@@ -95,7 +105,7 @@ class AgentRollout:
     scores: TrajectoryScores
     """Each trajectory's reward and its terms (``batch.rewards`` is ``scores.rewards`` per row)."""
     tree: Any = None
-    """A branching rollout's ``fastrl.agents.branching.TurnTree`` (``agent_tree_collect``), else None."""
+    """A branching rollout's ``fastrl.agents.branching.TurnTree`` (``agent.tree_collect``), else None."""
 
 
 class AgentCollector:
@@ -108,13 +118,13 @@ class AgentCollector:
     def close(self) -> None:
         """Nothing to release here (the environment runtime is the trainer's ``agent``, closed with it)."""
 
-    def __init__(self, *, cfg: TrainConfig, batcher: Any, ranks: Any, runtime: Any, renderer: ChatRenderer, pad_token_id: int,
-                 scorer: TrajectoryScorer):
+    def __init__(self, *, cfg: TrainConfig, batcher: PromptBatcher, ranks: Ranks, runtime: EnvRuntime, renderer: ChatRenderer,
+                 pad_token_id: int, scorer: TrajectoryScorer):
         self.cfg, self.batcher, self.ranks, self.scorer = cfg, batcher, ranks, scorer
         self.runtime, self.renderer, self.pad_token_id = runtime, renderer, int(pad_token_id)
         self.agent = cfg.agent_config()
 
-    def collect(self, *, sampler: Any, step: int, timer: Any) -> tuple[AgentRollout, dict[str, float]]:
+    def collect(self, *, sampler: GroupSampler, step: int, timer: StageTimer) -> tuple[AgentRollout, dict[str, float]]:
         prompt_batch, first = self.ranks.shard(next(self.batcher))
         rows = list(prompt_batch.rows)
         sampling = rollout_sampling(self.cfg, step=step, salt=0)
@@ -127,7 +137,7 @@ class AgentCollector:
         batch.rewards = scores.rewards[batch.trajectory_ids]  # each sample carries its trajectory's reward
         return AgentRollout(trajectories, batch, metrics, scores, tree), {}
 
-    def play(self, rows: list[dict], *, sampler: Any, sampling: SamplingConfig,
+    def play(self, rows: list[dict], *, sampler: GroupSampler, sampling: SamplingConfig,
              env_seeds: Sequence[int]) -> tuple[list[Trajectory], dict[str, float], Any]:
         """The step's trajectories and metrics (``play_episodes``), and no tree."""
         trajectories, metrics = play_episodes(rows, group_size=self.cfg.group_size, sampler=sampler, sampling=sampling,
@@ -161,7 +171,8 @@ class AgentCollector:
         metrics[names.ENV_TIME_SHARE] = env_s / (env_s + gen_s) if env_s + gen_s > 0 else 0.0
         return metrics, histogram(outcome)
 
-    def samples(self, rollout: AgentRollout, tokenizer: Any) -> tuple[tuple[str, str, float], tuple[str, str, float]]:
+    def samples(self, rollout: AgentRollout, tokenizer: PreTrainedTokenizerBase) -> tuple[tuple[str, str, float], tuple[str,
+                str, float]]:
         """``("", whole trajectory with its roles, reward)`` of the step's best and worst trajectory
         (by the combined reward; the header shows the environment's outcome)."""
         rewards = rollout.scores.rewards

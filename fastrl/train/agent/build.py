@@ -8,10 +8,10 @@ environment workers (``EnvRuntime``), builds the ``ChatRenderer`` (a tools run w
 template that does not render tools is an ``InputError``) and resets one environment on the
 first training row (a ``reset`` that fails, hangs or returns the wrong type is an
 ``InputError``): everything a user can get wrong fails before the first step.
-``agent_scorer`` builds the run's ``TrajectoryScorer`` (``agent_score``): the ``--rewards``
+``agent_scorer`` builds the run's ``TrajectoryScorer`` (``agent.score``): the ``--rewards``
 functions in the reward pool's workers, probed on that row's first observation.
 
-``agent_warm_up``: the supervised warm-up of a built-in environment on its oracle's
+``warm_up_on_transcripts``: the supervised warm-up of a built-in environment on its oracle's
 transcripts (``synthetic_transcripts``), laid out exactly as RL's trajectories
 (``demonstration_sample``: loss on the policy turns only), until greedy episodes on
 training rows succeed ``sft_target_accuracy`` of the time.
@@ -20,7 +20,7 @@ training rows succeed ``sft_target_accuracy`` of the time.
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Any, Callable, Sequence
+from typing import TYPE_CHECKING, Any, Callable, Sequence
 
 import json
 
@@ -33,12 +33,21 @@ from fastrl.agents.render import ChatRenderer, demonstration_sample
 from fastrl.agents.runtime import EnvRuntime
 from fastrl.agents.tools import tool_schemas
 from fastrl.errors import InputError
-from fastrl.train.agent_task import USER_ENV_ROWS
+from fastrl.train.agent.defaults import USER_ENV_ROWS
 from fastrl.train.config import TrainConfig
+from fastrl.train.ranks import Ranks
 from fastrl.train.sft import ProbeSchedule, WarmupResult
 from fastrl.workers import OK
 
-__all__ = ["AgentSetup", "build_agent", "agent_prompts", "agent_loop", "agent_scorer", "agent_warm_up", "env_rows"]
+if TYPE_CHECKING:
+    from transformers import PreTrainedTokenizerBase
+
+    from fastrl.rollout.base import GroupSampler
+    from fastrl.train.agent.evaluate import AgentEvaluator
+    from fastrl.train.agent.score import TrajectoryScorer
+    from fastrl.train.sft import WarmupState
+
+__all__ = ["AgentSetup", "build_agent", "agent_prompts", "agent_evaluator", "agent_scorer", "warm_up_on_transcripts", "env_rows"]
 
 
 @dataclass
@@ -64,10 +73,10 @@ class AgentSetup:
 def env_rows(cfg: TrainConfig, train_rows: Sequence[dict] | None, eval_rows: Sequence[dict] | None) -> tuple[list[dict], list[dict]]:
     """``(train, held-out)`` rows of an env run: given, ``dataset``'s, the built-in
     environment's seeded rows, or ``{"index": i}`` rows for a user's environment."""
-    from fastrl.train import build
+    from fastrl.train.prompts import run_rows
 
     if train_rows is not None or cfg.dataset is not None:
-        return build.load_rows(cfg, train_rows, eval_rows)
+        return run_rows(cfg, train_rows, eval_rows)
     if cfg.env in BUILTIN_ENVS:
         train, heldout = BUILTIN_ENVS[cfg.env].rows(num_train=cfg.task_train_size, num_heldout=cfg.task_eval_size, seed=cfg.seed)
     else:
@@ -80,7 +89,7 @@ def env_rows(cfg: TrainConfig, train_rows: Sequence[dict] | None, eval_rows: Seq
     return train, heldout[: cfg.eval_prompts]
 
 
-def build_agent(cfg: TrainConfig, tokenizer: Any, *, train_rows: Sequence[dict] | None = None,
+def build_agent(cfg: TrainConfig, tokenizer: PreTrainedTokenizerBase, *, train_rows: Sequence[dict] | None = None,
                 eval_rows: Sequence[dict] | None = None, max_length: int | None = None) -> AgentSetup:
     """The environment, its rows, workers and renderer, checked on a real row (module docstring).
     ``max_length``: the model's context; a trajectory limit past it is an ``InputError``."""
@@ -122,11 +131,11 @@ def build_agent(cfg: TrainConfig, tokenizer: Any, *, train_rows: Sequence[dict] 
 
 
 def agent_prompts(cfg: TrainConfig, setup: AgentSetup, *, max_length: int | None, sharded: bool):
-    """The run's ``build.Prompts`` for an env run: the batcher over the training rows (each
+    """The run's ``prompts.Prompts`` for an env run: the batcher over the training rows (each
     row's identity is its JSON, so a resumed run checks it has the same rows), the probe
     prompt as the only encoded prompt (the weight-sync probe's), no encoded held-out prompts
     (the agent evaluator renders its own)."""
-    from fastrl.train.build import Prompts
+    from fastrl.train.prompts import Prompts
     from fastrl.train.data import PromptBatcher
 
     identities = [list(json.dumps(row, sort_keys=True, default=str).encode()) for row in setup.train_rows]
@@ -142,8 +151,8 @@ def agent_scorer(cfg: TrainConfig, setup: AgentSetup, specs: Sequence[Any]) -> A
     ``reward_workers`` processes, checked on the first training row's first observation (a
     function that cannot be called, raises or returns the wrong count is an ``InputError``
     here). Close its ``rewards`` pool (when not None) with the run."""
-    from fastrl.train.agent_score import TrajectoryScorer, reward_names
-    from fastrl.train.rewards import RewardPool
+    from fastrl.train.agent.score import TrajectoryScorer, reward_names
+    from fastrl.train.reward_pool import RewardPool
 
     pool = None
     if specs:
@@ -159,27 +168,19 @@ def agent_scorer(cfg: TrainConfig, setup: AgentSetup, specs: Sequence[Any]) -> A
     return scorer
 
 
-def agent_loop(cfg: TrainConfig, setup: AgentSetup, *, batcher: Any, ranks: Any, sampler: Any, pad_token_id: int,
-               scorer: Any):
-    """The loop's ``(collector, evaluator)`` of an env run: ``AgentCollector`` (``AgentTreeCollector``
-    with ``rollout=tree``: branching trajectories; rewards from ``scorer``, ``agent_scorer``'s)
-    and ``AgentEvaluator`` (held-out success is the environment's; ``scorer``'s functions add
-    their held-out means)."""
-    from fastrl.train.agent_collect import AgentCollector
-    from fastrl.train.agent_evaluate import AgentEvaluator
-    from fastrl.train.agent_tree_collect import AgentTreeCollector
+def agent_evaluator(cfg: TrainConfig, setup: AgentSetup, *, sampler: GroupSampler, ranks: Ranks,
+                    scorer: TrajectoryScorer) -> AgentEvaluator:
+    """An env run's ``contracts.Evaluator``: greedy held-out episodes (success is the
+    environment's; ``scorer``'s functions add their held-out means)."""
+    from fastrl.train.agent.evaluate import AgentEvaluator
 
-    collector_class = AgentTreeCollector if cfg.rollout == "tree" else AgentCollector
-    collector = collector_class(cfg=cfg, batcher=batcher, ranks=ranks, runtime=setup.runtime, renderer=setup.renderer,
-                                pad_token_id=pad_token_id, scorer=scorer)
-    evaluator = AgentEvaluator(sampler=sampler, ranks=ranks, rows=setup.eval_rows, runtime=setup.runtime, renderer=setup.renderer,
-                               agent=setup.agent, seed=cfg.seed, scorer=scorer)
-    return collector, evaluator
+    return AgentEvaluator(sampler=sampler, ranks=ranks, rows=setup.eval_rows, runtime=setup.runtime, renderer=setup.renderer,
+                          agent=setup.agent, seed=cfg.seed, scorer=scorer)
 
 
-def agent_warm_up(cfg: TrainConfig, policy: torch.nn.Module, tokenizer: Any, setup: AgentSetup, *, ranks: Any,
-                  progress: bool, schedule: ProbeSchedule | None = None, resume: Any = None,
-                  pause: Callable[[], bool] | None = None) -> WarmupResult:
+def warm_up_on_transcripts(cfg: TrainConfig, policy: torch.nn.Module, tokenizer: PreTrainedTokenizerBase, setup: AgentSetup, *,
+                           ranks: Ranks, progress: bool, schedule: ProbeSchedule | None = None, resume: WarmupState | None = None,
+                           pause: Callable[[], bool] | None = None) -> WarmupResult:
     """The supervised warm-up of a built-in environment (module docstring); returns its
     ``sft/...`` metrics and probes, the policy back in train mode. The probe plays greedy episodes with
     the HF sampler on the first ``sft_probe_rows`` training rows, when ``schedule`` says (its
@@ -188,7 +189,7 @@ def agent_warm_up(cfg: TrainConfig, policy: torch.nn.Module, tokenizer: Any, set
     steps as they are. ``resume`` (a paused warm-up's ``WarmupState``, its probes and the next one's step
     included) and ``pause`` as for ``fastrl.train.sft.sft_batches``."""
     from fastrl.rollout import HFGroupSampler
-    from fastrl.train.agent_evaluate import AgentEvaluator
+    from fastrl.train.agent.evaluate import AgentEvaluator
     from fastrl.train.progress import WarmupProgress
     from fastrl.train.sft import paused_with_probes, probe_when_due, sft_batches
 

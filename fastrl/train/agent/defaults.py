@@ -16,9 +16,13 @@ from __future__ import annotations
 
 import dataclasses
 from dataclasses import dataclass
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from fastrl.agents.driver import AgentConfig
+
+if TYPE_CHECKING:
+    from fastrl.train.config import TrainConfig
+
 
 __all__ = ["EnvTask", "ENV_TASKS", "USER_ENV_ROWS", "apply_env_defaults"]
 
@@ -84,7 +88,7 @@ ENV_TASKS: dict[str, EnvTask] = {
 }
 
 
-def apply_env_defaults(cfg: Any, *, builtin_model: bool) -> None:
+def apply_env_defaults(cfg: TrainConfig, *, builtin_model: bool) -> None:
     """Fill ``cfg``'s ``None`` fields (in place) for its ``env``: the built-in environment's
     ``EnvTask``, or ``AgentConfig``'s limits for a user's environment. ``builtin_model``: the
     run builds the tiny model (the warm-up and the model sizes apply)."""

@@ -26,7 +26,7 @@ hit rate of the turns' calls).
 
 from __future__ import annotations
 
-from typing import Any, Sequence
+from typing import TYPE_CHECKING, Any, Sequence
 
 import torch
 
@@ -35,8 +35,12 @@ from fastrl.agents.branching import TurnTree, tree_token_sampler
 from fastrl.agents.driver import run_episodes
 from fastrl.agents.trajectory import Trajectory
 from fastrl.rollout.base import SamplingConfig
-from fastrl.train.agent_collect import AgentCollector, AgentRollout, sampler_renderer, turn_sampling
+from fastrl.train.agent.collect import AgentCollector, AgentRollout, sampler_renderer, turn_sampling
 from fastrl.train.experience import Experience
+
+if TYPE_CHECKING:
+    from fastrl.rollout.base import GroupSampler
+
 
 __all__ = ["AgentTreeCollector", "TREE_SUMMED_METRICS"]
 
@@ -52,7 +56,7 @@ class AgentTreeCollector(AgentCollector):
         self.schedule = self.cfg.turn_schedule()
         self.schedule.check(group_size=self.cfg.group_size, max_turns=self.agent.max_turns)
 
-    def play(self, rows: list[dict], *, sampler: Any, sampling: SamplingConfig,
+    def play(self, rows: list[dict], *, sampler: GroupSampler, sampling: SamplingConfig,
              env_seeds: Sequence[int]) -> tuple[list[Trajectory], dict[str, float], TurnTree]:
         tree = TurnTree(self.schedule, group_size=self.cfg.group_size)
         renderer = sampler_renderer(self.renderer, sampler)
