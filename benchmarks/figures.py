@@ -2,7 +2,7 @@
 each rendered from its results file under benchmarks/results/ by ``FIGURES[NAME]``.
 
 benchmarks/render_tables.py finds the markers and writes what these functions return; they read
-the JSON through its loading helpers. A sentence whose figures come from here cannot drift from
+the JSON through result_files.py. A sentence whose figures come from here cannot drift from
 its file: the renderer's ``--check`` (run by tests/test_docs.py) fails when they differ.
 """
 
@@ -13,7 +13,7 @@ import math
 import re
 from typing import Callable
 
-from render_tables import ENV_SEED_FILES, RESULTS, _load, _p_value
+from result_files import ENV_SEED_FILES, RESULTS, load as _load, p_value as _p_value
 
 TEN_MINUTES = 600.0
 """The wall-clock budget a built-in environment's defaults are sized for (seconds)."""
@@ -836,7 +836,7 @@ def h200_sampler() -> str:
 
 def sampler_loads() -> str:
     """The load averages while the sampler rows of the CPU table were measured."""
-    from render_tables import SAMPLER_MULTITURN, SAMPLER_VS_GENERATE
+    from result_files import SAMPLER_MULTITURN, SAMPLER_VS_GENERATE
     loads = [x for name in (SAMPLER_VS_GENERATE, SAMPLER_MULTITURN) for pair in _load(name)["load_average_start_end"] for x in pair[:1]]
     return f"load averages {_span(loads, '.1f')} at the start and end of the runs"
 

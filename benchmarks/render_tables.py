@@ -25,21 +25,13 @@ from typing import Callable
 
 from env_train_seeds import COMMANDS
 
-ROOT = Path(__file__).resolve().parents[1]
-RESULTS = ROOT / "benchmarks" / "results"
+from result_files import (ENV_SEED_FILES, RESULTS, ROOT, SAMPLER_MULTITURN, SAMPLER_VS_GENERATE,  # noqa: F401
+                          TRAINER_VS_TRL_REAL_SHAPE, load as _load, p_value as _p_value)
+import figures as _figures
 PAGES = ("README.md", "docs")
 MARKER = re.compile(r"(<!-- table:(?P<name>[a-z_0-9]+) -->\n)(?P<body>.*?)(<!-- /table -->)", re.S)
 FIGURE = re.compile(r"(<!-- figure:(?P<name>[a-z_0-9]+) -->)(?P<body>.*?)(<!-- /figure -->)", re.S)
 """Figures in prose: ``<!-- figure:NAME -->text<!-- /figure -->``, the text rendered by ``FIGURES[NAME]``."""
-
-
-SAMPLER_VS_GENERATE = "rollout-vs-generate-cpu-20261202-060143.json"
-SAMPLER_MULTITURN = "multiturn-rollout-cpu-20261202-055637.json"
-TRAINER_VS_TRL_REAL_SHAPE = "trainer_vs_trl_real_shape_cpu.json"
-
-
-def _load(name: str) -> dict:
-    return json.loads((RESULTS / name).read_text())
 
 
 def _rows(header: list[str], rows: list[list[str]]) -> str:
@@ -65,23 +57,6 @@ def default_train_seeds() -> str:
     commits = sorted({run["commit"] for run in data["runs"].values() if run.get("commit")})
     code = f"code {', '.join(commits)}; " if commits else ""
     return table + f"\n`{data['command']}`; {code}{data['machine']}; {data['date']}.\n"
-
-
-ENV_SEED_FILES = ("env_train_calculator_3seeds_narrowed_cpu.json", "env_train_frozenlake_3seeds_trie_narrowed_cpu.json",
-                  "env_train_sql_trie_target05_default_threads_cpu.json")
-"""The seed studies of built-in environments (benchmarks/env_train_seeds.py) the README shows, in order:
-2026-12-04's with the warm-up's tries and the narrowed decode (code 868e46b; sql's 4725803 with
-``--sft_target_accuracy 0.5``, its default since; at 0.4: ``env_train_sql_trie_warmup_default_threads_cpu.json``), whose runs
-logged each held-out row's success (the rows gained and lost). Before those two changes (code 16a80a5):
-``env_train_calculator_3seeds_paired_cpu.json``, ``env_train_frozenlake_3seeds_paired_cpu.json``,
-``env_train_sql_width128_default_threads_paired_cpu.json``. The same studies on 2026-12-03's instance: ``env_train_calculator_3seeds_cpu.json``, ``env_train_frozenlake_3seeds_cpu.json``,
-``env_train_sql_width128_default_threads_cpu.json`` (``..._agenttrain3c42318.json``: agenttrain's first
-defaults, whose warm-up overshot its target). sql's is its command as a user types it (torch's two threads):
-its 128-wide model takes 930-1160 CPU-s a run, over 10 minutes on one thread."""
-
-
-def _p_value(p: float) -> str:
-    return f"p = {p:.2g}" if p >= 0.001 else "p < 0.001"
 
 
 def _warm_up(run: dict) -> str:
@@ -711,8 +686,7 @@ TABLES["logprob_floor"] = logprob_floor
 TABLES["long_grpo_gpu"] = long_grpo_gpu
 
 def figures() -> dict[str, Callable[[], str]]:
-    """``FIGURES`` of benchmarks/figures.py, the prose figures (imported at the end of this module:
-    it reads its files through this one's helpers)."""
+    """``FIGURES`` of benchmarks/figures.py, the prose figures."""
     return _figures.FIGURES
 
 
@@ -761,10 +735,6 @@ def main(argv: list[str] | None = None) -> int:
     print(("rewrote " + ", ".join(map(str, stale))) if stale and not args.check else "tables match benchmarks/results")
     return 0
 
-
-if __name__ == "__main__":
-    sys.modules.setdefault("render_tables", sys.modules["__main__"])  # so figures.py imports this module, not a second copy
-import figures as _figures  # noqa: E402  (after the helpers it imports from here)
 
 if __name__ == "__main__":
     sys.exit(main())

@@ -63,7 +63,7 @@ def main() -> int:
     from fastrl.rollout.base import SamplingConfig
     from fastrl.train.agent.build import build_agent
     from fastrl.train.agent.collect import play_episodes
-    from fastrl.train.agent.defaults import apply_env_defaults
+    from fastrl.train.config import apply_env_defaults
     from fastrl.train.config import TrainConfig
     from fastrl.train.task import char_tokenizer
 

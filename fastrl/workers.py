@@ -1,6 +1,6 @@
 """A pool of killable worker processes that run a callable under a per-call time limit.
 
-This is the machinery under fastrl's reward pool (:mod:`fastrl.train.reward_pool`) and the
+This is the machinery under fastrl's reward pool (:mod:`fastrl.train.rewards.pool`) and the
 agents' environment steps: untrusted or fragile user code runs in worker processes, each
 task bounded by a wall-clock limit, and a worker that hangs, dies or is interrupted is
 killed, reaped and replaced. The pool knows nothing about rewards; what a task means is

@@ -71,7 +71,7 @@ if TYPE_CHECKING:
     from fastrl.train.agent.score import TrajectoryScorer
     from fastrl.train.distributed import DistContext
     from fastrl.train.interrupt import StopRequests
-    from fastrl.train.reward_pool import RewardPool
+    from fastrl.train.rewards.pool import RewardPool
 
 
 __all__ = [
@@ -289,7 +289,7 @@ def build_scoring(cfg: TrainConfig, policy: LoadedPolicy, inputs: RunInputs,
                   reward_functions: Sequence[Callable | str] | None) -> Scoring:
     """The reward pool on ``reward_functions`` (else ``cfg.rewards``), checked on real rows
     before any training work (an env run's: ``agent.build.agent_scorer``)."""
-    from fastrl.train.reward_pool import RewardPool
+    from fastrl.train.rewards.pool import RewardPool
 
     specs = list(reward_functions) if reward_functions is not None else list(cfg.rewards)
     agent_scorer = None

@@ -548,8 +548,6 @@ class TrainConfig:
         builtin_task = c.dataset is None and builtin_model and c.env is None
         default = _default_task()
         if c.env is not None:
-            from fastrl.train.agent.defaults import apply_env_defaults
-
             apply_env_defaults(c, builtin_model=builtin_model)
         if c.rewards is None:
             c.rewards = ["exact_match"] if c.env is None else []  # an agent's outcome is its environment's reward
@@ -949,3 +947,37 @@ def _check_local_source(name: str, source: str | None, kind: str) -> None:
             f"{name} {source!r}: the {kind} does not exist (a path is read locally, never downloaded; a hub id is "
             "written 'org/name')"
         )
+
+
+def apply_env_defaults(cfg: TrainConfig, *, builtin_model: bool) -> None:
+    """Fill ``cfg``'s ``None`` fields (in place) for its ``env``: the built-in environment's
+    ``EnvTask``, or ``AgentConfig``'s limits for a user's environment. ``builtin_model``: the
+    run builds the tiny model (the warm-up and the model sizes apply). The defaults are data in
+    ``fastrl/train/agent/defaults.py``; this is the rule that applies them."""
+    from fastrl.train.agent.defaults import ENV_TASKS, USER_ENV_ROWS
+
+    task = ENV_TASKS.get(cfg.env)
+    limits = dataclasses.asdict(AgentConfig(**(task.agent if task is not None else {})))
+    for name, value in limits.items():
+        if getattr(cfg, name) is None:
+            setattr(cfg, name, value)
+    if cfg.max_new_tokens is None:
+        cfg.max_new_tokens = cfg.max_turn_tokens  # the weight-sync probe's length; the loss's norm_length
+    if task is None:
+        train, heldout = USER_ENV_ROWS
+        fills = {"task_train_size": train, "task_eval_size": heldout, "sft_answer_weight": 1.0}
+        if cfg.sft_steps is None:
+            cfg.sft_steps = 0
+    else:
+        fills = {"task_train_size": task.num_train, "task_eval_size": task.num_heldout, "sft_lr": task.sft_lr, "sft_batch_size": task.sft_batch_size, "sft_warmup_steps": task.sft_warmup_steps,
+                 "sft_check_every": task.sft_check_every, "sft_answer_weight": task.sft_answer_weight}
+        if builtin_model:
+            fills.update(model_hidden_size=task.hidden_size, model_layers=task.layers, model_heads=task.heads, lr=task.lr,
+                         sft_steps=task.sft_max_steps, sft_target_accuracy=task.sft_target_accuracy)
+    for name, value in fills.items():
+        if getattr(cfg, name) is None:
+            setattr(cfg, name, value)
+    if cfg.eval_prompts is None:
+        cfg.eval_prompts = cfg.task_eval_size  # every held-out row
+    if cfg.env_call_format is None:
+        cfg.env_call_format = "compact" if builtin_model else "hermes"

@@ -15,7 +15,7 @@ from fastrl.rollout.base import RolloutBatch
 if TYPE_CHECKING:
     from transformers import PreTrainedTokenizerBase
 
-    from fastrl.train.reward_pool import RewardPool
+    from fastrl.train.rewards.pool import RewardPool
 
 
 __all__ = ["GroupScorer"]

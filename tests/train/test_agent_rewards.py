@@ -14,8 +14,7 @@ from fastrl.errors import InputError
 from fastrl.train import TrainConfig
 from fastrl.train.agent.score import TrajectoryScorer, trajectory_completion, trajectory_prompt
 from fastrl.train.cli import parse_train_args
-from fastrl.train.reward_pool import RewardPool
-from fastrl.train.rewards import completion_text, exact_match_reward, format_reward, math_reward
+from fastrl.train.rewards import RewardPool, completion_text, exact_match_reward, format_reward, math_reward
 from fastrl.train.trainer import Trainer
 
 FEW_SHOT = [{"role": "user", "content": "Compute 1+1."}, {"role": "assistant", "content": "2"},

@@ -24,7 +24,7 @@ from fastrl.train.checkpoint import checkpoint_dir, list_checkpoints, save_check
 from fastrl.train.faults import CheckpointDiskFullError, NonFiniteWeightsError
 from fastrl.train.manifest import MANIFEST_FILE, verify_checkpoint
 from fastrl.train.metrics import MetricsLogger
-from fastrl.train.reward_pool import NON_FINITE_TOTAL_METRIC, RewardPool
+from fastrl.train.rewards import NON_FINITE_TOTAL_METRIC, RewardPool
 from fastrl.train.rundir import lock_run_directory
 from fastrl.train.task import char_tokenizer, tiny_model
 from fastrl.train.trainer import Trainer, TrainingDivergedError

@@ -17,7 +17,7 @@ import pytest
 import torch
 
 from fastrl import workers
-from fastrl.train import rewards as rewards_module
+from fastrl.train.rewards import functions as rewards_module
 from fastrl.train.rewards import (
     BUILTIN_REWARDS,
     RewardPool,
@@ -619,13 +619,14 @@ def test_bad_pool_arguments_and_inputs():
     assert set(BUILTIN_REWARDS) == {"exact_match", "math", "format"}
 
 
-def test_the_pool_lives_in_reward_pool_and_closes_like_a_worker_pool_on_an_error():
-    """``fastrl.train.rewards`` re-exports the pool's names from their home; the pool's closing is the
+def test_the_pool_lives_in_rewards_pool_and_closes_like_a_worker_pool_on_an_error():
+    """``fastrl.train.rewards`` hands on the pool's names from their home; the pool's closing is the
     worker pool's (``workers.Closeable``): an error inside ``with`` still reaps the workers."""
-    from fastrl.train import reward_pool
+    from fastrl.train import rewards
+    from fastrl.train.rewards import pool as pool_module
 
     for name in ("RewardPool", "RewardResult", "NON_FINITE_TOTAL_METRIC"):
-        assert getattr(rewards_module, name) is getattr(reward_pool, name)
+        assert getattr(rewards, name) is getattr(pool_module, name)
     assert issubclass(RewardPool, workers.Closeable) and issubclass(workers.WorkerPool, workers.Closeable)
     with pytest.raises(RuntimeError, match="the caller's"):
         with RewardPool([length_reward], num_workers=1) as pool:

@@ -152,7 +152,7 @@ def agent_scorer(cfg: TrainConfig, setup: AgentSetup, specs: Sequence[Any]) -> A
     function that cannot be called, raises or returns the wrong count is an ``InputError``
     here). Close its ``rewards`` pool (when not None) with the run."""
     from fastrl.train.agent.score import TrajectoryScorer, reward_names
-    from fastrl.train.reward_pool import RewardPool
+    from fastrl.train.rewards.pool import RewardPool
 
     pool = None
     if specs:

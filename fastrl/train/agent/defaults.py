@@ -4,7 +4,7 @@ agent counterpart of ``task.DefaultTask``).
 ``ENV_TASKS`` has one ``EnvTask`` per built-in environment (its keys are
 ``fastrl.agents.envs.BUILTIN_ENVS``'s): its rows, the limits of its trajectories, the tiny
 model and the supervised warm-up on synthetic transcripts (``synthetic_transcripts``) that
-make a random model able to call its tool, and the RL settings. ``apply_env_defaults(cfg)``
+make a random model able to call its tool, and the RL settings. ``fastrl.train.config.apply_env_defaults(cfg)``
 fills the fields a ``TrainConfig`` left at ``None`` from them; a user's environment
 (``module:Class``) gets ``AgentConfig``'s limits and no warm-up.
 
@@ -14,17 +14,14 @@ behind them).
 
 from __future__ import annotations
 
-import dataclasses
 from dataclasses import dataclass
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
 from fastrl.agents.driver import AgentConfig
 
-if TYPE_CHECKING:
-    from fastrl.train.config import TrainConfig
 
 
-__all__ = ["EnvTask", "ENV_TASKS", "USER_ENV_ROWS", "apply_env_defaults"]
+__all__ = ["EnvTask", "ENV_TASKS", "USER_ENV_ROWS"]
 
 USER_ENV_ROWS = (256, 32)
 """``(train, held-out)`` rows ``{"index": i}`` of a user's environment run without a ``dataset``."""
@@ -86,34 +83,3 @@ ENV_TASKS: dict[str, EnvTask] = {
     "frozenlake": EnvTask(agent=dict(max_turns=6, max_turn_tokens=8, max_trajectory_tokens=320, max_observation_tokens=48),
                           num_train=1000, num_heldout=50),
 }
-
-
-def apply_env_defaults(cfg: TrainConfig, *, builtin_model: bool) -> None:
-    """Fill ``cfg``'s ``None`` fields (in place) for its ``env``: the built-in environment's
-    ``EnvTask``, or ``AgentConfig``'s limits for a user's environment. ``builtin_model``: the
-    run builds the tiny model (the warm-up and the model sizes apply)."""
-    task = ENV_TASKS.get(cfg.env)
-    limits = dataclasses.asdict(AgentConfig(**(task.agent if task is not None else {})))
-    for name, value in limits.items():
-        if getattr(cfg, name) is None:
-            setattr(cfg, name, value)
-    if cfg.max_new_tokens is None:
-        cfg.max_new_tokens = cfg.max_turn_tokens  # the weight-sync probe's length; the loss's norm_length
-    if task is None:
-        train, heldout = USER_ENV_ROWS
-        fills = {"task_train_size": train, "task_eval_size": heldout, "sft_answer_weight": 1.0}
-        if cfg.sft_steps is None:
-            cfg.sft_steps = 0
-    else:
-        fills = {"task_train_size": task.num_train, "task_eval_size": task.num_heldout, "sft_lr": task.sft_lr, "sft_batch_size": task.sft_batch_size, "sft_warmup_steps": task.sft_warmup_steps,
-                 "sft_check_every": task.sft_check_every, "sft_answer_weight": task.sft_answer_weight}
-        if builtin_model:
-            fills.update(model_hidden_size=task.hidden_size, model_layers=task.layers, model_heads=task.heads, lr=task.lr,
-                         sft_steps=task.sft_max_steps, sft_target_accuracy=task.sft_target_accuracy)
-    for name, value in fills.items():
-        if getattr(cfg, name) is None:
-            setattr(cfg, name, value)
-    if cfg.eval_prompts is None:
-        cfg.eval_prompts = cfg.task_eval_size  # every held-out row
-    if cfg.env_call_format is None:
-        cfg.env_call_format = "compact" if builtin_model else "hermes"

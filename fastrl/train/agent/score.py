@@ -48,7 +48,7 @@ from fastrl.agents.trajectory import Trajectory
 from fastrl.errors import InputError
 
 if TYPE_CHECKING:
-    from fastrl.train.reward_pool import RewardPool
+    from fastrl.train.rewards.pool import RewardPool
 
 
 __all__ = ["ENV_REWARD", "TRAJECTORY_COLUMNS", "TrajectoryScores", "TrajectoryScorer", "policy_ids", "reward_names",

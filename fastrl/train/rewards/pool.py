@@ -68,7 +68,7 @@ import torch
 
 from fastrl import workers
 from fastrl.errors import InputError
-from fastrl.train.rewards import RewardFunction, resolve_reward
+from fastrl.train.rewards.functions import RewardFunction, resolve_reward
 
 __all__ = ["NON_FINITE_TOTAL_METRIC", "RewardPool", "RewardResult"]
 

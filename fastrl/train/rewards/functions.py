@@ -21,8 +21,8 @@ so TRL reward functions work unchanged. The keyword arguments are the ones TRL's
 ``None`` in a function's output means "does not apply to this sample": it counts as 0 in
 the weighted sum (TRL's ``nansum``) and is left out of that function's mean.
 
-**Scoring** runs in :class:`fastrl.train.reward_pool.RewardPool` (worker processes, hard time
-limits, failures counted); ``fastrl.train.rewards`` re-exports it, with :class:`RewardResult`.
+**Scoring** runs in :class:`fastrl.train.rewards.pool.RewardPool` (worker processes, hard time
+limits, failures counted); ``fastrl.train.rewards`` hands on its names and these.
 
 **Built-ins** (names usable from the command line): ``exact_match``, ``math`` and
 ``format`` (see their docstrings); ``format=<regex>`` is a format check with your own
@@ -48,8 +48,6 @@ __all__ = [
     "BUILTIN_REWARDS",
     "RegexFormatReward",
     "completion_text",
-    "RewardPool",
-    "RewardResult",
     "exact_match_reward",
     "extract_final_answer",
     "format_reward",
@@ -408,20 +406,3 @@ def resolve_reward(spec: str | Callable) -> tuple[str, RewardFunction]:
     if not callable(target):
         raise InputError(f"reward {spec!r}: {attribute!r} is a {type(target).__name__}, not a function")
     return attribute.rsplit(".", 1)[-1], target
-
-
-# ---------------------------------------------------------------------------------------
-# The scoring pool's names, where users import them from (fastrl.train.reward_pool is their home)
-# ---------------------------------------------------------------------------------------
-
-_POOL_NAMES = ("RewardPool", "RewardResult", "NON_FINITE_TOTAL_METRIC")
-
-
-def __getattr__(name: str) -> Any:
-    """``RewardPool``, ``RewardResult`` and ``NON_FINITE_TOTAL_METRIC`` from their home, read on first
-    use: the pool resolves specs with this module, so importing it here at the top would be a circle."""
-    if name in _POOL_NAMES:
-        from fastrl.train import reward_pool
-
-        return getattr(reward_pool, name)
-    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
