@@ -192,7 +192,7 @@ def train_thread_rule(device_type: str) -> dict:
     from fastrl.train.threads import available_cores, builtin_model_parameters, machine_threads, other_runnable
 
     builtin = machine_threads(parameters=builtin_model_parameters(), device_type=device_type)
-    return {"usable_cores": len(available_cores()), "other_running": other_runnable(), "train_threads_now": builtin.threads,
+    return {"usable_cores": available_cores(), "other_running": other_runnable(), "train_threads_now": builtin.threads,
             "train_rule": builtin.describe()}
 
 

@@ -176,7 +176,7 @@ def set_threads(cfg: TrainConfig, site: RunSite, policy: torch.nn.Module) -> Non
     ``OMP_NUM_THREADS`` when set, else the rule of ``fastrl.train.threads`` (the free cores) on
     this machine, kept true while the run goes on by a ``ThreadGovernor`` on the policy's
     forward (``site.threads``; ``site.release`` stops it); said on rank 0."""
-    from fastrl.train.threads import (THREADS_ENV, ThreadGovernor, available_cores, machine_threads, others_busy_reader,
+    from fastrl.train.threads import (THREADS_ENV, ThreadGovernor, core_ids, machine_threads, others_busy_reader,
                                       threads_from_environment)
 
     choice = machine_threads(parameters=sum(p.numel() for p in policy.parameters()), device_type=site.device.type)
@@ -186,7 +186,7 @@ def set_threads(cfg: TrainConfig, site: RunSite, policy: torch.nn.Module) -> Non
         torch.set_num_threads(given)
     if given is None and choice.threads is not None:
         torch.set_num_threads(choice.threads)
-        cores = available_cores()
+        cores = core_ids()
         reader = others_busy_reader(cores)
         if reader is not None:
             site.threads = ThreadGovernor(cores=len(cores), threads=choice.threads, read_others=reader)

@@ -39,7 +39,7 @@ from typing import Callable, Sequence
 import torch
 
 __all__ = ["ThreadChoice", "ThreadGovernor", "THREADS_ENV", "threads_from_environment", "WINDOW_SECONDS", "RAISE_AFTER_WINDOWS", "choose_threads", "machine_threads",
-           "available_cores", "other_runnable", "others_busy_reader", "builtin_model_parameters"]
+           "available_cores", "core_ids", "other_runnable", "others_busy_reader", "builtin_model_parameters"]
 
 RUNNABLE_SAMPLES = 5
 """Samples of the running-process count ``other_runnable`` takes at the start (50 ms apart; the median)."""
@@ -95,12 +95,17 @@ def choose_threads(*, parameters: int | None, cores: int, load: float, device_ty
                                  "the free cores, re-read every second")
 
 
-def available_cores() -> list[int]:
+def core_ids() -> list[int]:
     """The cores this process may run on (its affinity mask; all of ``os.cpu_count()`` where there is none)."""
     try:
         return sorted(os.sched_getaffinity(0))
     except (AttributeError, OSError):
         return list(range(os.cpu_count() or 1))
+
+
+def available_cores() -> int:
+    """How many cores this process may run on (``core_ids``)."""
+    return len(core_ids())
 
 
 def other_runnable(*, samples: int = RUNNABLE_SAMPLES, interval: float = 0.05) -> float:
@@ -125,7 +130,7 @@ def other_runnable(*, samples: int = RUNNABLE_SAMPLES, interval: float = 0.05) -
 def machine_threads(*, parameters: int | None, device_type: str = "cpu") -> ThreadChoice:
     """``choose_threads`` with this machine's cores and the processes running on it now."""
     load = other_runnable() if device_type == "cpu" else 0.0
-    return choose_threads(parameters=parameters, cores=len(available_cores()), load=load, device_type=device_type)
+    return choose_threads(parameters=parameters, cores=available_cores(), load=load, device_type=device_type)
 
 
 # /proc/stat's per-core fields, in its order: user nice system idle iowait irq softirq steal (guest time is inside user)

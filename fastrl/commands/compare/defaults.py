@@ -61,10 +61,16 @@ DEFAULT_EVALUATIONS = 6
 """Held-out evaluations along a steps budget after the start's (``--eval_every`` = budget / this)."""
 DEFAULT_JOBS = 1
 """``--jobs`` for runs of a user's model without ``--threads``: one after another. Such a run's
-threads are ``fastrl train``'s rule's for its size (the free cores for a model of 0.5M parameters
-or more), so two at once would share the cores and each wait at its parallel regions for the
-other's threads; not measured to pay off. The built-in model's runs take the rule's one
-thread (``fastrl.train.threads``) and go ``cores`` at a time."""
+threads are ``fastrl train``'s rule's (the free cores, ``fastrl.train.threads``), so two at once
+would share the cores and each wait at its parallel regions for the other's threads; not
+measured to pay off."""
+BUILTIN_MODEL_THREADS = 1
+"""``--threads`` of the built-in model's runs (and a built-in ``--env``'s, ``EnvCompareDefaults.threads``)
+unless given: one, and ``cores`` runs at a time. On the idle 2-core CPU the embedded default's
+short run took 12.8 s on one thread and 10.0 s on two (``benchmarks/results/thread_rule_idle_cpu.json``):
+two one-thread runs side by side end in about 13 s where two two-thread runs one after the
+other take 20 s; and a pinned count makes each seed one run whatever the load (the rule
+follows the machine)."""
 
 
 class CompareError(ValueError):

@@ -13,6 +13,7 @@ from typing import Any, Sequence
 
 from fastrl.commands.compare.budget import Budget, check_budget_fits, parse_budget
 from fastrl.commands.compare.defaults import (
+    BUILTIN_MODEL_THREADS,
     COMPARE_ALGORITHMS,
     DEFAULT_ALGORITHMS,
     DEFAULT_BUDGET,
@@ -131,8 +132,8 @@ def build_compare_parser() -> argparse.ArgumentParser:
                         help="runs at once after the shared warm-up, each a `fastrl train` process of its own (a "
                              f"{HYBRID} run's PPO phase still waits for its GRPO phase). Runs are seeded, so results "
                              "do not depend on N. Default: the cores this process may use divided by --threads, which is 1 "
-                             "with a built-in --env and on the built-in model (fastrl train's thread rule); 1 for a user's "
-                             "model without --threads, whose runs take the free cores and would contend for them")
+                             "with a built-in --env and on the built-in model; 1 for a user's model without --threads, "
+                             "whose runs take the free cores (fastrl train's thread rule) and would contend for them")
     parser.add_argument("--warmup_seed", type=int, default=1,
                         help="seed of the shared warm-up (model init and SFT data order; default 1, which reaches the built-in "
                              "task's probe target in fewer SFT steps than seed 0)")
@@ -197,11 +198,7 @@ def plan_compare(argv: Sequence[str]) -> ComparePlan:
     if env_defaults is not None and "threads" not in user_fields:
         user_fields["threads"] = env_defaults.threads
     elif "threads" not in user_fields and "model" not in user_fields:
-        # the built-in model: fastrl train's thread rule (one thread for a model this small), so runs go side by side
-        from fastrl.train.threads import builtin_model_parameters, machine_threads
-
-        sizes = {k: user_fields[k] for k in ("model_hidden_size", "model_layers") if k in user_fields}
-        user_fields["threads"] = machine_threads(parameters=builtin_model_parameters(**sizes)).threads
+        user_fields["threads"] = BUILTIN_MODEL_THREADS  # runs side by side, each seed one run whatever the load
     if args.jobs is not None and args.jobs < 1:
         raise CompareError(f"--jobs must be >= 1, got {args.jobs}")
     jobs = args.jobs if args.jobs is not None else default_jobs(threads=user_fields.get("threads"), cores=available_cores())
