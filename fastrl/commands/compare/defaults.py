@@ -64,7 +64,7 @@ DEFAULT_JOBS = 1
 threads are ``fastrl train``'s rule's for its size (the free cores for a model of 0.5M parameters
 or more), so two at once would share the cores and each wait at its parallel regions for the
 other's threads; not measured to pay off. The built-in model's runs take the rule's one
-thread (``fastrl.train.threads``) and go ``cores`` at a time."""
+thread (``fastrl.train.run.threads``) and go ``cores`` at a time."""
 
 
 class CompareError(ValueError):

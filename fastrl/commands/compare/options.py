@@ -24,7 +24,7 @@ from fastrl.commands.compare.defaults import (
     CompareError,
 )
 from fastrl.train.config import TrainConfig
-from fastrl.train.threads import available_cores
+from fastrl.train.run.threads import available_cores
 
 FORBIDDEN_TRAIN_OPTIONS = {
     "algorithm": "--algorithms",
@@ -198,7 +198,7 @@ def plan_compare(argv: Sequence[str]) -> ComparePlan:
         user_fields["threads"] = env_defaults.threads
     elif "threads" not in user_fields and "model" not in user_fields:
         # the built-in model: fastrl train's thread rule (one thread for a model this small), so runs go side by side
-        from fastrl.train.threads import builtin_model_parameters, machine_threads
+        from fastrl.train.run.threads import builtin_model_parameters, machine_threads
 
         sizes = {k: user_fields[k] for k in ("model_hidden_size", "model_layers") if k in user_fields}
         user_fields["threads"] = machine_threads(parameters=builtin_model_parameters(**sizes)).threads
