@@ -1,4 +1,4 @@
-"""`fastrl train`'s thread rule (fastrl/train/threads.py) against 1 and 2 intra-op threads, on the
+"""`fastrl train`'s thread rule (fastrl/train/run/threads.py) against 1 and 2 intra-op threads, on the
 embedded default and `--env calculator`, with nothing of ours beside it, beside a busy-loop
 neighbour this script starts itself, and with that neighbour arriving a few seconds into the run
 (what the rule's governor, which re-reads the machine every second, is for).

@@ -30,6 +30,17 @@ MOVED_MODULES: dict[str, str] = {
     "fastrl.train.agent_evaluate": "fastrl.train.agent.evaluate",
     "fastrl.train.agent_score": "fastrl.train.agent.score",
     "fastrl.train.agent_task": "fastrl.train.agent.defaults",
+    # the run's housekeeping (issue 40): fastrl/train/<module>.py -> fastrl/train/run/
+    "fastrl.train.interrupt": "fastrl.train.run.interrupt",
+    "fastrl.train.threads": "fastrl.train.run.threads",
+    "fastrl.train.hub": "fastrl.train.run.hub",
+    "fastrl.train.heap": "fastrl.train.run.heap",
+    "fastrl.train.faults": "fastrl.train.run.faults",
+    "fastrl.train.manifest": "fastrl.train.run.manifest",
+    "fastrl.train.checkpoint": "fastrl.train.run.checkpoint",
+    "fastrl.train.warmup_checkpoint": "fastrl.train.run.warmup_checkpoint",
+    "fastrl.train.progress": "fastrl.train.run.progress",
+    "fastrl.train.metrics": "fastrl.train.run.metrics",
 }
 """Old dotted module name -> its new one (filled as modules move; read by the finder at import time)."""
 

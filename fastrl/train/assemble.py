@@ -44,14 +44,14 @@ from fastrl.train import distributed as dist_mod
 from fastrl.train import seeds
 from fastrl.train.agent import build as agent_build
 from fastrl.train.agent.build import AgentSetup
-from fastrl.train.checkpoint import RunCheckpoint, claim_output_dir, resolve_resume
+from fastrl.train.run.checkpoint import RunCheckpoint, claim_output_dir, resolve_resume
 from fastrl.train.collectors import make_collector
 from fastrl.train.config import TrainConfig
 from fastrl.train.contracts import Collector, Evaluator
 from fastrl.train.critic import ValueModel, build_critic
 from fastrl.train.data import model_context_length
 from fastrl.train.evaluate import HeldOutEvaluator
-from fastrl.train.heap import maps_large_blocks_for, mmap_large_blocks
+from fastrl.train.run.heap import maps_large_blocks_for, mmap_large_blocks
 from fastrl.train.optimizers import Optimizers, build_optimizers
 from fastrl.train.policy import check_shared_prefix_support, device_of, enable_checkpointing, load_model
 from fastrl.train.prompts import Prompts, encode_prompts, run_rows
@@ -60,17 +60,17 @@ from fastrl.train.reference_policy import ReferencePolicy, load_reference, offlo
 from fastrl.train.rundir import RunDirectoryLock, lock_run_directory
 from fastrl.train.samplers import SamplerContext, SamplerSpec, build_sampler, check_served_model, sampler_spec
 from fastrl.train.score import GroupScorer
-from fastrl.train.threads import ThreadGovernor
+from fastrl.train.run.threads import ThreadGovernor
 from fastrl.train.sft import WarmupPaused, WarmupResult
 from fastrl.train.warmup import warm_up_on_answers
-from fastrl.train.warmup_checkpoint import is_warmup_checkpoint, load_warmup_checkpoint, save_warmup_checkpoint
+from fastrl.train.run.warmup_checkpoint import is_warmup_checkpoint, load_warmup_checkpoint, save_warmup_checkpoint
 
 if TYPE_CHECKING:
     from transformers import PreTrainedTokenizerBase
 
     from fastrl.train.agent.score import TrajectoryScorer
     from fastrl.train.distributed import DistContext
-    from fastrl.train.interrupt import StopRequests
+    from fastrl.train.run.interrupt import StopRequests
     from fastrl.train.rewards.pool import RewardPool
 
 
@@ -123,8 +123,8 @@ def open_run(cfg: TrainConfig, *, run_files: Sequence[str]) -> RunSite:
     run), lock and claim ``output_dir`` (``run_files``: what an earlier run's outputs are),
     seed the global RNG. Every rank waits until rank 0 has claimed the folder. First, a model
     or dataset named by a hub id that is not here and cannot be fetched is refused in one line
-    (``fastrl.train.hub``)."""
-    from fastrl.train.hub import check_run_sources
+    (``fastrl.train.run.hub``)."""
+    from fastrl.train.run.hub import check_run_sources
 
     check_run_sources(cfg)
     if cfg.threads:
@@ -173,11 +173,11 @@ def check_distributed(cfg: TrainConfig, ctx: DistContext) -> None:
 
 def set_threads(cfg: TrainConfig, site: RunSite, policy: torch.nn.Module) -> None:
     """torch's intra-op threads: ``--threads`` when given (set in ``open_run``), else
-    ``OMP_NUM_THREADS`` when set, else the rule of ``fastrl.train.threads`` (the free cores) on
+    ``OMP_NUM_THREADS`` when set, else the rule of ``fastrl.train.run.threads`` (the free cores) on
     this machine, kept true while the run goes on by a ``ThreadGovernor`` on the policy's
     forward (``site.threads``; ``site.release`` stops it); said on rank 0."""
-    from fastrl.train.threads import (THREADS_ENV, ThreadGovernor, core_ids, machine_threads, others_busy_reader,
-                                      threads_from_environment)
+    from fastrl.train.run.threads import (THREADS_ENV, ThreadGovernor, core_ids, machine_threads, others_busy_reader,
+                                          threads_from_environment)
 
     choice = machine_threads(parameters=sum(p.numel() for p in policy.parameters()), device_type=site.device.type)
     given, source = cfg.threads, "--threads"
@@ -210,7 +210,7 @@ def load_policy(cfg: TrainConfig, site: RunSite, *, model: torch.nn.Module | Non
                 tokenizer: PreTrainedTokenizerBase | None) -> LoadedPolicy:
     """``policy.load_model`` (a resumed checkpoint's, the given model, the built-in one or
     ``cfg.model``), checked against its tokenizer and, for packed layouts, its attention. A
-    CPU policy large enough for it gets ``mmap_large_blocks`` (``fastrl.train.heap``: freed
+    CPU policy large enough for it gets ``mmap_large_blocks`` (``fastrl.train.run.heap``: freed
     activations leave the process instead of staying resident)."""
     from fastrl.train.data import check_tokenizer_matches_model
 
@@ -313,12 +313,12 @@ def warm_up(cfg: TrainConfig, site: RunSite, policy: LoadedPolicy, inputs: RunIn
     ``sft/...`` metrics and probes (empty without one). Under torchrun every rank ran the same seeded
     warm-up, and rank 0's weights make them bitwise equal.
 
-    ``stop`` (``fastrl.train.interrupt.StopRequests``): a first signal during the warm-up ends it
-    at the next step boundary: its state (``fastrl.train.warmup_checkpoint``, the process's RNG
+    ``stop`` (``fastrl.train.run.interrupt.StopRequests``): a first signal during the warm-up ends it
+    at the next step boundary: its state (``fastrl.train.run.warmup_checkpoint``, the process's RNG
     states included) is saved and ``RunInterrupted`` names it. A run resumed from that checkpoint
     (``site.warmup_dir``) continues the warm-up as if uninterrupted."""
-    from fastrl.train.checkpoint import rng_state, set_rng_state
-    from fastrl.train.interrupt import RunInterrupted
+    from fastrl.train.run.checkpoint import rng_state, set_rng_state
+    from fastrl.train.run.interrupt import RunInterrupted
 
     result = WarmupResult(metrics={})
     if site.resume_dir is not None or (not cfg.sft_steps and site.warmup_dir is None):

@@ -58,7 +58,7 @@ import torch
 from fastrl.errors import InputError
 from fastrl.rollout.base import GroupRollout, RolloutBatch
 from fastrl.rollout.process import ProcessSampler, SamplerReply, SamplerTimes, decode_batch, encode_batch
-from fastrl.train.checkpoint import extra_file, load_extra
+from fastrl.train.run.checkpoint import extra_file, load_extra
 from fastrl.train.collect import GroupCollector, RolloutRequest
 from fastrl.train.config import TrainConfig
 from fastrl.train.ranks import Ranks
@@ -68,7 +68,7 @@ if TYPE_CHECKING:
 
     from fastrl.rollout.base import GroupSampler
     from fastrl.train.experience import Experience
-    from fastrl.train.metrics import StageTimer
+    from fastrl.train.run.metrics import StageTimer
 
 
 __all__ = ["AsyncCollector", "IN_FLIGHT", "drop_in_flight", "start_async"]

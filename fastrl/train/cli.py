@@ -312,12 +312,12 @@ def parse_train_args(argv: list[str]) -> TrainConfig:
 
 
 def run_train(argv: list[str]) -> int:
-    from fastrl.train.interrupt import RunInterrupted, StopRequests, exit_status, interrupted_message
+    from fastrl.train.run.interrupt import RunInterrupted, StopRequests, exit_status, interrupted_message
 
     config = trainer = None
     try:
         with StopRequests() as stop:  # from the first import on: a Ctrl-C anywhere is one line, never a traceback
-            from fastrl.train.progress import describe_run, quiet_hf_progress_bars
+            from fastrl.train.run.progress import describe_run, quiet_hf_progress_bars
 
             config = parse_train_args(argv)
             if os.environ.get("RANK", "0") == "0":

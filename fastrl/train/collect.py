@@ -15,7 +15,7 @@ from fastrl.rollout.base import GroupRollout, RolloutBatch, SamplingConfig, merg
 from fastrl.train import seeds
 from fastrl.train.config import TrainConfig
 from fastrl.train.experience import Experience
-from fastrl.train.metrics import best_and_worst, rollout_metrics
+from fastrl.train.run.metrics import best_and_worst, rollout_metrics
 
 if TYPE_CHECKING:
     import torch
@@ -23,7 +23,7 @@ if TYPE_CHECKING:
 
     from fastrl.rollout.base import GroupSampler
     from fastrl.train.data import PromptBatcher
-    from fastrl.train.metrics import StageTimer
+    from fastrl.train.run.metrics import StageTimer
     from fastrl.train.ranks import Ranks
     from fastrl.train.score import GroupScorer
 

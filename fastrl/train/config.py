@@ -520,8 +520,9 @@ class TrainConfig:
     progress: bool = True
     """Show a progress bar."""
     threads: Optional[int] = None
-    """torch intra-op threads (None: the rule of ``fastrl.train.threads``: one for a model under 0.5M
-    parameters on a CPU, else the cores no other process is running on; said at the start of a run)."""
+    """torch intra-op threads, pinned (None: ``OMP_NUM_THREADS`` when set, else the rule of
+    ``fastrl.train.run.threads``: on a CPU the cores no other process is using, re-read every second;
+    said at the start of a run). A pinned count is how a seed gives the same run bit for bit."""
 
     # ------------------------------------------------------------------ resolution
     def resolved(self, *, model_given: bool = False) -> "TrainConfig":

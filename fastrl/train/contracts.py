@@ -27,7 +27,7 @@ if TYPE_CHECKING:
 
     from fastrl.rollout.base import GroupSampler
     from fastrl.train.experience import Experience
-    from fastrl.train.metrics import StageTimer
+    from fastrl.train.run.metrics import StageTimer
 
 __all__ = ["Collector", "Evaluator", "Samples", "StepMetrics"]
 

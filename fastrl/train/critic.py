@@ -90,7 +90,7 @@ class ValueModel(nn.Module):
 def build_critic(cfg: TrainConfig, policy: torch.nn.Module, *, resume_dir: Path | None, device: torch.device) -> ValueModel:
     """PPO's critic: a single-process checkpoint's, ``critic_init``'s, or a copy of the policy
     with a new value head (a torchrun checkpoint's shards load after sharding)."""
-    from fastrl.train.checkpoint import is_distributed_checkpoint
+    from fastrl.train.run.checkpoint import is_distributed_checkpoint
 
     if resume_dir is not None and not is_distributed_checkpoint(resume_dir):
         return ValueModel.load(resume_dir / "critic", device=device).train()

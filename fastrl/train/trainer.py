@@ -43,27 +43,27 @@ from fastrl.ops.stats import every_kth, sampled_mean
 from fastrl.rollout.base import RolloutBatch, SamplingConfig
 from fastrl.rollout.metric_names import GENERATED_TOKENS
 from fastrl.train import advantages, assemble, seeds
-from fastrl.train.checkpoint import check_algorithm, checkpoint_dir, save_final, set_rng_state
+from fastrl.train.run.checkpoint import check_algorithm, checkpoint_dir, save_final, set_rng_state
 from fastrl.train.collect import rollout_sampling
 from fastrl.train.config import TrainConfig
 from fastrl.train.correction import rollout_correction
 from fastrl.train.experience import Experience
-from fastrl.train.faults import TrainingDivergedError, divergence_message
+from fastrl.train.run.faults import TrainingDivergedError, divergence_message
 from fastrl.train.batching import MicroBatch, make_batching
-from fastrl.train.metrics import (
+from fastrl.train.run.metrics import (
     LOSS_SHARES, LogpGap, MetricsLogger, SilentLogger, StageTimer, peak_memory_bytes, update_metric_name,
 )
-from fastrl.train.progress import describe_evaluation, rl_progress_label
+from fastrl.train.run.progress import describe_evaluation, rl_progress_label
 from fastrl.train.samplers import sampler_spec
 from fastrl.train.schedule import AdaptiveKLController
-from fastrl.train.warmup_checkpoint import remove_warmup_checkpoints
+from fastrl.train.run.warmup_checkpoint import remove_warmup_checkpoints
 from fastrl.train.weights import WeightSyncError, check_gap, probe_gap, push_weights
 
 if TYPE_CHECKING:
     from torch.optim.lr_scheduler import LRScheduler
     from transformers import PreTrainedTokenizerBase
 
-    from fastrl.train.interrupt import StopRequests
+    from fastrl.train.run.interrupt import StopRequests
 
 
 __all__ = ["Trainer", "TrainResult", "TrainingDivergedError", "WeightSyncError"]
@@ -126,7 +126,7 @@ class Trainer:
         reward_functions: Sequence[Callable | str] | None = None,
         stop: StopRequests | None = None,
     ):
-        """``stop``: a ``fastrl.train.interrupt.StopRequests`` (the command line's signal
+        """``stop``: a ``fastrl.train.run.interrupt.StopRequests`` (the command line's signal
         handlers): a signal during the warm-up saves its state at the next warm-up step and raises
         ``RunInterrupted`` naming it (``--resume latest`` continues the warm-up); ``train`` uses it
         too unless given its own."""
@@ -204,7 +204,7 @@ class Trainer:
 
         Checkpoints: after the warm-up (step 0, so an interruption never loses it), every
         ``save_every`` steps, and at the end of the first step ``save_every_minutes`` after the
-        last one. ``stop``: a ``fastrl.train.interrupt.StopRequests`` (the command line's
+        last one. ``stop``: a ``fastrl.train.run.interrupt.StopRequests`` (the command line's
         signal handlers): once it is ``requested``, the loop ends the step in progress,
         checkpoints and raises ``RunInterrupted`` naming the checkpoint.
         """
@@ -232,7 +232,7 @@ class Trainer:
                 self._run_eval()
             early = self._stop_or_overdue(stop)[0] if self.last_checkpoint is not None else 0
             if early:  # a signal during the first evaluation: the checkpoint of this step exists, stop here
-                from fastrl.train.interrupt import RunInterrupted
+                from fastrl.train.run.interrupt import RunInterrupted
 
                 raise RunInterrupted(early, checkpoint=self.last_checkpoint, step=self.step)
             while self.step < end:
@@ -253,7 +253,7 @@ class Trainer:
                     self.save_checkpoint()
                     saved = True
                 if stop_signal and self.step < end:  # (a signal during the last step lets the run finish)
-                    from fastrl.train.interrupt import RunInterrupted
+                    from fastrl.train.run.interrupt import RunInterrupted
 
                     raise RunInterrupted(stop_signal, checkpoint=self.last_checkpoint if saved else None, step=self.step)
             self.save_checkpoint()

@@ -25,7 +25,7 @@ from fastrl.train.experience import Experience
 
 if TYPE_CHECKING:
     from fastrl.rollout.base import GroupSampler
-    from fastrl.train.metrics import StageTimer
+    from fastrl.train.run.metrics import StageTimer
 
 
 __all__ = ["TreeCollector"]

@@ -26,7 +26,7 @@ def warm_up_on_answers(cfg: TrainConfig, policy: torch.nn.Module, tokenizer: Pre
     ``score_fn``); returns its ``sft/...`` metrics and probes, the policy back in train mode. ``progress``:
     show its progress (``WarmupProgress``). ``resume`` (a paused warm-up's ``WarmupState``) and
     ``pause`` as for ``fastrl.train.sft.sft_batches``."""
-    from fastrl.train.progress import WarmupProgress
+    from fastrl.train.run.progress import WarmupProgress
 
     if not all("answer" in r for r in rows):
         raise InputError("sft_steps > 0 needs an 'answer' column in the dataset (the warm-up targets)")

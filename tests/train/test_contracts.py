@@ -15,7 +15,7 @@ from fastrl.train.agent.collect import AgentCollector
 from fastrl.train.agent.evaluate import AgentEvaluator
 from fastrl.train.agent.tree_collect import AgentTreeCollector
 from fastrl.train.async_collect import AsyncCollector
-from fastrl.train.checkpoint import extra_file
+from fastrl.train.run.checkpoint import extra_file
 from fastrl.train.collect import GroupCollector
 from fastrl.train.collectors import make_collector
 from fastrl.train.config import TrainConfig

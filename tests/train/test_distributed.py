@@ -210,7 +210,7 @@ def test_two_process_checkpoint_resumes_in_one_process(two_process_runs, tmp_pat
     state = json.loads((checkpoint / "trainer_state.json").read_text())
     assert state["world_size"] == 2 and state["step"] == 1
     # the manifest covers every rank's shards, so a damaged shard is caught before a resume
-    from fastrl.train.manifest import MANIFEST_FILE, verify_checkpoint
+    from fastrl.train.run.manifest import MANIFEST_FILE, verify_checkpoint
 
     recorded = json.loads((checkpoint / MANIFEST_FILE).read_text())["files"]
     assert {"rng-rank0.pt", "rng-rank1.pt"} <= set(recorded) and any(name.startswith("dcp/") for name in recorded)

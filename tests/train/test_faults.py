@@ -20,10 +20,10 @@ import torch
 
 from fastrl.errors import InputError
 from fastrl.train import TrainConfig
-from fastrl.train.checkpoint import checkpoint_dir, list_checkpoints, save_checkpoint
-from fastrl.train.faults import CheckpointDiskFullError, NonFiniteWeightsError
-from fastrl.train.manifest import MANIFEST_FILE, verify_checkpoint
-from fastrl.train.metrics import MetricsLogger
+from fastrl.train.run.checkpoint import checkpoint_dir, list_checkpoints, save_checkpoint
+from fastrl.train.run.faults import CheckpointDiskFullError, NonFiniteWeightsError
+from fastrl.train.run.manifest import MANIFEST_FILE, verify_checkpoint
+from fastrl.train.run.metrics import MetricsLogger
 from fastrl.train.rewards import NON_FINITE_TOTAL_METRIC, RewardPool
 from fastrl.train.rundir import lock_run_directory
 from fastrl.train.task import char_tokenizer, tiny_model
@@ -110,7 +110,7 @@ def test_resume_latest_skips_a_damaged_newest_checkpoint_and_says_why(paused_run
     problem = verify_checkpoint(checkpoint_dir(out, 2))
     assert problem is not None and "step-000002" in problem
     assert verify_checkpoint(checkpoint_dir(out, 1)) is None
-    with caplog.at_level(logging.WARNING, logger="fastrl.train.checkpoint"):
+    with caplog.at_level(logging.WARNING, logger="fastrl.train.run.checkpoint"):
         trainer = Trainer(tiny(out, save_every=1, keep_checkpoints=3, resume="latest"), reward_functions=[digit_share])
     try:
         assert trainer.resume_dir == checkpoint_dir(out, 1) and trainer.step == 1
@@ -151,7 +151,7 @@ def test_non_finite_weights_are_never_checkpointed(tmp_path):
 
 
 def test_non_finite_weights_are_never_checkpointed_by_the_distributed_writer(tmp_path):
-    from fastrl.train.checkpoint import save_distributed_checkpoint
+    from fastrl.train.run.checkpoint import save_distributed_checkpoint
 
     tokenizer = char_tokenizer()
     model = tiny_model(tokenizer, hidden_size=32, layers=1, heads=2, seed=0)
@@ -178,7 +178,7 @@ def test_a_resumed_logger_leaves_tensorboard_one_value_per_step(tmp_path):
     resumed run's values for 4 and 5."""
     from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
 
-    from fastrl.train.metrics import MetricsLogger
+    from fastrl.train.run.metrics import MetricsLogger
 
     first = MetricsLogger(tmp_path, total_steps=5, progress=False)
     for step in range(1, 6):
@@ -287,8 +287,8 @@ _FILL_THEN_SAVE = textwrap.dedent(
     import resource, signal, sys
     from pathlib import Path
     import torch
-    from fastrl.train.checkpoint import checkpoint_dir, save_checkpoint, save_distributed_checkpoint
-    from fastrl.train.faults import CheckpointDiskFullError
+    from fastrl.train.run.checkpoint import checkpoint_dir, save_checkpoint, save_distributed_checkpoint
+    from fastrl.train.run.faults import CheckpointDiskFullError
     from fastrl.train.task import char_tokenizer, tiny_model
 
     out, mode, writer = Path(sys.argv[1]), sys.argv[2], sys.argv[3]

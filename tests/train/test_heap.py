@@ -14,7 +14,7 @@ import pytest
 
 PROBE = r"""
 import ctypes, ctypes.util, sys
-from fastrl.train.heap import mmap_large_blocks
+from fastrl.train.run.heap import mmap_large_blocks
 libc = ctypes.CDLL(ctypes.util.find_library("c"))
 class MallInfo2(ctypes.Structure):
     _fields_ = [(n, ctypes.c_size_t) for n in ("arena", "ordblks", "smblks", "hblks", "hblkhd", "usmblks", "fsmblks",
@@ -57,7 +57,7 @@ def test_the_trainer_maps_large_blocks_for_the_real_shape_and_not_for_the_built_
     import torch
 
     from fastrl.bench.rollout_cases import qwen2_bench_model
-    from fastrl.train.heap import MMAP_MIN_POLICY_BYTES, maps_large_blocks_for
+    from fastrl.train.run.heap import MMAP_MIN_POLICY_BYTES, maps_large_blocks_for
     from fastrl.train.task import DefaultTask, char_tokenizer, tiny_model
 
     with torch.device("meta"):

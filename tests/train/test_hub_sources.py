@@ -1,12 +1,12 @@
 """A model or dataset named by a hub id that is not here: refused in one line and seconds
-(fastrl/train/hub.py), never a minute of retries and a traceback (issue 39)."""
+(fastrl/train/run/hub.py), never a minute of retries and a traceback (issue 39)."""
 
 from __future__ import annotations
 
 import pytest
 
 from fastrl.errors import InputError
-from fastrl.train.hub import HUB_PROBE_SECONDS, check_hub_source, hub_offline, probe_hub
+from fastrl.train.run.hub import HUB_PROBE_SECONDS, check_hub_source, hub_offline, probe_hub
 
 
 def _no_network(*args):
@@ -60,7 +60,7 @@ def test_fastrl_train_with_a_bare_name_offline_is_one_line(tmp_path, monkeypatch
 def test_a_resumed_run_reads_its_model_from_the_checkpoint_and_only_its_datasets_are_checked():
     from types import SimpleNamespace
 
-    from fastrl.train.hub import check_run_sources
+    from fastrl.train.run.hub import check_run_sources
 
     asked = []
 

@@ -1,5 +1,5 @@
 """Ctrl-C (SIGINT) and SIGTERM stop `fastrl train` as users expect: a checkpoint, one line
-naming `--resume latest`, exit status 128 + signal, no traceback (fastrl/train/interrupt.py).
+naming `--resume latest`, exit status 128 + signal, no traceback (fastrl/train/run/interrupt.py).
 
 Real processes and real signals; each signal is sent once the run has shown it reached the
 stage under test (a checkpoint file, or the warm-up's first progress line), never after a sleep.
@@ -17,7 +17,7 @@ from pathlib import Path
 
 import pytest
 
-from fastrl.train.interrupt import RunInterrupted, StopRequests, exit_status
+from fastrl.train.run.interrupt import RunInterrupted, StopRequests, exit_status
 
 REPO = Path(__file__).resolve().parents[2]
 TINY = ["--eval_every", "0", "--task_digits", "1", "--task_train_size", "60", "--task_eval_size", "8", "--model_hidden_size", "32",

@@ -1,4 +1,4 @@
-"""fastrl train's thread rule (fastrl/train/threads.py) on hand-made inputs, the governor on
+"""fastrl train's thread rule (fastrl/train/run/threads.py) on hand-made inputs, the governor on
 made-up counters, and the rule's use in a real run."""
 
 from __future__ import annotations
@@ -8,8 +8,8 @@ import copy
 import pytest
 import torch
 
-from fastrl.train.threads import (RAISE_AFTER_WINDOWS, ThreadGovernor, choose_threads, free_cores, others_busy_reader,
-                                  other_runnable)
+from fastrl.train.run.threads import (RAISE_AFTER_WINDOWS, ThreadGovernor, choose_threads, free_cores,
+                                      others_busy_reader, other_runnable)
 
 
 def test_the_rule_is_the_free_cores_whatever_the_model_size():
@@ -155,7 +155,7 @@ def os_cores() -> set[int]:
 
 @pytest.mark.parametrize("env,given", [("3", 3), (" 2 ", 2), ("", None), ("0", None), ("4,2", None), ("x", None)])
 def test_omp_num_threads_counts_as_a_given_count_when_it_is_one(env, given):
-    from fastrl.train.threads import threads_from_environment
+    from fastrl.train.run.threads import threads_from_environment
 
     assert threads_from_environment({"OMP_NUM_THREADS": env}) == given
     assert threads_from_environment({}) is None

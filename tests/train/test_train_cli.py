@@ -297,7 +297,7 @@ def test_a_rerun_into_a_finished_run_names_the_cli_flags(tmp_path, capsys):
 
 def test_the_run_starts_with_its_plan_and_where_it_goes(tmp_path):
     from fastrl.train.config import TrainConfig
-    from fastrl.train.progress import describe_run
+    from fastrl.train.run.progress import describe_run
 
     line = describe_run(TrainConfig(output_dir=str(tmp_path / "x")).resolved())
     assert line.startswith("fastrl train: warm-up until 30% greedy accuracy")
@@ -312,7 +312,7 @@ def test_runs_default_output_is_ignored_by_git():
 def test_progress_without_a_terminal_prints_plain_labelled_lines():
     import io
 
-    from fastrl.train.progress import Progress, WarmupProgress, step_values
+    from fastrl.train.run.progress import Progress, WarmupProgress, step_values
 
     stream = io.StringIO()
     bar = Progress(total=20, desc="GRPO (RL)", unit="step", stream=stream)  # a StringIO is not a TTY
@@ -337,7 +337,7 @@ def test_progress_without_a_terminal_prints_plain_labelled_lines():
 
 def test_a_dataset_run_evaluates_fewer_prompts_by_default_and_says_when_it_evaluates():
     from fastrl.train.config import DATASET_EVAL_PROMPTS, TrainConfig
-    from fastrl.train.progress import describe_evaluation
+    from fastrl.train.run.progress import describe_evaluation
 
     assert TrainConfig().resolved().eval_prompts == 200                       # the built-in task's held-out set
     real = TrainConfig(model="some/model", dataset="train.jsonl").resolved()
@@ -350,7 +350,7 @@ def test_a_dataset_run_evaluates_fewer_prompts_by_default_and_says_when_it_evalu
 def test_progress_on_a_terminal_is_a_labelled_bar():
     import io
 
-    from fastrl.train.progress import Progress, step_values
+    from fastrl.train.run.progress import Progress, step_values
 
     pytest.importorskip("tqdm", reason="the train extra (tqdm) is not installed")
     stream = io.StringIO()

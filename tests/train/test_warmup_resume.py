@@ -1,6 +1,6 @@
 """A warm-up stopped at a step boundary and resumed is the warm-up never stopped: bitwise the same
 weights after it (the step-0 checkpoint) and after RL, the same losses and probes
-(fastrl/train/sft.py's ``WarmupState``, fastrl/train/warmup_checkpoint.py). The model has attention
+(fastrl/train/sft.py's ``WarmupState``, fastrl/train/run/warmup_checkpoint.py). The model has attention
 dropout, so the warm-up draws the global RNG, and the stops fall before and after an epoch's
 reshuffle: leaving out any part of the state (weights, AdamW's moments, the shuffler's order,
 position or generator, the process's RNG) fails it.
@@ -19,7 +19,7 @@ import torch
 from safetensors.torch import load_file
 
 from fastrl.train.config import TrainConfig
-from fastrl.train.interrupt import RunInterrupted, StopRequests
+from fastrl.train.run.interrupt import RunInterrupted, StopRequests
 from fastrl.train.sft import WarmupState
 from fastrl.train.trainer import Trainer
 
@@ -107,7 +107,8 @@ def test_a_warm_up_resumed_under_other_settings_or_another_model_is_refused_and_
 
 
 def test_a_warm_up_state_round_trips_through_its_checkpoint(tmp_path):
-    from fastrl.train.warmup_checkpoint import list_warmup_checkpoints, load_warmup_checkpoint, save_warmup_checkpoint
+    from fastrl.train.run.warmup_checkpoint import (list_warmup_checkpoints, load_warmup_checkpoint,
+                                                    save_warmup_checkpoint)
 
     state = WarmupState(steps_done=3, model={"w": torch.arange(4.0)}, optimizer={"state": {}}, order=[2, 0, 1], position=2,
                         generator={"bit_generator": "PCG64"}, losses=[1.5, 1.0, 0.5], tokens=9, forward_tokens=12,

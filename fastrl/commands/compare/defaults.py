@@ -61,7 +61,7 @@ DEFAULT_EVALUATIONS = 6
 """Held-out evaluations along a steps budget after the start's (``--eval_every`` = budget / this)."""
 DEFAULT_JOBS = 1
 """``--jobs`` for runs of a user's model without ``--threads``: one after another. Such a run's
-threads are ``fastrl train``'s rule's (the free cores, ``fastrl.train.threads``), so two at once
+threads are ``fastrl train``'s rule's (the free cores, ``fastrl.train.run.threads``), so two at once
 would share the cores and each wait at its parallel regions for the other's threads; not
 measured to pay off."""
 BUILTIN_MODEL_THREADS = 1

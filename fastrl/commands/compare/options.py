@@ -25,7 +25,7 @@ from fastrl.commands.compare.defaults import (
     CompareError,
 )
 from fastrl.train.config import TrainConfig
-from fastrl.train.threads import available_cores
+from fastrl.train.run.threads import available_cores
 
 FORBIDDEN_TRAIN_OPTIONS = {
     "algorithm": "--algorithms",

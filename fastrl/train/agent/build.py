@@ -190,7 +190,7 @@ def warm_up_on_transcripts(cfg: TrainConfig, policy: torch.nn.Module, tokenizer:
     included) and ``pause`` as for ``fastrl.train.sft.sft_batches``."""
     from fastrl.rollout import HFGroupSampler
     from fastrl.train.agent.evaluate import AgentEvaluator
-    from fastrl.train.progress import WarmupProgress
+    from fastrl.train.run.progress import WarmupProgress
     from fastrl.train.sft import paused_with_probes, probe_when_due, sft_batches
 
     pad_id = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else tokenizer.eos_token_id

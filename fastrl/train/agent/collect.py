@@ -45,7 +45,7 @@ from fastrl.train.agent.score import TrajectoryScorer, TrajectoryScores
 from fastrl.train.collect import rollout_sampling
 from fastrl.train.config import TrainConfig
 from fastrl.train.experience import Experience
-from fastrl.train.metrics import histogram
+from fastrl.train.run.metrics import histogram
 
 if TYPE_CHECKING:
     from transformers import PreTrainedTokenizerBase
@@ -53,7 +53,7 @@ if TYPE_CHECKING:
     from fastrl.agents.runtime import EnvRuntime
     from fastrl.rollout.base import GroupSampler
     from fastrl.train.data import PromptBatcher
-    from fastrl.train.metrics import StageTimer
+    from fastrl.train.run.metrics import StageTimer
     from fastrl.train.ranks import Ranks
 
 

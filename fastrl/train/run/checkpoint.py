@@ -3,9 +3,9 @@ data position and step.
 
 A checkpoint is written to ``<dir>.tmp`` and renamed into place, so a run killed while
 saving never leaves a half-written checkpoint that ``latest`` would pick up. Its last file is
-a manifest of sizes and hashes (:mod:`fastrl.train.manifest`), verified before a resume; a
+a manifest of sizes and hashes (:mod:`fastrl.train.run.manifest`), verified before a resume; a
 checkpoint whose weights are not finite is never written, and a disk that fills while
-saving is reported as such (:mod:`fastrl.train.faults`), the partial checkpoint removed.
+saving is reported as such (:mod:`fastrl.train.run.faults`), the partial checkpoint removed.
 """
 
 from __future__ import annotations
@@ -23,8 +23,8 @@ import numpy as np
 import torch
 
 from fastrl.errors import InputError
-from fastrl.train import manifest
-from fastrl.train.faults import NonFiniteWeightsError, disk_full_errno, disk_full_error
+from fastrl.train.run import manifest
+from fastrl.train.run.faults import NonFiniteWeightsError, disk_full_errno, disk_full_error
 
 if TYPE_CHECKING:
     from torch.optim.lr_scheduler import LRScheduler
@@ -66,8 +66,8 @@ def list_checkpoints(output_dir: str | os.PathLike) -> list[Path]:
 def resolve_resume(resume: str, output_dir: str | os.PathLike) -> Path:
     """``latest`` -> the newest checkpoint in ``output_dir`` that verifies against its manifest
     (each newer one skipped is logged with the reason), a paused warm-up's
-    (``fastrl.train.warmup_checkpoint``) when RL has none; else the given directory, verified."""
-    from fastrl.train.warmup_checkpoint import WARMUP_STATE_FILE, list_warmup_checkpoints
+    (``fastrl.train.run.warmup_checkpoint``) when RL has none; else the given directory, verified."""
+    from fastrl.train.run.warmup_checkpoint import WARMUP_STATE_FILE, list_warmup_checkpoints
 
     if resume == "latest":
         # a paused warm-up's checkpoints come before any of RL's (the step-0 one supersedes them)

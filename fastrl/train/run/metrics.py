@@ -114,7 +114,7 @@ class MetricsLogger:
                 self.tb = None
         self.bar = None
         if progress:
-            from fastrl.train.progress import Progress
+            from fastrl.train.run.progress import Progress
 
             self.bar = Progress(total=total_steps, initial=start_step, desc=progress_desc, unit="step")
 
@@ -128,7 +128,7 @@ class MetricsLogger:
                 if isinstance(v, (int, float)) and math.isfinite(v):
                     self.tb.add_scalar(k, v, step)
         if self.bar is not None:
-            from fastrl.train.progress import step_values
+            from fastrl.train.run.progress import step_values
 
             self.bar.advance(step_values(metrics))
 

@@ -5,7 +5,7 @@ leaves, so ``--resume latest`` continues the warm-up where it stopped, then RL a
 ``fastrl.train.sft.WarmupState``: weights, AdamW's state, the epoch shuffler's position and
 state, the losses and probes so far, the process's RNG states), ``warmup_state.json`` (the
 steps done and settings, for a reader) and the manifest of sizes and hashes
-(``fastrl.train.manifest``), its last file. It is written to ``<dir>.tmp`` and renamed into
+(``fastrl.train.run.manifest``), its last file. It is written to ``<dir>.tmp`` and renamed into
 place like the RL checkpoints, so a run killed while writing it leaves nothing ``latest``
 picks up; a damaged one does not verify and is refused. The checkpoint after the warm-up
 (``step-000000``) supersedes it: the run removes its warm-up checkpoints once that is written.
@@ -24,7 +24,7 @@ from typing import Any
 import torch
 
 from fastrl.errors import InputError
-from fastrl.train import manifest
+from fastrl.train.run import manifest
 from fastrl.train.sft import WarmupState
 
 __all__ = ["WARMUP_STATE_FILE", "is_warmup_checkpoint", "list_warmup_checkpoints", "load_warmup_checkpoint",

@@ -3,7 +3,7 @@
 ``StopRequests`` is installed by the command line around a run (the Python API keeps Python's
 own ``KeyboardInterrupt``). While the warm-up or the RL loop runs (``deferring``), the first
 signal only asks it to stop: it finishes the step in progress, writes a checkpoint (the
-warm-up's state, ``fastrl.train.warmup_checkpoint``, or RL's) and raises ``RunInterrupted``
+warm-up's state, ``fastrl.train.run.warmup_checkpoint``, or RL's) and raises ``RunInterrupted``
 naming it, so ``--resume latest`` continues exactly where it stopped. A second signal, or one
 outside them (loading the model and data, building the models), raises ``RunInterrupted`` at
 once. The command prints one line and exits ``128 + signal`` (130 for SIGINT, 143 for
@@ -73,8 +73,8 @@ class StopRequests:
 def newest_on_disk(output_dir: str | Path) -> Path | None:
     """The checkpoint ``--resume latest`` would consider first in ``output_dir`` (a signal while
     a resumed run loads still leaves the one it resumed from), else None."""
-    from fastrl.train.checkpoint import list_checkpoints
-    from fastrl.train.warmup_checkpoint import list_warmup_checkpoints
+    from fastrl.train.run.checkpoint import list_checkpoints
+    from fastrl.train.run.warmup_checkpoint import list_warmup_checkpoints
 
     found = list_warmup_checkpoints(output_dir) + list_checkpoints(output_dir)
     return found[-1] if found else None
