@@ -81,6 +81,20 @@ def test_the_governor_reads_a_share_of_a_core_as_the_nearest_whole_core():
     assert m.set == [3, 1]
 
 
+def test_the_governor_ticks_on_every_path_through_a_model_its_embeddings_included():
+    from fastrl.train.task import DefaultTask, char_tokenizer, tiny_model
+
+    m = Machine()
+    g = m.governor(cores=2, threads=2)
+    model = tiny_model(char_tokenizer(), hidden_size=32, layers=1, heads=2, arch=DefaultTask().arch)
+    g.attach(model)
+    m.others = 1.0
+    m.advance(1.0)
+    model.base_model(torch.tensor([[1, 2, 3]]))  # the base alone, as the warm-up's hidden states are taken
+    assert m.set == [1]
+    g.close()
+
+
 def test_a_closed_governor_and_a_copied_modules_hook_do_nothing():
     m = Machine()
     g = m.governor(cores=2, threads=2)
@@ -139,8 +153,10 @@ def test_a_run_sets_and_states_the_rule_and_lets_the_governor_go(tmp_path, capsy
         with Trainer(tiny_config(tmp_path / "run")) as trainer:
             governor = trainer.site.threads
             assert governor is not None and 1 <= torch.get_num_threads() == governor.threads <= len(os_cores())
+            embeddings = trainer.loaded.module.get_input_embeddings()
+            assert len(embeddings._forward_pre_hooks) == 1  # every path through the model looks its tokens up there
             trainer.train()
-        assert governor.closed and not trainer.loaded.module._forward_pre_hooks
+        assert governor.closed and not embeddings._forward_pre_hooks and not trainer.loaded.module._forward_pre_hooks
         err = capsys.readouterr().err
         assert "fastrl train: threads: " in err and "the free cores, re-read every second; --threads N overrides" in err
     finally:

@@ -222,8 +222,15 @@ class ThreadGovernor:
         self.changes.append((round(now - self._start, 3), threads, round(others, 2)))
 
     def attach(self, module: torch.nn.Module) -> None:
-        """``tick`` before every forward of ``module``."""
-        self._handles.append(module.register_forward_pre_hook(lambda _module, _args: self.tick()))
+        """``tick`` before every forward of ``module``'s input embeddings (a ``transformers``
+        model's ``get_input_embeddings()``; ``module`` itself when it has none): every path
+        through the model starts there -- the whole model, its base alone (the warm-up's and the
+        fused losses' hidden states), the HF sampler's lean decode, which runs the layers'
+        weights without their modules but looks its tokens up through that one module -- where
+        a hook on the top module would miss all but the first."""
+        embeddings = module.get_input_embeddings() if hasattr(module, "get_input_embeddings") else None
+        target = embeddings if isinstance(embeddings, torch.nn.Module) else module
+        self._handles.append(target.register_forward_pre_hook(lambda _module, _args: self.tick()))
 
     def close(self) -> None:
         """Stop governing: hooks removed (a copy of the module made meanwhile keeps a hook that does nothing)."""
