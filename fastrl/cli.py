@@ -188,7 +188,7 @@ def environment_report() -> dict:
 
 def train_thread_rule(device_type: str) -> dict:
     """What `fastrl train`'s thread rule (fastrl/train/run/threads.py) picks on this machine now
-    (the free cores; a run re-reads them every second)."""
+    (the free cores; a run re-reads them every half second)."""
     from fastrl.train.run.threads import available_cores, builtin_model_parameters, machine_threads, other_runnable
 
     builtin = machine_threads(parameters=builtin_model_parameters(), device_type=device_type)

@@ -521,7 +521,7 @@ class TrainConfig:
     """Show a progress bar."""
     threads: Optional[int] = None
     """torch intra-op threads, pinned (None: ``OMP_NUM_THREADS`` when set, else the rule of
-    ``fastrl.train.run.threads``: on a CPU the cores no other process is using, re-read every second;
+    ``fastrl.train.run.threads``: on a CPU the cores no other process is using, re-read every half second;
     said at the start of a run). A pinned count is how a seed gives the same run bit for bit."""
 
     # ------------------------------------------------------------------ resolution

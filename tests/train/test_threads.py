@@ -45,7 +45,7 @@ class Machine:
 
     def governor(self, *, cores: int, threads: int) -> ThreadGovernor:
         return ThreadGovernor(cores=cores, threads=threads, read_others=lambda: self.others_seconds,
-                              set_threads=self.set.append, clock=lambda: self.now)
+                              set_threads=self.set.append, clock=lambda: self.now, window=1.0)
 
 
 def test_the_governor_gives_a_core_back_at_once_and_takes_it_again_only_after_windows_agree():
@@ -158,7 +158,7 @@ def test_a_run_sets_and_states_the_rule_and_lets_the_governor_go(tmp_path, capsy
             trainer.train()
         assert governor.closed and not embeddings._forward_pre_hooks and not trainer.loaded.module._forward_pre_hooks
         err = capsys.readouterr().err
-        assert "fastrl train: threads: " in err and "the free cores, re-read every second; --threads N overrides" in err
+        assert "fastrl train: threads: " in err and "the free cores, re-read every half second; --threads N overrides" in err
     finally:
         torch.set_num_threads(before)
 

@@ -3,7 +3,7 @@
 The rule (``choose_threads``, pure): the cores this process may run on that no other process
 is using. A run starts with it (``machine_threads``: the other processes running now, counted
 a few times over a quarter of a second) and keeps it true while it runs: a ``ThreadGovernor``
-on the policy's forward re-reads the machine once a second (``WINDOW_SECONDS``) and moves
+on the policy's forward re-reads the machine every half second (``WINDOW_SECONDS``) and moves
 torch's thread count to the free cores, down at once when a neighbour takes a core, up only
 after ``RAISE_AFTER_WINDOWS`` windows agree. What it reads is the CPU time the kernel counts
 on this process's cores (``/proc/stat``) less this process's own (``os.times``): the cores
@@ -43,10 +43,12 @@ __all__ = ["ThreadChoice", "ThreadGovernor", "THREADS_ENV", "threads_from_enviro
 
 RUNNABLE_SAMPLES = 5
 """Samples of the running-process count ``other_runnable`` takes at the start (50 ms apart; the median)."""
-WINDOW_SECONDS = 1.0
+WINDOW_SECONDS = 0.5
 """How often a ``ThreadGovernor`` re-reads the machine: long enough for the kernel's CPU-time
-counters (10 ms ticks) to resolve a core's share to 1%, short enough that a neighbour arriving
-mid-run costs about a second of collapsed steps."""
+counters (10 ms ticks) to resolve a core's share to 2%, short enough that a neighbour arriving
+mid-run costs about a second of collapsed steps (it is seen within one to two windows). At 1 s
+a neighbour arriving 5 s into the embedded default's short run cost it 2.3 s against one
+thread throughout (``benchmarks/thread_rule.py``, the ``arrives`` rows)."""
 RAISE_AFTER_WINDOWS = 2
 """Windows in a row that must find more free cores before the governor adds threads (it takes
 them away after one): a neighbour that pauses for a moment does not make the run flap."""
@@ -92,7 +94,7 @@ def choose_threads(*, parameters: int | None, cores: int, load: float, device_ty
     threads = free_cores(cores, load)
     size = "a model of unknown size" if parameters is None else f"a {parameters / 1e6:.2f}M-parameter model"
     return ThreadChoice(threads, f"{size} on {max(1, int(cores))} core(s) with {load:g} other process(es) running: "
-                                 "the free cores, re-read every second")
+                                 "the free cores, re-read every half second")
 
 
 def core_ids() -> list[int]:
