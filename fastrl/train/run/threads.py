@@ -19,7 +19,9 @@ for (``benchmarks/results/thread_rule_cpu.json``, ``thread_rule_idle_cpu.json``)
 idle 2-core CPU the same runs were fastest on both cores (the default's warm-up 25 steps/s
 against 16-17 on one), and sql's 1.1M model ran its runs in 552-598 s on two threads against
 933-1156 s of CPU on one (``env_train_sql_width128_default_threads_cpu.json``). So no model
-size earned a rule of its own here: the free cores, re-read as the machine changes. On CUDA
+size earned a rule of its own here: the free cores, re-read as the machine changes (measured
+against 1 and 2 threads, idle, beside a busy loop and with one arriving mid-run:
+``thread_rule_governor_cpu.json``, rendered in docs/train.md). On CUDA
 the rule leaves torch's default (the CPU side only launches kernels).
 
 The price of following the machine: torch's CPU sums may round differently at another thread
