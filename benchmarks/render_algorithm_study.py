@@ -366,7 +366,7 @@ def provenance(cells: dict[str, dict[str, Any]]) -> str:
     trees = {_fastrl_tree(c) for c in codes}
     if len(codes) > 1 and len(trees) == 1 and None not in trees:
         text += ", whose `fastrl/` trees are identical"
-    text += f"; one at a time, single-threaded; {cpu / 3600:.2f} CPU-hours, warm-ups included"
+    text += f"; each single-threaded, at most two at a time (the runner's --jobs); {cpu / 3600:.2f} CPU-hours, warm-ups included"
     if loads:
         text += (f"; the machine was shared (1-minute load average {min(loads):.1f} to {max(loads):.1f} on 2 cores at the "
                  "cells' starts and ends), so seconds are noisier than steps, tokens and environment calls")
