@@ -928,7 +928,24 @@ def decode_host_cost() -> str:
             f"{'above' if plan > data['budget_us'] else 'within'} the {data['budget_us']:.0f} us budget")
 
 
+def thread_rule_arrival() -> str:
+    """The thread rule with a busy loop arriving mid-run, over repeats (benchmarks/thread_rule.py --neighbours arrives)."""
+    import statistics
+
+    data = _load("thread_rule_arrival_cpu.json")
+    parts = []
+    for task in ("default", "calculator"):
+        walls = {s: [r["wall_seconds"] for r in data["runs"] if r["task"] == task and r["setting"] == s] for s in ("rule", "1")}
+        best = min(walls["rule"]) / min(walls["1"])
+        median = statistics.median(walls["rule"]) / statistics.median(walls["1"])
+        parts.append(f"{task}: the rule's best run {best:.2f}x one thread's best, its median {median:.2f}x "
+                     f"(rule {_join(walls['rule'], '.1f')} s; one thread {_join(walls['1'], '.1f')} s)")
+    return (f"With the busy loop arriving 5 s into the run, over {data['repeats']} interleaved repeats ({'; '.join(parts)}; "
+            f"two threads never finished in {data['limit_seconds']:.0f} s; `{data['command']}`, {data['date']}, code {data['code']})")
+
+
 FIGURES: dict[str, Callable[[], str]] = {
+    "thread_rule_arrival": thread_rule_arrival,
     "sql_readme": sql_readme, "compare_env_readme": compare_env_readme,
     "real_tokenizer_json": real_tokenizer_json, "real_tokenizer_defects": real_tokenizer_defects,
     "calculator_seed0": calculator_seed0, "sql_150_vs_100": sql_150_vs_100, "sql_width128": sql_width128,

@@ -138,10 +138,11 @@ def main() -> int:
             ratio = best_of["rule"] / min(best_of.values())
             verdicts.append({"task": task, "neighbour": neighbour, "best_wall_seconds": best_of,
                              "rule_over_best": round(ratio, 2), "within_bound": ratio <= SLOWER_BOUND})
+    neighbours = "" if list(args.neighbours) == list(NEIGHBOURS) else " --neighbours " + " ".join(args.neighbours)
     payload = {"what": "fastrl train cut short (fixed warm-up, few RL steps, no evaluation): the thread rule vs 1 and 2 threads, "
                        "without a busy-loop neighbour, with one running before the run, and with one arriving "
                        f"{ARRIVAL_SECONDS:g} s into the run",
-               "command": f"python benchmarks/thread_rule.py --repeats {args.repeats} --limit {args.limit:g} --out {args.out}", "tasks": {k: TASKS[k] + COMMON for k in args.tasks},
+               "command": f"python benchmarks/thread_rule.py{neighbours} --repeats {args.repeats} --limit {args.limit:g} --out {args.out}", "tasks": {k: TASKS[k] + COMMON for k in args.tasks},
                "machine": args.machine, "cores": len(os.sched_getaffinity(0)), "date": time.strftime("%Y-%m-%d %H:%M UTC", time.gmtime()),
                "code": code_version(results=args.out), "limit_seconds": args.limit, "repeats": args.repeats, "slower_bound": SLOWER_BOUND,
                "runs": runs, "verdicts": verdicts}
