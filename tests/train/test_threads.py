@@ -114,6 +114,26 @@ def test_a_closed_governor_and_a_copied_modules_hook_do_nothing():
     assert m.set == [1] and not module._forward_pre_hooks
 
 
+def test_a_forked_copy_and_an_unreadable_counter_leave_the_count_alone():
+    m = Machine()
+    g = m.governor(cores=2, threads=2)
+    g._pid = -1  # as in a process forked from the run: its copy of the hook must not steer that process
+    m.others = 1.0
+    m.advance(1.0)
+    g.tick()
+    assert m.set == []
+
+    def unreadable() -> float:
+        raise OSError("no /proc/stat")
+
+    m = Machine()
+    g = m.governor(cores=2, threads=2)
+    g.read_others = unreadable
+    m.advance(1.0)
+    g.tick()
+    assert m.set == [] and g.threads == 2
+
+
 def test_the_reader_counts_the_processes_cores_less_its_own_time(tmp_path):
     import os
 

@@ -179,7 +179,9 @@ class ThreadGovernor:
     seconds over the window (``read_others``) give the cores they used, ``free_cores`` the
     threads. ``attach(module)`` calls ``tick`` before every forward of ``module`` (the CPU work
     of a run -- warm-up, sampling, scoring, update -- is forwards and their backwards), on the
-    thread that runs them, where torch's thread count applies. ``close()`` detaches it. The
+    thread that runs them, where torch's thread count applies; in a process forked from the run
+    (``--async_steps``' sampler, which sets its own count) the copied hook does nothing, and a
+    counter that cannot be read leaves the count as it is. ``close()`` detaches it. The
     clock, the reader and the setter are parameters: the tests drive it with made-up counters.
     """
 
@@ -194,6 +196,7 @@ class ThreadGovernor:
     """(time, new thread count, the others' cores that decided it), for a run's log and the tests."""
 
     def __post_init__(self) -> None:
+        self._pid = os.getpid()  # a forked process (the async sampler's) keeps its own thread count
         self._start = self._last_time = self.clock()
         self._last_others = self.read_others()
         self._higher = 0
@@ -203,9 +206,13 @@ class ThreadGovernor:
     def tick(self) -> None:
         """Re-read the machine if a window has passed; move the thread count if it must."""
         now = self.clock()
-        if self.closed or now - self._last_time < self.window:
+        if self.closed or now - self._last_time < self.window or os.getpid() != self._pid:
             return
-        others_seconds = self.read_others()
+        try:
+            others_seconds = self.read_others()
+        except (OSError, ValueError, IndexError):  # the counters went away mid-run: keep the count there is
+            self._last_time = now
+            return
         others = max(0.0, (others_seconds - self._last_others) / (now - self._last_time))
         self._last_time, self._last_others = now, others_seconds
         want = free_cores(self.cores, others)
