@@ -26,11 +26,14 @@ score the same held-out rows), stability (worst reward drop, Echo-Trap steps, KL
 blow-ups, NaN stop), cost (wall and CPU seconds of the cell's process tree, RL seconds,
 generated tokens, environment calls, peak memory) and the measured share of all-equal groups.
 
-The seed count comes from the spread the project already measured (``power_table``): the
-pooled standard deviation over seeds of the final held-out accuracy in ``fastrl compare``'s
-reports (``benchmarks/results/compare_*``: one shared start, as here) gives the seeds at which a
-difference of ``DETECT`` is found with probability ``POWER`` (two-sided, ``ALPHA``), capped at
-``MAX_SEEDS``; the page states the difference detectable at the seeds actually run.
+The seed count comes from the measured spread (``power_table``): the pooled standard deviation
+over seeds of the final held-out accuracy, first in ``fastrl compare``'s reports
+(``benchmarks/results/compare_*``: one shared start, as here; 3 seeds per algorithm, so the
+estimate is itself uncertain), then, as cells finish, in this study's own cells
+(``spread_from_study``). The larger of the two gives the seeds at which a difference of
+``DETECT`` is found with probability ``POWER`` (two-sided, ``ALPHA``), clamped to
+``MIN_SEEDS``..``MAX_SEEDS``: a sequential design whose seeds grow when the study measures more
+spread than it planned for. The page states the difference detectable at the seeds actually run.
 """
 
 from __future__ import annotations
@@ -177,15 +180,40 @@ def spread_fresh_warmup(results: Path = ROOT / "benchmarks" / "results") -> dict
     return out
 
 
-def power_table(spread: dict[str, dict[str, Any]]) -> dict[str, dict[str, Any]]:
-    """Per task: the pooled sd, the seeds needed for ``DETECT`` at ``POWER``, the seeds planned
-    (clamped to ``MIN_SEEDS``..``MAX_SEEDS``), the power and detectable difference at them."""
+def spread_from_study(results: Path = RESULTS) -> dict[str, dict[str, Any]]:
+    """Per task, the pooled std over seeds of the final held-out accuracy within each arm
+    (algorithm and run options) of this study's finished cells, and how many cells it rests on."""
+    groups: dict[str, dict[tuple[str, str], list[Any]]] = {}
+    for path in sorted(results.glob("*.json")) if results.is_dir() else ():
+        record = json.loads(path.read_text())
+        c = record["cell"]
+        groups.setdefault(c["task"], {}).setdefault((c["algorithm"], c["arm"]), []).append(
+            record.get("success", {}).get("final_accuracy"))
+    out = {}
+    for task, arms in groups.items():
+        sd = pooled_sd(list(arms.values()))
+        if math.isfinite(sd):
+            out[task] = {"sd": sd, "cells": sum(len(v) for v in arms.values() if len(v) >= 2)}
+    return out
+
+
+def power_table(spread: dict[str, dict[str, Any]], own: dict[str, dict[str, Any]] | None = None) -> dict[str, dict[str, Any]]:
+    """Per task: the pooled sd of ``fastrl compare``'s reports and of the study's own cells, the
+    seeds each needs for ``DETECT`` at ``POWER``, the seeds planned (the larger need, clamped to
+    ``MIN_SEEDS``..``MAX_SEEDS``), and the power and detectable difference at them under the
+    larger sd."""
+    own = own or {}
     out = {}
     for task, s in spread.items():
+        mine = own.get(task)
         needed = seeds_needed(DETECT, s["sd"])
-        planned = min(MAX_SEEDS, max(MIN_SEEDS, needed))
-        out[task] = {"sd": s["sd"], "needed": needed, "planned": planned, "power": power(DETECT, s["sd"], planned),
-                     "detectable": detectable(s["sd"], planned), "source": s["source"]}
+        own_needed = seeds_needed(DETECT, mine["sd"]) if mine else None
+        plan_sd = max(s["sd"], mine["sd"]) if mine else s["sd"]
+        planned = min(MAX_SEEDS, max(MIN_SEEDS, needed, own_needed or 0))
+        out[task] = {"sd": s["sd"], "needed": needed, "own_sd": mine["sd"] if mine else None,
+                     "own_cells": mine["cells"] if mine else 0, "own_needed": own_needed, "plan_sd": plan_sd,
+                     "planned": planned, "power": power(DETECT, plan_sd, planned),
+                     "detectable": detectable(plan_sd, planned), "source": s["source"]}
     return out
 
 
@@ -577,8 +605,10 @@ def select(cells: Sequence[Cell], patterns: Sequence[str] | None) -> list[Cell]:
     return [c for c in cells if any(fnmatch.fnmatchcase(c.id, p) for p in patterns)]
 
 
-def seeds_by_task(override: int | None) -> dict[str, int]:
-    table = power_table(spread_from_compare())
+def seeds_by_task(override: int | None, results: Path = RESULTS) -> dict[str, int]:
+    """Seeds per arm for every task: ``override``, else ``power_table``'s plan from the spread of
+    ``fastrl compare``'s reports and of the finished cells in ``results``."""
+    table = power_table(spread_from_compare(), spread_from_study(results))
     return {t: (override if override is not None else table.get(t, {}).get("planned", MIN_SEEDS)) for t in TASKS}
 
 
@@ -625,7 +655,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     a = p.parse_args(argv)
     if not 1 <= a.jobs <= MAX_JOBS:
         p.error(f"--jobs must be 1..{MAX_JOBS}")
-    cells = select(plan_cells(seeds_by_task(a.seeds), factors=a.factors, tasks=a.tasks), a.cells)
+    cells = select(plan_cells(seeds_by_task(a.seeds, a.results), factors=a.factors, tasks=a.tasks), a.cells)
     if a.dry_run:
         print(describe_plan(cells, a.results))
         return 0

@@ -31,8 +31,8 @@ ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
 from benchmarks.algorithm_study import (  # noqa: E402
-    ALPHA, DETECT, POWER, RESULTS, pooled_sd, power_table, seeds_by_task, seeds_needed, spread_from_compare,
-    spread_fresh_warmup)
+    ALPHA, DETECT, MAX_SEEDS, MIN_SEEDS, POWER, RESULTS, power_table, seeds_by_task, seeds_needed, spread_from_compare,
+    spread_fresh_warmup, spread_from_study)
 from benchmarks.study_factors import FACTORS, Factor, Level  # noqa: E402
 from fastrl.commands.paired import _mcnemar_exact  # noqa: E402
 
@@ -181,6 +181,30 @@ def verdict(arms: Sequence[Arm], *, cost_weight: float = 0.0) -> dict[str, Any]:
     return out
 
 
+def change_from_start(arm: Arm) -> tuple[float, float, float] | None:
+    """Held-out success at the end minus at the start, mean over the arm's seeds, with its 95% t
+    interval (None under ``MIN_SEEDS_FOR_VERDICT`` seeds)."""
+    d = [f - s for f, s in zip(arm.values("success", "final_accuracy"), arm.values("success", "initial_accuracy"))
+         if math.isfinite(f) and math.isfinite(s)]
+    if len(d) < MIN_SEEDS_FOR_VERDICT:
+        return None
+    m = statistics.mean(d)
+    half = t975(len(d) - 1) * statistics.stdev(d) / math.sqrt(len(d))
+    return m, m - half, m + half
+
+
+def below_start(arms: Sequence[Arm], best: str) -> str:
+    """A clause for a verdict whose best arm ended below its start on average ('' otherwise): then
+    the verdict ranks what the arms lost, not what they gained."""
+    by = {a.algorithm: a for a in arms}
+    start, end = by[best].mean("success", "initial_accuracy"), by[best].mean("success", "final_accuracy")
+    if not (math.isfinite(start) and math.isfinite(end)) or end >= start:
+        return ""
+    ends = ", ".join(f"{a.algorithm} {fmt(a.mean('success', 'final_accuracy'))}" for a in arms if a.records)
+    return (f"; every arm ended below the start's {fmt(start)} on average ({ends}): {best} lost the least, "
+            "it did not gain")
+
+
 # ============================================================================ the page
 def fmt(v: float, spec: str = ".3f") -> str:
     return "n/a" if v is None or not math.isfinite(v) else format(v, spec)
@@ -188,8 +212,10 @@ def fmt(v: float, spec: str = ".3f") -> str:
 
 def pm(arm: Arm, section: str, key: str, spec: str = ".3f") -> str:
     m, s = arm.mean(section, key), arm.sd(section, key)
-    if not math.isfinite(m):
+    if not arm.records:
         return "pending"
+    if not math.isfinite(m):  # finished cells without the value (env calls on the default task)
+        return "n/a"
     return f"{fmt(m, spec)} ± {fmt(s, spec)}" if math.isfinite(s) else fmt(m, spec)
 
 
@@ -289,12 +315,13 @@ def advice(rows: Sequence[Row]) -> tuple[list[str], list[str]]:
         claim = None
         if v["state"] != "pending" and v["distinguishable"]:
             claim = (f"**{v['best']}** beat {v['runner_up']} by {v['difference']:+.3f} held-out success "
-                     f"(95% interval {v['low']:+.3f} to {v['high']:+.3f}) at {fmt(v['cost_ratio'], '.2f')}x its cost")
+                     f"(95% interval {v['low']:+.3f} to {v['high']:+.3f}) at {fmt(v['cost_ratio'], '.2f')}x its cost"
+                     f"{below_start(r.arms, v['best'])}")
         elif v["state"] != "pending" and max(abs(v["spread_low"]), abs(v["spread_high"])) < DETECT:
             claim = (f"the choice between {', '.join(a.algorithm for a in r.arms)} did not matter: the best ({v['best']}) "
                      f"minus the worst ({v['worst']}) held-out success has the 95% interval {v['spread_low']:+.3f} to "
                      f"{v['spread_high']:+.3f}, inside ±{DETECT}; {v['best']} at {fmt(v['cost_ratio'], '.2f')}x "
-                     f"{v['runner_up']}'s cost")
+                     f"{v['runner_up']}'s cost{below_start(r.arms, v['best'])}")
         if claim is not None:
             partial = f" (partial: {v['cells_finished']} of {v['cells_planned']} cells)" if v["state"] == "partial" else ""
             key = f"{claim}{partial}. Cells: {cells_ref(r.arms)}."
@@ -317,6 +344,51 @@ def advice(rows: Sequence[Row]) -> tuple[list[str], list[str]]:
         folk.append(f"- {r.factor.folklore} -- expected {r.level.folklore} to win on {where}: {state}. Cells: {cells_ref(r.arms)}.")
     said = [f"- On {task} ({'; '.join(levels)}): {key}" for key, (levels, task) in claims.items()]
     return said, folk
+
+
+def gain_section(rows: Sequence[Row]) -> list[str]:
+    """Did the budget's RL raise held-out success at all? The baseline factor's arms in a table
+    (end minus start, with its interval), then per task a count over every arm of the study."""
+    out = ["## Did RL help at all, at this budget?", "",
+           "The verdicts compare arms with each other. This section asks whether any arm gained: held-out success at "
+           "the end minus at the start (every arm of a level starts from the same checkpoint), mean over seeds with "
+           "its 95% t interval; \"best\" is the best evaluation during the run.", "",
+           "| task | arm | seeds | start | end − start (95% interval) | best − start |", "|---|---|---|---|---|---|"]
+    seen: set[str] = set()
+    per_task: dict[str, dict[str, int]] = {}
+    for r in rows:
+        for a in r.arms:
+            if not a.records:
+                continue
+            stem = a.records[0]["cell"]["id"].rsplit(".s", 1)[0]
+            if stem in seen:
+                continue
+            seen.add(stem)
+            change = change_from_start(a)
+            if change is None:
+                continue
+            m, lo, hi = change
+            tally = per_task.setdefault(r.task, {"above": 0, "below": 0, "neither": 0})
+            tally["above" if lo > 0 else "below" if hi < 0 else "neither"] += 1
+            if r.factor.name == "baseline":
+                best = a.mean("success", "best_accuracy") - a.mean("success", "initial_accuracy")
+                out.append(f"| {r.task} | {a.algorithm} (`{stem}`) | {len(a.records)} | {pm(a, 'success', 'initial_accuracy')} | "
+                           f"{m:+.3f} ({lo:+.3f}, {hi:+.3f}) | {fmt(best, '+.3f')} |")
+    out.append("")
+    for task, t in per_task.items():
+        total = sum(t.values())
+        if t["above"] == 0 and t["below"]:
+            gist = (" No arm gained measurably: at this budget (the task's `fastrl compare` budget) RL has not yet "
+                    "raised this task's held-out success over its warm-up, so its verdicts rank what the arms lost "
+                    "(or could not tell them apart), not which one learns the task; a longer budget is where its "
+                    "comparison would go next.")
+        elif t["below"] == 0 and t["above"]:
+            gist = " No arm lost measurably."
+        else:
+            gist = ""
+        out.append(f"- {task}: of its {total} arms (every factor and level), {t['above']} ended measurably above their "
+                   f"start, {t['below']} measurably below, {t['neither']} neither.{gist}")
+    return out + [""]
 
 
 INTRO = """# Choosing an algorithm
@@ -392,6 +464,7 @@ def render(cells: dict[str, dict[str, Any]], seeds: dict[str, int], powers: dict
               "per environment call). The McNemar column pools the paired held-out rows over seeds (seed k against "
               "seed k) and ignores run-to-run variance, so it is shown, not used for the verdict.", ""]
     lines += summary_table(rows) + [""]
+    lines += gain_section(rows)
     lines += ["## Advice, with its evidence", ""]
     judged = [r for r in rows if r.verdict["state"] != "pending"]
     if said:
@@ -431,25 +504,22 @@ def render(cells: dict[str, dict[str, Any]], seeds: dict[str, int], powers: dict
     lines += ["", "## The folklore, checked", ""]
     lines += folk + [""]
     lines += ["## How many seeds: the power analysis", "",
-              f"From the spread of the final held-out success over seeds in `fastrl compare`'s reports (one shared "
-              f"start per task, as here; pooled over algorithms): the seeds per arm at which a difference of {DETECT} "
-              f"is detected with probability {POWER} (two-sided test at {ALPHA}, normal approximation), and what the "
-              "planned seeds detect. Where too many seeds would be needed, the plan caps them and says what it can "
-              "detect instead.", "",
-              "| task | pooled sd | seeds needed | seeds planned | power at the planned seeds | difference detected with probability 0.8 | source |",
-              "|---|---|---|---|---|---|---|"]
+              f"The seeds per arm at which a difference of {DETECT} in final held-out success is detected with "
+              f"probability {POWER} (two-sided test at {ALPHA}, normal approximation), from two measurements of the "
+              "spread over seeds: `fastrl compare`'s reports (one shared start per task, as here; pooled over "
+              "algorithms, 3 seeds each, so the estimate is itself uncertain: its relative error is about 50%) and "
+              "this study's own finished cells (pooled over every arm with two seeds or more). The plan takes the "
+              f"larger need, clamped to {MIN_SEEDS}..{MAX_SEEDS} seeds (the CPU budget), so the seeds grow when the "
+              "study measures more spread than it planned for; where the cap binds, the last columns say what the "
+              "planned seeds detect instead.", "",
+              "| task | sd (compare) | seeds needed | sd (this study) | seeds needed | seeds planned | power at the planned seeds "
+              "| difference detected with probability 0.8 | source |",
+              "|---|---|---|---|---|---|---|---|---|"]
     for task, p in powers.items():
-        lines.append(f"| {task} | {p['sd']:.3f} | {p['needed']} | {p['planned']} | {p['power']:.2f} | {p['detectable']:.3f} | `{p['source']}` |")
-    groups: dict[tuple[str, str, str], list[float]] = {}
-    for record in cells.values():
-        c = record["cell"]
-        groups.setdefault((c["task"], c["algorithm"], c["arm"]), []).append(_f(record["success"]["final_accuracy"]))
-    own = {t: pooled_sd([v for (task, _, _), v in groups.items() if task == t]) for t in seeds}
-    own = {t: sd for t, sd in own.items() if math.isfinite(sd)}
-    lines += ["", "A spread measured on 3 seeds is itself uncertain (its own relative error is about 50%); this "
-              "study's finished cells re-estimate it (pooled over every arm with at least two seeds)" + (
-                  ": " + ", ".join(f"{t} {sd:.3f} ({seeds_needed(DETECT, sd) if sd > 0 else 1} seeds needed)"
-                                   for t, sd in own.items()) + "." if own else ", once an arm has two seeds.")]
+        own = (f"{p['own_sd']:.3f} ({p['own_cells']} cells) | {p['own_needed']}" if p.get("own_sd") is not None
+               else "n/a (no arm with two seeds yet) | n/a")
+        lines.append(f"| {task} | {p['sd']:.3f} | {p['needed']} | {own} | {p['planned']} | {p['power']:.2f} | "
+                     f"{p['detectable']:.3f} | `{p['source']}` |")
     fresh = spread_fresh_warmup()
     if fresh:
         lines += ["", "For comparison, the spread when every seed also runs its own warm-up (`fastrl train` over seeds, "
@@ -529,17 +599,18 @@ def main(argv: Sequence[str] | None = None) -> int:
                    help="write nothing; exit 1 when --page is not what the cells render (the plot is not compared)")
     a = p.parse_args(argv)
     cells = load_cells(a.results)
-    seeds = seeds_by_task(a.seeds)
+    seeds = seeds_by_task(a.seeds, a.results)
+    powers = power_table(spread_from_compare(), spread_from_study(a.results))
     rows = build_rows(cells, seeds)
     if a.check:
-        expected = render(cells, seeds, power_table(spread_from_compare()), a.plot.name if cells and a.plot.exists() else None)
+        expected = render(cells, seeds, powers, a.plot.name if cells and a.plot.exists() else None)
         if a.page.read_text() != expected:
             print(f"{a.page} is not the rendering of {a.results}: run python benchmarks/render_algorithm_study.py",
                   file=sys.stderr)
             return 1
         return 0
     plotted = render_plot(rows, a.plot)
-    page = render(cells, seeds, power_table(spread_from_compare()), a.plot.name if plotted else None)
+    page = render(cells, seeds, powers, a.plot.name if plotted else None)
     a.page.write_text(page)
     print(f"{a.page}: {sum(1 for r in rows if r.verdict['state'] != 'pending')} of {len(rows)} rows with a verdict"
           + (f"; {a.plot}" if plotted else ""))

@@ -263,3 +263,75 @@ def test_the_folklore_did_not_hold_when_the_interval_rules_out_its_advantage():
     _, folk = render.advice([render.Row(FACTORS["reward_noise"], level, "calculator", arms, render.verdict(arms))])
     # grpo - ppo = +0.0033, se 0.0033, Welch df 2 (t 4.303): low = -0.011, so ppo's advantage is at most +0.011
     assert len(folk) == 1 and "**did not hold here**: no advantage of ppo as large as 0.05 (at most +0.011" in folk[0]
+
+
+# ============================================================================ the seeds follow the measured spread
+def _write_cells(results, task, algo, arm, finals, start=0.5):
+    results.mkdir(exist_ok=True)
+    for seed, final in enumerate(finals):
+        record = _cell(task, algo, arm, seed, final, "1", 20.0)
+        record["success"]["initial_accuracy"] = start
+        (results / f"{record['cell']['id']}.json").write_text(json.dumps(record))
+
+
+def test_the_plan_takes_the_larger_of_compares_and_the_studys_own_spread(tmp_path):
+    results = tmp_path / "cells"
+    # the study's own arms: [0.6, 0.7, 0.8] and [0.4, 0.5, 0.6], sd 0.1 each: pooled sd 0.1 over 6 cells
+    _write_cells(results, "calculator", "grpo", "base", [0.6, 0.7, 0.8])
+    _write_cells(results, "calculator", "ppo", "base", [0.4, 0.5, 0.6])
+    _write_cells(results, "calculator", "rloo", "base", [0.9])  # one seed: no spread, not counted
+    own = study.spread_from_study(results)
+    assert own == {"calculator": {"sd": pytest.approx(0.1), "cells": 6}}
+    compare = {"calculator": {"sd": 0.011, "source": "c.json"}, "sql": {"sd": 0.03, "source": "s.json"}}
+    table = study.power_table(compare, own)
+    # compare alone: 1 seed needed (clamped up to MIN_SEEDS); the study's sd 0.1 needs 2 (1.96 + 0.84)^2 4 = 62.8 -> 63
+    assert table["calculator"]["needed"] == 1 and table["calculator"]["own_needed"] == 63
+    assert table["calculator"]["planned"] == study.MAX_SEEDS  # capped: the page says what 10 seeds detect
+    assert table["calculator"]["detectable"] == pytest.approx(study.detectable(0.1, study.MAX_SEEDS))
+    # no cells of its own yet: compare's spread decides (0.03 -> 6 seeds)
+    assert table["sql"]["own_sd"] is None and table["sql"]["planned"] == study.seeds_needed(0.05, 0.03) == 6
+    assert study.power_table(compare)["calculator"]["planned"] == study.MIN_SEEDS
+    assert study.spread_from_study(tmp_path / "none") == {}
+
+
+def test_a_winner_that_ended_below_its_start_is_said_to_have_lost_least(tmp_path):
+    def arm(algo, finals, start):
+        cells = [_cell("sql", algo, "base", s, f, "1", 20.0) for s, f in enumerate(finals)]
+        for c in cells:
+            c["success"]["initial_accuracy"] = start
+        return render.Arm(algo, [str(i) for i in range(len(finals))], cells)
+
+    # both below the start 0.49: grpo -0.05 on average, ppo -0.45
+    arms = [arm("grpo", [0.43, 0.44, 0.45], 0.49), arm("ppo", [0.03, 0.04, 0.05], 0.49)]
+    level = FACTORS["baseline"].levels[0]
+    said, _ = render.advice([render.Row(FACTORS["baseline"], level, "sql", arms, render.verdict(arms))])
+    assert len(said) == 1 and "**grpo** beat ppo by +0.400" in said[0]
+    assert ("every arm ended below the start's 0.490 on average (grpo 0.440, ppo 0.040): grpo lost the least, "
+            "it did not gain") in said[0]
+    # end minus start by hand: grpo's differences -0.06, -0.05, -0.04: mean -0.05, sd 0.01, t(2) 4.303
+    m, lo, hi = render.change_from_start(arms[0])
+    assert (m, lo, hi) == (pytest.approx(-0.05), pytest.approx(-0.05 - 4.303 * 0.01 / math.sqrt(3)),
+                           pytest.approx(-0.05 + 4.303 * 0.01 / math.sqrt(3)))
+    # above the start: no such clause
+    up = [arm("grpo", [0.63, 0.64, 0.65], 0.49), arm("ppo", [0.53, 0.54, 0.55], 0.49)]
+    said, _ = render.advice([render.Row(FACTORS["baseline"], level, "sql", up, render.verdict(up))])
+    assert len(said) == 1 and "lost the least" not in said[0]
+
+
+def test_the_page_says_per_task_whether_rl_gained_and_marks_values_a_task_lacks(tmp_path):
+    results = tmp_path / "cells"
+    _write_cells(results, "sql", "grpo", "base", [0.43, 0.44, 0.45], start=0.49)
+    _write_cells(results, "sql", "ppo", "base", [0.03, 0.04, 0.05], start=0.49)
+    _write_cells(results, "default", "grpo", "base", [0.73, 0.74, 0.75], start=0.47)
+    for path in results.glob("default.*.json"):  # the default task has no environment: no env calls
+        record = json.loads(path.read_text())
+        del record["cost"]["env_calls"]
+        path.write_text(json.dumps(record))
+    page = render.render(render.load_cells(results), {"calculator": 3, "frozenlake": 3, "sql": 3, "default": 3}, {}, None)
+    lines = page.splitlines()
+    assert "| sql | grpo (`sql.grpo.base`) | 3 | 0.490 ± 0.000 | -0.050 (-0.075, -0.025) | +0.000 |" in lines
+    gist = [line for line in lines if line.startswith("- sql: of its 2 arms")]
+    assert gist and "0 ended measurably above their start, 2 measurably below, 0 neither. No arm gained measurably" in gist[0]
+    assert any(line.startswith("- default: of its 1 arms") and "No arm lost measurably." in line for line in lines)
+    default_row = [line for line in lines if line.startswith("| default | default | grpo | 3/3 |")][0]
+    assert "| n/a |" in default_row and "pending" not in default_row  # finished cells without env calls: n/a
