@@ -224,6 +224,16 @@ def task_budget(task: str) -> str:
     return ENV_COMPARE_DEFAULTS[task].budget if task in ENV_TASKS else DEFAULT_TASK_BUDGET
 
 
+def scaled_budget(budget: str, scale: int) -> str:
+    """A steps budget (``"16-steps"``) times ``scale`` (``"64-steps"``); other budgets only at scale 1."""
+    if scale == 1:
+        return budget
+    count, _, unit = budget.partition("-")
+    if unit != "steps" or not count.isdigit():
+        raise ValueError(f"budget {budget!r}: only a steps budget can be scaled")
+    return f"{int(count) * scale}-steps"
+
+
 def task_args(task: str) -> list[str]:
     return ["--env", task] if task in ENV_TASKS else []
 
@@ -274,7 +284,7 @@ def plan_cells(seeds: dict[str, int], *, factors: Sequence[str] | None = None, t
                 for seed in range(seeds.get(task, MIN_SEEDS)):
                     for a_rank, algo in enumerate(level.algorithms):
                         cell = Cell(task, algo, level.arm(algo), tuple(level.run_args(task, algo)), level.start_args,
-                                    seed, budget(task))
+                                    seed, scaled_budget(budget(task), level.budget_scale))
                         key = (f_rank, algo not in FIRST_ALGORITHMS, TASK_ORDER.index(task), seed, l_rank, a_rank)
                         if cell.id not in keyed or key < keyed[cell.id][0]:
                             keyed[cell.id] = (key, cell)
@@ -301,16 +311,25 @@ def predicted_cpu_seconds(cell: Cell, spread: dict[str, dict[str, Any]],
     from ``fastrl compare``'s measured runs of its task (single-threaded: process wall ~ CPU):
     its algorithm's mean run, else the slowest algorithm's, with ``turns12`` doubling frozenlake's."""
     measured = measured or {}
-    same = measured.get((cell.task, cell.algorithm, cell.arm)) or [
-        v for (t, a, _), vs in measured.items() if (t, a) == (cell.task, cell.algorithm) for v in vs]
+    own = measured.get((cell.task, cell.algorithm, cell.arm))
+    if own:
+        return statistics.mean(own)
+    # another arm's cells, or compare's runs, ran the task's budget: a longer one costs in proportion to its steps
+    longer = _steps(cell.budget) / _steps(task_budget(cell.task))
+    same = [v for (t, a, _), vs in measured.items() if (t, a) == (cell.task, cell.algorithm) for v in vs]
     if same and not cell.start_args:
-        return statistics.mean(same)
+        return statistics.mean(same) * longer
     s = spread.get(cell.task)
     if not s:
         return float("nan")
     walls = s["run_wall"].get(cell.algorithm) or max(s["run_wall"].values(), key=lambda w: statistics.mean(w))
     scale = 2.0 if "12" in cell.start_args else 1.0
-    return statistics.mean(walls) * scale
+    return statistics.mean(walls) * scale * longer
+
+
+def _steps(budget: str) -> float:
+    count, _, unit = budget.partition("-")
+    return float(count) if unit == "steps" and count.isdigit() else 1.0
 
 
 def predicted_start_cpu_seconds(start_key: str, spread: dict[str, dict[str, Any]]) -> float:

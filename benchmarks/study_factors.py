@@ -19,6 +19,9 @@ module:function``, a critic given with ``--critic_init``) -- no trainer change.
 - ``horizon``             turns per episode (frozenlake: ``--max_turns`` 6, the default, or 12 with
                           a start warmed up for the longer trajectories), where step credit
                           (GiGPO, PPO's per-token values) should matter.
+- ``budget``              fastrl compare's steps budget, or four times it (frozenlake, where no arm
+                          gains over its start within the shorter one): does the answer change once
+                          RL has had time to gain?
 - ``value_learnability``  PPO's critic from a random initialisation, from a copy of the policy
                           (fastrl's default), or from a GRPO checkpoint (``grpo_then_ppo``: GRPO
                           for half the budget, the critic initialised from its final policy).
@@ -131,6 +134,8 @@ class Level:
     environment also ``--env_reward_weight 0`` (the wrapper reads the outcome itself)."""
     start_args: tuple[str, ...] = ()
     """Options that shape the shared warm-up (a level with them has a start of its own)."""
+    budget_scale: int = 1
+    """The steps budget as a multiple of the task's (``fastrl compare``'s)."""
     cost_weight: float | None = None
     """``rollout_cost``: seconds charged per environment call when reading the cells."""
     arm_name: str | None = None
@@ -141,7 +146,7 @@ class Level:
     def arm(self, algorithm: str) -> str:
         """The name of the run options of ``algorithm`` at this level (``base`` when none):
         levels that run an algorithm the same way share its cells."""
-        if not (self.args or self.per_algorithm.get(algorithm) or self.reward or self.start_args):
+        if not (self.args or self.per_algorithm.get(algorithm) or self.reward or self.start_args or self.budget_scale != 1):
             return "base"
         return self.arm_name or self.name
 
@@ -210,6 +215,13 @@ FACTORS: dict[str, Factor] = {f.name: f for f in (
            how="The built-in model's context is its longest trajectory, fixed at the warm-up, so the 12-move level "
                "warms up a start of its own (same demonstrations, 640 positions); its arms are compared with each "
                "other, not with the 6-move level's."),
+    Factor("budget", "When the budget lets RL gain: does the answer change?",
+           "a critic needs time to learn, so PPO closes the gap on a longer budget", ("frozenlake",),
+           (Level("steps1x", "fastrl compare's budget (16 RL steps)", GRPO_PPO),
+            Level("steps4x", "four times that budget (64 RL steps)", GRPO_PPO, budget_scale=4)),
+           how="Every arm starts from the task's shared start and runs the task's steps budget times the level's "
+               "multiple, with held-out evaluations at fastrl compare's interval for that budget. Frozenlake is the "
+               "task where, at the shorter budget, no arm gained over its start (the section \"Did RL help at all\")."),
     Factor("value_learnability", "When can the critic be learnt: does a warm-started critic rescue PPO?",
            "PPO needs a value function it can learn; a critic warm-started from a GRPO checkpoint helps", ("calculator", "frozenlake", "sql"),
            (Level("critic_scratch", "PPO's critic randomly initialised", GRPO_PPO,

@@ -200,7 +200,13 @@ def test_the_plan_shares_cells_between_levels_and_orders_grpo_and_ppo_first():
     noisy_cells = [c for c in cells if c.arm == "flip10"]
     assert noisy_cells[0].args == ("--rewards", "[benchmarks.study_factors:flip_rewards_10]", "--env_reward_weight", "0")
     assert not any(c.task != "calculator" for c in cells)
-    assert set(FACTORS) == {"baseline", "rollout_cost", "reward_noise", "difficulty", "horizon", "value_learnability"}
+    assert set(FACTORS) == {"baseline", "rollout_cost", "reward_noise", "difficulty", "horizon", "budget", "value_learnability"}
+    long = [c for c in study.plan_cells({"frozenlake": 2}, factors=["budget"]) if c.arm == "steps4x"]
+    assert [c.id for c in long] == ["frozenlake.grpo.steps4x.s0", "frozenlake.ppo.steps4x.s0", "frozenlake.grpo.steps4x.s1", "frozenlake.ppo.steps4x.s1"]
+    assert {c.budget for c in long} == {"64-steps"} and long[0].args == ()
+    assert study.scaled_budget("16-steps", 1) == "16-steps" and study.scaled_budget("16-steps", 4) == "64-steps"
+    with pytest.raises(ValueError, match="only a steps budget"):
+        study.scaled_budget("60-seconds", 2)
 
 
 def test_the_dry_run_predicts_from_the_finished_cells_first():
