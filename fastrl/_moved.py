@@ -14,6 +14,7 @@ import importlib.abc
 import importlib.machinery
 import importlib.util
 import sys
+import types
 from types import ModuleType
 
 MOVED_MODULES: dict[str, str] = {
@@ -50,6 +51,7 @@ class MovedModuleFinder(importlib.abc.MetaPathFinder, importlib.abc.Loader):
 
     def __init__(self, moved: dict[str, str]) -> None:
         self.moved = moved
+        self._own_specs: dict[str, importlib.machinery.ModuleSpec | None] = {}
 
     def find_spec(self, fullname: str, path: object = None, target: object = None) -> importlib.machinery.ModuleSpec | None:
         if fullname not in self.moved:
@@ -57,11 +59,22 @@ class MovedModuleFinder(importlib.abc.MetaPathFinder, importlib.abc.Loader):
         return importlib.util.spec_from_loader(fullname, self)
 
     def create_module(self, spec: importlib.machinery.ModuleSpec) -> ModuleType:
-        # the new home's module object itself: import machinery keeps its __name__ and __spec__
-        return importlib.import_module(self.moved[spec.name])
+        # the new home's module object itself: import machinery keeps its __name__, __loader__ and
+        # __path__, but stamps the old name's spec on it, which exec_module takes back
+        module = importlib.import_module(self.moved[spec.name])
+        self._own_specs[module.__name__] = module.__spec__
+        return module
 
     def exec_module(self, module: ModuleType) -> None:
-        """Nothing to run: the module executed under its new name."""
+        """Nothing to run (the module executed under its new name): only its own spec goes back,
+        so ``reload``, pickling by module and a spawned worker's main module see its real name."""
+        module.__spec__ = self._own_specs.pop(module.__name__, module.__spec__)
+
+    def get_code(self, fullname: str) -> types.CodeType:
+        """``python -m <old name>``: runpy asks for code to run as ``__main__``; it runs the new
+        module (or package's ``__main__``) as ``__main__``, with the command line as given."""
+        source = f"import runpy\nrunpy.run_module({self.moved[fullname]!r}, run_name='__main__', alter_sys=True)\n"
+        return compile(source, f"<moved module {fullname} -> {self.moved[fullname]}>", "exec")
 
 
 def install(moved: dict[str, str] = MOVED_MODULES) -> MovedModuleFinder:

@@ -71,3 +71,18 @@ def test_every_moved_module_imports_under_its_old_name(old, new):
         assert old is new, (old, new)
     """)
     subprocess.run([sys.executable, "-c", code], check=True)
+
+
+def test_the_new_module_keeps_its_own_spec(moved_package):
+    import oldpkg.thing
+
+    assert oldpkg.thing.__spec__.name == "newpkg.thing"  # not the old name's spec: reload and spawn read it
+    assert importlib.reload(oldpkg.thing).VALUE == 41
+
+
+def test_python_dash_m_under_the_old_name_runs_the_new_module():
+    # fastrl.commands.compare's __main__ is the child-run entry point: its usage line and exit status
+    old = subprocess.run([sys.executable, "-m", "fastrl.train.compare", "--help"], capture_output=True, text=True)
+    new = subprocess.run([sys.executable, "-m", "fastrl.commands.compare", "--help"], capture_output=True, text=True)
+    assert "fastrl.commands.compare" in new.stdout + new.stderr
+    assert (old.returncode, old.stdout, old.stderr) == (new.returncode, new.stdout, new.stderr)
