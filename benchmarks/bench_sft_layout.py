@@ -43,7 +43,7 @@ def _batches(task: str, tokenizer, batch_size: int, count: int, seed: int):
         return batches, (d.hidden_size, d.layers, d.heads, d.max_position_embeddings)
     from fastrl.agents.envs import BUILTIN_ENVS, synthetic_transcripts
     from fastrl.agents.render import ChatRenderer, demonstration_sample
-    from fastrl.train.agent.defaults import ENV_TASKS
+    from fastrl.train.env_task import ENV_TASKS
 
     spec = ENV_TASKS[task]
     train, _ = BUILTIN_ENVS[task].rows(num_train=spec.num_train, num_heldout=spec.num_heldout, seed=seed)

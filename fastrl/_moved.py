@@ -30,7 +30,9 @@ MOVED_MODULES: dict[str, str] = {
     "fastrl.train.agent_tree_collect": "fastrl.train.agent.tree_collect",
     "fastrl.train.agent_evaluate": "fastrl.train.agent.evaluate",
     "fastrl.train.agent_score": "fastrl.train.agent.score",
-    "fastrl.train.agent_task": "fastrl.train.agent.defaults",
+    "fastrl.train.agent_task": "fastrl.train.env_task",
+    # the built-in environments' defaults sit beside task.py's, below the config rule that reads them
+    "fastrl.train.agent.defaults": "fastrl.train.env_task",
     # the run's housekeeping (issue 40): fastrl/train/<module>.py -> fastrl/train/run/
     "fastrl.train.interrupt": "fastrl.train.run.interrupt",
     "fastrl.train.threads": "fastrl.train.run.threads",

@@ -123,7 +123,7 @@ def builtin_served_model_dir(tmp_path_factory):
     Its context is the calculator environment's trajectory limit (``fastrl train --env
     calculator`` builds the same model with that many positions); the single-turn task's
     shorter sequences fit in it."""
-    from fastrl.train.agent.defaults import ENV_TASKS
+    from fastrl.train.env_task import ENV_TASKS
     from fastrl.train.task import DefaultTask, char_tokenizer, tiny_model
 
     default = DefaultTask()

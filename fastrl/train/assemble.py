@@ -26,7 +26,7 @@ run's state. The builders' bodies live in the rooms of what they build (``policy
 stage here picks which to call and checks what comes back. One name, one meaning: the stage
 ``load_policy`` calls ``policy.load_model``; the stage ``warm_up`` calls
 ``warmup.warm_up_on_answers`` or ``agent.build.warm_up_on_transcripts``; ``RunInputs`` is not a
-task (``task.DefaultTask`` and ``agent.defaults.EnvTask`` are the built-in tasks' defaults).
+task (``task.DefaultTask`` and ``env_task.EnvTask`` are the built-in tasks' defaults).
 """
 
 from __future__ import annotations

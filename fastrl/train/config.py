@@ -190,7 +190,7 @@ class TrainConfig:
     """Training prompts the warm-up's accuracy probe evaluates."""
     sft_check_every: Optional[int] = None
     """Warm-up steps between accuracy probes (None: DefaultTask's 50; a built-in environment's
-    own, ``fastrl/train/agent/defaults.py``). Logged: ``sft/probes``, and each probe in the warm-up's record."""
+    own, ``fastrl/train/env_task.py``). Logged: ``sft/probes``, and each probe in the warm-up's record."""
     sft_probe_sooner: bool = False
     """Probe the warm-up sooner as its accuracy nears the target: after a probe short of it, the
     next comes ``sft_check_every`` times the share of the target still missing
@@ -660,7 +660,7 @@ class TrainConfig:
             positive_int(name, allow_zero=True)
         self._validate_agent(positive_int, number)
         if self.env is not None:
-            from fastrl.train.agent.defaults import ENV_TASKS
+            from fastrl.train.env_task import ENV_TASKS
 
             if self.env not in ENV_TASKS and ":" not in self.env:
                 close = difflib.get_close_matches(self.env, list(ENV_TASKS), n=1, cutoff=0.6)
@@ -954,8 +954,8 @@ def apply_env_defaults(cfg: TrainConfig, *, builtin_model: bool) -> None:
     """Fill ``cfg``'s ``None`` fields (in place) for its ``env``: the built-in environment's
     ``EnvTask``, or ``AgentConfig``'s limits for a user's environment. ``builtin_model``: the
     run builds the tiny model (the warm-up and the model sizes apply). The defaults are data in
-    ``fastrl/train/agent/defaults.py``; this is the rule that applies them."""
-    from fastrl.train.agent.defaults import ENV_TASKS, USER_ENV_ROWS
+    ``fastrl/train/env_task.py``; this is the rule that applies them."""
+    from fastrl.train.env_task import ENV_TASKS, USER_ENV_ROWS
 
     task = ENV_TASKS.get(cfg.env)
     limits = dataclasses.asdict(AgentConfig(**(task.agent if task is not None else {})))

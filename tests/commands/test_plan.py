@@ -225,7 +225,7 @@ def test_env_runs_plan_whole_trajectories_of_the_environments_limits(capsys):
     the env run's (its context is the trajectory limit), and prefix_tree plans like the
     shared-prefix packing; a prompt as long as the trajectory is a one-line error."""
     from fastrl.cli import main
-    from fastrl.train.agent.defaults import ENV_TASKS
+    from fastrl.train.env_task import ENV_TASKS
 
     def plan(*argv):
         assert main(["plan", "--json", *argv]) == 0

@@ -132,7 +132,7 @@ def test_the_agent_options_are_agent_configs_fields_with_its_docs(capsys):
     from fastrl.train.config import AGENT_FIELDS
 
     from fastrl.agents.envs import BUILTIN_ENVS
-    from fastrl.train.agent.defaults import ENV_TASKS
+    from fastrl.train.env_task import ENV_TASKS
 
     assert AGENT_FIELDS == tuple(f.name for f in dataclasses.fields(AgentConfig)) and set(ENV_TASKS) == set(BUILTIN_ENVS)
     assert all(f.default is None for f in dataclasses.fields(TrainConfig) if f.name in AGENT_FIELDS)

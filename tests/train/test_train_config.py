@@ -219,7 +219,7 @@ def test_the_warm_up_answer_weight_is_the_environments_and_an_agent_option():
 
 
 def test_the_built_in_models_heads_are_an_option_that_must_divide_its_width():
-    from fastrl.train.agent.defaults import ENV_TASKS
+    from fastrl.train.env_task import ENV_TASKS
     from fastrl.train.policy import load_model
     from fastrl.commands.plan import builtin_train_model_shape
 

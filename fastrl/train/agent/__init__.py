@@ -5,7 +5,8 @@ Each module is the agent counterpart of a single-turn room, behind the same cont
 renderer, scorer, the warm-up on the oracle's transcripts), ``collect`` (``AgentCollector``:
 trajectories played turn by turn), ``tree_collect`` (``AgentTreeCollector``: trajectories
 branching at turns), ``evaluate`` (``AgentEvaluator``: greedy held-out episodes), ``score``
-(``TrajectoryScorer``: the environment's outcome and the ``--rewards`` functions) and
-``defaults`` (``ENV_TASKS``: what each built-in environment brings). The environments,
-renderer and driver themselves are ``fastrl.agents``.
+(``TrajectoryScorer``: the environment's outcome and the ``--rewards`` functions). What each
+built-in environment brings (``ENV_TASKS``) sits beside the single-turn task's defaults, in
+``fastrl.train.env_task``, below the config rule that applies it. The environments, renderer
+and driver themselves are ``fastrl.agents``.
 """

@@ -33,7 +33,7 @@ from fastrl.agents.render import ChatRenderer, demonstration_sample
 from fastrl.agents.runtime import EnvRuntime
 from fastrl.agents.tools import tool_schemas
 from fastrl.errors import InputError
-from fastrl.train.agent.defaults import USER_ENV_ROWS
+from fastrl.train.env_task import USER_ENV_ROWS
 from fastrl.train.config import TrainConfig
 from fastrl.train.ranks import Ranks
 from fastrl.train.sft import ProbeSchedule, WarmupResult
