@@ -11,7 +11,8 @@ effect size (the difference), the pooled paired McNemar test on the held-out row
 one arm against seed k of the other, the same rows: a sharper view that ignores run-to-run
 variance, so it is reported, not used for the verdict) and the cost ratio (the cells' CPU
 seconds, the shared warm-up excluded, plus ``cost_weight`` x environment calls for
-``rollout_cost``'s levels). Every sentence of advice
+``rollout_cost``'s levels, whose arms are compared at equal charged cost: ``equal_cost``).
+Every sentence of advice
 names the cells it rests on. A level with fewer than 2 finished seeds on an arm is pending,
 never a result.
 """
@@ -151,8 +152,64 @@ def pooled_mcnemar(a: Arm, b: Arm) -> dict[str, Any] | None:
     return {"gained": gained, "lost": lost, "rows": rows, "p_value": _mcnemar_exact(gained, lost)}
 
 
-def verdict(arms: Sequence[Arm], *, cost_weight: float = 0.0) -> dict[str, Any]:
-    """The best arm by mean final held-out success against the runner-up (``module docstring``)."""
+@dataclass
+class EqualCost:
+    """``rollout_cost``'s reading: every arm's held-out success when it has spent what the cheaper
+    arm spent in its whole run (``equal_cost``)."""
+
+    budget: float
+    """Charged seconds: the cheaper arm's mean over seeds (CPU seconds + weight x environment calls)."""
+    per_step: dict[str, float]
+    """Each arm's mean charged seconds per RL step."""
+    affordable: dict[str, float]
+    """RL steps each arm affords within ``budget``."""
+    success: dict[str, list[float]]
+    """Per arm and seed: the held-out success at its affordable steps (``interpolate``)."""
+
+
+def equal_cost(arms: Sequence[Arm], weight: float) -> EqualCost | None:
+    """Held-out success at equal charged cost: the budget is the cheaper arm's mean charged cost
+    (``Arm.charged``); an arm affords ``budget / its mean charged cost per step`` RL steps, and
+    each of its seeds is read there, between the two held-out evaluations around it
+    (``interpolate``). None when a cell lacks its steps or evaluations."""
+    per_step, totals = {}, {}
+    for a in arms:
+        charged = a.charged(weight)
+        steps = [_f(r["cost"].get("steps")) for r in a.records]
+        if not a.records or not all(math.isfinite(c) and math.isfinite(n) and n > 0 for c, n in zip(charged, steps)):
+            return None
+        totals[a.algorithm] = statistics.mean(charged)
+        per_step[a.algorithm] = statistics.mean(c / n for c, n in zip(charged, steps))
+    budget = min(totals.values())
+    affordable, success = {}, {}
+    for a in arms:
+        affordable[a.algorithm] = budget / per_step[a.algorithm]
+        success[a.algorithm] = [interpolate(r.get("evals") or [], affordable[a.algorithm]) for r in a.records]
+        if not all(math.isfinite(v) for v in success[a.algorithm]):
+            return None
+    return EqualCost(budget, per_step, affordable, success)
+
+
+def interpolate(evals: Sequence[dict[str, Any]], step: float) -> float:
+    """Held-out success at ``step`` (fractional): linear between the two evaluations around it,
+    the last evaluation's beyond it (NaN without evaluations). The evaluations are a few steps
+    apart, so reading at the earlier one would charge an arm a few steps for a cost a fraction of a
+    percent over the budget."""
+    points = sorted((float(e["step"]), _f(e["accuracy"])) for e in evals)
+    if not points:
+        return float("nan")
+    if step >= points[-1][0]:
+        return points[-1][1]
+    for (s0, a0), (s1, a1) in zip(points, points[1:]):
+        if s0 <= step <= s1:
+            return a0 + (a1 - a0) * (step - s0) / (s1 - s0) if s1 > s0 else a1
+    return points[0][1]
+
+
+def verdict(arms: Sequence[Arm], *, cost_weight: float = 0.0, success: dict[str, list[float]] | None = None) -> dict[str, Any]:
+    """The best arm by mean final held-out success against the runner-up (``module docstring``);
+    ``success`` (per arm, per seed) replaces the final success (``equal_cost``'s reading), and
+    the McNemar test, which needs the final evaluation's rows, is then left out."""
     ready = [a for a in arms if len(a.records) >= MIN_SEEDS_FOR_VERDICT]
     done = sum(len(a.records) for a in arms)
     planned = sum(len(a.planned) for a in arms)
@@ -161,18 +218,22 @@ def verdict(arms: Sequence[Arm], *, cost_weight: float = 0.0) -> dict[str, Any]:
         out["state"] = "pending"
         out["text"] = f"pending ({done} of {planned} cells)"
         return out
-    ranked = sorted(arms, key=lambda a: a.mean("success", "final_accuracy"), reverse=True)
+    def finals(a: Arm) -> list[float]:
+        values = success[a.algorithm] if success is not None else a.values("success", "final_accuracy")
+        return [x for x in values if math.isfinite(x)]
+
+    ranked = sorted(arms, key=lambda a: statistics.mean(finals(a)) if finals(a) else -1.0, reverse=True)
     best, second = ranked[0], ranked[1]
-    fa = [x for x in best.values("success", "final_accuracy") if math.isfinite(x)]
-    fb = [x for x in second.values("success", "final_accuracy") if math.isfinite(x)]
+    fa, fb = finals(best), finals(second)
     diff, lo, hi = welch_interval(fa, fb)
     worst = ranked[-1]
-    fw = [x for x in worst.values("success", "final_accuracy") if math.isfinite(x)]
+    fw = finals(worst)
     _, spread_lo, spread_hi = welch_interval(fa, fw)  # best - worst: "the choice did not matter" needs every arm close
     cost_a, cost_b = statistics.mean(best.charged(cost_weight)), statistics.mean(second.charged(cost_weight))
     out.update(state="partial" if done < planned else "complete", best=best.algorithm, runner_up=second.algorithm,
                difference=diff, low=lo, high=hi, cost_ratio=cost_a / cost_b if cost_b else float("nan"),
-               mcnemar=pooled_mcnemar(best, second), distinguishable=bool(lo > 0), worst=worst.algorithm,
+               mcnemar=pooled_mcnemar(best, second) if success is None else None, distinguishable=bool(lo > 0),
+               worst=worst.algorithm,
                spread_low=spread_lo, spread_high=spread_hi)
     if diff == 0:
         out["distinguishable"] = False
@@ -240,6 +301,8 @@ class Row:
     task: str
     arms: list[Arm]
     verdict: dict[str, Any]
+    equal_cost: EqualCost | None = None
+    """``rollout_cost``'s levels: the reading at equal charged cost the verdict rests on."""
 
 
 def build_rows(cells: dict[str, dict[str, Any]], seeds: dict[str, int]) -> list[Row]:
@@ -252,7 +315,12 @@ def build_rows(cells: dict[str, dict[str, Any]], seeds: dict[str, int]) -> list[
                 if not applies(factor, level, task):
                     continue
                 arms = arms_of(factor, level, task, seeds[task], cells)
-                rows.append(Row(factor, level, task, arms, verdict(arms, cost_weight=level.cost_weight or 0.0)))
+                if level.cost_weight is not None:  # rollout_cost: read at equal charged cost
+                    ec = equal_cost(arms, level.cost_weight) if all(len(a.records) >= MIN_SEEDS_FOR_VERDICT for a in arms) else None
+                    v = verdict(arms, cost_weight=level.cost_weight, success=ec.success if ec else None)
+                    rows.append(Row(factor, level, task, arms, v, ec))
+                else:
+                    rows.append(Row(factor, level, task, arms, verdict(arms)))
     return rows
 
 
@@ -265,9 +333,11 @@ def summary_table(rows: Sequence[Row]) -> list[str]:
             out.append(f"| {r.factor.name} | {r.level.name} | {r.task} | {v['text']} | | | | {cells_ref(r.arms)} |")
             continue
         m = v["mcnemar"]
-        mc = f"+{m['gained']}/-{m['lost']} of {m['rows']}, p={m['p_value']:.2g}" if m else "n/a"
+        mc = (f"+{m['gained']}/-{m['lost']} of {m['rows']}, p={m['p_value']:.2g}" if m
+              else "n/a (read at equal cost)" if r.equal_cost else "n/a")
         partial = f" (partial: {v['cells_finished']} of {v['cells_planned']} cells)" if v["state"] == "partial" else ""
-        out.append(f"| {r.factor.name} | {r.level.name} | {r.task} | {v['text']}{partial} | {v['best']} − {v['runner_up']}: "
+        when = " at equal cost" if r.equal_cost else ""
+        out.append(f"| {r.factor.name} | {r.level.name} | {r.task} | {v['text']}{partial} | {v['best']} − {v['runner_up']}{when}: "
                    f"{v['difference']:+.3f} ({v['low']:+.3f}, {v['high']:+.3f}) | {fmt(v['cost_ratio'], '.2f')}x | {mc} | "
                    f"{cells_ref(r.arms)} |")
     return out
@@ -303,6 +373,24 @@ def factor_table(rows: Sequence[Row]) -> list[str]:
     return out
 
 
+def equal_cost_table(rows: Sequence[Row]) -> list[str]:
+    """``rollout_cost``'s reading at equal charged cost, per level and task and arm."""
+    out = ["| level | task | arm | charged s per step | budget (the cheaper arm's run) | steps afforded | "
+           "success at equal cost | success at the end |", "|---|---|---|---|---|---|---|---|"]
+    for r in rows:
+        ec = r.equal_cost
+        for a in r.arms:
+            if ec is None:
+                out.append(f"| {r.level.name} | {r.task} | {a.algorithm} | pending | | | | {pm(a, 'success', 'final_accuracy')} |")
+                continue
+            vals = ec.success[a.algorithm]
+            out.append(f"| {r.level.name} | {r.task} | {a.algorithm} | {ec.per_step[a.algorithm]:.2f} | {ec.budget:.0f} s | "
+                       f"{ec.affordable[a.algorithm]:.1f} of {fmt(a.mean('cost', 'steps'), '.0f')} | "
+                       f"{statistics.mean(vals):.3f} ± {statistics.stdev(vals) if len(vals) > 1 else 0.0:.3f} | "
+                       f"{pm(a, 'success', 'final_accuracy')} |")
+    return out
+
+
 def advice(rows: Sequence[Row]) -> tuple[list[str], list[str]]:
     """Sentences of advice (a distinguishable winner, or an interval inside ±``DETECT``: the
     choice did not matter), each with its cells, once per set of cells (levels that share their
@@ -314,7 +402,8 @@ def advice(rows: Sequence[Row]) -> tuple[list[str], list[str]]:
         where = f"{r.task}, {r.factor.name} = {r.level.name} ({r.level.condition})"
         claim = None
         if v["state"] != "pending" and v["distinguishable"]:
-            claim = (f"**{v['best']}** beat {v['runner_up']} by {v['difference']:+.3f} held-out success "
+            claim = (f"**{v['best']}** beat {v['runner_up']} by {v['difference']:+.3f} held-out success"
+                     f"{' at equal cost' if r.equal_cost else ''} "
                      f"(95% interval {v['low']:+.3f} to {v['high']:+.3f}) at {fmt(v['cost_ratio'], '.2f')}x its cost"
                      f"{below_start(r.arms, v['best'])}")
         elif v["state"] != "pending" and max(abs(v["spread_low"]), abs(v["spread_high"])) < DETECT:
@@ -536,6 +625,13 @@ def render(cells: dict[str, dict[str, Any]], seeds: dict[str, int], powers: dict
         lines += [f"## {factor.name}: {factor.question}", "", f"Folklore: {factor.folklore}." + (f" {factor.how}" if factor.how else ""), ""]
         lines += ["| level | condition |", "|---|---|"] + [f"| {lv.name} | {lv.condition} |" for lv in factor.levels] + [""]
         lines += factor_table(mine) + [""]
+        if any(r.level.cost_weight is not None for r in mine):
+            every = sorted({(r.task, r.arms[0].records[0].get("eval_every")) for r in mine if r.arms and r.arms[0].records})
+            lines += ["Read at equal cost (the verdicts above): the cheaper arm's whole run sets the budget, and the other arm "
+                      "is read at the steps that budget affords it (`equal_cost`), linearly between the two held-out "
+                      "evaluations around them (every " + ", ".join(f"{n} steps on {t}" for t, n in every) +
+                      "): a coarse reading where the success changes between evaluations.", ""]
+            lines += equal_cost_table([r for r in mine if r.level.cost_weight is not None]) + [""]
     lines += ["## Reproduce", "", "```bash",
               "OMP_NUM_THREADS=1 nice python benchmarks/algorithm_study.py --jobs 1     # resumes; --dry-run for the plan",
               "python benchmarks/render_algorithm_study.py                             # this page",

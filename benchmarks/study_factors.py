@@ -187,10 +187,12 @@ FACTORS: dict[str, Factor] = {f.name: f for f in (
                        folklore={0.0: "grpo", 0.1: "ppo"}.get(w)) for w in COST_WEIGHTS),
            how="GRPO samples 8 trajectories of each prompt; PPO one of each of 8 times the prompts "
                "(`fastrl compare --ppo_group_size 1`), so both sample as many trajectories, and make about as many "
-               "environment calls, per step. Every arm runs the task's steps budget; a level charges each run its RL "
-               "seconds plus the weight times its environment calls, so the cost ratio moves from the compute alone "
-               "(0 ms: equal wall time on this CPU) towards the ratio of environment calls (100 ms: a rollout's cost "
-               "dominates). The same runs serve the three levels."),
+               "environment calls, per step. Every arm runs the task's steps budget; a level charges each run its CPU "
+               "seconds (the shared warm-up excluded) plus the weight times its environment calls, and compares the "
+               "arms at equal charged cost: the cheaper arm's whole run against the other arm at the steps the same "
+               "charge buys it. So the comparison moves from equal compute (0 ms: equal wall time on this CPU, one "
+               "thread each) towards equal environment calls (100 ms: a rollout's cost dominates). The same runs serve "
+               "the three levels."),
     Factor("reward_noise", "When rewards are noisy: does group normalisation amplify the noise?",
            "GRPO's per-group normalisation amplifies noise in small groups; a critic averages it", ("calculator", "frozenlake", "default"),
            (Level("flip0", "no reward flipped", GRPO_PPO),

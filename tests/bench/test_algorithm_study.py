@@ -341,3 +341,41 @@ def test_the_page_says_per_task_whether_rl_gained_and_marks_values_a_task_lacks(
     assert any(line.startswith("- default: of its 1 arms") and "No arm lost measurably." in line for line in lines)
     default_row = [line for line in lines if line.startswith("| default | default | grpo | 3/3 |")][0]
     assert "| n/a |" in default_row and "pending" not in default_row  # finished cells without env calls: n/a
+
+
+# ============================================================================ rollout_cost: equal charged cost
+def test_interpolate_reads_between_the_evaluations_around_a_step():
+    evals = [{"step": 0, "accuracy": 0.3}, {"step": 8, "accuracy": 0.5}, {"step": 16, "accuracy": 0.4}]
+    assert render.interpolate(evals, 16) == 0.4 and render.interpolate(evals, 20) == 0.4  # the end, and beyond it
+    assert render.interpolate(evals, 4) == pytest.approx(0.4)  # half way from 0.3 to 0.5
+    assert render.interpolate(evals, 12) == pytest.approx(0.45)
+    assert render.interpolate(evals, 0) == 0.3
+    assert math.isnan(render.interpolate([], 3))
+
+
+def test_equal_cost_reads_the_dearer_arm_where_the_cheaper_arms_budget_runs_out():
+    def arm(algo, cpu, calls, evals):
+        cells = []
+        for seed in range(2):
+            c = _cell("frozenlake", algo, "base" if algo == "grpo" else "group1", seed, evals[-1][1], "1", 20.0)
+            c["process"]["cpu_seconds"] = cpu
+            c["cost"].update(steps=16, env_calls=calls)
+            c["evals"] = [{"step": s, "accuracy": a} for s, a in evals]
+            cells.append(c)
+        return render.Arm(algo, ["a", "b"], cells)
+
+    grpo = arm("grpo", 40.0, 1000.0, [(0, 0.3), (8, 0.5), (16, 0.6)])
+    ppo = arm("ppo", 80.0, 1000.0, [(0, 0.3), (8, 0.7), (16, 0.8)])
+    # compute alone: grpo's 40 s buy ppo 8 of its 16 steps (5 s each): ppo read at step 8, 0.7 against grpo's 0.6
+    ec = render.equal_cost([grpo, ppo], 0.0)
+    assert ec.budget == 40.0 and ec.per_step == {"grpo": 2.5, "ppo": 5.0} and ec.affordable == {"grpo": 16.0, "ppo": 8.0}
+    assert ec.success == {"grpo": [0.6, 0.6], "ppo": [0.7, 0.7]}
+    # 0.1 s a call: 140 s against 180 s, ppo's 11.25 s a step buy it 12.44 steps: 0.7 + 0.1 * 4.44 / 8
+    ec = render.equal_cost([grpo, ppo], 0.1)
+    assert ec.budget == pytest.approx(140.0) and ec.affordable["ppo"] == pytest.approx(140 / 11.25)
+    assert ec.success["ppo"][0] == pytest.approx(0.7 + 0.1 * (140 / 11.25 - 8) / 8)
+    v = render.verdict([grpo, ppo], cost_weight=0.0, success=render.equal_cost([grpo, ppo], 0.0).success)
+    assert v["best"] == "ppo" and v["difference"] == pytest.approx(0.1) and v["mcnemar"] is None
+    # a cell without its evaluations: no reading
+    del grpo.records[0]["evals"]
+    assert render.equal_cost([grpo, ppo], 0.0) is None
