@@ -435,6 +435,41 @@ def advice(rows: Sequence[Row]) -> tuple[list[str], list[str]]:
     return said, folk
 
 
+def brief(rows: Sequence[Row]) -> list[str]:
+    """The answer in a few counted sentences: how many (factor, level, task) rows each arm won,
+    how many were not distinguishable, and GRPO's cost against PPO's where both ran."""
+    judged = [r for r in rows if r.verdict["state"] != "pending"]
+    if not judged:
+        return ["No row has a verdict yet."]
+    wins: dict[str, list[Row]] = {}
+    for r in judged:
+        if r.verdict["distinguishable"]:
+            wins.setdefault(r.verdict["best"], []).append(r)
+    arms = sorted({a.algorithm for r in judged for a in r.arms})
+    never = [a for a in arms if a not in wins]
+    distinct = lambda rs: len({cells_ref(r.arms) for r in rs})  # noqa: E731  (rows that rest on the same runs)
+    won = "; ".join(f"{a} won {len(rs)} (on {', '.join(sorted({r.task for r in rs}))}; {distinct(rs)} distinct sets of runs)"
+                    for a, rs in sorted(wins.items()))
+    tied = [r for r in judged if not r.verdict["distinguishable"]]
+    out = [f"- Of the {len(judged)} rows of the table below with a verdict (a factor's level on a task; a factor's "
+           "no-change level reuses the baseline's runs, so rows are not all independent evidence), "
+           f"{won or 'no arm won any'}, and {len(tied)} ({distinct(tied)} distinct sets of runs) were not distinguishable."]
+    if never:
+        out.append(f"- {', '.join(never)} never won a row measurably.")
+    pairs: dict[str, float] = {}
+    for r in judged:
+        by = {a.algorithm: a for a in r.arms}
+        if "grpo" in by and "ppo" in by and by["grpo"].records and by["ppo"].records:
+            pairs[cells_ref([by["grpo"], by["ppo"]])] = (statistics.mean(by["grpo"].charged(0.0))
+                                                        / statistics.mean(by["ppo"].charged(0.0)))
+    if pairs:
+        ratios = list(pairs.values())
+        out.append(f"- Where GRPO and PPO ran side by side ({len(ratios)} distinct pairs of arms), GRPO's CPU seconds per "
+                   f"run were {min(ratios):.2f}x to {max(ratios):.2f}x PPO's (median {statistics.median(ratios):.2f}x; the "
+                   "warm-up excluded, the same steps; PPO adds a critic's forward and update every step).")
+    return out + [""]
+
+
 def gain_section(rows: Sequence[Row]) -> list[str]:
     """Did the budget's RL raise held-out success at all? The baseline factor's arms in a table
     (end minus start, with its interval), then per task a count over every arm of the study."""
@@ -545,6 +580,7 @@ def render(cells: dict[str, dict[str, Any]], seeds: dict[str, int], powers: dict
               f"{len(finished)} of {len(planned)} planned cells have run; every other row below is **pending**, "
               "not a result. The runner resumes (`python benchmarks/algorithm_study.py`); `--dry-run` lists what is "
               "left and its predicted CPU time." + (provenance(cells) if cells else ""), ""]
+    lines += ["## The answer in brief", ""] + brief(rows)
     lines += ["## The answer so far", "",
               "Per factor, level and task: the arm with the best mean held-out success at the end, when the 95% interval "
               "of its difference to the runner-up over seeds excludes zero; otherwise \"not distinguishable\". The cost "

@@ -105,6 +105,11 @@ def test_renderer_tables_match_the_cell_jsons(tmp_path):
     assert "| baseline | default | calculator | pending (6 of 15 cells) |" in page
     planned = {i for r in render.build_rows(cells, seeds) for a in r.arms for i in a.planned}
     assert f"6 of {len(planned)} planned cells have run" in page
+    # the brief counts the rows (flip0, unsolvable0 and critic_policy share these runs: one set) and the cost (30 / 35 s)
+    assert ("grpo won 3 (on calculator; 1 distinct sets of runs), and 0 (0 distinct sets of runs) were not "
+            "distinguishable.") in page
+    assert "- ppo never won a row measurably." in page.splitlines()
+    assert "(1 distinct pairs of arms), GRPO's CPU seconds per run were 0.86x to 0.86x PPO's (median 0.86x;" in page
 
 
 def test_the_committed_page_is_the_rendering_of_the_committed_cells():
