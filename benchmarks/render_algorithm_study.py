@@ -526,8 +526,9 @@ verifiable, group sampling is affordable and the samples of one prompt differ; P
 function can be learnt and step-level credit matters, especially when each rollout is
 expensive; neither by default. This page tests those conditions one at a time, at equal
 budget (`fastrl compare`'s per-task budget: calculator 24 RL steps, frozenlake 16, sql 12, the
-default task 40), each condition a factor at two or three levels
-(`benchmarks/study_factors.py`), every arm of a level from the same warmed-up start, many seeds.
+default task 40; the budget factor also runs four times frozenlake's), each condition a factor
+at two or three levels (`benchmarks/study_factors.py`), every arm of a level from the same
+warmed-up start, many seeds.
 
 !!! warning "Scale"
     These are tiny models (the built-in character-level policies: the calculator's has
