@@ -224,14 +224,20 @@ def task_budget(task: str) -> str:
     return ENV_COMPARE_DEFAULTS[task].budget if task in ENV_TASKS else DEFAULT_TASK_BUDGET
 
 
+def steps_in(budget: str) -> int | None:
+    """The RL steps of a steps budget (``"16-steps"``: 16); None for another kind of budget."""
+    count, _, unit = budget.partition("-")
+    return int(count) if unit == "steps" and count.isdigit() else None
+
+
 def scaled_budget(budget: str, scale: int) -> str:
     """A steps budget (``"16-steps"``) times ``scale`` (``"64-steps"``); other budgets only at scale 1."""
     if scale == 1:
         return budget
-    count, _, unit = budget.partition("-")
-    if unit != "steps" or not count.isdigit():
+    steps = steps_in(budget)
+    if steps is None:
         raise ValueError(f"budget {budget!r}: only a steps budget can be scaled")
-    return f"{int(count) * scale}-steps"
+    return f"{steps * scale}-steps"
 
 
 def task_args(task: str) -> list[str]:
@@ -315,7 +321,7 @@ def predicted_cpu_seconds(cell: Cell, spread: dict[str, dict[str, Any]],
     if own:
         return statistics.mean(own)
     # another arm's cells, or compare's runs, ran the task's budget: a longer one costs in proportion to its steps
-    longer = _steps(cell.budget) / _steps(task_budget(cell.task))
+    longer = (steps_in(cell.budget) or 1) / (steps_in(task_budget(cell.task)) or 1)
     same = [v for (t, a, _), vs in measured.items() if (t, a) == (cell.task, cell.algorithm) for v in vs]
     if same and not cell.start_args:
         return statistics.mean(same) * longer
@@ -326,10 +332,6 @@ def predicted_cpu_seconds(cell: Cell, spread: dict[str, dict[str, Any]],
     scale = 2.0 if "12" in cell.start_args else 1.0
     return statistics.mean(walls) * scale * longer
 
-
-def _steps(budget: str) -> float:
-    count, _, unit = budget.partition("-")
-    return float(count) if unit == "steps" and count.isdigit() else 1.0
 
 
 def predicted_start_cpu_seconds(start_key: str, spread: dict[str, dict[str, Any]]) -> float:
