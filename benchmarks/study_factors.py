@@ -218,9 +218,9 @@ FACTORS: dict[str, Factor] = {f.name: f for f in (
                "warms up a start of its own (same demonstrations, 640 positions); its arms are compared with each "
                "other, not with the 6-move level's."),
     Factor("budget", "When the budget lets RL gain: does the answer change?",
-           "a critic needs time to learn, so PPO closes the gap on a longer budget", ("frozenlake",),
+           "a critic needs time to learn, so PPO's value-based credit pays on a longer budget", ("frozenlake",),
            (Level("steps1x", "fastrl compare's budget (16 RL steps)", GRPO_PPO),
-            Level("steps4x", "four times that budget (64 RL steps)", GRPO_PPO, budget_scale=4)),
+            Level("steps4x", "four times that budget (64 RL steps)", GRPO_PPO, budget_scale=4, folklore="ppo")),
            how="Every arm starts from the task's shared start and runs the task's steps budget times the level's "
                "multiple, with held-out evaluations at fastrl compare's interval for that budget. Frozenlake is the "
                "task where, at the shorter budget, no arm gained over its start (the section \"Did RL help at all\")."),
