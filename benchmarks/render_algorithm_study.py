@@ -471,15 +471,18 @@ def brief(rows: Sequence[Row]) -> list[str]:
 
 
 def gain_section(rows: Sequence[Row]) -> list[str]:
-    """Did the budget's RL raise held-out success at all? The baseline factor's arms in a table
-    (end minus start, with its interval), then per task a count over every arm of the study."""
+    """Did the budget's RL raise held-out success at all? The baseline factor's arms, and those of
+    a level with a start or a budget of its own, in a table (end minus start, with its interval),
+    then per task a count over every arm of the study."""
     out = ["## Did RL help at all, at this budget?", "",
            "The verdicts compare arms with each other. This section asks whether any arm gained: held-out success at "
            "the end minus at the start (every arm of a level starts from the same checkpoint), mean over seeds with "
-           "its 95% t interval; \"best\" is the best evaluation during the run.", "",
+           "its 95% t interval; \"best\" is the best evaluation during the run. The table holds the baseline's arms "
+           "and those of a level with a start or a budget of its own; the counts under it cover every arm.", "",
            "| task | arm | seeds | start | end − start (95% interval) | best − start |", "|---|---|---|---|---|---|"]
     seen: set[str] = set()
     per_task: dict[str, dict[str, int]] = {}
+    gained: dict[str, list[str]] = {}
     for r in rows:
         for a in r.arms:
             if not a.records:
@@ -494,7 +497,9 @@ def gain_section(rows: Sequence[Row]) -> list[str]:
             m, lo, hi = change
             tally = per_task.setdefault(r.task, {"above": 0, "below": 0, "neither": 0})
             tally["above" if lo > 0 else "below" if hi < 0 else "neither"] += 1
-            if r.factor.name == "baseline":
+            if lo > 0:
+                gained.setdefault(r.task, []).append(f"`{stem}`")
+            if r.factor.name == "baseline" or r.level.start_args or r.level.budget_scale != 1:
                 best = a.mean("success", "best_accuracy") - a.mean("success", "initial_accuracy")
                 out.append(f"| {r.task} | {a.algorithm} (`{stem}`) | {len(a.records)} | {pm(a, 'success', 'initial_accuracy')} | "
                            f"{m:+.3f} ({lo:+.3f}, {hi:+.3f}) | {fmt(best, '+.3f')} |")
@@ -508,6 +513,8 @@ def gain_section(rows: Sequence[Row]) -> list[str]:
                     "comparison would go next.")
         elif t["below"] == 0 and t["above"]:
             gist = " No arm lost measurably."
+        elif t["above"] <= 3:
+            gist = f" Above: {', '.join(gained[task])}."
         else:
             gist = ""
         out.append(f"- {task}: of its {total} arms (every factor and level), {t['above']} ended measurably above their "
@@ -578,17 +585,19 @@ def render(cells: dict[str, dict[str, Any]], seeds: dict[str, int], powers: dict
     said, folk = advice(rows)
     lines = [INTRO]
     lines += ["## Where the study stands", "",
-              f"{len(finished)} of {len(planned)} planned cells have run; every other row below is **pending**, "
-              "not a result. The runner resumes (`python benchmarks/algorithm_study.py`); `--dry-run` lists what is "
-              "left and its predicted CPU time." + (provenance(cells) if cells else ""), ""]
+              f"{len(finished)} of {len(planned)} planned cells have run" + (
+                  "; every other row below is **pending**, not a result. The runner resumes (`python "
+                  "benchmarks/algorithm_study.py`); `--dry-run` lists what is left and its predicted CPU time."
+                  if len(finished) < len(planned) else ": the plan is complete.") + (provenance(cells) if cells else ""), ""]
     lines += ["## The answer in brief", ""] + brief(rows)
-    lines += ["## The answer so far", "",
+    lines += ["## The answer" + (" so far" if len(finished) < len(planned) else ""), "",
               "Per factor, level and task: the arm with the best mean held-out success at the end, when the 95% interval "
               "of its difference to the runner-up over seeds excludes zero; otherwise \"not distinguishable\". The cost "
               "ratio is the winner's (or best arm's) CPU seconds over the runner-up's (the cell's process tree, the "
               "shared warm-up excluded, its held-out evaluations included; for `rollout_cost` plus the level's charge "
-              "per environment call). The McNemar column pools the paired held-out rows over seeds (seed k against "
-              "seed k) and ignores run-to-run variance, so it is shown, not used for the verdict.", ""]
+              "per environment call, and the arms' success read at equal charged cost: its section). The McNemar "
+              "column pools the paired held-out rows over seeds (seed k against seed k) and ignores run-to-run "
+              "variance, so it is shown, not used for the verdict.", ""]
     lines += summary_table(rows) + [""]
     lines += gain_section(rows)
     lines += ["## Advice, with its evidence", ""]

@@ -346,6 +346,11 @@ def test_the_page_says_per_task_whether_rl_gained_and_marks_values_a_task_lacks(
     assert any(line.startswith("- default: of its 1 arms") and "No arm lost measurably." in line for line in lines)
     default_row = [line for line in lines if line.startswith("| default | default | grpo | 3/3 |")][0]
     assert "| n/a |" in default_row and "pending" not in default_row  # finished cells without env calls: n/a
+    # one arm up, one down: the few that gained are named
+    _write_cells(results, "default", "ppo", "base", [0.40, 0.41, 0.42], start=0.47)
+    page = render.render(render.load_cells(results), {"calculator": 3, "frozenlake": 3, "sql": 3, "default": 3}, {}, None)
+    assert ("- default: of its 2 arms (every factor and level), 1 ended measurably above their start, 1 measurably below, "
+            "0 neither. Above: `default.grpo.base`.") in page.splitlines()
 
 
 # ============================================================================ rollout_cost: equal charged cost
