@@ -447,7 +447,10 @@ def brief(rows: Sequence[Row]) -> list[str]:
             wins.setdefault(r.verdict["best"], []).append(r)
     arms = sorted({a.algorithm for r in judged for a in r.arms})
     never = [a for a in arms if a not in wins]
-    distinct = lambda rs: len({cells_ref(r.arms) for r in rs})  # noqa: E731  (rows that rest on the same runs)
+    def distinct(rs: Sequence[Row]) -> int:
+        """Sets of runs under ``rs`` (levels that share their runs rest on one)."""
+        return len({cells_ref(r.arms) for r in rs})
+
     won = "; ".join(f"{a} won {len(rs)} (on {', '.join(sorted({r.task for r in rs}))}; {distinct(rs)} distinct sets of runs)"
                     for a, rs in sorted(wins.items()))
     tied = [r for r in judged if not r.verdict["distinguishable"]]
