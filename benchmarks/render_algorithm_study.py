@@ -87,6 +87,11 @@ class Arm:
     planned: list[str]
     records: list[dict[str, Any]]
 
+    @property
+    def stem(self) -> str:
+        """The arm's cell ids without the seed (``calculator.grpo.base``): a finished cell's, else a planned one's."""
+        return (self.records[0]["cell"]["id"] if self.records else self.planned[0]).rsplit(".s", 1)[0]
+
     def values(self, section: str, key: str) -> list[float]:
         return [_f(r[section].get(key)) for r in self.records]
 
@@ -287,7 +292,7 @@ def cells_ref(arms: Sequence[Arm]) -> str:
         seeds = sorted(r["cell"]["seed"] for r in a.records)
         if not seeds:
             continue
-        stem = a.records[0]["cell"]["id"].rsplit(".s", 1)[0]
+        stem = a.stem
         span = f"s{seeds[0]}" if len(seeds) == 1 else (f"s{seeds[0]}-{seeds[-1]}" if seeds == list(range(seeds[0], seeds[-1] + 1))
                                                         else "s" + ",".join(map(str, seeds)))
         parts.append(f"`{stem}.{span}`")
@@ -490,7 +495,7 @@ def gain_section(rows: Sequence[Row]) -> list[str]:
         for a in r.arms:
             if not a.records:
                 continue
-            stem = a.records[0]["cell"]["id"].rsplit(".s", 1)[0]
+            stem = a.stem
             if stem in seen:
                 continue
             seen.add(stem)

@@ -14,8 +14,7 @@ import importlib.abc
 import importlib.machinery
 import importlib.util
 import sys
-import types
-from types import ModuleType
+from types import CodeType, ModuleType
 
 MOVED_MODULES: dict[str, str] = {
     # the commands that are programs of their own left the trainer's folder (issue 40)
@@ -72,7 +71,7 @@ class MovedModuleFinder(importlib.abc.MetaPathFinder, importlib.abc.Loader):
         so ``reload``, pickling by module and a spawned worker's main module see its real name."""
         module.__spec__ = self._own_specs.pop(module.__name__, module.__spec__)
 
-    def get_code(self, fullname: str) -> types.CodeType:
+    def get_code(self, fullname: str) -> CodeType:
         """``python -m <old name>``: runpy asks for code to run as ``__main__``; it runs the new
         module (or package's ``__main__``) as ``__main__``, with the command line as given."""
         source = f"import runpy\nrunpy.run_module({self.moved[fullname]!r}, run_name='__main__', alter_sys=True)\n"

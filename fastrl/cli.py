@@ -189,11 +189,10 @@ def environment_report() -> dict:
 def train_thread_rule(device_type: str) -> dict:
     """What `fastrl train`'s thread rule (fastrl/train/run/threads.py) picks on this machine now
     (the free cores; a run re-reads them every half second)."""
-    from fastrl.train.run.threads import available_cores, builtin_model_parameters, choose_threads, other_runnable
+    from fastrl.train.run.threads import builtin_model_parameters, machine_threads
 
-    cores, others = available_cores(), (other_runnable() if device_type == "cpu" else 0.0)  # the machine read once
-    builtin = choose_threads(parameters=builtin_model_parameters(), cores=cores, load=others, device_type=device_type)
-    return {"usable_cores": cores, "other_running": others, "train_threads_now": builtin.threads,
+    builtin = machine_threads(parameters=builtin_model_parameters(), device_type=device_type)  # the machine read once
+    return {"usable_cores": builtin.cores, "other_running": builtin.load, "train_threads_now": builtin.threads,
             "train_rule": builtin.describe()}
 
 

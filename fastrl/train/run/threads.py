@@ -58,10 +58,13 @@ them away after one): a neighbour that pauses for a moment does not make the run
 
 @dataclass(frozen=True)
 class ThreadChoice:
-    """The rule's answer: a thread count (None: torch's default) and why, in words."""
+    """The rule's answer: a thread count (None: torch's default) and why, in words, with the
+    machine it was chosen for (usable cores, other processes running)."""
 
     threads: int | None
     reason: str
+    cores: int = 0
+    load: float = 0.0
 
     def describe(self, *, given: int | None = None, source: str = "--threads") -> str:
         """One line for the start of a run and ``fastrl env``; ``given``: a count the user chose, by ``source``."""
@@ -92,11 +95,11 @@ def choose_threads(*, parameters: int | None, cores: int, load: float, device_ty
     on ``cores`` usable cores beside ``load`` other running processes. Pure: the caller reads
     the machine (``machine_threads``)."""
     if device_type != "cpu":
-        return ThreadChoice(None, f"on {device_type} the CPU threads only launch kernels")
+        return ThreadChoice(None, f"on {device_type} the CPU threads only launch kernels", cores, load)
     threads = free_cores(cores, load)
     size = "a model of unknown size" if parameters is None else f"a {parameters / 1e6:.2f}M-parameter model"
     return ThreadChoice(threads, f"{size} on {max(1, int(cores))} core(s) with {load:g} other process(es) running: "
-                                 "the free cores, re-read every half second")
+                                 "the free cores, re-read every half second", cores, load)
 
 
 def core_ids() -> list[int]:
